@@ -1,0 +1,618 @@
+//! zsmalloc-style size-class allocator for compressed pages.
+//!
+//! # Design
+//!
+//! Compressed pages are 16..4096 bytes. Like zsmalloc, objects are packed into
+//! *spans* (zsmalloc: zspages) of 1..=16 physically unrelated-to-size pages,
+//! one size class per span, so an object may straddle a page boundary and the
+//! tail waste of a span is spread over many objects.
+//!
+//! * **Class spacing** is [`CLASS_DELTA`] = 8 bytes, half of zsmalloc's 16,
+//!   giving 512 classes and an average rounding loss of ~4 bytes per object.
+//!   zsmalloc also stores an 8-byte handle inside every object and merges
+//!   classes with equal (pages, objects) geometry, which makes the effective
+//!   spacing coarse above ~2 KiB; we do neither (the owner of an object is
+//!   found by the store during compaction, see below).
+//! * **Span size** per class is the smallest page count whose tail waste is at
+//!   most 1/32 of the span; classes that cannot reach that within
+//!   [`MAX_SPAN_PAGES`] take the page count with the least waste. Waste is
+//!   therefore below ~3% everywhere except a handful of classes just above a
+//!   power of two, where it stays under ~6%.
+//! * **Raw pages** (4096 bytes) are a class of their own with one page per span.
+//! * **Spans** come from [`PageArena`], which reserves 4 MiB of address space
+//!   at a time and returns freed spans to the kernel (`MADV_DONTNEED`). An
+//!   empty span is freed at once, as zsmalloc frees empty zspages.
+//! * **Free slots** keep a u16 link to the next free slot in their first two
+//!   bytes, so free-slot tracking costs no memory beyond the span itself;
+//!   never-used slots are handed out by a bump index, so a new span is not
+//!   touched before use.
+//!
+//! # Handles and compaction
+//!
+//! An allocation is addressed by a [`Loc`] (class, span, slot). The stable
+//! *handle* that callers keep is one level up: the store's entry for a key,
+//! which holds the `Loc` and is rewritten when the object moves. Compaction
+//! therefore runs in three steps driven by the owner of the handles:
+//! [`ZsAlloc::plan_compaction`] picks, per class, the emptiest partial spans
+//! whose objects fit into the free slots of the others and stops allocating
+//! from them; the owner walks its handles and calls [`ZsAlloc::migrate`] for
+//! every object in a victim span; [`ZsAlloc::finish_compaction`] frees the
+//! victims that became empty and returns any others to service. An object
+//! that its owner could not reach (for example one being freed concurrently)
+//! only delays the release of its span; it is never lost.
+//!
+//! # Locking
+//!
+//! One mutex per size class guards that class's spans and their free lists.
+//! Lock order: store shard lock → class lock → arena lock.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use crate::mem::{MemError, PageArena, SpanPtr, MAX_SPAN_PAGES};
+use crate::PAGE_SIZE;
+
+/// Spacing between size classes, in bytes.
+pub const CLASS_DELTA: usize = 8;
+/// Smallest slot: a free slot must hold its u16 free-list link, and this keeps
+/// the slot count of a span within 12 bits.
+pub const MIN_SLOT: usize = 16;
+/// Number of size classes: sizes `CLASS_DELTA, 2*CLASS_DELTA, ..., PAGE_SIZE`.
+pub const NUM_CLASSES: usize = PAGE_SIZE / CLASS_DELTA;
+/// Largest tail waste a class accepts before growing its span: 1/32.
+const WASTE_SHIFT: usize = 5;
+const NO_SLOT: u16 = u16::MAX;
+const NOT_PARTIAL: u32 = u32::MAX;
+
+const SLOT_BITS: u32 = 12;
+const SPAN_BITS: u32 = 23;
+const CLASS_BITS: u32 = 9;
+/// Bits of a packed [`Loc`]; callers may use the bits above for their own data.
+pub const LOC_BITS: u32 = SLOT_BITS + SPAN_BITS + CLASS_BITS;
+const MAX_SPANS_PER_CLASS: usize = 1 << SPAN_BITS;
+
+/// Where an object lives: size class, span within the class, slot within the span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Loc {
+    class: u16,
+    span: u32,
+    slot: u16,
+}
+
+impl Loc {
+    /// Packs into the low [`LOC_BITS`] bits of a u64.
+    pub fn pack(self) -> u64 {
+        u64::from(self.slot) | (u64::from(self.span) << SLOT_BITS) | (u64::from(self.class) << (SLOT_BITS + SPAN_BITS))
+    }
+
+    /// Inverse of [`Loc::pack`]; bits above [`LOC_BITS`] are ignored.
+    #[allow(clippy::cast_possible_truncation)] // each field is masked to its width first
+    pub fn unpack(v: u64) -> Self {
+        Self {
+            slot: (v & ((1 << SLOT_BITS) - 1)) as u16,
+            span: ((v >> SLOT_BITS) & ((1 << SPAN_BITS) - 1)) as u32,
+            class: ((v >> (SLOT_BITS + SPAN_BITS)) & ((1 << CLASS_BITS) - 1)) as u16,
+        }
+    }
+
+    /// Span identity across classes, used in compaction plans.
+    fn span_key(self) -> u32 {
+        (u32::from(self.class) << SPAN_BITS) | self.span
+    }
+}
+
+/// Allocation failures.
+#[derive(Debug, thiserror::Error)]
+pub enum AllocError {
+    /// Object size outside 1..=PAGE_SIZE.
+    #[error("object size {0} is outside 1..={PAGE_SIZE}")]
+    BadSize(usize),
+    /// A class ran out of span ids.
+    #[error("size class {0} has no free span ids")]
+    TooManySpans(usize),
+    /// The kernel refused memory.
+    #[error(transparent)]
+    Mem(#[from] MemError),
+}
+
+/// Geometry of one size class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClassGeometry {
+    /// Slot size in bytes.
+    pub size: usize,
+    /// Pages per span.
+    pub pages: usize,
+    /// Slots per span.
+    pub slots: usize,
+}
+
+impl ClassGeometry {
+    fn for_size(size: usize) -> Self {
+        let waste = |pages: usize| (pages * PAGE_SIZE) % size;
+        let pages = (1..=MAX_SPAN_PAGES)
+            .find(|&p| waste(p) <= (p * PAGE_SIZE) >> WASTE_SHIFT)
+            .unwrap_or_else(|| {
+                (1..=MAX_SPAN_PAGES)
+                    .min_by(|&a, &b| (waste(a) * b).cmp(&(waste(b) * a)))
+                    .expect("range is not empty")
+            });
+        Self { size, pages, slots: pages * PAGE_SIZE / size }
+    }
+
+    /// Bytes lost at the end of each span.
+    pub fn tail_waste(&self) -> usize {
+        self.pages * PAGE_SIZE - self.slots * self.size
+    }
+}
+
+/// Index of the class serving objects of `len` bytes.
+pub fn class_index(len: usize) -> Result<usize, AllocError> {
+    if len == 0 || len > PAGE_SIZE {
+        return Err(AllocError::BadSize(len));
+    }
+    Ok(len.max(MIN_SLOT).div_ceil(CLASS_DELTA) - 1)
+}
+
+struct Span {
+    ptr: Option<SpanPtr>,
+    used: u16,
+    /// Slots below `bump` have been handed out at least once.
+    bump: u16,
+    free_head: u16,
+    /// Position in `Class::partial`, or NOT_PARTIAL.
+    partial_pos: u32,
+    evacuating: bool,
+}
+
+struct Class {
+    geo: ClassGeometry,
+    spans: Vec<Span>,
+    free_ids: Vec<u32>,
+    /// Spans with at least one free slot that new objects may use.
+    partial: Vec<u32>,
+}
+
+impl Class {
+    fn partial_remove(&mut self, id: u32) {
+        let pos = self.spans[id as usize].partial_pos;
+        if pos == NOT_PARTIAL {
+            return;
+        }
+        self.partial.swap_remove(pos as usize);
+        if let Some(&moved) = self.partial.get(pos as usize) {
+            self.spans[moved as usize].partial_pos = pos;
+        }
+        self.spans[id as usize].partial_pos = NOT_PARTIAL;
+    }
+
+    fn partial_push(&mut self, id: u32) {
+        debug_assert_eq!(self.spans[id as usize].partial_pos, NOT_PARTIAL);
+        self.spans[id as usize].partial_pos = u32::try_from(self.partial.len()).expect("span ids fit u32");
+        self.partial.push(id);
+    }
+
+    fn meta_bytes(&self) -> usize {
+        self.spans.capacity() * std::mem::size_of::<Span>() + (self.free_ids.capacity() + self.partial.capacity()) * 4
+    }
+}
+
+/// Counters of the allocator.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AllocStats {
+    /// Bytes in spans (what the allocator holds from the kernel).
+    pub span_bytes: u64,
+    /// Bytes in allocated slots (object sizes rounded up to their class).
+    pub slot_bytes: u64,
+    /// Live objects.
+    pub objects: u64,
+    /// Bookkeeping bytes (span tables, lists).
+    pub meta_bytes: u64,
+    /// Pages released by compaction, as zram's `pages_compacted`.
+    pub pages_compacted: u64,
+    /// Objects moved by compaction.
+    pub objects_migrated: u64,
+    /// Completed compaction runs.
+    pub compactions: u64,
+}
+
+/// Spans chosen for evacuation by [`ZsAlloc::plan_compaction`].
+#[derive(Debug, Default)]
+pub struct CompactionPlan {
+    victims: HashSet<u32>,
+}
+
+impl CompactionPlan {
+    /// True when no span needs moving.
+    pub fn is_empty(&self) -> bool {
+        self.victims.is_empty()
+    }
+
+    /// Number of spans to evacuate.
+    pub fn len(&self) -> usize {
+        self.victims.len()
+    }
+
+    /// True when the object at `loc` must be migrated.
+    pub fn contains(&self, loc: Loc) -> bool {
+        self.victims.contains(&loc.span_key())
+    }
+}
+
+/// The size-class allocator. See the module documentation for the design.
+pub struct ZsAlloc {
+    arena: PageArena,
+    classes: Box<[Mutex<Class>]>,
+    slot_bytes: AtomicU64,
+    objects: AtomicU64,
+    meta_bytes: AtomicU64,
+    pages_compacted: AtomicU64,
+    objects_migrated: AtomicU64,
+    compactions: AtomicU64,
+}
+
+impl Default for ZsAlloc {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ZsAlloc {
+    /// Creates an empty allocator.
+    pub fn new() -> Self {
+        let classes = (0..NUM_CLASSES)
+            .map(|i| {
+                Mutex::new(Class {
+                    geo: ClassGeometry::for_size((i + 1) * CLASS_DELTA),
+                    spans: Vec::new(),
+                    free_ids: Vec::new(),
+                    partial: Vec::new(),
+                })
+            })
+            .collect();
+        Self {
+            arena: PageArena::new(),
+            classes,
+            slot_bytes: AtomicU64::new(0),
+            objects: AtomicU64::new(0),
+            meta_bytes: AtomicU64::new(0),
+            pages_compacted: AtomicU64::new(0),
+            objects_migrated: AtomicU64::new(0),
+            compactions: AtomicU64::new(0),
+        }
+    }
+
+    /// Geometry of class `i`.
+    pub fn geometry(&self, i: usize) -> ClassGeometry {
+        self.lock(i).geo
+    }
+
+    fn lock(&self, class: usize) -> MutexGuard<'_, Class> {
+        self.classes[class].lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Bytes held from the kernel, span memory plus bookkeeping: zram's `mem_used_total`.
+    pub fn total_bytes(&self) -> u64 {
+        self.arena.used_bytes() + self.meta_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Snapshot of the counters.
+    pub fn stats(&self) -> AllocStats {
+        AllocStats {
+            span_bytes: self.arena.used_bytes(),
+            slot_bytes: self.slot_bytes.load(Ordering::Relaxed),
+            objects: self.objects.load(Ordering::Relaxed),
+            meta_bytes: self.meta_bytes.load(Ordering::Relaxed) + self.arena.meta_bytes(),
+            pages_compacted: self.pages_compacted.load(Ordering::Relaxed),
+            objects_migrated: self.objects_migrated.load(Ordering::Relaxed),
+            compactions: self.compactions.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Fraction of span bytes not holding an object, in percent.
+    pub fn fragmentation_percent(&self) -> u64 {
+        let span = self.arena.used_bytes();
+        if span == 0 {
+            return 0;
+        }
+        span.saturating_sub(self.slot_bytes.load(Ordering::Relaxed)) * 100 / span
+    }
+
+    /// Allocates a slot for `data.len()` bytes and copies `data` into it.
+    pub fn alloc_write(&self, data: &[u8]) -> Result<Loc, AllocError> {
+        let class = class_index(data.len())?;
+        let mut c = self.lock(class);
+        let loc = self.alloc_locked(&mut c, class)?;
+        let span = c.spans[loc.span as usize].ptr.expect("allocated span is mapped");
+        // SAFETY: the slot was just allocated under the class lock, so nobody
+        // else reads or writes it; data.len() <= slot size.
+        unsafe { span.write(usize::from(loc.slot) * c.geo.size, data) };
+        Ok(loc)
+    }
+
+    fn alloc_locked(&self, c: &mut Class, class: usize) -> Result<Loc, AllocError> {
+        if c.partial.is_empty() {
+            self.new_span(c, class)?;
+        }
+        let id = *c.partial.last().expect("a partial span exists");
+        let size = c.geo.size;
+        let slots = c.geo.slots;
+        let s = &mut c.spans[id as usize];
+        let ptr = s.ptr.expect("partial span is mapped");
+        let slot = if s.free_head != NO_SLOT {
+            let slot = s.free_head;
+            // SAFETY: free slots belong to the allocator; we hold the class lock.
+            s.free_head = unsafe { ptr.read_u16(usize::from(slot) * size) };
+            slot
+        } else {
+            let slot = s.bump;
+            s.bump += 1;
+            slot
+        };
+        s.used += 1;
+        if usize::from(s.used) == slots {
+            c.partial_remove(id);
+        }
+        self.slot_bytes.fetch_add(size as u64, Ordering::Relaxed);
+        self.objects.fetch_add(1, Ordering::Relaxed);
+        Ok(Loc { class: u16::try_from(class).expect("class < 512"), span: id, slot })
+    }
+
+    fn new_span(&self, c: &mut Class, class: usize) -> Result<(), AllocError> {
+        let ptr = self.arena.alloc_span(c.geo.pages)?;
+        let span = Span { ptr: Some(ptr), used: 0, bump: 0, free_head: NO_SLOT, partial_pos: NOT_PARTIAL, evacuating: false };
+        let before = c.meta_bytes();
+        let id = if let Some(id) = c.free_ids.pop() {
+            c.spans[id as usize] = span;
+            id
+        } else {
+            if c.spans.len() >= MAX_SPANS_PER_CLASS {
+                // SAFETY: the span was never handed out.
+                unsafe { self.arena.free_span(ptr) };
+                return Err(AllocError::TooManySpans(class));
+            }
+            c.spans.push(span);
+            u32::try_from(c.spans.len() - 1).expect("span ids fit 23 bits")
+        };
+        c.partial_push(id);
+        self.account_meta(before, c.meta_bytes());
+        Ok(())
+    }
+
+    fn account_meta(&self, before: usize, after: usize) {
+        if after >= before {
+            self.meta_bytes.fetch_add((after - before) as u64, Ordering::Relaxed);
+        } else {
+            self.meta_bytes.fetch_sub((before - after) as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Frees the object at `loc`.
+    ///
+    /// # Panics
+    /// If `loc` is not a live allocation (a double free is a bug in the caller).
+    pub fn free(&self, loc: Loc) {
+        let class = usize::from(loc.class);
+        let mut c = self.lock(class);
+        self.free_locked(&mut c, loc);
+    }
+
+    fn free_locked(&self, c: &mut Class, loc: Loc) {
+        let size = c.geo.size;
+        let slots = c.geo.slots;
+        let before = c.meta_bytes();
+        let s = &mut c.spans[loc.span as usize];
+        let ptr = s.ptr.expect("free of an object in an unmapped span");
+        assert!(s.used > 0 && loc.slot < s.bump, "free of a slot that is not allocated: {loc:?}");
+        // SAFETY: the slot is being freed by its owner; we hold the class lock.
+        unsafe { ptr.write_u16(usize::from(loc.slot) * size, s.free_head) };
+        s.free_head = loc.slot;
+        let was_full = usize::from(s.used) == slots;
+        s.used -= 1;
+        let empty = s.used == 0;
+        let evacuating = s.evacuating;
+        self.slot_bytes.fetch_sub(size as u64, Ordering::Relaxed);
+        self.objects.fetch_sub(1, Ordering::Relaxed);
+        if empty {
+            c.partial_remove(loc.span);
+            let s = &mut c.spans[loc.span as usize];
+            s.ptr = None;
+            s.evacuating = false;
+            c.free_ids.push(loc.span);
+            // SAFETY: the span holds no live object and is unreachable from
+            // the class tables now.
+            unsafe { self.arena.free_span(ptr) };
+            if evacuating {
+                self.pages_compacted.fetch_add(c.geo.pages as u64, Ordering::Relaxed);
+            }
+        } else if was_full && !evacuating {
+            c.partial_push(loc.span);
+        }
+        self.account_meta(before, c.meta_bytes());
+    }
+
+    /// Borrows the `len` bytes of the object at `loc`.
+    ///
+    /// # Safety
+    /// `loc` is live and `len` is at most its allocated length; the caller
+    /// guarantees that the object is neither freed nor migrated while the
+    /// returned slice lives (the store holds the owning shard lock).
+    pub unsafe fn object<'a>(&'a self, loc: Loc, len: usize) -> &'a [u8] {
+        let c = self.lock(usize::from(loc.class));
+        assert!(len <= c.geo.size);
+        let span = c.spans[loc.span as usize].ptr.expect("object in an unmapped span");
+        // SAFETY: the caller keeps the object alive and unmoved; the slot lies
+        // within the span (slot < slots, len <= size); only its owner writes it.
+        unsafe { span.slice(usize::from(loc.slot) * c.geo.size, len) }
+    }
+
+    /// Picks victim spans per class (see the module docs) and stops
+    /// allocating from them.
+    pub fn plan_compaction(&self) -> CompactionPlan {
+        let mut plan = CompactionPlan::default();
+        for class in 0..NUM_CLASSES {
+            let mut c = self.lock(class);
+            if c.partial.len() < 2 {
+                continue;
+            }
+            let slots = c.geo.slots;
+            let mut cand: Vec<(u16, u32)> = c.partial.iter().map(|&id| (c.spans[id as usize].used, id)).collect();
+            cand.sort_unstable();
+            // The k emptiest spans are victims if their objects fit into the
+            // free slots of the others; the largest such k wins.
+            let total_free: usize = cand.iter().map(|&(used, _)| slots - usize::from(used)).sum();
+            let (mut victim_used, mut victim_free) = (0usize, 0usize);
+            let mut victims = Vec::new();
+            for &(used, id) in &cand {
+                let used = usize::from(used);
+                if victim_used + used > total_free - victim_free - (slots - used) {
+                    break;
+                }
+                victim_used += used;
+                victim_free += slots - used;
+                victims.push(id);
+            }
+            for id in victims {
+                c.partial_remove(id);
+                c.spans[id as usize].evacuating = true;
+                plan.victims.insert((u32::try_from(class).expect("class < 512") << SPAN_BITS) | id);
+            }
+        }
+        plan
+    }
+
+    /// Moves the `len`-byte object at `loc` out of its span into a non-victim
+    /// span of the same class and returns its new location.
+    ///
+    /// The caller holds whatever lock keeps `loc`'s owner from reading or
+    /// freeing it concurrently, and stores the returned location.
+    pub fn migrate(&self, loc: Loc, len: usize) -> Result<Loc, AllocError> {
+        let class = usize::from(loc.class);
+        let mut c = self.lock(class);
+        let new = self.alloc_locked(&mut c, class)?;
+        let size = c.geo.size;
+        let src = c.spans[loc.span as usize].ptr.expect("object in an unmapped span");
+        let dst = c.spans[new.span as usize].ptr.expect("allocated span is mapped");
+        // SAFETY: the source object is live and its owner is locked out by the
+        // caller; the destination slot was just allocated under this lock;
+        // distinct slots never overlap.
+        unsafe { src.copy_to(usize::from(loc.slot) * size, &dst, usize::from(new.slot) * size, len) };
+        self.free_locked(&mut c, loc);
+        self.objects_migrated.fetch_add(1, Ordering::Relaxed);
+        Ok(new)
+    }
+
+    /// Ends a compaction: victims that still hold objects go back into service.
+    pub fn finish_compaction(&self, plan: CompactionPlan) {
+        for key in plan.victims {
+            let class = (key >> SPAN_BITS) as usize;
+            let id = key & ((1 << SPAN_BITS) - 1);
+            let mut c = self.lock(class);
+            let slots = c.geo.slots;
+            let s = &mut c.spans[id as usize];
+            if s.evacuating {
+                s.evacuating = false;
+                if usize::from(s.used) < slots {
+                    c.partial_push(id);
+                }
+            }
+        }
+        self.compactions.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_waste_is_bounded() {
+        let mut worst = 0.0f64;
+        for i in 0..NUM_CLASSES {
+            let g = ClassGeometry::for_size((i + 1) * CLASS_DELTA);
+            assert!(g.slots >= 1 && g.slots <= 1 << SLOT_BITS, "{g:?}");
+            let w = g.tail_waste() as f64 / (g.pages * PAGE_SIZE) as f64;
+            worst = worst.max(w);
+        }
+        assert!(worst < 0.07, "worst tail waste {worst}");
+        assert_eq!(ClassGeometry::for_size(PAGE_SIZE).pages, 1);
+    }
+
+    #[test]
+    fn class_index_bounds() {
+        assert!(class_index(0).is_err());
+        assert!(class_index(PAGE_SIZE + 1).is_err());
+        assert_eq!(class_index(1).unwrap(), class_index(MIN_SLOT).unwrap());
+        assert_eq!(class_index(PAGE_SIZE).unwrap(), NUM_CLASSES - 1);
+        assert_eq!(class_index(17).unwrap(), 2);
+    }
+
+    #[test]
+    fn loc_pack_round_trip() {
+        let l = Loc { class: 511, span: (1 << SPAN_BITS) - 1, slot: 4095 };
+        assert_eq!(Loc::unpack(l.pack() | (0xABC << LOC_BITS)), l);
+    }
+
+    fn read(a: &ZsAlloc, loc: Loc, len: usize) -> Vec<u8> {
+        // SAFETY: single-threaded test; loc is live.
+        unsafe { a.object(loc, len) }.to_vec()
+    }
+
+    #[test]
+    fn alloc_free_reuse_and_release() {
+        let a = ZsAlloc::new();
+        let mut locs = Vec::new();
+        for i in 0..1000usize {
+            let len = 1 + (i * 37) % PAGE_SIZE;
+            let data: Vec<u8> = (0..len).map(|j| (i + j) as u8).collect();
+            locs.push((a.alloc_write(&data).unwrap(), data));
+        }
+        for (loc, data) in &locs {
+            assert_eq!(&read(&a, *loc, data.len()), data);
+        }
+        for (loc, _) in locs.drain(..) {
+            a.free(loc);
+        }
+        let s = a.stats();
+        assert_eq!((s.span_bytes, s.slot_bytes, s.objects), (0, 0, 0));
+    }
+
+    #[test]
+    fn compaction_moves_objects_and_frees_spans() {
+        let a = ZsAlloc::new();
+        let data = vec![0x5a; 1000];
+        let mut locs: Vec<Loc> = (0..400).map(|_| a.alloc_write(&data).unwrap()).collect();
+        // Free 3 of every 4 objects: spans become sparse.
+        let mut kept = Vec::new();
+        for (i, l) in locs.drain(..).enumerate() {
+            if i % 4 == 0 {
+                kept.push(l);
+            } else {
+                a.free(l);
+            }
+        }
+        let before = a.stats().span_bytes;
+        let plan = a.plan_compaction();
+        assert!(!plan.is_empty());
+        for l in &mut kept {
+            if plan.contains(*l) {
+                *l = a.migrate(*l, data.len()).unwrap();
+            }
+        }
+        a.finish_compaction(plan);
+        let after = a.stats();
+        assert!(after.span_bytes * 3 < before * 2, "{} -> {}", before, after.span_bytes);
+        assert!(after.pages_compacted > 0);
+        for l in &kept {
+            assert_eq!(read(&a, *l, data.len()), data);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "not allocated")]
+    fn free_of_unallocated_slot_panics() {
+        let a = ZsAlloc::new();
+        let l1 = a.alloc_write(&[1; 100]).unwrap();
+        a.free(Loc { slot: l1.slot + 5, ..l1 });
+    }
+}

@@ -1,0 +1,373 @@
+//! One shard of a pool's index: a hash table from key to entry handle, the
+//! entries themselves, an LRU list through them, and the shard's counters.
+//!
+//! A shard is only ever used under its pool's per-shard mutex.
+
+use hashbrown::HashTable;
+
+use crate::alloc::Loc;
+use crate::stats::ShardCounters;
+use crate::Key;
+
+/// "No entry" in LRU links and free lists.
+pub(crate) const NIL: u32 = u32::MAX;
+
+/// Entry flags, stored above the length and codec in `Entry::meta`.
+const LEN_BITS: u32 = 13;
+const CODEC_BITS: u32 = 5;
+const CODEC_SHIFT: u32 = LEN_BITS;
+const FLAG_SHIFT: u32 = LEN_BITS + CODEC_BITS;
+/// Entry holds a page (free entries have this clear).
+pub(crate) const F_LIVE: u32 = 1 << FLAG_SHIFT;
+/// Page is one repeated word, kept in `Entry::loc`; nothing is allocated.
+pub(crate) const F_SAME: u32 = 2 << FLAG_SHIFT;
+/// Read since it was stored or last passed by the LRU hand (second chance).
+pub(crate) const F_REFERENCED: u32 = 4 << FLAG_SHIFT;
+/// Stored uncompressed because it did not compress well enough.
+pub(crate) const F_INCOMPRESSIBLE: u32 = 8 << FLAG_SHIFT;
+
+/// Maximum codec id an entry can record.
+pub const MAX_CODECS: usize = 1 << CODEC_BITS;
+
+/// One stored page: 40 bytes. This is the stable handle of the page; the
+/// allocator location inside it changes when compaction moves the object.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Entry {
+    pub object: u64,
+    pub index: u64,
+    /// Packed [`Loc`], or the fill word when `F_SAME` is set.
+    pub loc: u64,
+    /// CRC32 of the stored bytes.
+    pub check: u32,
+    /// Stored length (13 bits), codec id (5 bits), flags.
+    pub meta: u32,
+    pub prev: u32,
+    pub next: u32,
+}
+
+impl Entry {
+    pub fn new(key: Key, loc: u64, check: u32, len: usize, codec: u8, flags: u32) -> Self {
+        debug_assert!(len < 1 << LEN_BITS && usize::from(codec) < MAX_CODECS);
+        let len = u32::try_from(len).expect("stored length fits 13 bits");
+        Self {
+            object: key.object,
+            index: key.index,
+            loc,
+            check,
+            meta: len | (u32::from(codec) << CODEC_SHIFT) | flags | F_LIVE,
+            prev: NIL,
+            next: NIL,
+        }
+    }
+
+    pub fn key(&self) -> Key {
+        Key { object: self.object, index: self.index }
+    }
+
+    pub fn len(&self) -> usize {
+        (self.meta & ((1 << LEN_BITS) - 1)) as usize
+    }
+
+    pub fn codec(&self) -> u8 {
+        u8::try_from((self.meta >> CODEC_SHIFT) & ((1 << CODEC_BITS) - 1)).expect("5-bit field")
+    }
+
+    pub fn has(&self, flag: u32) -> bool {
+        self.meta & flag != 0
+    }
+
+    /// Allocator location; only for entries without `F_SAME`.
+    pub fn alloc_loc(&self) -> Option<Loc> {
+        (!self.has(F_SAME)).then(|| Loc::unpack(self.loc))
+    }
+}
+
+const FIRST_SEG: usize = 16;
+/// Segments double up to this size, then stay at it.
+const MAX_SEG: usize = 4096;
+const DOUBLING_SEGS: usize = (MAX_SEG / FIRST_SEG).trailing_zeros() as usize + 1;
+const DOUBLING_END: usize = FIRST_SEG * ((1 << DOUBLING_SEGS) - 1);
+
+/// Segmented entry storage: grows without moving entries and without
+/// over-allocating more than one segment.
+#[derive(Default)]
+pub(crate) struct Entries {
+    segs: Vec<Box<[Entry]>>,
+    high_water: usize,
+    free_head: u32,
+    live: usize,
+}
+
+fn locate(h: usize) -> (usize, usize) {
+    if h < DOUBLING_END {
+        let seg = (h / FIRST_SEG + 1).ilog2() as usize;
+        (seg, h - FIRST_SEG * ((1 << seg) - 1))
+    } else {
+        let r = h - DOUBLING_END;
+        (DOUBLING_SEGS + r / MAX_SEG, r % MAX_SEG)
+    }
+}
+
+fn seg_len(seg: usize) -> usize {
+    if seg < DOUBLING_SEGS {
+        FIRST_SEG << seg
+    } else {
+        MAX_SEG
+    }
+}
+
+impl Entries {
+    pub fn new() -> Self {
+        Self { segs: Vec::new(), high_water: 0, free_head: NIL, live: 0 }
+    }
+
+    pub fn get(&self, h: u32) -> &Entry {
+        let (s, o) = locate(h as usize);
+        &self.segs[s][o]
+    }
+
+    pub fn get_mut(&mut self, h: u32) -> &mut Entry {
+        let (s, o) = locate(h as usize);
+        &mut self.segs[s][o]
+    }
+
+    pub fn insert(&mut self, e: Entry) -> u32 {
+        self.live += 1;
+        if self.free_head != NIL {
+            let h = self.free_head;
+            self.free_head = self.get(h).next;
+            *self.get_mut(h) = e;
+            return h;
+        }
+        let h = self.high_water;
+        let (s, _) = locate(h);
+        if s == self.segs.len() {
+            let blank = Entry { object: 0, index: 0, loc: 0, check: 0, meta: 0, prev: NIL, next: NIL };
+            self.segs.push(vec![blank; seg_len(s)].into_boxed_slice());
+        }
+        self.high_water += 1;
+        let h = u32::try_from(h).expect("fewer than 2^32 entries per shard");
+        *self.get_mut(h) = e;
+        h
+    }
+
+    pub fn remove(&mut self, h: u32) -> Entry {
+        let free_head = self.free_head;
+        let e = self.get_mut(h);
+        let old = *e;
+        debug_assert!(old.has(F_LIVE));
+        e.meta = 0;
+        e.next = free_head;
+        self.free_head = h;
+        self.live -= 1;
+        old
+    }
+
+    pub fn live(&self) -> usize {
+        self.live
+    }
+
+    /// Handles of every live entry.
+    pub fn live_handles(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.high_water).filter_map(move |h| {
+            let h = u32::try_from(h).ok()?;
+            self.get(h).has(F_LIVE).then_some(h)
+        })
+    }
+
+    pub fn meta_bytes(&self) -> usize {
+        let segs: usize = (0..self.segs.len()).map(seg_len).sum();
+        segs * std::mem::size_of::<Entry>() + self.segs.capacity() * std::mem::size_of::<Box<[Entry]>>()
+    }
+
+    pub fn clear(&mut self) {
+        *self = Self::new();
+    }
+}
+
+/// Mixes a key into a 64-bit hash. Bits 40.. pick the shard; hashbrown uses
+/// the low bits for the bucket and the top 7 bits as its tag.
+pub(crate) fn hash_key(k: Key) -> u64 {
+    let mut h = k.object.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k.index;
+    h = (h ^ (h >> 32)).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    h = (h ^ (h >> 29)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    h ^ (h >> 31)
+}
+
+/// The index and LRU of one shard.
+pub(crate) struct Shard {
+    table: HashTable<u32>,
+    pub entries: Entries,
+    /// Most recently stored.
+    lru_head: u32,
+    /// Least recently stored.
+    lru_tail: u32,
+    pub c: ShardCounters,
+    /// Metadata bytes last reported to the store.
+    pub meta_reported: usize,
+}
+
+impl Shard {
+    pub fn new() -> Self {
+        Self { table: HashTable::new(), entries: Entries::new(), lru_head: NIL, lru_tail: NIL, c: ShardCounters::default(), meta_reported: 0 }
+    }
+
+    pub fn find(&self, key: Key, hash: u64) -> Option<u32> {
+        let entries = &self.entries;
+        self.table.find(hash, |&h| entries.get(h).key() == key).copied()
+    }
+
+    /// Inserts a new entry or replaces the existing one for the same key;
+    /// returns the replaced entry.
+    pub fn insert(&mut self, e: Entry, hash: u64) -> Option<Entry> {
+        let key = e.key();
+        let old = self.remove_key(key, hash);
+        let h = self.entries.insert(e);
+        let entries = &self.entries;
+        self.table.insert_unique(hash, h, |&x| hash_key(entries.get(x).key()));
+        self.lru_push_front(h);
+        old
+    }
+
+    pub fn remove_key(&mut self, key: Key, hash: u64) -> Option<Entry> {
+        let entries = &self.entries;
+        let found = self.table.find_entry(hash, |&h| entries.get(h).key() == key).ok()?;
+        let (h, _) = found.remove();
+        Some(self.unlink_and_free(h))
+    }
+
+    /// Removes entry `h`, which must be in the table.
+    pub fn remove_handle(&mut self, h: u32) -> Entry {
+        let hash = hash_key(self.entries.get(h).key());
+        let found = self.table.find_entry(hash, |&x| x == h).ok().expect("live entry is in the table");
+        found.remove();
+        self.unlink_and_free(h)
+    }
+
+    fn unlink_and_free(&mut self, h: u32) -> Entry {
+        self.lru_unlink(h);
+        self.entries.remove(h)
+    }
+
+    fn lru_push_front(&mut self, h: u32) {
+        let head = self.lru_head;
+        {
+            let e = self.entries.get_mut(h);
+            e.prev = NIL;
+            e.next = head;
+        }
+        if head == NIL {
+            self.lru_tail = h;
+        } else {
+            self.entries.get_mut(head).prev = h;
+        }
+        self.lru_head = h;
+    }
+
+    fn lru_unlink(&mut self, h: u32) {
+        let Entry { prev, next, .. } = *self.entries.get(h);
+        if prev == NIL {
+            self.lru_head = next;
+        } else {
+            self.entries.get_mut(prev).next = next;
+        }
+        if next == NIL {
+            self.lru_tail = prev;
+        } else {
+            self.entries.get_mut(next).prev = prev;
+        }
+    }
+
+    /// Picks the oldest entry, giving referenced entries a second chance
+    /// (they move to the front once, with the flag cleared).
+    pub fn lru_victim(&mut self) -> Option<u32> {
+        let mut passes = self.entries.live();
+        while self.lru_tail != NIL {
+            let h = self.lru_tail;
+            if passes > 0 && self.entries.get(h).has(F_REFERENCED) {
+                passes -= 1;
+                self.entries.get_mut(h).meta &= !F_REFERENCED;
+                self.lru_unlink(h);
+                self.lru_push_front(h);
+                continue;
+            }
+            return Some(h);
+        }
+        None
+    }
+
+    /// Entries in LRU order, oldest first (for tests and inspection).
+    #[cfg(test)]
+    pub fn lru_order(&self) -> Vec<Key> {
+        let mut v = Vec::new();
+        let mut h = self.lru_tail;
+        while h != NIL {
+            let e = self.entries.get(h);
+            v.push(e.key());
+            h = e.prev;
+        }
+        v
+    }
+
+    /// Removes every entry and returns them.
+    pub fn drain(&mut self) -> Vec<Entry> {
+        let out: Vec<Entry> = self.entries.live_handles().map(|h| *self.entries.get(h)).collect();
+        self.table = HashTable::new();
+        self.entries.clear();
+        self.lru_head = NIL;
+        self.lru_tail = NIL;
+        out
+    }
+
+    /// Bytes of index metadata: entries and hash table.
+    pub fn meta_bytes(&self) -> usize {
+        let cap = self.table.capacity();
+        let buckets = if cap == 0 { 0 } else { (cap * 8 / 7).next_power_of_two() };
+        self.entries.meta_bytes() + buckets * (std::mem::size_of::<u32>() + 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locate_is_contiguous() {
+        let mut expect = (0usize, 0usize);
+        for h in 0..DOUBLING_END + 3 * MAX_SEG {
+            assert_eq!(locate(h), expect, "handle {h}");
+            expect.1 += 1;
+            if expect.1 == seg_len(expect.0) {
+                expect = (expect.0 + 1, 0);
+            }
+        }
+    }
+
+    fn key(i: u64) -> Key {
+        Key { object: 7, index: i }
+    }
+
+    #[test]
+    fn insert_replace_remove_and_lru() {
+        let mut s = Shard::new();
+        for i in 0..100 {
+            assert!(s.insert(Entry::new(key(i), i, 0, 10, 1, 0), hash_key(key(i))).is_none());
+        }
+        let old = s.insert(Entry::new(key(5), 500, 0, 10, 1, 0), hash_key(key(5))).unwrap();
+        assert_eq!(old.loc, 5);
+        assert_eq!(s.entries.live(), 100);
+        let order = s.lru_order();
+        assert_eq!(order.first(), Some(&key(0)));
+        assert_eq!(order.last(), Some(&key(5)), "replaced entry is newest");
+        // Second chance: a referenced oldest entry is skipped once.
+        let h0 = s.find(key(0), hash_key(key(0))).unwrap();
+        s.entries.get_mut(h0).meta |= F_REFERENCED;
+        let v = s.lru_victim().unwrap();
+        assert_eq!(s.entries.get(v).key(), key(1));
+        assert_eq!(s.remove_handle(v).key(), key(1));
+        assert!(s.find(key(1), hash_key(key(1))).is_none());
+        assert_eq!(s.remove_key(key(2), hash_key(key(2))).unwrap().loc, 2);
+        assert_eq!(s.drain().len(), 98);
+        assert_eq!(s.entries.live(), 0);
+    }
+}
