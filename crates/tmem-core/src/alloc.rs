@@ -58,8 +58,9 @@ pub const CLASS_DELTA: usize = 8;
 /// Smallest slot: a free slot must hold its u16 free-list link, and this keeps
 /// the slot count of a span within 12 bits.
 pub const MIN_SLOT: usize = 16;
-/// Number of size classes: sizes `CLASS_DELTA, 2*CLASS_DELTA, ..., PAGE_SIZE`.
-pub const NUM_CLASSES: usize = PAGE_SIZE / CLASS_DELTA;
+/// Number of size steps: `CLASS_DELTA, 2*CLASS_DELTA, ..., PAGE_SIZE`. Steps
+/// with the same cost per object share a class.
+pub const NUM_SIZES: usize = PAGE_SIZE / CLASS_DELTA;
 /// Largest tail waste a class accepts before growing its span: 1/32.
 const WASTE_SHIFT: usize = 5;
 const NO_SLOT: u16 = u16::MAX;
@@ -128,15 +129,11 @@ pub struct ClassGeometry {
 }
 
 impl ClassGeometry {
-    fn for_size(size: usize) -> Self {
+    fn for_size(size: usize, max_pages: usize) -> Self {
         let waste = |pages: usize| (pages * PAGE_SIZE) % size;
-        let pages = (1..=MAX_SPAN_PAGES)
-            .find(|&p| waste(p) <= (p * PAGE_SIZE) >> WASTE_SHIFT)
-            .unwrap_or_else(|| {
-                (1..=MAX_SPAN_PAGES)
-                    .min_by(|&a, &b| (waste(a) * b).cmp(&(waste(b) * a)))
-                    .expect("range is not empty")
-            });
+        let pages = (1..=max_pages).find(|&p| waste(p) <= (p * PAGE_SIZE) >> WASTE_SHIFT).unwrap_or_else(|| {
+            (1..=max_pages).min_by(|&a, &b| (waste(a) * b).cmp(&(waste(b) * a))).expect("range is not empty")
+        });
         Self { size, pages, slots: pages * PAGE_SIZE / size }
     }
 
@@ -144,10 +141,54 @@ impl ClassGeometry {
     pub fn tail_waste(&self) -> usize {
         self.pages * PAGE_SIZE - self.slots * self.size
     }
+
+    /// Span bytes each object costs, in 1/1024 bytes.
+    fn cost(&self) -> usize {
+        self.pages * PAGE_SIZE * 1024 / self.slots
+    }
 }
 
-/// Index of the class serving objects of `len` bytes.
-pub fn class_index(len: usize) -> Result<usize, AllocError> {
+/// Allocator tuning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocConfig {
+    /// Largest span, in pages (1..=16).
+    pub max_span_pages: usize,
+    /// A size joins the next larger class when that costs at most this many
+    /// per mille more memory per object than a class of its own.
+    pub merge_permille: usize,
+}
+
+impl Default for AllocConfig {
+    fn default() -> Self {
+        Self { max_span_pages: 8, merge_permille: 30 }
+    }
+}
+
+/// Size-to-class mapping: sizes in steps of [`CLASS_DELTA`], merged where a
+/// larger class serves them at (almost) the same cost per object.
+fn build_classes(cfg: AllocConfig) -> (Vec<ClassGeometry>, Vec<u16>) {
+    let mut geos: Vec<ClassGeometry> = Vec::new();
+    let mut map = vec![0u16; NUM_SIZES];
+    for i in (0..NUM_SIZES).rev() {
+        let size = (i + 1) * CLASS_DELTA;
+        let own = ClassGeometry::for_size(size.max(MIN_SLOT), cfg.max_span_pages);
+        let join = geos.last().is_some_and(|c| c.cost() * 1000 <= own.cost() * (1000 + cfg.merge_permille));
+        if !join {
+            geos.push(own);
+        }
+        map[i] = u16::try_from(geos.len() - 1).expect("fewer classes than sizes");
+    }
+    // Classes were numbered from the largest; renumber from the smallest.
+    let n = geos.len();
+    geos.reverse();
+    for m in &mut map {
+        *m = u16::try_from(n - 1 - usize::from(*m)).expect("class index fits");
+    }
+    (geos, map)
+}
+
+/// Index of the size step serving objects of `len` bytes.
+fn size_index(len: usize) -> Result<usize, AllocError> {
     if len == 0 || len > PAGE_SIZE {
         return Err(AllocError::BadSize(len));
     }
@@ -243,6 +284,8 @@ impl CompactionPlan {
 pub struct ZsAlloc {
     arena: PageArena,
     classes: Box<[Mutex<Class>]>,
+    /// Size step -> class.
+    size_class: Box<[u16]>,
     slot_bytes: AtomicU64,
     objects: AtomicU64,
     meta_bytes: AtomicU64,
@@ -260,19 +303,21 @@ impl Default for ZsAlloc {
 impl ZsAlloc {
     /// Creates an empty allocator.
     pub fn new() -> Self {
-        let classes = (0..NUM_CLASSES)
-            .map(|i| {
-                Mutex::new(Class {
-                    geo: ClassGeometry::for_size((i + 1) * CLASS_DELTA),
-                    spans: Vec::new(),
-                    free_ids: Vec::new(),
-                    partial: Vec::new(),
-                })
-            })
+        Self::with_config(AllocConfig::default())
+    }
+
+    /// Creates an empty allocator with the given tuning.
+    pub fn with_config(cfg: AllocConfig) -> Self {
+        assert!((1..=MAX_SPAN_PAGES).contains(&cfg.max_span_pages), "max_span_pages must be 1..={MAX_SPAN_PAGES}");
+        let (geos, size_class) = build_classes(cfg);
+        let classes = geos
+            .into_iter()
+            .map(|geo| Mutex::new(Class { geo, spans: Vec::new(), free_ids: Vec::new(), partial: Vec::new() }))
             .collect();
         Self {
             arena: PageArena::new(),
             classes,
+            size_class: size_class.into_boxed_slice(),
             slot_bytes: AtomicU64::new(0),
             objects: AtomicU64::new(0),
             meta_bytes: AtomicU64::new(0),
@@ -282,9 +327,24 @@ impl ZsAlloc {
         }
     }
 
+    /// Number of size classes.
+    pub fn num_classes(&self) -> usize {
+        self.classes.len()
+    }
+
     /// Geometry of class `i`.
     pub fn geometry(&self, i: usize) -> ClassGeometry {
         self.lock(i).geo
+    }
+
+    /// Class serving objects of `len` bytes.
+    pub fn class_of(&self, len: usize) -> Result<usize, AllocError> {
+        Ok(usize::from(self.size_class[size_index(len)?]))
+    }
+
+    /// Slot size of the object at `loc`.
+    pub fn slot_size(&self, loc: Loc) -> usize {
+        self.lock(usize::from(loc.class)).geo.size
     }
 
     fn lock(&self, class: usize) -> MutexGuard<'_, Class> {
@@ -320,7 +380,7 @@ impl ZsAlloc {
 
     /// Allocates a slot for `data.len()` bytes and copies `data` into it.
     pub fn alloc_write(&self, data: &[u8]) -> Result<Loc, AllocError> {
-        let class = class_index(data.len())?;
+        let class = self.class_of(data.len())?;
         let mut c = self.lock(class);
         let loc = self.alloc_locked(&mut c, class)?;
         let span = c.spans[loc.span as usize].ptr.expect("allocated span is mapped");
@@ -450,7 +510,7 @@ impl ZsAlloc {
     /// allocating from them.
     pub fn plan_compaction(&self) -> CompactionPlan {
         let mut plan = CompactionPlan::default();
-        for class in 0..NUM_CLASSES {
+        for class in 0..self.classes.len() {
             let mut c = self.lock(class);
             if c.partial.len() < 2 {
                 continue;
@@ -528,23 +588,30 @@ mod tests {
     #[test]
     fn geometry_waste_is_bounded() {
         let mut worst = 0.0f64;
-        for i in 0..NUM_CLASSES {
-            let g = ClassGeometry::for_size((i + 1) * CLASS_DELTA);
+        for i in 0..NUM_SIZES {
+            let g = ClassGeometry::for_size(((i + 1) * CLASS_DELTA).max(MIN_SLOT), MAX_SPAN_PAGES);
             assert!(g.slots >= 1 && g.slots <= 1 << SLOT_BITS, "{g:?}");
             let w = g.tail_waste() as f64 / (g.pages * PAGE_SIZE) as f64;
             worst = worst.max(w);
         }
         assert!(worst < 0.07, "worst tail waste {worst}");
-        assert_eq!(ClassGeometry::for_size(PAGE_SIZE).pages, 1);
+        assert_eq!(ClassGeometry::for_size(PAGE_SIZE, MAX_SPAN_PAGES).pages, 1);
     }
 
     #[test]
-    fn class_index_bounds() {
-        assert!(class_index(0).is_err());
-        assert!(class_index(PAGE_SIZE + 1).is_err());
-        assert_eq!(class_index(1).unwrap(), class_index(MIN_SLOT).unwrap());
-        assert_eq!(class_index(PAGE_SIZE).unwrap(), NUM_CLASSES - 1);
-        assert_eq!(class_index(17).unwrap(), 2);
+    fn class_mapping() {
+        let a = ZsAlloc::new();
+        assert!(a.class_of(0).is_err());
+        assert!(a.class_of(PAGE_SIZE + 1).is_err());
+        assert_eq!(a.class_of(1).unwrap(), a.class_of(MIN_SLOT).unwrap());
+        assert_eq!(a.class_of(PAGE_SIZE).unwrap(), a.num_classes() - 1);
+        let mut prev = 0;
+        for len in 1..=PAGE_SIZE {
+            let c = a.class_of(len).unwrap();
+            assert!(c >= prev, "classes grow with size");
+            assert!(a.geometry(c).size >= len, "class {c} too small for {len}");
+            prev = c;
+        }
     }
 
     #[test]

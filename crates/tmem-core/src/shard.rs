@@ -83,8 +83,9 @@ impl Entry {
 }
 
 const FIRST_SEG: usize = 16;
-/// Segments double up to this size, then stay at it.
-const MAX_SEG: usize = 4096;
+/// Segments double up to this size, then stay at it, so a shard never holds
+/// more than this many unused entries beyond its high-water mark.
+const MAX_SEG: usize = 128;
 const DOUBLING_SEGS: usize = (MAX_SEG / FIRST_SEG).trailing_zeros() as usize + 1;
 const DOUBLING_END: usize = FIRST_SEG * ((1 << DOUBLING_SEGS) - 1);
 

@@ -2,7 +2,7 @@
 //!
 //! # Locking
 //!
-//! * Each pool has [`SHARDS`] shard mutexes; a key's shard is fixed by its
+//! * Each pool has [`default_shards`] (or configured) shard mutexes; a key's shard is fixed by its
 //!   hash. put/get/flush of one key take exactly one shard lock.
 //! * Lock order: `Shared::compaction` → shard lock → allocator class lock →
 //!   arena lock. `Shared::pools` (read) may be taken before any of them and is
@@ -13,15 +13,19 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 
-use crate::alloc::{Loc, ZsAlloc};
+use crate::alloc::{AllocConfig, Loc, ZsAlloc};
 use crate::codec::{fill_page, same_filled, Codec, CodecConfig, CodecError, COMPRESS_BUF_SIZE};
 use crate::policy::{Policy, PolicyConfig, PolicyError};
 use crate::shard::{hash_key, Entry, Shard, F_INCOMPRESSIBLE, F_REFERENCED, F_SAME, MAX_CODECS};
 use crate::stats::{PoolEvents, PoolStats, ShardCounters, Stats};
 use crate::{Key, PoolId, PAGE_SIZE};
 
-/// Shards per pool.
-pub const SHARDS: usize = 64;
+/// Shards per pool: enough that threads rarely meet on one lock, few enough
+/// that per-shard slack stays small: 4 per CPU, a power of two in 8..=256.
+pub fn default_shards() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    (4 * cpus).next_power_of_two().clamp(8, 256)
+}
 /// Codec id of the raw (uncompressed) codec, always registered.
 pub const RAW_CODEC: u8 = 0;
 /// Compaction does not run automatically below this much span memory.
@@ -144,6 +148,10 @@ pub struct StoreConfig {
     pub policy: PolicyConfig,
     /// Codec for new puts; `None` means lz4.
     pub codec: Option<CodecConfig>,
+    /// Shards per pool, rounded up to a power of two; 0 means [`default_shards`].
+    pub shards: usize,
+    /// Allocator tuning.
+    pub alloc: AllocConfig,
 }
 
 impl StoreConfig {
@@ -151,7 +159,7 @@ impl StoreConfig {
     pub fn build(self) -> Result<Store, StoreError> {
         let policy = Policy::new(&self.policy)?;
         let shared = Arc::new(Shared {
-            alloc: ZsAlloc::new(),
+            alloc: ZsAlloc::with_config(self.alloc),
             policy,
             codecs: std::array::from_fn(|_| OnceLock::new()),
             codec_count: Mutex::new(0),
@@ -163,7 +171,8 @@ impl StoreConfig {
             compaction: Mutex::new(()),
             evict_cursor: AtomicUsize::new(0),
         });
-        let store = Store { shared };
+        let shards = if self.shards == 0 { default_shards() } else { self.shards.next_power_of_two() };
+        let store = Store { shared, shards };
         store.register_codec(&CodecConfig::Raw)?;
         let id = store.register_codec(&self.codec.unwrap_or(CodecConfig::Lz4))?;
         store.set_codec(id)?;
@@ -247,10 +256,11 @@ impl Shared {
             let over = self.total_bytes().saturating_sub(target);
             let mut slot_bytes_freed = 0u64;
             let mut idle_visits = 0;
-            while slot_bytes_freed < over && idle_visits < ephemeral.len() * SHARDS {
+            let shards = ephemeral[0].shards.len();
+            while slot_bytes_freed < over && idle_visits < ephemeral.len() * shards {
                 let cursor = self.evict_cursor.fetch_add(1, Ordering::Relaxed);
                 let pool = &ephemeral[cursor % ephemeral.len()];
-                let (n, bytes) = pool.evict_from_shard((cursor / ephemeral.len()) % SHARDS, EVICT_BATCH);
+                let (n, bytes) = pool.evict_from_shard((cursor / ephemeral.len()) % shards, EVICT_BATCH);
                 if n == 0 {
                     idle_visits += 1;
                 } else {
@@ -356,7 +366,7 @@ impl Pool {
     }
 
     fn shard_of(&self, hash: u64) -> &Mutex<Shard> {
-        &self.shards[usize::try_from(hash >> 40).expect("24 bits fit usize") % SHARDS].0
+        &self.shards[usize::try_from(hash >> 40).expect("24 bits fit usize") & (self.shards.len() - 1)].0
     }
 
     /// Updates the store-wide metadata count after a shard changed size.
@@ -571,7 +581,7 @@ impl Pool {
             let Some(h) = s.lru_victim() else { break };
             let e = s.remove_handle(h);
             if let Some(loc) = e.alloc_loc() {
-                bytes += self.shared.alloc.geometry(usize::from(u16::try_from(loc.pack() >> 35).unwrap_or(0))).size as u64;
+                bytes += self.shared.alloc.slot_size(loc) as u64;
             }
             self.forget(&mut s.c, &e);
             s.c.evicted_pages += 1;
@@ -641,6 +651,7 @@ impl PoolEvents {
 /// The page store.
 pub struct Store {
     shared: Arc<Shared>,
+    shards: usize,
 }
 
 impl std::fmt::Debug for Store {
@@ -664,7 +675,7 @@ impl Store {
         let pool = Arc::new(Pool {
             id,
             cfg,
-            shards: (0..SHARDS).map(|_| PaddedShard(Mutex::new(Shard::new()))).collect(),
+            shards: (0..self.shards).map(|_| PaddedShard(Mutex::new(Shard::new()))).collect(),
             events: PoolEvents::default(),
             destroyed: AtomicBool::new(false),
             shared: Arc::clone(&self.shared),
@@ -833,7 +844,7 @@ mod tests {
     }
 
     fn store(policy: PolicyConfig) -> Store {
-        StoreConfig { policy, codec: None }.build().unwrap()
+        StoreConfig { policy, ..Default::default() }.build().unwrap()
     }
 
     #[test]
