@@ -1,6 +1,6 @@
 //! Raw codec throughput on a corpus file: `cargo run --release --example codec_speed -- FILE`.
 use std::time::Instant;
-use tmem_core::codec::{Codec, CodecConfig, COMPRESS_BUF_SIZE};
+use tmem_core::codec::{CodecConfig, COMPRESS_BUF_SIZE};
 use tmem_core::PAGE_SIZE;
 
 fn main() {

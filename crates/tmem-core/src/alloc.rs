@@ -497,7 +497,7 @@ impl ZsAlloc {
     /// `loc` is live and `len` is at most its allocated length; the caller
     /// guarantees that the object is neither freed nor migrated while the
     /// returned slice lives (the store holds the owning shard lock).
-    pub unsafe fn object<'a>(&'a self, loc: Loc, len: usize) -> &'a [u8] {
+    pub unsafe fn object(&self, loc: Loc, len: usize) -> &[u8] {
         let c = self.lock(usize::from(loc.class));
         assert!(len <= c.geo.size);
         let span = c.spans[loc.span as usize].ptr.expect("object in an unmapped span");
@@ -626,12 +626,13 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // values are < 251
     fn alloc_free_reuse_and_release() {
         let a = ZsAlloc::new();
         let mut locs = Vec::new();
         for i in 0..1000usize {
             let len = 1 + (i * 37) % PAGE_SIZE;
-            let data: Vec<u8> = (0..len).map(|j| (i + j) as u8).collect();
+            let data: Vec<u8> = (0..len).map(|j| ((i + j) % 251) as u8).collect();
             locs.push((a.alloc_write(&data).unwrap(), data));
         }
         for (loc, data) in &locs {

@@ -240,8 +240,10 @@ impl Shard {
     /// Removes entry `h`, which must be in the table.
     pub fn remove_handle(&mut self, h: u32) -> Entry {
         let hash = hash_key(self.entries.get(h).key());
-        let found = self.table.find_entry(hash, |&x| x == h).ok().expect("live entry is in the table");
-        found.remove();
+        match self.table.find_entry(hash, |&x| x == h) {
+            Ok(found) => drop(found.remove()),
+            Err(_) => unreachable!("a live entry is in the table"),
+        }
         self.unlink_and_free(h)
     }
 

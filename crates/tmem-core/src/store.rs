@@ -50,17 +50,24 @@ pub struct PoolConfig {
     pub kind: PoolKind,
     /// A successful get removes the page (frontswap's exclusive loads).
     pub exclusive_gets: bool,
+    /// A refused put leaves an older copy of the key in place. Off for
+    /// frontswap/cleancache, where the caller then stores the page elsewhere
+    /// and a stale copy here would shadow it; on for a block device, which
+    /// is the page's only home and must not lose the rest of a page on a
+    /// failed partial write.
+    #[serde(default)]
+    pub reject_keeps_old: bool,
 }
 
 impl PoolConfig {
     /// A persistent pool with shared (non-exclusive) gets.
     pub fn persistent() -> Self {
-        Self { kind: PoolKind::Persistent, exclusive_gets: false }
+        Self { kind: PoolKind::Persistent, exclusive_gets: false, reject_keeps_old: false }
     }
 
     /// An ephemeral pool with shared gets.
     pub fn ephemeral() -> Self {
-        Self { kind: PoolKind::Ephemeral, exclusive_gets: false }
+        Self { kind: PoolKind::Ephemeral, exclusive_gets: false, reject_keeps_old: false }
     }
 
     /// Sets exclusive gets.
@@ -68,10 +75,17 @@ impl PoolConfig {
         self.exclusive_gets = on;
         self
     }
+
+    /// Sets whether a refused put keeps an older copy.
+    pub fn reject_keeps_old(mut self, on: bool) -> Self {
+        self.reject_keeps_old = on;
+        self
+    }
 }
 
-/// Why a put was refused. The page is not in the store afterwards (an older
-/// copy under the same key is flushed), so the caller must keep it elsewhere.
+/// Why a put was refused. The page is not in the store afterwards, so the
+/// caller must keep it elsewhere; an older copy under the same key is flushed
+/// unless the pool was created with `reject_keeps_old`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reject {
@@ -478,7 +492,9 @@ impl Pool {
         if why != Reject::PoolLimit {
             PoolEvents::bump(counter);
         }
-        self.remove(key, false);
+        if !self.cfg.reject_keeps_old {
+            self.remove(key, false);
+        }
         PutOutcome::Rejected(why)
     }
 
@@ -526,6 +542,13 @@ impl Pool {
         }
         let codec = self.shared.codec(e.codec()).map_err(|err| err.to_string())?;
         codec.decompress(data, out).map_err(|err| err.to_string())
+    }
+
+    /// Whether a page is stored under `key` (no decompression, no counters).
+    pub fn contains(&self, key: Key) -> Result<bool, StoreError> {
+        self.check_live()?;
+        let hash = hash_key(key);
+        Ok(lock(self.shard_of(hash)).find(key, hash).is_some())
     }
 
     /// Removes the page under `key`; returns whether there was one.
@@ -824,6 +847,7 @@ mod tests {
     use super::*;
     use crate::policy::Incompressible;
 
+    #[allow(clippy::cast_possible_truncation)] // byte extraction
     fn page(seed: u64) -> [u8; PAGE_SIZE] {
         let mut p = [0u8; PAGE_SIZE];
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -872,7 +896,7 @@ mod tests {
         let s = store(PolicyConfig::default());
         let p = s.create_pool(PoolConfig::persistent().exclusive_gets(true));
         let mut out = [0u8; PAGE_SIZE];
-        p.put(key(3), &page(3)).unwrap();
+        assert_eq!(p.put(key(3), &page(3)).unwrap(), PutOutcome::Stored);
         assert_eq!(p.get(key(3), &mut out).unwrap(), GetOutcome::Hit);
         assert_eq!(out, page(3));
         assert_eq!(p.get(key(3), &mut out).unwrap(), GetOutcome::Miss);
@@ -886,7 +910,7 @@ mod tests {
         let mut pg = [0u8; PAGE_SIZE];
         fill_page(&mut pg, 0x0102_0304_0506_0708);
         for i in 0..100 {
-            p.put(key(i), &pg).unwrap();
+            assert_eq!(p.put(key(i), &pg).unwrap(), PutOutcome::Stored);
         }
         let st = s.stats();
         assert_eq!(st.total.same_filled_pages, 100);
@@ -896,6 +920,7 @@ mod tests {
         assert_eq!(out, pg);
     }
 
+    #[allow(clippy::cast_possible_truncation)] // byte extraction
     fn random_page(seed: u64) -> [u8; PAGE_SIZE] {
         let mut p = [0u8; PAGE_SIZE];
         let mut x = seed | 1;
@@ -912,9 +937,9 @@ mod tests {
     fn incompressible_pages_by_policy() {
         let s = store(PolicyConfig::default());
         let p = s.create_pool(PoolConfig::persistent());
-        p.put(key(1), &page(1)).unwrap();
+        assert_eq!(p.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
         // Default (zswap): reject, and the key's older copy is gone.
-        p.put(key(2), &page(2)).unwrap();
+        assert_eq!(p.put(key(2), &page(2)).unwrap(), PutOutcome::Stored);
         assert_eq!(p.put(key(2), &random_page(9)).unwrap(), PutOutcome::Rejected(Reject::CompressPoor));
         let mut out = [0u8; PAGE_SIZE];
         assert_eq!(p.get(key(2), &mut out).unwrap(), GetOutcome::Miss, "stale copy must not survive a refused put");
@@ -934,7 +959,7 @@ mod tests {
     fn freeze_refuses_puts_but_serves_gets() {
         let s = store(PolicyConfig::default());
         let p = s.create_pool(PoolConfig::persistent());
-        p.put(key(1), &page(1)).unwrap();
+        assert_eq!(p.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
         s.set_policy("frozen", "1").unwrap();
         assert_eq!(p.put(key(2), &page(2)).unwrap(), PutOutcome::Rejected(Reject::Frozen));
         let mut out = [0u8; PAGE_SIZE];
@@ -993,8 +1018,8 @@ mod tests {
     fn corrupt_data_is_an_error() {
         let s = store(PolicyConfig { incompressible: Incompressible::StoreRaw, ..Default::default() });
         let p = s.create_pool(PoolConfig::persistent());
-        p.put(key(1), &page(1)).unwrap();
-        p.put(key(2), &random_page(2)).unwrap();
+        assert_eq!(p.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
+        assert_eq!(p.put(key(2), &random_page(2)).unwrap(), PutOutcome::Stored);
         for k in [key(1), key(2)] {
             assert!(p.corrupt_for_test(k));
             let mut out = [0u8; PAGE_SIZE];
@@ -1012,12 +1037,12 @@ mod tests {
         let s = store(PolicyConfig::default());
         let p = s.create_pool(PoolConfig::persistent());
         for i in 0..50 {
-            p.put(key(i), &page(i)).unwrap();
+            assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
         }
         s.use_codec(&CodecConfig::Zstd { level: 5, dictionary: None }).unwrap();
         assert_eq!(s.codec_name(), "zstd-5");
         for i in 50..100 {
-            p.put(key(i), &page(i)).unwrap();
+            assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
         }
         let mut out = [0u8; PAGE_SIZE];
         for i in 0..100 {
@@ -1031,7 +1056,7 @@ mod tests {
         let s = store(PolicyConfig { compact_threshold_percent: 100, ..Default::default() });
         let p = s.create_pool(PoolConfig::persistent());
         for i in 0..5000 {
-            p.put(key(i), &page(i)).unwrap();
+            assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
         }
         for i in 0..5000 {
             if i % 3 != 0 {
@@ -1054,7 +1079,7 @@ mod tests {
         let s = store(PolicyConfig::default());
         let p = s.create_pool(PoolConfig::ephemeral());
         for i in 0..100 {
-            p.put(key(i), &page(i)).unwrap();
+            assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
         }
         s.destroy_pool(p.id()).unwrap();
         assert!(matches!(p.put(key(1), &page(1)), Err(StoreError::PoolDestroyed(_))));

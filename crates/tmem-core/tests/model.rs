@@ -23,9 +23,14 @@ type Page = [u8; PAGE_SIZE];
 
 const OBJECTS: u8 = 2;
 const INDEXES: u8 = 64;
-/// Pool slots of every store: one per kind and get mode.
-const POOL_CONFIGS: [(PoolKind, bool); 4] =
-    [(PoolKind::Persistent, false), (PoolKind::Persistent, true), (PoolKind::Ephemeral, false), (PoolKind::Ephemeral, true)];
+/// Pool slots of every store: (kind, exclusive gets, refused puts keep the old copy).
+const POOL_CONFIGS: [(PoolKind, bool, bool); 5] = [
+    (PoolKind::Persistent, false, false),
+    (PoolKind::Persistent, true, false),
+    (PoolKind::Ephemeral, false, false),
+    (PoolKind::Ephemeral, true, false),
+    (PoolKind::Persistent, false, true),
+];
 
 // ---------------------------------------------------------------- pages
 
@@ -161,6 +166,11 @@ enum Op {
     Get { pool: usize, key: Key },
     FlushPage { pool: usize, key: Key },
     FlushObject { pool: usize, object: u64 },
+    /// Put pages of similar compressed size under every index of `object`
+    /// (fills spans of one size class): text, or `split` random bytes then text.
+    Fill { pool: usize, object: u64, seed: u64, split: Option<u16> },
+    /// Flush every index of `object` not divisible by `keep_every` (leaves holes in spans).
+    Thin { pool: usize, object: u64, keep_every: u64 },
     /// Destroy the pool in this slot and create a fresh one with the same config.
     Recreate { pool: usize },
     Compact,
@@ -184,11 +194,15 @@ fn op() -> impl Strategy<Value = Op> {
         30 => (pool.clone(), key()).prop_map(|(pool, key)| Op::Get { pool, key }),
         8 => (pool.clone(), key()).prop_map(|(pool, key)| Op::FlushPage { pool, key }),
         2 => (pool.clone(), 0..u64::from(OBJECTS) + 1).prop_map(|(pool, object)| Op::FlushObject { pool, object }),
+        1 => (pool.clone(), 0..u64::from(OBJECTS), 0..1000u64, prop::option::of(16..3500u16))
+            .prop_map(|(pool, object, seed, split)| Op::Fill { pool, object, seed, split }),
+        1 => (pool.clone(), 0..u64::from(OBJECTS), 2..5u64)
+            .prop_map(|(pool, object, keep_every)| Op::Thin { pool, object, keep_every }),
         1 => pool.prop_map(|pool| Op::Recreate { pool }),
         3 => Just(Op::Compact),
         3 => prop_oneof![Just(None), Just(Some(-64)), Just(Some(0)), Just(Some(16)), Just(Some(64)), Just(Some(512))]
             .prop_map(Op::Limit),
-        2 => prop::bool::weighted(0.3).prop_map(Op::Frozen),
+        2 => prop::bool::weighted(0.2).prop_map(Op::Frozen),
         2 => any::<bool>().prop_map(Op::StoreRaw),
         2 => prop_oneof![Just(64u32), Just(1024), Just(2048), Just(3000), Just(4095), Just(4096)]
             .prop_map(Op::MaxCompressedSize),
@@ -264,6 +278,10 @@ impl PoolModel {
     fn exclusive(&self) -> bool {
         self.pool.config().exclusive_gets
     }
+
+    fn keeps_old(&self) -> bool {
+        self.pool.config().reject_keeps_old
+    }
 }
 
 const CODECS: usize = 4;
@@ -280,12 +298,12 @@ struct Model {
     max_compressed_size: usize,
 }
 
-fn pool_config(kind: PoolKind, exclusive: bool) -> PoolConfig {
+fn pool_config(kind: PoolKind, exclusive: bool, keeps_old: bool) -> PoolConfig {
     let cfg = match kind {
         PoolKind::Persistent => PoolConfig::persistent(),
         PoolKind::Ephemeral => PoolConfig::ephemeral(),
     };
-    cfg.exclusive_gets(exclusive)
+    cfg.exclusive_gets(exclusive).reject_keeps_old(keeps_old)
 }
 
 impl Model {
@@ -293,8 +311,8 @@ impl Model {
         let store = StoreConfig::default().build().expect("default store");
         let pools = POOL_CONFIGS
             .iter()
-            .map(|&(kind, excl)| PoolModel {
-                pool: store.create_pool(pool_config(kind, excl)),
+            .map(|&(kind, excl, keep)| PoolModel {
+                pool: store.create_pool(pool_config(kind, excl, keep)),
                 oracle: HashMap::new(),
                 expected: Expected::default(),
             })
@@ -342,17 +360,7 @@ impl Model {
         match *op {
             Op::Put { pool, key, page } => self.put(pool, key, &make_page(page)),
             Op::Get { pool, key } => self.get(pool, key),
-            Op::FlushPage { pool, key } => {
-                let m = &mut self.pools[pool];
-                let had = m.oracle.remove(&key).is_some();
-                let removed = m.pool.flush_page(key).expect("flush_page");
-                if m.persistent() {
-                    assert_eq!(removed, had, "flush_page({key:?}) on persistent pool {pool}");
-                } else {
-                    assert!(had || !removed, "flush_page({key:?}) removed a page the model never stored");
-                }
-                m.expected.flushes += u64::from(removed);
-            }
+            Op::FlushPage { pool, key } => self.apply_flush(pool, key),
             Op::FlushObject { pool, object } => {
                 let m = &mut self.pools[pool];
                 let before = m.oracle.len();
@@ -365,6 +373,20 @@ impl Model {
                     assert!(n <= had, "flush_object({object}) removed {n} pages, model had {had}");
                 }
                 m.expected.flushes += n;
+            }
+            Op::Fill { pool, object, seed, split } => {
+                for i in 0..u64::from(INDEXES) {
+                    let kind = match split {
+                        None => PageKind::Text(seed * 64 + i),
+                        Some(split) => PageKind::Mixed(seed * 64 + i, split),
+                    };
+                    self.put(pool, Key::new(object, i), &make_page(kind));
+                }
+            }
+            Op::Thin { pool, object, keep_every } => {
+                for i in (0..u64::from(INDEXES)).filter(|i| i % keep_every != 0) {
+                    self.apply_flush(pool, Key::new(object, i));
+                }
             }
             Op::Recreate { pool } => self.recreate(pool),
             Op::Compact => {
@@ -406,14 +428,26 @@ impl Model {
         self.check();
     }
 
+    fn apply_flush(&mut self, pool: usize, key: Key) {
+        let m = &mut self.pools[pool];
+        let had = m.oracle.remove(&key).is_some();
+        let removed = m.pool.flush_page(key).expect("flush_page");
+        if m.persistent() {
+            assert_eq!(removed, had, "flush_page({key:?}) on persistent pool {pool}");
+        } else {
+            assert!(had || !removed, "flush_page({key:?}) removed a page the model never stored");
+        }
+        m.expected.flushes += u64::from(removed);
+    }
+
     fn put(&mut self, pool: usize, key: Key, page: &Page) {
         let predicted = self.predict(page);
         let (frozen, limited) = (self.frozen, self.limited);
         let m = &mut self.pools[pool];
         let outcome = m.pool.put(key, page).expect("put");
         m.expected.puts += 1;
-        // Whatever happens, an older copy is gone or replaced.
-        m.oracle.remove(&key);
+        // An older copy is replaced, or flushed by a refusal unless the pool keeps it.
+        let old = m.oracle.remove(&key);
         match outcome {
             PutOutcome::Stored => {
                 assert!(!frozen, "put stored while frozen");
@@ -453,11 +487,21 @@ impl Model {
             };
             assert_eq!(got, want, "put {key:?}: predicted {predicted:?}, got {outcome:?}");
         }
-        // A refused put leaves no copy behind, in either pool kind.
         if outcome != PutOutcome::Stored {
-            let mut out = [0u8; PAGE_SIZE];
-            assert_eq!(m.pool.get(key, &mut out).expect("get"), GetOutcome::Miss, "stale copy of {key:?} survived");
-            m.expected.failed_gets += 1;
+            if m.keeps_old() {
+                if let Some(old) = old {
+                    m.oracle.insert(key, old);
+                }
+            } else {
+                // A refused put leaves no copy behind, in either pool kind.
+                assert!(!m.pool.contains(key).expect("contains"), "pool {pool}: stale copy of {key:?} survived");
+            }
+        }
+        let held = m.pool.contains(key).expect("contains");
+        if m.persistent() {
+            assert_eq!(held, m.oracle.contains_key(&key), "pool {pool}: contains({key:?}) after {outcome:?}");
+        } else {
+            assert!(!held || m.oracle.contains_key(&key), "pool {pool}: contains({key:?}) after {outcome:?}");
         }
     }
 
@@ -568,6 +612,12 @@ impl Model {
 
     /// Final sweep: every key of every pool against the oracle.
     fn verify_all(&mut self) {
+        {
+            let st = self.store.stats();
+            let t = &st.total;
+            eprintln!("DIAG puts {} succ {} limit {} poor {} frozen {} evicted {} migrated {} compactions {} same {} incompr {} stored {}",
+                t.puts, t.succ_puts, t.pool_limit_hit, t.reject_compress_poor, t.reject_frozen, t.evicted_pages, st.alloc.objects_migrated, st.alloc.compactions, t.same_filled_pages, t.stored_incompressible_pages, t.stored_pages);
+        }
         self.store.set_policy("max_pool_bytes", "0").expect("unlimit");
         for pool in 0..self.pools.len() {
             for o in 0..OBJECTS {
@@ -632,9 +682,9 @@ fn fixed_sequence() {
         }
     }
     ops.extend([Op::Compact, Op::Limit(Some(-64)), Op::Frozen(true)]);
-    ops.extend((0..4).map(|pool| Op::Put { pool, key: Key::new(1, 1), page: PageKind::Text(9) }));
+    ops.extend((0..POOL_CONFIGS.len()).map(|pool| Op::Put { pool, key: Key::new(1, 1), page: PageKind::Text(9) }));
     ops.push(Op::Frozen(false));
-    ops.extend((0..4).map(|pool| Op::Put { pool, key: Key::new(1, 2), page: PageKind::Text(9) }));
+    ops.extend((0..POOL_CONFIGS.len()).map(|pool| Op::Put { pool, key: Key::new(1, 2), page: PageKind::Text(9) }));
     ops.extend([Op::Limit(None), Op::FlushObject { pool: 0, object: 1 }, Op::Recreate { pool: 2 }, Op::Compact]);
     run(&ops);
 }

@@ -1,0 +1,402 @@
+//! Block devices on the tmem store: a persistent pool addressed by byte
+//! offset, 4 KiB pages, with read-modify-write for partial pages.
+//!
+//! [`BlockDevice`] is the boundary every frontend (FUSE file, NBD server)
+//! serves. [`PoolDevice`] implements it on its own [`Store`], so each device
+//! has its own size, codec, limit and counters, as ramzswap's devices did.
+//! [`ZeroDevice`] is the no-op implementation: it reads zeros and drops writes.
+//!
+//! Semantics: unwritten, trimmed and zeroed ranges read as zeros; trim and
+//! write-zeroes free whole pages and zero the covered part of partial pages;
+//! a write the pool refuses (limit, no memory) fails with an error and keeps
+//! the page's previous contents.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tmem_core::{
+    GetOutcome, Key, Pool, PoolConfig, PutOutcome, Reject, Stats, Store, StoreConfig, StoreError, PAGE_SIZE,
+};
+
+const PAGE: u64 = PAGE_SIZE as u64;
+/// Page-lock stripes; writes to one page serialise on its stripe.
+const STRIPES: usize = 1024;
+
+/// Block I/O errors, each mapping to one errno for the frontends.
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    /// The range lies (partly) beyond the end of the device (EINVAL).
+    #[error("range {offset}+{len} is beyond the device size {size}")]
+    OutOfRange {
+        /// Start of the request.
+        offset: u64,
+        /// Length of the request.
+        len: u64,
+        /// Device size.
+        size: u64,
+    },
+    /// The pool refused the page and there is no lower tier (ENOSPC).
+    #[error("pool refused page {page}: {reason:?}")]
+    NoSpace {
+        /// Page index.
+        page: u64,
+        /// Why.
+        reason: Reject,
+    },
+    /// Stored data is corrupt (EIO).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl BlockError {
+    /// The errno a frontend reports for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            BlockError::OutOfRange { .. } => libc::EINVAL,
+            BlockError::NoSpace { .. } => libc::ENOSPC,
+            BlockError::Store(_) => libc::EIO,
+        }
+    }
+}
+
+/// One run of pages with the same allocation state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    /// Length in bytes.
+    pub len: u64,
+    /// Nothing is stored here; it reads as zeros (NBD `HOLE|ZERO`).
+    pub hole: bool,
+}
+
+/// What a block frontend serves.
+pub trait BlockDevice: Send + Sync {
+    /// Size in bytes (a multiple of 4096).
+    fn size(&self) -> u64;
+    /// Reads `buf.len()` bytes at `offset`.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), BlockError>;
+    /// Writes `buf` at `offset`.
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), BlockError>;
+    /// Makes completed writes durable (memory devices: nothing to do).
+    fn flush(&self) -> Result<(), BlockError>;
+    /// Discards a range; it reads as zeros afterwards.
+    fn trim(&self, offset: u64, len: u64) -> Result<(), BlockError>;
+    /// Zeroes a range, freeing what it can.
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), BlockError>;
+    /// Allocation map of a range, page-granular, in order, covering it exactly.
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, BlockError>;
+}
+
+fn check_range(offset: u64, len: u64, size: u64) -> Result<(), BlockError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(BlockError::OutOfRange { offset, len, size }),
+    }
+}
+
+/// Reads zeros, drops writes: the no-op device.
+#[derive(Debug)]
+pub struct ZeroDevice {
+    size: u64,
+}
+
+impl ZeroDevice {
+    /// A zero device of `size` bytes.
+    pub fn new(size: u64) -> Self {
+        Self { size }
+    }
+}
+
+impl BlockDevice for ZeroDevice {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), BlockError> {
+        check_range(offset, buf.len() as u64, self.size)?;
+        buf.fill(0);
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {
+        check_range(offset, buf.len() as u64, self.size)
+    }
+    fn flush(&self) -> Result<(), BlockError> {
+        Ok(())
+    }
+    fn trim(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        check_range(offset, len, self.size)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        check_range(offset, len, self.size)
+    }
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, BlockError> {
+        check_range(offset, len, self.size)?;
+        Ok(if len == 0 { Vec::new() } else { vec![Extent { len, hole: true }] })
+    }
+}
+
+/// How to build a [`PoolDevice`].
+#[derive(Clone, Debug)]
+pub struct DeviceConfig {
+    /// Name, e.g. `swap0`.
+    pub name: String,
+    /// Size in bytes; rounded down to whole pages.
+    pub size: u64,
+    /// Store configuration: codec, policy (pool limit), shards.
+    pub store: StoreConfig,
+}
+
+impl DeviceConfig {
+    /// Builds the device.
+    pub fn build(self) -> Result<PoolDevice, StoreError> {
+        let store = self.store.build()?;
+        let pool = store.create_pool(PoolConfig::persistent().reject_keeps_old(true));
+        Ok(PoolDevice {
+            name: self.name,
+            size: self.size / PAGE * PAGE,
+            store,
+            pool,
+            stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+            io: IoCounters::default(),
+        })
+    }
+}
+
+/// Per-device I/O counters, after zram's `io_stat` and `stat`.
+#[derive(Debug, Default)]
+struct IoCounters {
+    read_ios: AtomicU64,
+    write_ios: AtomicU64,
+    read_bytes: AtomicU64,
+    write_bytes: AtomicU64,
+    /// Trim and write-zeroes requests.
+    discard_ios: AtomicU64,
+    /// Partial-page writes done by read-modify-write.
+    rmw_pages: AtomicU64,
+    /// Reads that failed (corrupt data).
+    failed_reads: AtomicU64,
+    /// Writes that failed (pool refused the page).
+    failed_writes: AtomicU64,
+    /// Requests outside the device.
+    invalid_io: AtomicU64,
+}
+
+/// Snapshot of a device's counters.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DeviceStats {
+    /// Device name.
+    pub name: String,
+    /// Size in bytes (zram `disksize`).
+    pub disksize: u64,
+    /// Read requests.
+    pub read_ios: u64,
+    /// Write requests.
+    pub write_ios: u64,
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// Bytes written.
+    pub write_bytes: u64,
+    /// Trim and write-zeroes requests.
+    pub discard_ios: u64,
+    /// Pages written by read-modify-write.
+    pub rmw_pages: u64,
+    /// Failed reads.
+    pub failed_reads: u64,
+    /// Failed writes.
+    pub failed_writes: u64,
+    /// Requests outside the device.
+    pub invalid_io: u64,
+    /// The device's store.
+    pub store: Stats,
+}
+
+/// A block device on a persistent pool of its own store.
+pub struct PoolDevice {
+    name: String,
+    size: u64,
+    store: Store,
+    pool: Arc<Pool>,
+    stripes: Box<[Mutex<()>]>,
+    io: IoCounters,
+}
+
+impl std::fmt::Debug for PoolDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolDevice").field("name", &self.name).field("size", &self.size).finish_non_exhaustive()
+    }
+}
+
+fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Splits `[offset, offset+len)` into per-page pieces: (page, offset in page, length).
+fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize, usize)> {
+    let end = offset + len;
+    let mut pos = offset;
+    std::iter::from_fn(move || {
+        if pos >= end {
+            return None;
+        }
+        let page = pos / PAGE;
+        let in_page = pos % PAGE;
+        let n = (PAGE - in_page).min(end - pos);
+        pos += n;
+        Some((page, usize::try_from(in_page).expect("< 4096"), usize::try_from(n).expect("<= 4096")))
+    })
+}
+
+impl PoolDevice {
+    /// Device name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device's store (policy and codec changes, compaction).
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn key(page: u64) -> Key {
+        Key::new(0, page)
+    }
+
+    fn stripe(&self, page: u64) -> std::sync::MutexGuard<'_, ()> {
+        let i = usize::try_from(page % STRIPES as u64).expect("< STRIPES");
+        self.stripes[i].lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn read_page(&self, page: u64, out: &mut [u8; PAGE_SIZE]) -> Result<(), BlockError> {
+        if self.pool.get(Self::key(page), out)? == GetOutcome::Miss {
+            out.fill(0);
+        }
+        Ok(())
+    }
+
+    fn put_page(&self, page: u64, data: &[u8; PAGE_SIZE]) -> Result<(), BlockError> {
+        match self.pool.put(Self::key(page), data)? {
+            PutOutcome::Stored => Ok(()),
+            PutOutcome::Rejected(reason) => Err(BlockError::NoSpace { page, reason }),
+        }
+    }
+
+    /// Zeroes `[in_page, in_page+n)` of `page`, freeing it when whole.
+    fn zero_piece(&self, page: u64, in_page: usize, n: usize) -> Result<(), BlockError> {
+        let _g = self.stripe(page);
+        if n == PAGE_SIZE {
+            self.pool.flush_page(Self::key(page))?;
+            return Ok(());
+        }
+        let mut buf = [0u8; PAGE_SIZE];
+        if self.pool.get(Self::key(page), &mut buf)? == GetOutcome::Miss {
+            return Ok(());
+        }
+        buf[in_page..in_page + n].fill(0);
+        bump(&self.io.rmw_pages, 1);
+        self.put_page(page, &buf)
+    }
+
+    fn range(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        check_range(offset, len, self.size).inspect_err(|_| bump(&self.io.invalid_io, 1))
+    }
+
+    /// Counters of the device and its store.
+    pub fn stats(&self) -> DeviceStats {
+        let r = Ordering::Relaxed;
+        let io = &self.io;
+        DeviceStats {
+            name: self.name.clone(),
+            disksize: self.size,
+            read_ios: io.read_ios.load(r),
+            write_ios: io.write_ios.load(r),
+            read_bytes: io.read_bytes.load(r),
+            write_bytes: io.write_bytes.load(r),
+            discard_ios: io.discard_ios.load(r),
+            rmw_pages: io.rmw_pages.load(r),
+            failed_reads: io.failed_reads.load(r),
+            failed_writes: io.failed_writes.load(r),
+            invalid_io: io.invalid_io.load(r),
+            store: self.store.stats(),
+        }
+    }
+}
+
+impl BlockDevice for PoolDevice {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), BlockError> {
+        self.range(offset, buf.len() as u64)?;
+        bump(&self.io.read_ios, 1);
+        bump(&self.io.read_bytes, buf.len() as u64);
+        let mut done = 0;
+        let mut scratch = [0u8; PAGE_SIZE];
+        for (page, in_page, n) in pieces(offset, buf.len() as u64) {
+            let dst = &mut buf[done..done + n];
+            let r = match <&mut [u8; PAGE_SIZE]>::try_from(&mut *dst) {
+                Ok(whole) => self.read_page(page, whole),
+                Err(_) => self.read_page(page, &mut scratch).map(|()| dst.copy_from_slice(&scratch[in_page..in_page + n])),
+            };
+            r.inspect_err(|_| bump(&self.io.failed_reads, 1))?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {
+        self.range(offset, buf.len() as u64)?;
+        bump(&self.io.write_ios, 1);
+        bump(&self.io.write_bytes, buf.len() as u64);
+        let mut done = 0;
+        let mut scratch = [0u8; PAGE_SIZE];
+        for (page, in_page, n) in pieces(offset, buf.len() as u64) {
+            let src = &buf[done..done + n];
+            let _g = self.stripe(page);
+            let r = match <&[u8; PAGE_SIZE]>::try_from(src) {
+                Ok(whole) => self.put_page(page, whole),
+                Err(_) => {
+                    bump(&self.io.rmw_pages, 1);
+                    self.read_page(page, &mut scratch).and_then(|()| {
+                        scratch[in_page..in_page + n].copy_from_slice(src);
+                        self.put_page(page, &scratch)
+                    })
+                }
+            };
+            r.inspect_err(|_| bump(&self.io.failed_writes, 1))?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> Result<(), BlockError> {
+        Ok(())
+    }
+
+    fn trim(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        self.range(offset, len)?;
+        bump(&self.io.discard_ios, 1);
+        for (page, in_page, n) in pieces(offset, len) {
+            self.zero_piece(page, in_page, n)?;
+        }
+        Ok(())
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        self.trim(offset, len)
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, BlockError> {
+        self.range(offset, len)?;
+        let mut out: Vec<Extent> = Vec::new();
+        for (page, _, n) in pieces(offset, len) {
+            let hole = !self.pool.contains(Self::key(page))?;
+            match out.last_mut() {
+                Some(e) if e.hole == hole => e.len += n as u64,
+                _ => out.push(Extent { len: n as u64, hole }),
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,142 @@
+use proptest::prelude::*;
+use tmem_core::{PolicyConfig, StoreConfig};
+
+use super::*;
+
+const SIZE: u64 = 1 << 20;
+
+fn device(policy: PolicyConfig) -> PoolDevice {
+    DeviceConfig { name: "t0".into(), size: SIZE, store: StoreConfig { policy, ..Default::default() } }.build().unwrap()
+}
+
+#[allow(clippy::cast_possible_truncation)] // byte patterns
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len as u64).map(|i| ((i * 7 + (seed % 1000) * 13) % 97) as u8).collect()
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write(u64, usize, u64),
+    Read(u64, usize),
+    Trim(u64, u64),
+    Zero(u64, u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let off = 0..SIZE - 20_000;
+    prop_oneof![
+        4 => (off.clone(), 1usize..20_000, any::<u64>()).prop_map(|(o, l, s)| Op::Write(o, l, s)),
+        4 => (off.clone(), 1usize..20_000).prop_map(|(o, l)| Op::Read(o, l)),
+        1 => (off.clone(), 1u64..20_000).prop_map(|(o, l)| Op::Trim(o, l)),
+        1 => (off, 1u64..20_000).prop_map(|(o, l)| Op::Zero(o, l)),
+    ]
+}
+
+/// Conformance: any device that stores data behaves like a byte array.
+fn check_against_oracle(dev: &dyn BlockDevice, ops: &[Op]) {
+    let mut oracle = vec![0u8; usize::try_from(dev.size()).unwrap()];
+    for op in ops {
+        match *op {
+            Op::Write(o, l, s) => {
+                let data = pattern(l, s);
+                dev.write_at(&data, o).unwrap();
+                oracle[o as usize..o as usize + l].copy_from_slice(&data);
+            }
+            Op::Read(o, l) => {
+                let mut buf = vec![0xAA; l];
+                dev.read_at(&mut buf, o).unwrap();
+                assert_eq!(buf, &oracle[o as usize..o as usize + l], "read {o}+{l}");
+            }
+            Op::Trim(o, l) | Op::Zero(o, l) => {
+                if matches!(op, Op::Trim(..)) {
+                    dev.trim(o, l).unwrap();
+                } else {
+                    dev.write_zeroes(o, l).unwrap();
+                }
+                oracle[o as usize..(o + l) as usize].fill(0);
+            }
+        }
+    }
+    let mut all = vec![0u8; oracle.len()];
+    dev.read_at(&mut all, 0).unwrap();
+    assert!(all == oracle, "final contents differ");
+    // Extents cover the device, and holes read as zeros.
+    let ext = dev.extents(0, dev.size()).unwrap();
+    assert_eq!(ext.iter().map(|e| e.len).sum::<u64>(), dev.size());
+    let mut pos = 0usize;
+    for e in ext {
+        if e.hole {
+            assert!(oracle[pos..pos + e.len as usize].iter().all(|&b| b == 0));
+        }
+        pos += e.len as usize;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn pool_device_matches_byte_array(ops in prop::collection::vec(op(), 1..40)) {
+        check_against_oracle(&device(PolicyConfig::default()), &ops);
+    }
+}
+
+#[test]
+fn zero_device_reads_zeros_and_checks_ranges() {
+    let d = ZeroDevice::new(SIZE);
+    d.write_at(&[1, 2, 3], 10).unwrap();
+    let mut b = [9u8; 3];
+    d.read_at(&mut b, 10).unwrap();
+    assert_eq!(b, [0, 0, 0]);
+    assert!(matches!(d.read_at(&mut b, SIZE - 1), Err(BlockError::OutOfRange { .. })));
+    assert_eq!(d.extents(0, SIZE).unwrap(), vec![Extent { len: SIZE, hole: true }]);
+}
+
+#[test]
+fn unwritten_is_hole_trim_frees_and_ranges_are_checked() {
+    let d = device(PolicyConfig::default());
+    assert_eq!(d.extents(0, SIZE).unwrap(), vec![Extent { len: SIZE, hole: true }]);
+    d.write_at(&pattern(3 * PAGE_SIZE, 1), PAGE).unwrap();
+    assert_eq!(
+        d.extents(0, 5 * PAGE).unwrap(),
+        vec![Extent { len: PAGE, hole: true }, Extent { len: 3 * PAGE, hole: false }, Extent { len: PAGE, hole: true }]
+    );
+    d.trim(PAGE, 3 * PAGE).unwrap();
+    assert_eq!(d.store().stats().total.stored_pages, 0);
+    assert!(matches!(d.write_at(&[1], SIZE), Err(BlockError::OutOfRange { .. })));
+    assert!(matches!(d.trim(u64::MAX, 2), Err(BlockError::OutOfRange { .. })));
+    let s = d.stats();
+    assert_eq!((s.invalid_io, s.discard_ios, s.write_ios), (2, 1, 1));
+}
+
+#[test]
+fn refused_write_is_enospc_and_keeps_old_contents() {
+    // Incompressible pages and the zswap default policy: the pool refuses them.
+    let d = device(PolicyConfig::default());
+    let old = pattern(PAGE_SIZE, 5);
+    d.write_at(&old, 0).unwrap();
+    let mut noise = vec![0u8; 100];
+    let mut x = 0x1234_5678_9abc_def1u64;
+    for b in &mut noise {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x.to_le_bytes()[0];
+    }
+    // A partial write that leaves the page compressible succeeds...
+    d.write_at(&noise, 0).unwrap();
+    // ...a whole random page does not, and the previous page survives.
+    let mut page = vec![0u8; PAGE_SIZE];
+    for b in &mut page {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x.to_le_bytes()[0];
+    }
+    let err = d.write_at(&page, 0).unwrap_err();
+    assert_eq!(err.errno(), libc::ENOSPC);
+    let mut back = vec![0u8; PAGE_SIZE];
+    d.read_at(&mut back, 0).unwrap();
+    assert_eq!(&back[..100], &noise[..]);
+    assert_eq!(&back[100..], &old[100..]);
+    assert_eq!(d.stats().failed_writes, 1);
+}

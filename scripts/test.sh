@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Installs what the tests need (Debian/Ubuntu, as root or with sudo) and runs them all.
+# Usage: scripts/test.sh            # install + fmt + clippy + tests + fuzz build + smoke bench
+#        FUZZ_SECONDS=60 scripts/test.sh   # also run each fuzz target for that long
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+# Debian packages: real programs for corpus capture (python3, java, gcc, redis),
+# and the kernel tools the tests drive.
+PKGS=(python3 default-jdk-headless gcc redis-server util-linux)
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "== apt-get install ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# Cargo tools.
+command -v cargo-nextest >/dev/null || cargo install cargo-nextest --locked
+command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+
+echo "== cargo fmt --check"
+cargo fmt --all --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+echo "== cargo nextest"
+cargo nextest run --workspace --no-fail-fast
+
+echo "== doc tests"
+cargo test --workspace --doc
+
+# cargo-fuzz needs nightly flags; use the nightly toolchain where installed,
+# otherwise let stable accept them.
+echo "== fuzz targets (build)"
+if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+    FUZZ=(cargo +nightly fuzz)
+else
+    export RUSTC_BOOTSTRAP=1
+    FUZZ=(cargo fuzz)
+fi
+(cd fuzz && "${FUZZ[@]}" build)
+if [ "${FUZZ_SECONDS:-0}" -gt 0 ]; then
+    for t in $(cd fuzz && "${FUZZ[@]}" list); do
+        (cd fuzz && "${FUZZ[@]}" run "$t" -- -max_total_time="$FUZZ_SECONDS")
+    done
+fi
+
+echo "== smoke: tmem bench store (built-in corpus, 1 round)"
+cargo run --release -q -p tmem -- bench store --rounds 1 --mix-only
