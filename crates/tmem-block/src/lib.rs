@@ -180,7 +180,7 @@ struct IoCounters {
 }
 
 /// Snapshot of a device's counters.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct DeviceStats {
     /// Device name.
     pub name: String,

@@ -239,7 +239,7 @@ impl Class {
 }
 
 /// Counters of the allocator.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct AllocStats {
     /// Bytes in spans (what the allocator holds from the kernel).
     pub span_bytes: u64,

@@ -118,7 +118,9 @@ struct ArenaInner {
     /// Next unused byte in the newest chunk.
     bump: usize,
     /// Freed spans by page count (index = pages - 1); already `MADV_DONTNEED`.
-    free: Vec<Vec<NonNull<u8>>>,
+    /// The flag says the span had to be unlocked first (the process called
+    /// `mlockall`), so it is locked again when reused.
+    free: Vec<Vec<(NonNull<u8>, bool)>>,
 }
 
 /// Source of page-aligned spans, carved from `CHUNK_BYTES` mmap reservations.
@@ -174,7 +176,7 @@ impl PageArena {
     /// Bytes of arena bookkeeping (chunk and free lists), for metadata accounting.
     pub fn meta_bytes(&self) -> u64 {
         let g = self.lock();
-        let free: usize = g.free.iter().map(|v| v.capacity() * 8).sum();
+        let free: usize = g.free.iter().map(|v| v.capacity() * std::mem::size_of::<(NonNull<u8>, bool)>()).sum();
         (g.chunks.capacity() * std::mem::size_of::<Chunk>() + free) as u64
     }
 
@@ -187,7 +189,13 @@ impl PageArena {
         assert!((1..=MAX_SPAN_PAGES).contains(&pages));
         let len = pages * PAGE_SIZE;
         let mut g = self.lock();
-        let base = if let Some(p) = g.free[pages - 1].pop() {
+        let base = if let Some((p, unlocked)) = g.free[pages - 1].pop() {
+            if unlocked {
+                // SAFETY: the range is a whole span of ours, unused; locking
+                // on fault changes no contents.
+                let rc = unsafe { libc::mlock2(p.as_ptr().cast(), len, libc::MLOCK_ONFAULT) };
+                debug_assert_eq!(rc, 0, "mlock2 failed: {}", std::io::Error::last_os_error());
+            }
             p
         } else {
             if g.bump + len > CHUNK_BYTES {
@@ -211,18 +219,29 @@ impl PageArena {
     /// `span` came from this arena's `alloc_span` and is not used afterwards.
     pub unsafe fn free_span(&self, span: SpanPtr) {
         let pages = span.len / PAGE_SIZE;
+        let addr = span.base.as_ptr().cast::<libc::c_void>();
         // SAFETY: the range is a whole span we mapped; nobody uses it any more
         // (caller contract). MADV_DONTNEED on private anonymous memory makes
         // later reads return zeros, which is what a fresh span needs.
-        let rc = unsafe { libc::madvise(span.base.as_ptr().cast(), span.len, libc::MADV_DONTNEED) };
-        debug_assert_eq!(rc, 0, "madvise(DONTNEED) failed");
+        let mut rc = unsafe { libc::madvise(addr, span.len, libc::MADV_DONTNEED) };
+        let mut unlocked = false;
         if rc != 0 {
-            // The pages stay resident (e.g. mlocked); zero them so reuse is still correct.
+            // Locked memory (mlockall) refuses DONTNEED: unlock the span first.
+            // SAFETY: same exclusive range as above.
+            rc = unsafe { libc::munlock(addr, span.len) };
+            if rc == 0 {
+                unlocked = true;
+                // SAFETY: same exclusive range as above.
+                rc = unsafe { libc::madvise(addr, span.len, libc::MADV_DONTNEED) };
+            }
+        }
+        if rc != 0 {
+            // The pages stay resident; zero them so reuse is still correct.
             // SAFETY: same exclusive range as above.
             unsafe { std::ptr::write_bytes(span.base.as_ptr(), 0, span.len) };
         }
         self.used_pages.fetch_sub(pages as u64, Ordering::Relaxed);
-        self.lock().free[pages - 1].push(span.base);
+        self.lock().free[pages - 1].push((span.base, unlocked));
     }
 }
 
@@ -277,6 +296,29 @@ mod tests {
         assert_eq!(t, s, "freed span of the same size is reused");
         // SAFETY: fresh span, single thread.
         assert!(unsafe { t.slice(0, t.len()) }.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn spans_are_released_and_zeroed_under_mlockall() {
+        // nextest runs each test in its own process, so locking is contained.
+        // SAFETY: mlockall only changes how our own mappings are locked.
+        if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) } != 0 {
+            println!("SKIP: mlockall refused: {}", std::io::Error::last_os_error());
+            return;
+        }
+        let a = PageArena::new();
+        let s = a.alloc_span(4).unwrap();
+        // SAFETY: fresh span, single thread.
+        unsafe { s.write(0, &[0xAB; 3 * PAGE_SIZE]) };
+        // SAFETY: not used afterwards.
+        unsafe { a.free_span(s) };
+        assert!(a.lock().free[3].last().is_some_and(|&(_, unlocked)| unlocked), "locked span was unlocked to free it");
+        let t = a.alloc_span(4).unwrap();
+        assert_eq!(t, s);
+        // SAFETY: fresh span, single thread.
+        assert!(unsafe { t.slice(0, t.len()) }.iter().all(|&b| b == 0));
+        // SAFETY: undo the test's locking.
+        unsafe { libc::munlockall() };
     }
 
     #[test]

@@ -169,7 +169,7 @@ impl PoolStats {
 }
 
 /// Snapshot of a whole store.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Stats {
     /// All memory the store holds: spans plus every piece of metadata (zram `mem_used_total`).
     pub mem_used_total: u64,

@@ -104,7 +104,10 @@ fn pool_at_limit_rejects_with_pool_limit_and_counts_it() {
 
     let st = p.stats();
     assert_eq!(st.pool_limit_hit, 4);
-    assert_eq!((st.reject_compress_poor, st.reject_frozen, st.reject_alloc_fail, st.reject_compress_fail), (0, 0, 0, 0));
+    assert_eq!(
+        (st.reject_compress_poor, st.reject_frozen, st.reject_alloc_fail, st.reject_compress_fail),
+        (0, 0, 0, 0)
+    );
     assert_eq!(st.puts, first_reject + 1 + 3);
     assert_eq!(st.succ_puts, first_reject);
     assert_eq!(st.stored_pages, stored.len() as u64);

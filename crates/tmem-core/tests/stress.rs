@@ -95,7 +95,7 @@ fn bank() -> Vec<Page> {
 /// older put is caught. Same-filled templates stay same-filled.
 fn page_for(bank: &[Page], template: usize, key: Key, version: u64) -> Page {
     let mut p = bank[template];
-    if template % 6 != 0 {
+    if !template.is_multiple_of(6) {
         p[..8].copy_from_slice(&key.object.to_le_bytes());
         p[8..16].copy_from_slice(&key.index.to_le_bytes());
         p[16..24].copy_from_slice(&version.to_le_bytes());
@@ -176,8 +176,8 @@ impl Worker<'_> {
         match got {
             GetOutcome::Hit => {
                 t.hits += 1;
-                let (template, version) = expected
-                    .unwrap_or_else(|| panic!("worker {} pool {pool}: hit on {key:?}, never stored", self.id));
+                let (template, version) =
+                    expected.unwrap_or_else(|| panic!("worker {} pool {pool}: hit on {key:?}, never stored", self.id));
                 let want = page_for(self.bank, template, key, version);
                 if out != want {
                     let first = out.iter().zip(want.iter()).position(|(a, b)| a != b).unwrap_or(0);

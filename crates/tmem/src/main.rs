@@ -1,6 +1,9 @@
 //! `tmem`: userspace transcendent memory — command-line interface.
 
 mod bench;
+mod ctl;
+mod daemon;
+mod swapcmd;
 
 use std::process::ExitCode;
 
@@ -26,6 +29,45 @@ enum Command {
         #[command(subcommand)]
         what: CorpusCommand,
     },
+    /// Kernel swap on tmem: a daemon serving compressed swap devices.
+    Swap {
+        #[command(subcommand)]
+        what: SwapCommand,
+    },
+    /// Counters of the running daemon's devices (zramctl-like).
+    Stat {
+        #[command(flatten)]
+        daemon: swapcmd::DaemonArgs,
+        /// Every counter, as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Changes knobs of a device at run time: pool-limit=2G|25%, frozen=1, codec=zstd:3,
+    /// incompressible=reject|store_raw, max_compressed_size=N, accept_threshold_percent=N, compact=now.
+    Set {
+        #[command(flatten)]
+        daemon: swapcmd::DaemonArgs,
+        /// Device name, e.g. swap0.
+        device: String,
+        /// KEY=VALUE pairs.
+        #[arg(required = true)]
+        assignments: Vec<String>,
+    },
+    /// Runs the daemon (started by `tmem swap up`).
+    #[command(hide = true)]
+    Daemon {
+        /// Daemon specification, JSON.
+        #[arg(long)]
+        spec: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum SwapCommand {
+    /// Starts the daemon, exports devices over FUSE, attaches loop devices, runs mkswap and swapon.
+    Up(swapcmd::UpArgs),
+    /// swapoff (the kernel takes its pages back), detach, unmount, stop the daemon.
+    Down(swapcmd::DaemonArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -55,6 +97,11 @@ fn main() -> ExitCode {
             tmem_corpus::run_capture(&args).map_err(|e| e.to_string())
         }
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
+        Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a),
+        Command::Swap { what: SwapCommand::Down(a) } => swapcmd::down(&a),
+        Command::Stat { daemon, json } => swapcmd::stat(&daemon, json),
+        Command::Set { daemon, device, assignments } => swapcmd::set(&daemon, &device, &assignments),
+        Command::Daemon { spec } => swapcmd::run_daemon(&spec),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

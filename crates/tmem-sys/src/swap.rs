@@ -1,0 +1,234 @@
+//! Swap plumbing: loop devices, mkswap/swapon/swapoff, and the process
+//! settings a daemon that serves swap needs (mlockall, PR_SET_IO_FLUSHER,
+//! leaving the memory cgroup it serves).
+//!
+//! Commands come from util-linux (`losetup`, `mkswap`, `swapon`, `swapoff`);
+//! each failure carries the command line and what it printed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Errors of the swap plumbing.
+#[derive(Debug, thiserror::Error)]
+pub enum SwapError {
+    /// A command could not be started.
+    #[error("cannot run {cmd}: {source}")]
+    Spawn {
+        /// Command line.
+        cmd: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// A command failed.
+    #[error("{cmd} failed ({status}): {stderr}")]
+    Failed {
+        /// Command line.
+        cmd: String,
+        /// Exit status.
+        status: String,
+        /// What it printed on stderr.
+        stderr: String,
+    },
+    /// A system call failed.
+    #[error("{call}: {source}")]
+    Sys {
+        /// Which call.
+        call: &'static str,
+        /// errno.
+        source: std::io::Error,
+    },
+    /// A /proc file could not be read or parsed.
+    #[error("{path}: {reason}")]
+    Proc {
+        /// File.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Runs a command and returns its stdout.
+pub fn run(program: &str, args: &[&str]) -> Result<String, SwapError> {
+    let cmd = std::iter::once(program).chain(args.iter().copied()).collect::<Vec<_>>().join(" ");
+    let out = Command::new(program).args(args).output().map_err(|source| SwapError::Spawn { cmd: cmd.clone(), source })?;
+    if !out.status.success() {
+        return Err(SwapError::Failed {
+            cmd,
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// Attaches `file` to a free loop device with direct I/O; returns the device path.
+pub fn loop_attach(file: &Path) -> Result<PathBuf, SwapError> {
+    let f = file.to_string_lossy();
+    run("losetup", &["--direct-io=on", "--find", "--show", &f]).map(PathBuf::from)
+}
+
+/// Detaches a loop device.
+pub fn loop_detach(dev: &Path) -> Result<(), SwapError> {
+    run("losetup", &["--detach", &dev.to_string_lossy()]).map(drop)
+}
+
+/// Loop devices backed by `file` (from `losetup -j`).
+pub fn loops_of(file: &Path) -> Result<Vec<PathBuf>, SwapError> {
+    let out = run("losetup", &["--associated", &file.to_string_lossy(), "--noheadings", "--output", "NAME"])?;
+    Ok(out.lines().map(str::trim).filter(|l| !l.is_empty()).map(PathBuf::from).collect())
+}
+
+/// Writes a swap signature.
+pub fn mkswap(dev: &Path, label: &str) -> Result<(), SwapError> {
+    run("mkswap", &["--label", label, &dev.to_string_lossy()]).map(drop)
+}
+
+/// Enables swap on `dev` with `priority`, discarding freed pages so the
+/// store can free them too.
+pub fn swapon(dev: &Path, priority: i32) -> Result<(), SwapError> {
+    run("swapon", &["--discard=pages", "--priority", &priority.to_string(), &dev.to_string_lossy()]).map(drop)
+}
+
+/// Disables swap on `dev`; the kernel reads every page back first.
+pub fn swapoff(dev: &Path) -> Result<(), SwapError> {
+    run("swapoff", &[&dev.to_string_lossy()]).map(drop)
+}
+
+/// One line of /proc/swaps.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SwapArea {
+    /// Device or file path.
+    pub path: PathBuf,
+    /// Size in bytes.
+    pub size: u64,
+    /// Bytes in use.
+    pub used: u64,
+    /// Priority.
+    pub priority: i32,
+}
+
+/// Parses /proc/swaps.
+pub fn parse_swaps(text: &str) -> Result<Vec<SwapArea>, SwapError> {
+    let bad = |line: &str| SwapError::Proc { path: "/proc/swaps".into(), reason: format!("bad line {line:?}") };
+    let mut v = Vec::new();
+    for line in text.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 5 {
+            return Err(bad(line));
+        }
+        let num = |s: &str| s.parse::<u64>().map_err(|_| bad(line));
+        v.push(SwapArea {
+            path: PathBuf::from(f[0].replace("\\040", " ")),
+            size: num(f[2])? * 1024,
+            used: num(f[3])? * 1024,
+            priority: f[4].parse().map_err(|_| bad(line))?,
+        });
+    }
+    Ok(v)
+}
+
+/// Active swap areas.
+pub fn swaps() -> Result<Vec<SwapArea>, SwapError> {
+    let text = std::fs::read_to_string("/proc/swaps")
+        .map_err(|e| SwapError::Proc { path: "/proc/swaps".into(), reason: e.to_string() })?;
+    parse_swaps(&text)
+}
+
+/// Whether `dev` is an active swap area.
+pub fn is_swap(dev: &Path) -> Result<bool, SwapError> {
+    Ok(swaps()?.iter().any(|s| s.path == dev))
+}
+
+/// `MemTotal` from /proc/meminfo, in bytes.
+pub fn total_ram_bytes() -> Result<u64, SwapError> {
+    meminfo_field("MemTotal")
+}
+
+/// A `kB` field of /proc/meminfo, in bytes.
+pub fn meminfo_field(name: &str) -> Result<u64, SwapError> {
+    let text = std::fs::read_to_string("/proc/meminfo")
+        .map_err(|e| SwapError::Proc { path: "/proc/meminfo".into(), reason: e.to_string() })?;
+    parse_meminfo_field(&text, name)
+}
+
+fn parse_meminfo_field(text: &str, name: &str) -> Result<u64, SwapError> {
+    let bad = |reason: String| SwapError::Proc { path: "/proc/meminfo".into(), reason };
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix(name).and_then(|r| r.strip_prefix(':')) {
+            let kb = rest.trim().trim_end_matches("kB").trim();
+            return kb.parse::<u64>().map(|k| k * 1024).map_err(|_| bad(format!("bad {name} line {line:?}")));
+        }
+    }
+    Err(bad(format!("no {name} line")))
+}
+
+/// Locks all current and future memory, faulting pages in as they are
+/// touched (`MCL_ONFAULT`), so pool memory is locked without being
+/// populated up front.
+pub fn mlockall_onfault() -> Result<(), SwapError> {
+    // SAFETY: mlockall only changes the locking of our own mappings.
+    let rc = unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) };
+    if rc != 0 {
+        return Err(SwapError::Sys { call: "mlockall", source: std::io::Error::last_os_error() });
+    }
+    Ok(())
+}
+
+/// Marks the process as an I/O flusher (`PR_SET_IO_FLUSHER`): its memory
+/// allocations do not recurse into I/O it may itself have to serve.
+pub fn set_io_flusher() -> Result<(), SwapError> {
+    const PR_SET_IO_FLUSHER: libc::c_int = 57;
+    // SAFETY: prctl with PR_SET_IO_FLUSHER takes an integer flag and no pointers.
+    let rc = unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong) };
+    if rc != 0 {
+        return Err(SwapError::Sys { call: "prctl(PR_SET_IO_FLUSHER)", source: std::io::Error::last_os_error() });
+    }
+    Ok(())
+}
+
+/// Moves this process to the root memory cgroup (v1 and v2), so memory
+/// limits on the workload it serves never apply to it. Returns where it
+/// went, or why it could not.
+pub fn leave_memory_cgroup() -> Result<&'static str, SwapError> {
+    let pid = std::process::id().to_string();
+    for procs in ["/sys/fs/cgroup/memory/cgroup.procs", "/sys/fs/cgroup/cgroup.procs"] {
+        if Path::new(procs).exists() {
+            return std::fs::write(procs, &pid)
+                .map(|()| procs)
+                .map_err(|e| SwapError::Proc { path: procs.into(), reason: e.to_string() });
+        }
+    }
+    Err(SwapError::Proc { path: "/sys/fs/cgroup".into(), reason: "no memory cgroup hierarchy found".into() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_proc_swaps() {
+        let t = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n/dev/loop3                              partition\t8388604\t\t1024\t\t100\n/swap\\040file file 100 0 -2\n";
+        let v = parse_swaps(t).unwrap();
+        assert_eq!(v.len(), 2);
+        assert_eq!(v[0], SwapArea { path: "/dev/loop3".into(), size: 8388604 * 1024, used: 1024 * 1024, priority: 100 });
+        assert_eq!(v[1].path, PathBuf::from("/swap file"));
+        assert_eq!(v[1].priority, -2);
+        assert!(parse_swaps("h\n/dev/x partition 1\n").is_err());
+    }
+
+    #[test]
+    fn parses_meminfo() {
+        let t = "MemTotal:       24576000 kB\nMemFree:        100 kB\n";
+        assert_eq!(parse_meminfo_field(t, "MemTotal").unwrap(), 24576000 * 1024);
+        assert_eq!(parse_meminfo_field(t, "MemFree").unwrap(), 100 * 1024);
+        assert!(parse_meminfo_field(t, "SwapTotal").is_err());
+        assert!(total_ram_bytes().unwrap() > 0);
+    }
+
+    #[test]
+    fn failing_command_reports_stderr() {
+        let e = run("ls", &["/definitely/not/here"]).unwrap_err();
+        assert!(e.to_string().contains("/definitely/not/here"), "{e}");
+        assert!(matches!(run("/no/such/program", &[]), Err(SwapError::Spawn { .. })));
+    }
+}
