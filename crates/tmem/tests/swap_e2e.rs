@@ -1,0 +1,199 @@
+//! Kernel swap end to end (root): `tmem swap up`, a memory-hungry program in a
+//! memory cgroup limited to half its peak, `tmem stat`, `tmem swap down`.
+//! Everything set up is torn down even when an assertion fails.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const TMEM: &str = env!("CARGO_BIN_EXE_tmem");
+
+/// Writes `mib` MiB of pages (1 KiB random + 3 KiB zeros, compressible like
+/// a heap), hashing them as it goes; then, after later pages have pushed the
+/// early ones out to swap, reads everything back and hashes it again.
+const HOG: &str = r#"
+import hashlib, random, sys
+mib = int(sys.argv[1])
+random.seed(7)
+h1 = hashlib.sha256()
+chunks = []
+for i in range(mib):
+    c = b"".join(random.randbytes(1024) + bytes(3072) for _ in range(256))
+    h1.update(c)
+    chunks.append(bytearray(c))
+h2 = hashlib.sha256()
+for c in chunks:
+    h2.update(c)
+print("OK" if h1.digest() == h2.digest() else "MISMATCH", h1.hexdigest())
+"#;
+
+fn skip_reason() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("needs root".into());
+    }
+    for p in ["/dev/fuse", "/sys/fs/cgroup/memory/cgroup.procs", "/proc/swaps"] {
+        if !Path::new(p).exists() {
+            return Some(format!("{p} is missing"));
+        }
+    }
+    for tool in ["losetup", "mkswap", "swapon", "swapoff", "python3"] {
+        if Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().map_or(true, |o| !o.status.success()) {
+            return Some(format!("{tool} is not installed"));
+        }
+    }
+    None
+}
+
+fn tmem(args: &[&str]) -> (bool, String) {
+    let out = Command::new(TMEM).args(args).output().expect("run tmem");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// Tears down swap, loop, mount and cgroup on drop, whatever happened.
+struct Setup {
+    dir: PathBuf,
+    cgroup: PathBuf,
+    up: bool,
+}
+
+impl Setup {
+    fn new(tag: &str) -> Self {
+        let id = format!("{tag}-{}", std::process::id());
+        Setup {
+            dir: PathBuf::from(format!("/run/tmem-test-{id}")),
+            cgroup: PathBuf::from(format!("/sys/fs/cgroup/memory/tmem-test-{id}")),
+            up: false,
+        }
+    }
+
+    fn dir(&self) -> &str {
+        self.dir.to_str().unwrap()
+    }
+
+    fn swap_up(&mut self, pool_limit: &str) -> String {
+        let (ok, out) = tmem(&["swap", "up", "--size", "2G", "--pool-limit", pool_limit, "--runtime-dir", self.dir()]);
+        self.up = ok;
+        assert!(ok, "tmem swap up failed:\n{out}");
+        out
+    }
+
+    fn loop_dev(&self) -> Option<String> {
+        let out = Command::new("losetup").args(["--associated", &format!("{}/dev/swap0", self.dir()), "--noheadings", "--output", "NAME"]).output().ok()?;
+        let s = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        (!s.is_empty()).then_some(s)
+    }
+
+    /// Runs the hog in a fresh memory cgroup limited to `limit_mib`.
+    fn run_hog(&self, mib: u32, limit_mib: u32) -> std::process::Output {
+        std::fs::create_dir_all(&self.cgroup).unwrap();
+        std::fs::write(self.cgroup.join("memory.limit_in_bytes"), format!("{}", u64::from(limit_mib) << 20)).unwrap();
+        let procs = self.cgroup.join("cgroup.procs");
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("echo $$ > {} && exec python3 -c \"$0\" {mib}", procs.display()))
+            .arg(HOG)
+            .output()
+            .unwrap()
+    }
+
+    fn stat(&self) -> serde_json::Value {
+        let (ok, out) = tmem(&["stat", "--json", "--runtime-dir", self.dir()]);
+        assert!(ok, "tmem stat failed: {out}");
+        serde_json::from_str(&out).unwrap()
+    }
+
+    fn swap_down(&mut self) -> String {
+        let (ok, out) = tmem(&["swap", "down", "--runtime-dir", self.dir()]);
+        assert!(ok, "tmem swap down failed:\n{out}");
+        self.up = false;
+        out
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        if self.up {
+            let (ok, out) = tmem(&["swap", "down", "--runtime-dir", self.dir()]);
+            if !ok {
+                eprintln!("cleanup: swap down failed: {out}");
+                if let Some(dev) = self.loop_dev() {
+                    let _ = Command::new("swapoff").arg(&dev).status();
+                    let _ = Command::new("losetup").args(["--detach", &dev]).status();
+                }
+                let _ = Command::new("umount").arg("-l").arg(self.dir.join("dev")).status();
+            }
+        }
+        if self.cgroup.exists() {
+            // Processes left in it (a killed hog) are gone once reaped; rmdir then works.
+            let _ = std::fs::remove_dir(&self.cgroup);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn assert_clean(s: &Setup) {
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
+    assert!(s.loop_dev().is_none(), "loop device left behind");
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    assert!(!mounts.contains(s.dir()), "mount left behind:\n{mounts}");
+    assert!(!swaps.contains(&format!("{}/", s.dir())), "swap left behind:\n{swaps}");
+}
+
+#[test]
+fn job_runs_in_half_its_memory_on_tmem_swap() {
+    if let Some(why) = skip_reason() {
+        println!("SKIP: {why}");
+        return;
+    }
+    let mut s = Setup::new("half");
+    let up = s.swap_up("1G");
+    assert!(up.contains("swapon"), "{up}");
+    // 512 MiB of data plus the interpreter, in a 256 MiB cgroup.
+    let out = s.run_hog(512, 256);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.starts_with("OK "), "workload failed: {:?} {stdout} {}", out.status, String::from_utf8_lossy(&out.stderr));
+    let peak: u64 = std::fs::read_to_string(s.cgroup.join("memory.max_usage_in_bytes")).unwrap().trim().parse().unwrap();
+    assert!(peak <= 256 << 20, "cgroup limit held: {peak}");
+    let st = s.stat();
+    let dev = &st[0];
+    assert!(dev["write_ios"].as_u64().unwrap() > 0, "the kernel wrote to tmem: {dev}");
+    assert!(dev["store"]["total"]["succ_puts"].as_u64().unwrap() > 16_384, "at least 64 MiB went through the pool: {dev}");
+    assert!(dev["store"]["total"]["succ_gets"].as_u64().unwrap() > 0, "pages came back: {dev}");
+    assert_eq!(dev["failed_reads"].as_u64(), Some(0));
+    assert_eq!(dev["store"]["total"]["decompress_fail"].as_u64(), Some(0));
+    let (ok, table) = tmem(&["stat", "--runtime-dir", s.dir()]);
+    assert!(ok && table.contains("swap0"), "{table}");
+    let down = s.swap_down();
+    assert!(down.contains("swapoff") && down.contains("exited"), "{down}");
+    assert_clean(&s);
+}
+
+#[test]
+fn full_pool_refuses_pages_without_corrupting_the_job() {
+    if let Some(why) = skip_reason() {
+        println!("SKIP: {why}");
+        return;
+    }
+    let mut s = Setup::new("full");
+    // 32 MiB of pool for a job that needs ~350 MiB of swap.
+    s.swap_up("32M");
+    let out = s.run_hog(512, 192);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // The job completes correctly (pages the pool refused stay in RAM) or the
+    // kernel OOM-kills it; it never sees wrong data.
+    assert!(!stdout.contains("MISMATCH"), "wrong data: {stdout}");
+    if out.status.success() {
+        assert!(stdout.starts_with("OK "), "{stdout}");
+    } else {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(libc::SIGKILL), "only an OOM kill is acceptable: {:?}", out.status);
+    }
+    let st = s.stat();
+    let dev = &st[0];
+    assert!(dev["store"]["total"]["pool_limit_hit"].as_u64().unwrap() > 0, "{dev}");
+    assert!(dev["failed_writes"].as_u64().unwrap() > 0, "refusals reach the kernel as write errors: {dev}");
+    assert!(dev["store"]["mem_used_total"].as_u64().unwrap() <= (32 << 20) + (1 << 20), "{dev}");
+    s.swap_down();
+    assert_clean(&s);
+}
