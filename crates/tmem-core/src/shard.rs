@@ -25,6 +25,15 @@ pub(crate) const F_SAME: u32 = 2 << FLAG_SHIFT;
 pub(crate) const F_REFERENCED: u32 = 4 << FLAG_SHIFT;
 /// Stored uncompressed because it did not compress well enough.
 pub(crate) const F_INCOMPRESSIBLE: u32 = 8 << FLAG_SHIFT;
+/// The page lives in a lower tier; `Entry::loc` holds its sealing version.
+pub(crate) const F_TIER: u32 = 16 << FLAG_SHIFT;
+/// Chosen for writeback and not replaced since (cleared when writeback ends).
+pub(crate) const F_WB: u32 = 32 << FLAG_SHIFT;
+/// On the shard's LRU list.
+pub(crate) const F_INLRU: u32 = 64 << FLAG_SHIFT;
+const TIER_SHIFT: u32 = FLAG_SHIFT + 7;
+/// Tiers a pool can chain.
+pub const MAX_TIERS: usize = 8;
 
 /// Maximum codec id an entry can record.
 pub const MAX_CODECS: usize = 1 << CODEC_BITS;
@@ -78,7 +87,20 @@ impl Entry {
 
     /// Allocator location; only for entries without `F_SAME`.
     pub fn alloc_loc(&self) -> Option<Loc> {
-        (!self.has(F_SAME)).then(|| Loc::unpack(self.loc))
+        (!self.has(F_SAME) && !self.has(F_TIER)).then(|| Loc::unpack(self.loc))
+    }
+
+    /// Index of the tier holding the page (with `F_TIER`).
+    pub fn tier(&self) -> usize {
+        ((self.meta >> TIER_SHIFT) & 7) as usize
+    }
+
+    /// Marks the entry as living in tier `tier` under sealing `version`.
+    pub fn set_tier(&mut self, tier: usize, version: u64) {
+        debug_assert!(tier < MAX_TIERS);
+        let tier = u32::try_from(tier).expect("tier index < 8");
+        self.meta = (self.meta & !(7 << TIER_SHIFT) & !F_WB) | F_TIER | (tier << TIER_SHIFT);
+        self.loc = version;
     }
 }
 
@@ -252,12 +274,17 @@ impl Shard {
         self.entries.remove(h)
     }
 
-    fn lru_push_front(&mut self, h: u32) {
+    /// Puts entry `h` at the young end of the LRU (no-op when already on it).
+    pub fn lru_push_front(&mut self, h: u32) {
+        if self.entries.get(h).has(F_INLRU) {
+            return;
+        }
         let head = self.lru_head;
         {
             let e = self.entries.get_mut(h);
             e.prev = NIL;
             e.next = head;
+            e.meta |= F_INLRU;
         }
         if head == NIL {
             self.lru_tail = h;
@@ -267,8 +294,13 @@ impl Shard {
         self.lru_head = h;
     }
 
-    fn lru_unlink(&mut self, h: u32) {
-        let Entry { prev, next, .. } = *self.entries.get(h);
+    /// Takes entry `h` off the LRU (no-op when not on it).
+    pub fn lru_unlink(&mut self, h: u32) {
+        let Entry { prev, next, meta, .. } = *self.entries.get(h);
+        if meta & F_INLRU == 0 {
+            return;
+        }
+        self.entries.get_mut(h).meta &= !F_INLRU;
         if prev == NIL {
             self.lru_head = next;
         } else {

@@ -33,6 +33,14 @@ pub(crate) struct ShardCounters {
     pub compressions: u64,
     /// Pages decompressed by successful gets.
     pub decompressions: u64,
+    /// Pages held in lower tiers.
+    pub tier_pages: u64,
+    /// Pages moved from the pool to a lower tier (zswap `written_back_pages`).
+    pub written_back_pages: u64,
+    /// Gets served from a lower tier.
+    pub tier_gets: u64,
+    /// Incompressible pages sent straight to a lower tier.
+    pub incompressible_to_tier: u64,
 }
 
 /// Rare events, counted pool-wide.
@@ -52,6 +60,10 @@ pub(crate) struct PoolEvents {
     pub decompress_fail: AtomicU64,
     /// Compressions whose result was then refused as poor.
     pub compressions_rejected: AtomicU64,
+    /// Gets whose page a lower tier could not return (down, lost) or that failed authentication.
+    pub tier_get_fail: AtomicU64,
+    /// Writeback batches a tier refused or failed.
+    pub tier_put_fail: AtomicU64,
 }
 
 impl PoolEvents {
@@ -75,7 +87,7 @@ pub struct PoolStats {
     pub same_filled_pages: u64,
     /// Pages held uncompressed because they compress poorly.
     pub stored_incompressible_pages: u64,
-    /// Uncompressed bytes of the pages held (zram `orig_data_size`).
+    /// Uncompressed bytes of the pages held in the pool (zram `orig_data_size`; lower tiers excluded).
     pub orig_data_size: u64,
     /// Bytes of stored objects before class rounding (zram `compr_data_size`).
     pub compr_data_size: u64,
@@ -107,6 +119,18 @@ pub struct PoolStats {
     pub decompressions: u64,
     /// Gets that found corrupt data.
     pub decompress_fail: u64,
+    /// Pages held in lower tiers.
+    pub tier_pages: u64,
+    /// Pages written back to lower tiers.
+    pub written_back_pages: u64,
+    /// Gets served from lower tiers.
+    pub tier_gets: u64,
+    /// Gets a lower tier could not serve, or whose value failed authentication.
+    pub tier_get_fail: u64,
+    /// Pages a lower tier refused or failed to take.
+    pub tier_put_fail: u64,
+    /// Incompressible pages sent straight to a lower tier.
+    pub incompressible_to_tier: u64,
 }
 
 impl PoolStats {
@@ -123,7 +147,7 @@ impl PoolStats {
             stored_pages: c.stored_pages,
             same_filled_pages: c.same_filled_pages,
             stored_incompressible_pages: c.stored_incompressible_pages,
-            orig_data_size: c.stored_pages * PAGE_SIZE as u64,
+            orig_data_size: (c.stored_pages - c.tier_pages) * PAGE_SIZE as u64,
             compr_data_size: c.compr_data_size,
             puts: c.succ_puts + rejects,
             succ_puts: c.succ_puts,
@@ -139,6 +163,12 @@ impl PoolStats {
             compressions: c.compressions + ev.compressions_rejected.load(r),
             decompressions: c.decompressions,
             decompress_fail: ev.decompress_fail.load(r),
+            tier_pages: c.tier_pages,
+            written_back_pages: c.written_back_pages,
+            tier_gets: c.tier_gets,
+            tier_get_fail: ev.tier_get_fail.load(r),
+            tier_put_fail: ev.tier_put_fail.load(r),
+            incompressible_to_tier: c.incompressible_to_tier,
         }
     }
 
@@ -165,6 +195,12 @@ impl PoolStats {
         self.compressions += o.compressions;
         self.decompressions += o.decompressions;
         self.decompress_fail += o.decompress_fail;
+        self.tier_pages += o.tier_pages;
+        self.written_back_pages += o.written_back_pages;
+        self.tier_gets += o.tier_gets;
+        self.tier_get_fail += o.tier_get_fail;
+        self.tier_put_fail += o.tier_put_fail;
+        self.incompressible_to_tier += o.incompressible_to_tier;
     }
 }
 
@@ -189,6 +225,9 @@ pub struct Stats {
     pub alloc: AllocStats,
     /// Policy knobs in force.
     pub policy: PolicyConfig,
+    /// Counters of the lower tiers of all pools.
+    #[serde(default)]
+    pub tiers: Vec<tmem_tier::TierStats>,
     /// Per-pool counters.
     pub pools: Vec<PoolStats>,
 }

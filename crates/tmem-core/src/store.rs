@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 use crate::alloc::{AllocConfig, Loc, ZsAlloc};
 use crate::codec::{fill_page, same_filled, Codec, CodecConfig, CodecError, COMPRESS_BUF_SIZE};
 use crate::policy::{Policy, PolicyConfig, PolicyError};
-use crate::shard::{hash_key, Entry, Shard, F_INCOMPRESSIBLE, F_REFERENCED, F_SAME, MAX_CODECS};
+use crate::shard::{hash_key, Entry, Shard, F_INCOMPRESSIBLE, F_REFERENCED, F_SAME, F_TIER, MAX_CODECS};
 use crate::stats::{PoolEvents, PoolStats, ShardCounters, Stats};
 use crate::{Key, PoolId, PAGE_SIZE};
 
@@ -30,6 +30,8 @@ pub fn default_shards() -> usize {
 pub const RAW_CODEC: u8 = 0;
 /// Compaction does not run automatically below this much span memory.
 const AUTO_COMPACT_MIN_BYTES: u64 = 4 << 20;
+/// After making room failed, puts are refused this long before trying again.
+const ROOM_RETRY_NS: u64 = 5_000_000;
 /// Pages evicted from one shard per visit when making room.
 const EVICT_BATCH: usize = 32;
 
@@ -141,6 +143,20 @@ pub enum StoreError {
         /// What failed.
         reason: String,
     },
+    /// A lower tier could not return the page (node down, file error). The
+    /// page is still recorded; a later get may succeed.
+    #[error("pool {pool} key {key:?}: tier failed: {source}")]
+    Tier {
+        /// Pool.
+        pool: PoolId,
+        /// Key.
+        key: Key,
+        /// What the tier said.
+        source: tmem_tier::TierError,
+    },
+    /// A tier chain was misconfigured.
+    #[error("tier chain: {0}")]
+    TierChain(String),
     /// Codec construction failed.
     #[error(transparent)]
     Codec(#[from] CodecError),
@@ -184,6 +200,9 @@ impl StoreConfig {
             pools: RwLock::new(Vec::new()),
             compaction: Mutex::new(()),
             evict_cursor: AtomicUsize::new(0),
+            next_version: AtomicU64::new(1),
+            clock: std::time::Instant::now(),
+            room_failed_at: AtomicU64::new(0),
         });
         let shards = if self.shards == 0 { default_shards() } else { self.shards.next_power_of_two() };
         let store = Store { shared, shards };
@@ -193,6 +212,9 @@ impl StoreConfig {
         Ok(store)
     }
 }
+
+mod tiering;
+pub use tiering::{TierChain, WritebackReport, WritebackWorker};
 
 #[repr(align(128))]
 struct PaddedShard(Mutex<Shard>);
@@ -214,6 +236,12 @@ struct Shared {
     /// One compaction at a time.
     compaction: Mutex<()>,
     evict_cursor: AtomicUsize,
+    /// Sealing versions: never reused, so (key, version) nonces are unique.
+    next_version: AtomicU64,
+    /// Time base for `room_failed_at`.
+    clock: std::time::Instant,
+    /// When making room last failed (ns since `clock`; 0: it did not).
+    room_failed_at: AtomicU64,
 }
 
 impl Shared {
@@ -238,7 +266,7 @@ impl Shared {
         }
         let accept = self.policy.accept_bytes();
         if self.reached_full.load(Ordering::Relaxed) {
-            if self.total_bytes() < accept || self.make_room(accept) {
+            if self.total_bytes() < accept || (self.may_retry_room() && self.make_room(accept)) {
                 self.reached_full.store(false, Ordering::Relaxed);
                 return true;
             }
@@ -248,7 +276,7 @@ impl Shared {
         if self.total_bytes() < limit {
             return true;
         }
-        if self.make_room(accept) {
+        if self.may_retry_room() && self.make_room(accept) {
             return true;
         }
         self.reached_full.store(true, Ordering::Relaxed);
@@ -256,9 +284,28 @@ impl Shared {
         false
     }
 
+    /// Whether a full store may try to make room now: after a failed try,
+    /// puts are refused for [`ROOM_RETRY_NS`] instead of each repeating the
+    /// same futile eviction/writeback scan.
+    fn may_retry_room(&self) -> bool {
+        let now = u64::try_from(self.clock.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let last = self.room_failed_at.load(Ordering::Relaxed);
+        last == 0 || now.saturating_sub(last) >= ROOM_RETRY_NS
+    }
+
     /// Drops ephemeral pages, oldest first, until usage is below `target`.
     /// Returns whether it got there.
     fn make_room(&self, target: u64) -> bool {
+        if self.evict_ephemeral(target) || self.write_back_until(target) {
+            self.room_failed_at.store(0, Ordering::Relaxed);
+            return true;
+        }
+        let now = u64::try_from(self.clock.elapsed().as_nanos()).unwrap_or(u64::MAX).max(1);
+        self.room_failed_at.store(now, Ordering::Relaxed);
+        false
+    }
+
+    fn evict_ephemeral(&self, target: u64) -> bool {
         let ephemeral: Vec<Arc<Pool>> = self.pools_snapshot().into_iter().filter(|p| p.cfg.kind == PoolKind::Ephemeral).collect();
         if ephemeral.is_empty() {
             return false;
@@ -353,6 +400,10 @@ pub struct Pool {
     events: PoolEvents,
     destroyed: AtomicBool,
     shared: Arc<Shared>,
+    /// Tiers below the pool, if any.
+    chain: Option<TierChain>,
+    /// Next shard writeback visits.
+    wb_cursor: AtomicUsize,
 }
 
 impl std::fmt::Debug for Pool {
@@ -396,17 +447,41 @@ impl Pool {
         }
     }
 
-    /// Releases what an entry removed from its shard holds and fixes counters.
-    fn forget(&self, c: &mut ShardCounters, e: &Entry) {
+    /// Counts an entry in.
+    fn count(c: &mut ShardCounters, e: &Entry) {
+        c.stored_pages += 1;
+        if e.has(F_TIER) {
+            c.tier_pages += 1;
+        } else if e.has(F_SAME) {
+            c.same_filled_pages += 1;
+        } else {
+            c.compr_data_size += e.len() as u64;
+        }
+        if e.has(F_INCOMPRESSIBLE) {
+            c.stored_incompressible_pages += 1;
+        }
+    }
+
+    /// Counts an entry out.
+    fn uncount(c: &mut ShardCounters, e: &Entry) {
         c.stored_pages -= 1;
-        if e.has(F_SAME) {
+        if e.has(F_TIER) {
+            c.tier_pages -= 1;
+        } else if e.has(F_SAME) {
             c.same_filled_pages -= 1;
         } else {
             c.compr_data_size -= e.len() as u64;
-            if e.has(F_INCOMPRESSIBLE) {
-                c.stored_incompressible_pages -= 1;
-            }
         }
+        if e.has(F_INCOMPRESSIBLE) {
+            c.stored_incompressible_pages -= 1;
+        }
+    }
+
+    /// Releases the pool memory of an entry removed from its shard and fixes
+    /// counters. A copy in a lower tier is removed by [`Pool::drop_tier_copy`]
+    /// once the shard lock is released.
+    fn forget(&self, c: &mut ShardCounters, e: &Entry) {
+        Self::uncount(c, e);
         if let Some(loc) = e.alloc_loc() {
             self.shared.alloc.free(loc);
         }
@@ -436,6 +511,9 @@ impl Pool {
             };
             let (data, codec_id, flags): (&[u8], u8, u32) = if n <= sh.policy.max_compressed_size() && n < PAGE_SIZE {
                 (&buf[..n], codec_id, 0)
+            } else if let Some(e) = self.incompressible_to_tier(key, page) {
+                // Straight to the next tier, as zswap's writeback does for them.
+                return self.insert_entry(key, hash, e);
             } else if sh.policy.store_raw() {
                 (&page[..], RAW_CODEC, F_INCOMPRESSIBLE)
             } else {
@@ -448,42 +526,36 @@ impl Pool {
             };
             Entry::new(key, loc.pack(), crc32fast::hash(data), data.len(), codec_id, flags)
         };
+        self.insert_entry(key, hash, entry)
+    }
+
+    /// Inserts a ready entry, replacing an older copy of the key.
+    fn insert_entry(&self, key: Key, hash: u64, entry: Entry) -> Result<PutOutcome, StoreError> {
         let old = {
             let mut s = lock(self.shard_of(hash));
             let old = s.insert(entry, hash);
             let c = &mut s.c;
             if let Some(old) = &old {
                 // The older copy's object is freed below, outside the lock.
-                c.stored_pages -= 1;
-                if old.has(F_SAME) {
-                    c.same_filled_pages -= 1;
-                } else {
-                    c.compr_data_size -= old.len() as u64;
-                    if old.has(F_INCOMPRESSIBLE) {
-                        c.stored_incompressible_pages -= 1;
-                    }
-                }
+                Self::uncount(c, old);
             }
             c.succ_puts += 1;
-            c.stored_pages += 1;
-            if entry.has(F_SAME) {
-                c.same_filled_pages += 1;
-            } else {
-                c.compr_data_size += entry.len() as u64;
-                if entry.has(F_INCOMPRESSIBLE) {
-                    c.stored_incompressible_pages += 1;
-                } else {
-                    c.compressions += 1;
-                }
-            }
+            Self::count(c, &entry);
+            c.compressions += u64::from(entry.alloc_loc().is_some() && !entry.has(F_INCOMPRESSIBLE));
             self.account(&mut s);
             old
         };
-        if let Some(loc) = old.as_ref().and_then(Entry::alloc_loc) {
-            // Safe outside the shard lock: the entry is unreachable, so
-            // neither gets nor compaction can see this object any more.
-            sh.alloc.free(loc);
-            sh.maybe_compact();
+        if let Some(old) = old {
+            if let Some(loc) = old.alloc_loc() {
+                // Safe outside the shard lock: the entry is unreachable, so
+                // neither gets nor compaction can see this object any more.
+                self.shared.alloc.free(loc);
+                self.shared.maybe_compact();
+            }
+            // A new value in the same tier has already overwritten the old one.
+            if !(entry.has(F_TIER) && old.has(F_TIER) && entry.tier() == old.tier()) {
+                self.drop_tier_copy(key, &old);
+            }
         }
         Ok(PutOutcome::Stored)
     }
@@ -510,6 +582,10 @@ impl Pool {
             return Ok(GetOutcome::Miss);
         };
         let e = *s.entries.get(h);
+        if e.has(F_TIER) {
+            drop(s);
+            return self.get_from_tier(key, hash, e, out);
+        }
         if let Some(loc) = e.alloc_loc() {
             if let Err(reason) = self.decode(&e, loc, out) {
                 PoolEvents::bump(&self.events.decompress_fail);
@@ -567,6 +643,7 @@ impl Pool {
         self.forget(&mut s.c, &e);
         self.account(&mut s);
         drop(s);
+        self.drop_tier_copy(key, &e);
         self.shared.maybe_compact();
         true
     }
@@ -579,13 +656,21 @@ impl Pool {
         for shard in self.shards.iter() {
             let mut s = lock(&shard.0);
             let victims: Vec<u32> = s.entries.live_handles().filter(|&h| s.entries.get(h).object == object).collect();
+            let mut in_tiers = Vec::new();
             for h in victims {
                 let e = s.remove_handle(h);
                 s.c.flushes += 1;
                 self.forget(&mut s.c, &e);
+                if e.has(F_TIER) {
+                    in_tiers.push(e);
+                }
                 n += 1;
             }
             self.account(&mut s);
+            drop(s);
+            for e in in_tiers {
+                self.drop_tier_copy(e.key(), &e);
+            }
         }
         self.shared.maybe_compact();
         Ok(n)
@@ -631,6 +716,10 @@ impl Pool {
             c.evicted_pages += x.evicted_pages;
             c.compressions += x.compressions;
             c.decompressions += x.decompressions;
+            c.tier_pages += x.tier_pages;
+            c.written_back_pages += x.written_back_pages;
+            c.tier_gets += x.tier_gets;
+            c.incompressible_to_tier += x.incompressible_to_tier;
         }
         PoolStats::from_parts(self.id, self.cfg.kind, &c, &self.events)
     }
@@ -644,6 +733,9 @@ impl Pool {
                 self.forget(&mut s.c, &e);
             }
             self.account(&mut s);
+        }
+        if let Some(chain) = &self.chain {
+            chain.clear_pool(self.id);
         }
     }
 
@@ -693,6 +785,16 @@ impl Drop for Store {
 impl Store {
     /// Creates a pool and returns it.
     pub fn create_pool(&self, cfg: PoolConfig) -> Arc<Pool> {
+        self.create_pool_inner(cfg, None)
+    }
+
+    /// Creates a pool whose pages move down `chain` when the store is full
+    /// (and incompressible pages go there directly).
+    pub fn create_pool_with_tiers(&self, cfg: PoolConfig, chain: TierChain) -> Arc<Pool> {
+        self.create_pool_inner(cfg, Some(chain))
+    }
+
+    fn create_pool_inner(&self, cfg: PoolConfig, chain: Option<TierChain>) -> Arc<Pool> {
         let mut pools = self.shared.pools.write().unwrap_or_else(PoisonError::into_inner);
         let id = PoolId::try_from(pools.len()).expect("fewer than 2^32 pools");
         let pool = Arc::new(Pool {
@@ -702,7 +804,13 @@ impl Store {
             events: PoolEvents::default(),
             destroyed: AtomicBool::new(false),
             shared: Arc::clone(&self.shared),
+            chain,
+            wb_cursor: AtomicUsize::new(0),
         });
+        if let Some(c) = &pool.chain {
+            // Whatever an earlier pool with this id left in the tiers is stale.
+            c.clear_pool(id);
+        }
         pools.push(Some(Arc::clone(&pool)));
         pool
     }
@@ -760,6 +868,17 @@ impl Store {
     /// Compacts now; returns pages released.
     pub fn compact(&self) -> u64 {
         self.shared.compact()
+    }
+
+    /// Writes back from pools with tiers until usage is below the accept
+    /// threshold (or nothing more can move); returns whether it got there.
+    pub fn write_back_now(&self) -> bool {
+        self.shared.write_back_until(self.shared.policy.accept_bytes())
+    }
+
+    /// Starts the background writeback thread (stopped when dropped).
+    pub fn start_writeback(&self, period: std::time::Duration) -> WritebackWorker {
+        WritebackWorker::start(Arc::clone(&self.shared), period)
     }
 
     /// The live policy.
@@ -837,6 +956,7 @@ impl Store {
             total,
             alloc,
             policy: self.shared.policy.config(),
+            tiers: tiering::tier_stats(&self.shared.pools_snapshot()),
             pools,
         }
     }

@@ -1,6 +1,7 @@
-//! Model-based property tests: random sequences of store operations on all
-//! four pool flavours (persistent/ephemeral × shared/exclusive gets) of one
-//! store, checked op by op against a `HashMap` oracle and exact counters.
+//! Model-based property tests: random sequences of store operations on five
+//! pools of one store (persistent/ephemeral × shared/exclusive gets, plus a
+//! persistent pool whose refused puts keep the older copy), checked op by op
+//! against a `HashMap` oracle and exact counters.
 //!
 //! The model predicts each put's outcome (stored same-filled, stored
 //! compressed with a known length, stored raw, or refused) by compressing the
@@ -210,6 +211,7 @@ enum Op {
     Compact,
     /// `None`: unlimited; `Some(kib)`: limit = current usage + kib KiB (at least one page).
     Limit(Option<i32>),
+    AcceptThreshold(u32),
     Frozen(bool),
     StoreRaw(bool),
     MaxCompressedSize(u32),
@@ -236,6 +238,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => Just(Op::Compact),
         3 => prop_oneof![Just(None), Just(Some(-64)), Just(Some(0)), Just(Some(16)), Just(Some(64)), Just(Some(512))]
             .prop_map(Op::Limit),
+        1 => prop_oneof![Just(0u32), Just(50), Just(90), Just(100)].prop_map(Op::AcceptThreshold),
         2 => prop::bool::weighted(0.2).prop_map(Op::Frozen),
         2 => any::<bool>().prop_map(Op::StoreRaw),
         2 => prop_oneof![Just(64u32), Just(1024), Just(2048), Just(3000), Just(4095), Just(4096)]
@@ -440,6 +443,10 @@ impl Model {
                 self.limited |= value != 0;
                 let want = if value == 0 { u64::MAX } else { value };
                 assert_eq!(self.store.policy().limit_bytes(), want);
+            }
+            Op::AcceptThreshold(pct) => {
+                self.store.set_policy("accept_threshold_percent", &pct.to_string()).expect("accept threshold");
+                assert_eq!(self.store.policy().config().accept_threshold_percent, pct);
             }
             Op::Frozen(on) => {
                 self.store.set_policy("frozen", if on { "1" } else { "off" }).expect("frozen");

@@ -10,7 +10,10 @@
 //! * [`conformance`] — the one test suite every tier passes.
 
 pub mod conformance;
+mod mem;
 pub mod seal;
+
+pub use mem::MemTier;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -306,6 +309,21 @@ impl LatencyHistogram {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mem_tier_passes_the_suite() {
+        conformance::check(&MemTier::new(1 << 30), conformance::Expect::Stores);
+    }
+
+    #[test]
+    fn mem_tier_fills_up() {
+        let t = MemTier::new(6_000);
+        let k = |i| TierKey { pool: 0, object: 0, index: i };
+        assert_eq!(t.put(k(1), &[0; 4000]).unwrap(), TierPut::Stored);
+        assert_eq!(t.put(k(2), &[0; 4000]).unwrap(), TierPut::Full);
+        assert_eq!(t.put(k(1), &[0; 2000]).unwrap(), TierPut::Stored, "replacing frees the old value");
+        assert_eq!(t.put(k(2), &[0; 4000]).unwrap(), TierPut::Stored);
+    }
 
     #[test]
     fn noop_tier_passes_the_suite() {

@@ -1,0 +1,450 @@
+//! Tiers below the pool: writeback of the oldest pages, incompressible
+//! pages sent straight down, gets served from a tier, and the background
+//! writeback worker.
+//!
+//! A page that moves down keeps its entry in the shard (so the key still
+//! resolves), flagged `F_TIER` with the tier index and the *version* it was
+//! sealed under. Every value leaving the process is sealed
+//! ([`tmem_tier::seal::Sealer`]) with that version, so a tier can return a
+//! page only as it was written for that key.
+//!
+//! Writeback keeps the pool below its accept threshold so new pages are not
+//! refused (zswap's "LRU inversion": refusing new pages while old ones sit in
+//! the pool). The worker starts writing back at `accept - 5%` of the limit and
+//! stops at `accept - 10%`; a put that finds the store full writes back
+//! synchronously before it would refuse.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tmem_tier::seal::Sealer;
+use tmem_tier::{Tier, TierGet, TierKey, TierPut, TierStats};
+
+use super::{lock, GetOutcome, Pool, PoolEvents, Shared, StoreError, RAW_CODEC};
+use crate::shard::{hash_key, Entry, F_INCOMPRESSIBLE, F_TIER, F_WB, MAX_TIERS};
+use crate::{Key, PAGE_SIZE};
+
+/// Pages taken from one shard per writeback visit.
+const WB_BATCH: usize = 64;
+
+/// The tiers below one pool, in order, and the sealer for values sent there.
+#[derive(Clone)]
+pub struct TierChain {
+    tiers: Vec<Arc<dyn Tier>>,
+    sealer: Arc<Sealer>,
+    promote_on_get: bool,
+}
+
+impl std::fmt::Debug for TierChain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.tiers.iter().map(|t| t.name()).collect();
+        f.debug_struct("TierChain").field("tiers", &names).field("promote_on_get", &self.promote_on_get).finish()
+    }
+}
+
+impl TierChain {
+    /// A chain of 1..=8 tiers, tried in order.
+    pub fn new(tiers: Vec<Arc<dyn Tier>>, sealer: Arc<Sealer>) -> Result<Self, StoreError> {
+        if tiers.is_empty() || tiers.len() > MAX_TIERS {
+            return Err(StoreError::TierChain(format!("a chain has 1..={MAX_TIERS} tiers, not {}", tiers.len())));
+        }
+        Ok(Self { tiers, sealer, promote_on_get: false })
+    }
+
+    /// Whether a (non-exclusive) get from a tier moves the page back into the pool.
+    pub fn promote_on_get(mut self, on: bool) -> Self {
+        self.promote_on_get = on;
+        self
+    }
+
+    /// The tiers.
+    pub fn tiers(&self) -> &[Arc<dyn Tier>] {
+        &self.tiers
+    }
+
+    pub(super) fn clear_pool(&self, pool: u32) {
+        for t in &self.tiers {
+            // Best effort: a tier that is down now is cleared when it returns
+            // (tiers also clear their namespace when they start).
+            let _ = t.clear_pool(pool);
+        }
+    }
+
+    /// Seals `plain` and offers it to the tiers in order; returns the tier
+    /// that took it and the version it was sealed under.
+    fn put_one(&self, shared: &Shared, tkey: TierKey, plain: &[u8]) -> Option<(usize, u64)> {
+        let version = shared.next_version.fetch_add(1, Ordering::Relaxed);
+        let mut sealed = Vec::with_capacity(plain.len() + tmem_tier::seal::SEAL_OVERHEAD);
+        self.sealer.seal(tkey, version, plain, &mut sealed);
+        for (i, t) in self.tiers.iter().enumerate() {
+            if let Ok(TierPut::Stored) = t.put(tkey, &sealed) {
+                return Some((i, version));
+            }
+        }
+        None
+    }
+}
+
+/// Counters of every distinct tier of `pools`.
+pub(super) fn tier_stats(pools: &[Arc<Pool>]) -> Vec<TierStats> {
+    let mut seen: Vec<*const ()> = Vec::new();
+    let mut out = Vec::new();
+    for p in pools {
+        for t in p.chain.iter().flat_map(|c| c.tiers.iter()) {
+            let id = Arc::as_ptr(t).cast::<()>();
+            if !seen.contains(&id) {
+                seen.push(id);
+                out.push(t.stats());
+            }
+        }
+    }
+    out
+}
+
+/// What one writeback pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct WritebackReport {
+    /// Pages moved to a tier.
+    pub pages: u64,
+    /// Pool bytes (allocator slots) freed.
+    pub slot_bytes: u64,
+    /// Pages no tier would take.
+    pub refused: u64,
+}
+
+struct Victim {
+    key: Key,
+    tkey: TierKey,
+    data: Vec<u8>,
+}
+
+impl Pool {
+    fn tier_key(&self, key: Key) -> TierKey {
+        TierKey { pool: self.id, object: key.object, index: key.index }
+    }
+
+    /// Sends an incompressible page straight to the tiers; returns its entry.
+    pub(super) fn incompressible_to_tier(&self, key: Key, page: &[u8; PAGE_SIZE]) -> Option<Entry> {
+        let chain = self.chain.as_ref()?;
+        let (tier, version) = chain.put_one(&self.shared, self.tier_key(key), page)?;
+        let mut e = Entry::new(key, 0, crc32fast::hash(page), PAGE_SIZE, RAW_CODEC, F_INCOMPRESSIBLE);
+        e.set_tier(tier, version);
+        lock(self.shard_of(hash_key(key))).c.incompressible_to_tier += 1;
+        Some(e)
+    }
+
+    /// Removes the tier copy of an entry that has left its shard.
+    pub(super) fn drop_tier_copy(&self, key: Key, e: &Entry) {
+        if !e.has(F_TIER) {
+            return;
+        }
+        if let Some(t) = self.chain.as_ref().and_then(|c| c.tiers.get(e.tier())) {
+            // A failure leaves an unreachable sealed value behind; it is
+            // cleared with the pool (and never readable under a new version).
+            let _ = t.remove(self.tier_key(key));
+        }
+    }
+
+    /// Serves a get whose page lives in a tier. Runs without the shard lock.
+    pub(super) fn get_from_tier(
+        &self,
+        key: Key,
+        hash: u64,
+        e: Entry,
+        out: &mut [u8; PAGE_SIZE],
+    ) -> Result<GetOutcome, StoreError> {
+        let Some(chain) = &self.chain else {
+            PoolEvents::bump(&self.events.tier_get_fail);
+            return Err(StoreError::TierChain("page recorded in a tier but the pool has none".into()));
+        };
+        if let Err(err) = self.fetch_from_tier(chain, key, &e, out) {
+            PoolEvents::bump(&self.events.tier_get_fail);
+            out.fill(0);
+            return Err(err);
+        }
+        let mut s = lock(self.shard_of(hash));
+        s.c.succ_gets += 1;
+        s.c.tier_gets += 1;
+        s.c.decompressions += u64::from(!e.has(F_INCOMPRESSIBLE));
+        let promote = chain.promote_on_get && !self.cfg.exclusive_gets;
+        // Act only if the key still holds the page we read.
+        let same = s.find(key, hash).filter(|&h| {
+            let cur = s.entries.get(h);
+            cur.has(F_TIER) && cur.loc == e.loc
+        });
+        if let Some(h) = same {
+            if self.cfg.exclusive_gets {
+                let gone = s.remove_handle(h);
+                self.forget(&mut s.c, &gone);
+                self.account(&mut s);
+                drop(s);
+                self.drop_tier_copy(key, &gone);
+            } else if promote {
+                drop(s);
+                // Re-inserting replaces the tier entry and removes the tier copy.
+                let page = *out;
+                let _ = self.put(key, &page)?;
+            }
+        }
+        Ok(GetOutcome::Hit)
+    }
+
+    /// Reads, opens, checks and decodes the tier copy of `e` into `out`.
+    fn fetch_from_tier(&self, chain: &TierChain, key: Key, e: &Entry, out: &mut [u8; PAGE_SIZE]) -> Result<(), StoreError> {
+        let corrupt = |reason: String| StoreError::Corrupt { pool: self.id, key, reason };
+        let tier = chain.tiers.get(e.tier()).ok_or_else(|| StoreError::TierChain(format!("no tier {}", e.tier())))?;
+        let tkey = self.tier_key(key);
+        let mut buf = Vec::with_capacity(PAGE_SIZE + 64);
+        match tier.get(tkey, &mut buf) {
+            Ok(TierGet::Hit) => {}
+            Ok(TierGet::Miss) => return Err(corrupt(format!("tier {} lost the page", tier.name()))),
+            Err(source) => return Err(StoreError::Tier { pool: self.id, key, source }),
+        }
+        chain.sealer.open(tkey, e.loc, &mut buf).map_err(|err| corrupt(format!("tier {}: {err}", tier.name())))?;
+        if buf.len() != e.len() || crc32fast::hash(&buf) != e.check {
+            return Err(corrupt(format!("tier {}: checksum mismatch", tier.name())));
+        }
+        let codec = self.shared.codec(e.codec())?;
+        codec.decompress(&buf, out).map_err(|err| {
+            PoolEvents::bump(&self.events.decompress_fail);
+            corrupt(err.to_string())
+        })
+    }
+
+    /// Moves up to `max_pages` of the oldest pool pages (second chance for
+    /// referenced ones) to the tiers.
+    pub fn write_back(&self, max_pages: usize) -> WritebackReport {
+        let mut report = WritebackReport::default();
+        let Some(chain) = &self.chain else { return report };
+        let shards = self.shards.len();
+        let mut idle = 0;
+        while (report.pages as usize) < max_pages && idle < shards && !self.destroyed.load(Ordering::Acquire) {
+            let i = self.wb_cursor.fetch_add(1, Ordering::Relaxed) % shards;
+            let batch = WB_BATCH.min(max_pages - report.pages as usize);
+            let r = self.write_back_shard(chain, i, batch);
+            if r.pages == 0 {
+                idle += 1;
+            } else {
+                idle = 0;
+            }
+            report.pages += r.pages;
+            report.slot_bytes += r.slot_bytes;
+            report.refused += r.refused;
+            if r.refused > 0 && r.pages == 0 {
+                // Every tier is full or failing: stop rather than spin.
+                break;
+            }
+        }
+        report
+    }
+
+    fn write_back_shard(&self, chain: &TierChain, i: usize, max: usize) -> WritebackReport {
+        let mut report = WritebackReport::default();
+        // 1. Pick victims and copy their bytes out, under the shard lock.
+        let mut victims = Vec::new();
+        {
+            let mut s = lock(&self.shards[i].0);
+            let mut skipped = Vec::new();
+            while victims.len() < max {
+                let Some(h) = s.lru_victim() else { break };
+                s.lru_unlink(h);
+                let e = *s.entries.get(h);
+                let Some(loc) = e.alloc_loc() else {
+                    // Same-filled pages cost no pool memory: keep them.
+                    skipped.push(h);
+                    if skipped.len() > max {
+                        break;
+                    }
+                    continue;
+                };
+                // SAFETY: the entry is live in this shard and we hold its lock,
+                // so the object is neither freed nor migrated while we copy it.
+                let data = unsafe { self.shared.alloc.object(loc, e.len()) }.to_vec();
+                s.entries.get_mut(h).meta |= F_WB;
+                victims.push(Victim { key: e.key(), tkey: self.tier_key(e.key()), data });
+            }
+            for h in skipped {
+                s.lru_push_front(h);
+            }
+        }
+        if victims.is_empty() {
+            return report;
+        }
+        // 2. Seal and offer them to the tiers in order, in batches.
+        let mut sealed: Vec<(u64, Vec<u8>)> = victims
+            .iter()
+            .map(|v| {
+                let version = self.shared.next_version.fetch_add(1, Ordering::Relaxed);
+                let mut out = Vec::with_capacity(v.data.len() + tmem_tier::seal::SEAL_OVERHEAD);
+                chain.sealer.seal(v.tkey, version, &v.data, &mut out);
+                (version, out)
+            })
+            .collect();
+        let mut placed: Vec<Option<usize>> = vec![None; victims.len()];
+        for (t, tier) in chain.tiers.iter().enumerate() {
+            let pending: Vec<usize> = (0..victims.len()).filter(|&j| placed[j].is_none()).collect();
+            if pending.is_empty() {
+                break;
+            }
+            let items: Vec<(TierKey, &[u8])> = pending.iter().map(|&j| (victims[j].tkey, sealed[j].1.as_slice())).collect();
+            for (r, &j) in tier.put_batch(&items).into_iter().zip(&pending) {
+                if let Ok(TierPut::Stored) = r {
+                    placed[j] = Some(t);
+                }
+            }
+        }
+        // 3. Under the lock again: switch entries that still hold the page we
+        // copied to their tier; put the rest back on the LRU.
+        let mut stale = Vec::new();
+        {
+            let mut s = lock(&self.shards[i].0);
+            for (j, v) in victims.iter().enumerate() {
+                let hash = hash_key(v.key);
+                let h = s.find(v.key, hash).filter(|&h| s.entries.get(h).has(F_WB));
+                match (h, placed[j]) {
+                    (Some(h), Some(t)) => {
+                        let e = *s.entries.get(h);
+                        let loc = e.alloc_loc().expect("a writeback victim is in the pool");
+                        report.slot_bytes += self.shared.alloc.slot_size(loc) as u64;
+                        self.shared.alloc.free(loc);
+                        Pool::uncount(&mut s.c, &e);
+                        let cur = s.entries.get_mut(h);
+                        cur.set_tier(t, sealed[j].0);
+                        let cur = *cur;
+                        Pool::count(&mut s.c, &cur);
+                        s.c.written_back_pages += 1;
+                        report.pages += 1;
+                    }
+                    (Some(h), None) => {
+                        s.entries.get_mut(h).meta &= !F_WB;
+                        s.lru_push_front(h);
+                        report.refused += 1;
+                    }
+                    (None, Some(t)) => {
+                        // Replaced or flushed meanwhile. A replacement that
+                        // went to this same tier has overwritten our value.
+                        let replaced_here = s.find(v.key, hash).is_some_and(|h| {
+                            let e = s.entries.get(h);
+                            e.has(F_TIER) && e.tier() == t
+                        });
+                        if !replaced_here {
+                            stale.push((t, v.tkey));
+                        }
+                    }
+                    (None, None) => {}
+                }
+            }
+            self.account(&mut s);
+        }
+        if report.refused > 0 {
+            PoolEvents::bump(&self.events.tier_put_fail);
+        }
+        // The key was replaced or flushed meanwhile: its tier copy is stale.
+        for (t, tkey) in stale {
+            let _ = chain.tiers[t].remove(tkey);
+        }
+        sealed.clear();
+        report
+    }
+}
+
+impl Shared {
+    /// Writes back from every pool with tiers until usage is below `target`.
+    pub(super) fn write_back_until(&self, target: u64) -> bool {
+        let pools: Vec<Arc<Pool>> = self.pools_snapshot().into_iter().filter(|p| p.chain.is_some()).collect();
+        if pools.is_empty() {
+            return false;
+        }
+        loop {
+            let over = self.total_bytes().saturating_sub(target);
+            if over == 0 {
+                return true;
+            }
+            // Free about what we are over (plus a margin for fragmentation),
+            // then compact so freed slots become freed spans.
+            let mut freed = 0;
+            let mut moved = 0;
+            for p in &pools {
+                while freed < over + over / 4 {
+                    let r = p.write_back(WB_BATCH * 4);
+                    freed += r.slot_bytes;
+                    moved += r.pages;
+                    if r.pages == 0 {
+                        break;
+                    }
+                }
+            }
+            self.compact();
+            if self.total_bytes() < target {
+                return true;
+            }
+            if moved == 0 {
+                return false;
+            }
+        }
+    }
+}
+
+/// Background writeback: keeps usage under the accept threshold.
+pub struct WritebackWorker {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    running: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for WritebackWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WritebackWorker").finish_non_exhaustive()
+    }
+}
+
+impl WritebackWorker {
+    pub(super) fn start(shared: Arc<Shared>, period: Duration) -> Self {
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let running = Arc::new(AtomicBool::new(true));
+        let (s2, r2) = (Arc::clone(&stop), Arc::clone(&running));
+        let thread = std::thread::Builder::new()
+            .name("tmem-writeback".into())
+            .spawn(move || {
+                let (m, cv) = &*s2;
+                loop {
+                    let g = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let (g, _) = cv.wait_timeout(g, period).unwrap_or_else(std::sync::PoisonError::into_inner);
+                    if *g {
+                        break;
+                    }
+                    drop(g);
+                    let limit = shared.policy.limit_bytes();
+                    if limit == u64::MAX {
+                        continue;
+                    }
+                    let accept = shared.policy.accept_bytes();
+                    let high = accept.saturating_sub(limit / 20);
+                    if shared.total_bytes() >= high {
+                        shared.write_back_until(accept.saturating_sub(limit / 10));
+                    }
+                }
+                r2.store(false, Ordering::Release);
+            })
+            .expect("spawn the writeback thread");
+        Self { stop, running, thread: Some(thread) }
+    }
+
+    /// Whether the thread is alive.
+    pub fn is_running(&self) -> bool {
+        self.running.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for WritebackWorker {
+    fn drop(&mut self) {
+        let (m, cv) = &*self.stop;
+        *m.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! The pool with tiers below it: writeback, incompressible pages, gets from
+//! tiers, tamper/replay detection, full tiers, flushes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tmem_core::{
+    GetOutcome, Incompressible, Key, PolicyConfig, PoolConfig, PutOutcome, Reject, StoreConfig, StoreError, TierChain,
+    PAGE_SIZE,
+};
+use tmem_tier::seal::Sealer;
+use tmem_tier::{MemTier, Tier, TierKey};
+
+#[allow(clippy::cast_possible_truncation)] // byte patterns
+fn page(i: u64) -> [u8; PAGE_SIZE] {
+    let mut p = [0u8; PAGE_SIZE];
+    let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for (j, b) in p.iter_mut().enumerate() {
+        if j % 16 == 0 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+        }
+        *b = (x >> ((j % 8) * 8)) as u8 & 0x1f;
+    }
+    p
+}
+
+#[allow(clippy::cast_possible_truncation)]
+fn noise(i: u64) -> [u8; PAGE_SIZE] {
+    let mut p = [0u8; PAGE_SIZE];
+    let mut x = i | 1;
+    for b in &mut p {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    p
+}
+
+fn key(i: u64) -> Key {
+    Key::new(1, i)
+}
+
+fn store(limit: u64) -> tmem_core::Store {
+    StoreConfig { policy: PolicyConfig { max_pool_bytes: limit, ..Default::default() }, ..Default::default() }
+        .build()
+        .unwrap()
+}
+
+fn chain(tiers: Vec<Arc<dyn Tier>>) -> TierChain {
+    TierChain::new(tiers, Arc::new(Sealer::random().unwrap())).unwrap()
+}
+
+fn get(p: &tmem_core::Pool, i: u64) -> Result<Option<[u8; PAGE_SIZE]>, StoreError> {
+    let mut out = [0u8; PAGE_SIZE];
+    Ok(match p.get(key(i), &mut out)? {
+        GetOutcome::Hit => Some(out),
+        GetOutcome::Miss => None,
+    })
+}
+
+#[test]
+fn full_pool_writes_back_instead_of_refusing() {
+    let s = store(1 << 20);
+    let tier = Arc::new(MemTier::new(1 << 30));
+    let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![tier.clone()]));
+    for i in 0..3000 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored, "put {i}");
+    }
+    let st = p.stats();
+    assert_eq!(st.pool_limit_hit, 0, "{st:?}");
+    assert!(st.written_back_pages > 1000, "{st:?}");
+    assert_eq!(st.tier_pages, tier.capacity().stored_pages);
+    assert!(s.mem_used_total() <= 1 << 20);
+    for i in 0..3000 {
+        assert_eq!(get(&p, i).unwrap().unwrap(), page(i), "page {i}");
+    }
+    assert!(p.stats().tier_gets > 1000);
+    // The oldest pages went down first.
+    let mut down: Vec<u64> = tier.keys().iter().map(|k| k.index).collect();
+    down.sort_unstable();
+    assert!(down[down.len() / 2] < 1500, "median written-back index {}", down[down.len() / 2]);
+    // Flushes remove tier copies; destroying the pool clears the rest.
+    for i in 0..100 {
+        assert!(p.flush_page(key(i)).unwrap());
+    }
+    assert_eq!(p.stats().tier_pages, tier.capacity().stored_pages);
+    s.destroy_pool(p.id()).unwrap();
+    assert_eq!(tier.capacity().stored_pages, 0);
+}
+
+#[test]
+fn incompressible_pages_go_straight_down() {
+    let s = store(0);
+    let tier = Arc::new(MemTier::new(1 << 30));
+    let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![tier.clone()]));
+    assert_eq!(p.put(key(1), &noise(1)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.put(key(2), &page(2)).unwrap(), PutOutcome::Stored);
+    let st = p.stats();
+    assert_eq!((st.incompressible_to_tier, st.tier_pages, st.stored_pages), (1, 1, 2));
+    assert_eq!(get(&p, 1).unwrap().unwrap(), noise(1));
+    assert_eq!(s.stats().alloc.objects, 1, "only the compressible page uses the pool");
+    // Replacing it with a compressible page removes the tier copy.
+    assert_eq!(p.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
+    assert_eq!(tier.capacity().stored_pages, 0);
+}
+
+#[test]
+fn tampered_moved_and_replayed_values_fail_cleanly() {
+    let s = store(0);
+    let tier = Arc::new(MemTier::new(1 << 30));
+    let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![tier.clone()]));
+    let tk = |i: u64| TierKey { pool: p.id(), object: 1, index: i };
+    for i in 1..=3 {
+        assert_eq!(p.put(key(i), &noise(i)).unwrap(), PutOutcome::Stored);
+    }
+    // Tampered.
+    tier.with_value(tk(1), |v| v[10] ^= 0x40).unwrap();
+    let err = get(&p, 1).unwrap_err();
+    assert!(matches!(&err, StoreError::Corrupt { reason, .. } if reason.contains("authentication")), "{err}");
+    // Moved: key 3's value copied under key 2.
+    let v3 = tier.with_value(tk(3), |v| v.clone()).unwrap();
+    tier.with_value(tk(2), |v| *v = v3.clone()).unwrap();
+    assert!(matches!(get(&p, 2), Err(StoreError::Corrupt { .. })));
+    // Replayed: an older version of key 3 after it was rewritten.
+    assert_eq!(p.put(key(3), &noise(33)).unwrap(), PutOutcome::Stored);
+    assert_eq!(get(&p, 3).unwrap().unwrap(), noise(33));
+    tier.with_value(tk(3), |v| *v = v3.clone()).unwrap();
+    assert!(matches!(get(&p, 3), Err(StoreError::Corrupt { .. })));
+    assert_eq!(p.stats().tier_get_fail, 3);
+}
+
+#[test]
+fn full_tier_spills_to_the_next_and_then_the_pool_refuses() {
+    let s = store(256 << 10);
+    let small = Arc::new(MemTier::new(200 << 10));
+    let second = Arc::new(MemTier::new(300 << 10));
+    let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![small.clone(), second.clone()]));
+    let mut stored = Vec::new();
+    let mut refused = 0;
+    for i in 0..2000 {
+        match p.put(key(i), &page(i)).unwrap() {
+            PutOutcome::Stored => stored.push(i),
+            PutOutcome::Rejected(Reject::PoolLimit) => refused += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(small.capacity().stored_pages > 0 && second.capacity().stored_pages > 0);
+    assert!(refused > 0, "pool + tiers hold ~750 KiB; 2000 pages need more");
+    for i in stored {
+        assert_eq!(get(&p, i).unwrap().unwrap(), page(i), "page {i}");
+    }
+}
+
+#[test]
+fn exclusive_get_from_a_tier_removes_it() {
+    let s = StoreConfig {
+        policy: PolicyConfig { incompressible: Incompressible::Reject, ..Default::default() },
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    let tier = Arc::new(MemTier::new(1 << 30));
+    let p = s.create_pool_with_tiers(PoolConfig::persistent().exclusive_gets(true), chain(vec![tier.clone()]));
+    assert_eq!(p.put(key(5), &noise(5)).unwrap(), PutOutcome::Stored);
+    assert_eq!(get(&p, 5).unwrap().unwrap(), noise(5));
+    assert_eq!(get(&p, 5).unwrap(), None);
+    assert_eq!(tier.capacity().stored_pages, 0);
+}
+
+#[test]
+fn promotion_brings_pages_back() {
+    let s = store(0);
+    let tier = Arc::new(MemTier::new(1 << 30));
+    let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![tier.clone()]).promote_on_get(true));
+    for i in 0..50 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    assert_eq!(p.write_back(50).pages, 50);
+    assert_eq!(tier.capacity().stored_pages, 50);
+    assert_eq!(get(&p, 7).unwrap().unwrap(), page(7));
+    assert_eq!(tier.capacity().stored_pages, 49);
+    assert_eq!(p.stats().tier_pages, 49);
+}
+
+#[test]
+fn background_writeback_keeps_room_for_new_pages() {
+    let s = store(2 << 20);
+    let tier = Arc::new(MemTier::new(1 << 30));
+    let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![tier.clone()]));
+    let worker = s.start_writeback(Duration::from_millis(5));
+    let accept = s.policy().accept_bytes();
+    for i in 0..1500 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    // Give the worker a moment, then usage sits below the accept threshold.
+    for _ in 0..200 {
+        if s.mem_used_total() < accept {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(s.mem_used_total() < accept, "{} >= {accept}", s.mem_used_total());
+    assert!(worker.is_running());
+    drop(worker);
+    for i in 0..1500 {
+        assert_eq!(get(&p, i).unwrap().unwrap(), page(i));
+    }
+}
