@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tmem_core::{
-    GetOutcome, Key, Pool, PoolConfig, PutOutcome, Reject, Stats, Store, StoreConfig, StoreError, PAGE_SIZE,
+    GetOutcome, Key, Pool, PoolConfig, PutOutcome, Reject, Stats, Store, StoreConfig, StoreError, TierChain,
+    WritebackWorker, PAGE_SIZE,
 };
 
 const PAGE: u64 = PAGE_SIZE as u64;
@@ -142,14 +143,26 @@ pub struct DeviceConfig {
     pub size: u64,
     /// Store configuration: codec, policy (pool limit), shards.
     pub store: StoreConfig,
+    /// Tiers below the pool (writeback, incompressible pages). Without them
+    /// a page the pool refuses fails the write with ENOSPC.
+    pub tiers: Option<TierChain>,
 }
 
 impl DeviceConfig {
     /// Builds the device.
     pub fn build(self) -> Result<PoolDevice, StoreError> {
         let store = self.store.build()?;
-        let pool = store.create_pool(PoolConfig::persistent().reject_keeps_old(true));
+        let cfg = PoolConfig::persistent().reject_keeps_old(true);
+        let (pool, writeback) = match self.tiers {
+            Some(chain) => {
+                let pool = store.create_pool_with_tiers(cfg, chain);
+                let worker = store.start_writeback(std::time::Duration::from_millis(20));
+                (pool, Some(worker))
+            }
+            None => (store.create_pool(cfg), None),
+        };
         Ok(PoolDevice {
+            _writeback: writeback,
             name: self.name,
             size: self.size / PAGE * PAGE,
             store,
@@ -210,6 +223,8 @@ pub struct DeviceStats {
 
 /// A block device on a persistent pool of its own store.
 pub struct PoolDevice {
+    /// Background writeback to the tiers (declared first: stops before the store drops).
+    _writeback: Option<WritebackWorker>,
     name: String,
     size: u64,
     store: Store,

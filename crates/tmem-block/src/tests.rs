@@ -6,7 +6,7 @@ use super::*;
 const SIZE: u64 = 1 << 20;
 
 fn device(policy: PolicyConfig) -> PoolDevice {
-    DeviceConfig { name: "t0".into(), size: SIZE, store: StoreConfig { policy, ..Default::default() } }.build().unwrap()
+    DeviceConfig { name: "t0".into(), size: SIZE, store: StoreConfig { policy, ..Default::default() }, tiers: None }.build().unwrap()
 }
 
 #[allow(clippy::cast_possible_truncation)] // byte patterns

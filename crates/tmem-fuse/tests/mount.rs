@@ -34,7 +34,7 @@ fn tempdir(tag: &str) -> TempDir {
 }
 
 fn device(name: &str, size: u64) -> Arc<tmem_block::PoolDevice> {
-    Arc::new(DeviceConfig { name: name.into(), size, store: Default::default() }.build().unwrap())
+    Arc::new(DeviceConfig { name: name.into(), size, store: Default::default(), tiers: None }.build().unwrap())
 }
 
 #[test]
@@ -108,7 +108,7 @@ fn full_pool_gives_enospc_to_the_writer() {
     let dir = tempdir("full");
     let mut store = tmem_core::StoreConfig::default();
     store.policy.max_pool_bytes = 1 << 20;
-    let dev = Arc::new(DeviceConfig { name: "small".into(), size: 64 << 20, store }.build().unwrap());
+    let dev = Arc::new(DeviceConfig { name: "small".into(), size: 64 << 20, store, tiers: None }.build().unwrap());
     let m = FuseMount::mount(FuseConfig {
         mountpoint: dir.0.clone(),
         exports: vec![Export { name: "small".into(), device: dev.clone() }],

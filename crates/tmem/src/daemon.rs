@@ -141,7 +141,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), String> {
     let mut devices = Vec::new();
     for d in &spec.devices {
         let store = store_config(d, total_ram)?;
-        let dev = DeviceConfig { name: d.name.clone(), size: d.size, store }.build().map_err(|e| e.to_string())?;
+        let dev = DeviceConfig { name: d.name.clone(), size: d.size, store, tiers: None }.build().map_err(|e| e.to_string())?;
         let limit = dev.store().policy().limit_bytes();
         steps.push(format!(
             "{}: {} device, codec {}, pool limit {}",
