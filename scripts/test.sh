@@ -10,7 +10,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 # Debian packages: real programs for corpus capture (python3, java, gcc, redis),
 # and the kernel tools the tests drive.
-PKGS=(python3 default-jdk-headless gcc redis-server util-linux)
+PKGS=(python3 default-jdk-headless gcc redis-server util-linux qemu-utils libnbd-bin fuse3 openssl)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -46,6 +46,7 @@ else
     FUZZ=(cargo fuzz)
 fi
 (cd fuzz && "${FUZZ[@]}" build)
+(cd crates/tmem-nbd/fuzz && "${FUZZ[@]}" build)
 if [ "${FUZZ_SECONDS:-0}" -gt 0 ]; then
     for t in $(cd fuzz && "${FUZZ[@]}" list); do
         (cd fuzz && "${FUZZ[@]}" run "$t" -- -max_total_time="$FUZZ_SECONDS")

@@ -349,7 +349,9 @@ impl BlockDevice for PoolDevice {
             let dst = &mut buf[done..done + n];
             let r = match <&mut [u8; PAGE_SIZE]>::try_from(&mut *dst) {
                 Ok(whole) => self.read_page(page, whole),
-                Err(_) => self.read_page(page, &mut scratch).map(|()| dst.copy_from_slice(&scratch[in_page..in_page + n])),
+                Err(_) => {
+                    self.read_page(page, &mut scratch).map(|()| dst.copy_from_slice(&scratch[in_page..in_page + n]))
+                }
             };
             r.inspect_err(|_| bump(&self.io.failed_reads, 1))?;
             done += n;

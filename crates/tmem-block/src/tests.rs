@@ -1,3 +1,6 @@
+// Test code indexes byte arrays with device offsets; the tests run on 64-bit targets.
+#![allow(clippy::cast_possible_truncation)]
+
 use proptest::prelude::*;
 use tmem_core::{PolicyConfig, StoreConfig};
 
@@ -6,7 +9,9 @@ use super::*;
 const SIZE: u64 = 1 << 20;
 
 fn device(policy: PolicyConfig) -> PoolDevice {
-    DeviceConfig { name: "t0".into(), size: SIZE, store: StoreConfig { policy, ..Default::default() }, tiers: None }.build().unwrap()
+    DeviceConfig { name: "t0".into(), size: SIZE, store: StoreConfig { policy, ..Default::default() }, tiers: None }
+        .build()
+        .unwrap()
 }
 
 #[allow(clippy::cast_possible_truncation)] // byte patterns

@@ -33,6 +33,13 @@ fn main() {
         }
         let crc = t.elapsed().as_secs_f64();
         let mb = data.len() as f64 / 1e6;
-        println!("{}: total {} comp {:.0} MB/s decomp {:.0} MB/s crc {:.0} MB/s-equiv ({x})", c.name(), total, mb / ct, mb / dt, mb / crc);
+        println!(
+            "{}: total {} comp {:.0} MB/s decomp {:.0} MB/s crc {:.0} MB/s-equiv ({x})",
+            c.name(),
+            total,
+            mb / ct,
+            mb / dt,
+            mb / crc
+        );
     }
 }

@@ -420,7 +420,8 @@ impl ZsAlloc {
 
     fn new_span(&self, c: &mut Class, class: usize) -> Result<(), AllocError> {
         let ptr = self.arena.alloc_span(c.geo.pages)?;
-        let span = Span { ptr: Some(ptr), used: 0, bump: 0, free_head: NO_SLOT, partial_pos: NOT_PARTIAL, evacuating: false };
+        let span =
+            Span { ptr: Some(ptr), used: 0, bump: 0, free_head: NO_SLOT, partial_pos: NOT_PARTIAL, evacuating: false };
         let before = c.meta_bytes();
         let id = if let Some(id) = c.free_ids.pop() {
             c.spans[id as usize] = span;

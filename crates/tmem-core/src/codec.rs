@@ -125,7 +125,10 @@ impl Codec for RawCodec {
 
     fn decompress(&self, src: &[u8], page: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
         if src.len() != PAGE_SIZE {
-            return Err(CodecError::Decompress { codec: "raw".into(), reason: format!("length {} != {PAGE_SIZE}", src.len()) });
+            return Err(CodecError::Decompress {
+                codec: "raw".into(),
+                reason: format!("length {} != {PAGE_SIZE}", src.len()),
+            });
         }
         page.copy_from_slice(src);
         Ok(())
@@ -191,7 +194,10 @@ impl ZstdCodec {
             None => format!("zstd-{level}"),
         };
         if !zstd::compression_level_range().contains(&level) {
-            return Err(CodecError::Config { codec: name, reason: format!("level must be in {:?}", zstd::compression_level_range()) });
+            return Err(CodecError::Config {
+                codec: name,
+                reason: format!("level must be in {:?}", zstd::compression_level_range()),
+            });
         }
         let codec = Self { uid: NEXT_CODEC_UID.fetch_add(1, Ordering::Relaxed), level, dictionary, name };
         codec.make_contexts()?;
@@ -241,7 +247,8 @@ impl Codec for ZstdCodec {
 
     fn decompress(&self, src: &[u8], page: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
         let bad = |reason: String| CodecError::Decompress { codec: self.name.clone(), reason };
-        let n = self.with_contexts(|c| c.dctx.decompress_to_buffer(src, &mut page[..]))?.map_err(|e| bad(e.to_string()))?;
+        let n =
+            self.with_contexts(|c| c.dctx.decompress_to_buffer(src, &mut page[..]))?.map_err(|e| bad(e.to_string()))?;
         if n != PAGE_SIZE {
             return Err(bad(format!("decoded {n} bytes, expected {PAGE_SIZE}")));
         }
@@ -256,7 +263,10 @@ impl Codec for ZstdCodec {
 }
 
 /// Trains a zstd dictionary of at most `max_size` bytes from sample pages.
-pub fn train_dictionary<'a>(pages: impl IntoIterator<Item = &'a [u8; PAGE_SIZE]>, max_size: usize) -> Result<Arc<[u8]>, CodecError> {
+pub fn train_dictionary<'a>(
+    pages: impl IntoIterator<Item = &'a [u8; PAGE_SIZE]>,
+    max_size: usize,
+) -> Result<Arc<[u8]>, CodecError> {
     let mut data = Vec::new();
     let mut sizes = Vec::new();
     for p in pages {
@@ -265,9 +275,10 @@ pub fn train_dictionary<'a>(pages: impl IntoIterator<Item = &'a [u8; PAGE_SIZE]>
             sizes.push(PAGE_SIZE);
         }
     }
-    zstd::dict::from_continuous(&data, &sizes, max_size)
-        .map(Arc::from)
-        .map_err(|e| CodecError::Config { codec: "zstd dictionary".into(), reason: format!("training on {} pages: {e}", sizes.len()) })
+    zstd::dict::from_continuous(&data, &sizes, max_size).map(Arc::from).map_err(|e| CodecError::Config {
+        codec: "zstd dictionary".into(),
+        reason: format!("training on {} pages: {e}", sizes.len()),
+    })
 }
 
 /// If every 8-byte word of `page` is the same, returns that word (as zram does).

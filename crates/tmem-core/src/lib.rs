@@ -22,7 +22,10 @@ mod store;
 pub use codec::{CodecConfig, CodecError};
 pub use policy::{Incompressible, PolicyConfig, PolicyError};
 pub use stats::{PoolStats, Stats};
-pub use store::{default_shards, TierChain, WritebackReport, WritebackWorker, GetOutcome, Pool, PoolConfig, PoolKind, PutOutcome, Reject, Store, StoreConfig, StoreError, RAW_CODEC};
+pub use store::{
+    default_shards, GetOutcome, Pool, PoolConfig, PoolKind, PutOutcome, Reject, Store, StoreConfig, StoreError,
+    TierChain, WritebackReport, WritebackWorker, RAW_CODEC,
+};
 
 /// Size of a page, the unit of every put and get.
 pub const PAGE_SIZE: usize = 4096;

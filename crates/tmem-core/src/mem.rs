@@ -261,10 +261,8 @@ fn map_chunk() -> Result<NonNull<u8>, MemError> {
     if p == libc::MAP_FAILED {
         return Err(MemError::Mmap { bytes: CHUNK_BYTES, source: std::io::Error::last_os_error() });
     }
-    NonNull::new(p.cast()).ok_or(MemError::Mmap {
-        bytes: CHUNK_BYTES,
-        source: std::io::Error::other("mmap returned null"),
-    })
+    NonNull::new(p.cast())
+        .ok_or(MemError::Mmap { bytes: CHUNK_BYTES, source: std::io::Error::other("mmap returned null") })
 }
 
 impl Drop for PageArena {

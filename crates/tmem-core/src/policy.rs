@@ -104,7 +104,11 @@ impl Policy {
 
     /// Replaces every knob after checking the whole config.
     pub fn apply(&self, c: &PolicyConfig) -> Result<(), PolicyError> {
-        let bad = |key: &str, value: String, reason: &str| PolicyError::BadValue { key: key.into(), value, reason: reason.into() };
+        let bad = |key: &str, value: String, reason: &str| PolicyError::BadValue {
+            key: key.into(),
+            value,
+            reason: reason.into(),
+        };
         if c.max_pool_percent > 100 {
             return Err(bad("max_pool_percent", c.max_pool_percent.to_string(), "must be 0..=100"));
         }
@@ -115,7 +119,11 @@ impl Policy {
             return Err(bad("max_compressed_size", c.max_compressed_size.to_string(), "must be 1..=4096"));
         }
         if c.compact_threshold_percent > 100 {
-            return Err(bad("compact_threshold_percent", c.compact_threshold_percent.to_string(), "must be 0..=100 (100 disables)"));
+            return Err(bad(
+                "compact_threshold_percent",
+                c.compact_threshold_percent.to_string(),
+                "must be 0..=100 (100 disables)",
+            ));
         }
         let r = Ordering::Relaxed;
         self.max_pool_bytes.store(c.max_pool_bytes, r);

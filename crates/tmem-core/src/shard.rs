@@ -232,7 +232,14 @@ pub(crate) struct Shard {
 
 impl Shard {
     pub fn new() -> Self {
-        Self { table: HashTable::new(), entries: Entries::new(), lru_head: NIL, lru_tail: NIL, c: ShardCounters::default(), meta_reported: 0 }
+        Self {
+            table: HashTable::new(),
+            entries: Entries::new(),
+            lru_head: NIL,
+            lru_tail: NIL,
+            c: ShardCounters::default(),
+            meta_reported: 0,
+        }
     }
 
     pub fn find(&self, key: Key, hash: u64) -> Option<u32> {

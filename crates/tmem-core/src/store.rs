@@ -306,7 +306,8 @@ impl Shared {
     }
 
     fn evict_ephemeral(&self, target: u64) -> bool {
-        let ephemeral: Vec<Arc<Pool>> = self.pools_snapshot().into_iter().filter(|p| p.cfg.kind == PoolKind::Ephemeral).collect();
+        let ephemeral: Vec<Arc<Pool>> =
+            self.pools_snapshot().into_iter().filter(|p| p.cfg.kind == PoolKind::Ephemeral).collect();
         if ephemeral.is_empty() {
             return false;
         }
@@ -330,12 +331,12 @@ impl Shared {
                 evicted += n;
                 slot_bytes_freed += bytes;
             }
+            if evicted == 0 {
+                return false;
+            }
             self.compact();
             if self.total_bytes() < target {
                 return true;
-            }
-            if evicted == 0 {
-                return false;
             }
         }
     }

@@ -253,11 +253,14 @@ impl fuser::Filesystem for BlockFs {
         if ino.0 != ROOT {
             return reply.error(Errno::ENOTDIR);
         }
-        let mut entries: Vec<(u64, FileType, &str)> = vec![(ROOT, FileType::Directory, "."), (ROOT, FileType::Directory, "..")];
+        let mut entries: Vec<(u64, FileType, &str)> =
+            vec![(ROOT, FileType::Directory, "."), (ROOT, FileType::Directory, "..")];
         for (i, e) in self.exports.iter().enumerate() {
             entries.push((ROOT + 1 + i as u64, FileType::RegularFile, &e.name));
         }
-        for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(usize::try_from(offset).unwrap_or(usize::MAX)) {
+        for (i, (ino, kind, name)) in
+            entries.into_iter().enumerate().skip(usize::try_from(offset).unwrap_or(usize::MAX))
+        {
             if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
                 break;
             }
@@ -299,8 +302,11 @@ impl FuseMount {
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         let fs = BlockFs { exports: cfg.exports, uid, gid, started: SystemTime::now() };
         let mut options = Config::default();
-        options.mount_options =
-            vec![MountOption::FSName("tmem".into()), MountOption::Subtype("tmem".into()), MountOption::DefaultPermissions];
+        options.mount_options = vec![
+            MountOption::FSName("tmem".into()),
+            MountOption::Subtype("tmem".into()),
+            MountOption::DefaultPermissions,
+        ];
         options.acl = SessionACL::Owner;
         options.n_threads = Some(cfg.threads.max(1));
         options.clone_fd = true;

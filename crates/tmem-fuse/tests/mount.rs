@@ -62,7 +62,7 @@ fn files_read_write_punch_and_list() {
     assert_eq!(std::fs::metadata(m.path_of("swap0")).unwrap().len(), 64 << 20);
 
     let mut f = OpenOptions::new().read(true).write(true).open(m.path_of("swap0")).unwrap();
-    let data: Vec<u8> = (0..3 * 4096 + 100).map(|i| (i % 251) as u8).collect();
+    let data: Vec<u8> = (0..3 * 4096 + 100u32).map(|i| u8::try_from(i % 251).unwrap()).collect();
     f.write_all_at(&data, 10_000).unwrap();
     let mut back = vec![0u8; data.len()];
     f.read_exact_at(&mut back, 10_000).unwrap();
@@ -124,7 +124,11 @@ fn full_pool_gives_enospc_to_the_writer() {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                if j % 4 == 0 { x.to_le_bytes()[0] } else { 0 }
+                if j % 4 == 0 {
+                    x.to_le_bytes()[0]
+                } else {
+                    0
+                }
             })
             .collect();
         if let Err(e) = f.seek(SeekFrom::Start(i * 4096)).and_then(|_| f.write_all(&page)) {

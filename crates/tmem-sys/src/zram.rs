@@ -86,20 +86,12 @@ impl ZramMmStat {
     /// unsigned integers are required; extra trailing fields (newer kernels add
     /// e.g. `huge_pages_since`) are ignored.
     pub fn parse(text: &str) -> Result<Self, ZramError> {
-        let err = |reason: String| ZramError::Parse {
-            what: "mm_stat",
-            reason,
-            input: text.to_owned(),
-        };
+        let err = |reason: String| ZramError::Parse { what: "mm_stat", reason, input: text.to_owned() };
         let mut values = [0_u64; 8];
         let mut fields = text.split_whitespace();
         for (i, slot) in values.iter_mut().enumerate() {
-            let field = fields
-                .next()
-                .ok_or_else(|| err(format!("expected at least 8 fields, found {i}")))?;
-            *slot = field
-                .parse()
-                .map_err(|e| err(format!("field {} ({field:?}): {e}", i + 1)))?;
+            let field = fields.next().ok_or_else(|| err(format!("expected at least 8 fields, found {i}")))?;
+            *slot = field.parse().map_err(|e| err(format!("field {} ({field:?}): {e}", i + 1)))?;
         }
         let [orig_data_size, compr_data_size, mem_used_total, mem_limit, mem_used_max, same_pages, pages_compacted, huge_pages] =
             values;
@@ -179,47 +171,25 @@ pub enum ZramError {
     InvalidInput(String),
     /// The kernel does not offer the requested compression algorithm.
     #[error("compression algorithm {algorithm:?} is not supported by {dev} (available: {})", available.join(", "))]
-    UnknownAlgorithm {
-        dev: String,
-        algorithm: String,
-        available: Vec<String>,
-    },
+    UnknownAlgorithm { dev: String, algorithm: String, available: Vec<String> },
     /// Reading a sysfs attribute failed.
     #[error("cannot read {}: {source}", path.display())]
     SysfsRead { path: PathBuf, source: io::Error },
     /// Writing a sysfs attribute failed.
     #[error("cannot write {value:?} to {}: {source}", path.display())]
-    SysfsWrite {
-        path: PathBuf,
-        value: String,
-        source: io::Error,
-    },
+    SysfsWrite { path: PathBuf, value: String, source: io::Error },
     /// A sysfs attribute had unexpected content.
     #[error("cannot parse {what}: {reason} (content: {input:?})")]
-    Parse {
-        what: &'static str,
-        reason: String,
-        input: String,
-    },
+    Parse { what: &'static str, reason: String, input: String },
     /// The device node could not be opened.
     #[error("cannot open {} (read/write, O_DIRECT): {source}", path.display())]
     Open { path: PathBuf, source: io::Error },
     /// A `pwrite` to the device failed.
     #[error("writing {len} bytes at offset {offset} to {} failed: {source}", path.display())]
-    Write {
-        path: PathBuf,
-        offset: u64,
-        len: usize,
-        source: io::Error,
-    },
+    Write { path: PathBuf, offset: u64, len: usize, source: io::Error },
     /// A `pread` from the device failed.
     #[error("reading {len} bytes at offset {offset} from {} failed: {source}", path.display())]
-    Read {
-        path: PathBuf,
-        offset: u64,
-        len: usize,
-        source: io::Error,
-    },
+    Read { path: PathBuf, offset: u64, len: usize, source: io::Error },
     /// `fsync` of the device failed.
     #[error("fsync of {} failed: {source}", path.display())]
     Fsync { path: PathBuf, source: io::Error },
@@ -247,12 +217,7 @@ pub enum ZramError {
          restore it by hand: echo 1 > /sys/block/{dev}/reset; echo {algorithm} > /sys/block/{dev}/comp_algorithm",
         earlier.as_ref().map(|e| format!(" (the benchmark had already failed: {e})")).unwrap_or_default()
     )]
-    Restore {
-        dev: String,
-        algorithm: String,
-        source: Box<ZramError>,
-        earlier: Option<Box<ZramError>>,
-    },
+    Restore { dev: String, algorithm: String, source: Box<ZramError>, earlier: Option<Box<ZramError>> },
 }
 
 /// Checks whether `dev` (e.g. `"zram0"`) can be used by [`bench()`].
@@ -299,11 +264,8 @@ pub fn mm_stat(dev: &str) -> Result<ZramMmStat, ZramError> {
 /// Parses `comp_algorithm` content such as `"lzo [lz4] zstd\n"` into
 /// `(available, current)`.
 pub fn parse_comp_algorithm(text: &str) -> Result<(Vec<String>, String), ZramError> {
-    let err = |reason: &str| ZramError::Parse {
-        what: "comp_algorithm",
-        reason: reason.to_owned(),
-        input: text.to_owned(),
-    };
+    let err =
+        |reason: &str| ZramError::Parse { what: "comp_algorithm", reason: reason.to_owned(), input: text.to_owned() };
     let mut available = Vec::new();
     let mut current = None;
     for word in text.split_whitespace() {
@@ -343,12 +305,7 @@ pub fn parse_comp_algorithm(text: &str) -> Result<(Vec<String>, String), ZramErr
 /// straight from user memory, as the userspace store does. Read-back lands in
 /// that same buffer after it has been poisoned (every page's bytes set to the
 /// complement of the expected first byte) and is compared against `data` itself.
-pub fn bench(
-    dev: &str,
-    data: &[u8],
-    algorithm: &str,
-    threads: usize,
-) -> Result<ZramRun, ZramError> {
+pub fn bench(dev: &str, data: &[u8], algorithm: &str, threads: usize) -> Result<ZramRun, ZramError> {
     bench_with_hook(dev, data, algorithm, threads, &|_| {})
 }
 
@@ -363,7 +320,7 @@ fn bench_with_hook(
     hook: Hook<'_>,
 ) -> Result<ZramRun, ZramError> {
     validate_dev(dev)?;
-    if data.is_empty() || data.len() % PAGE_SIZE != 0 {
+    if data.is_empty() || !data.len().is_multiple_of(PAGE_SIZE) {
         return Err(ZramError::InvalidInput(format!(
             "data length {} is not a positive multiple of the page size {PAGE_SIZE}",
             data.len()
@@ -379,32 +336,17 @@ fn bench_with_hook(
 
     let (available, original_algorithm) = read_comp_algorithm(dev)?;
     if !available.iter().any(|a| a == algorithm) {
-        return Err(ZramError::UnknownAlgorithm {
-            dev: dev.to_owned(),
-            algorithm: algorithm.to_owned(),
-            available,
-        });
+        return Err(ZramError::UnknownAlgorithm { dev: dev.to_owned(), algorithm: algorithm.to_owned(), available });
     }
     let original_mem_limit = ZramMmStat::parse(&read_attr(dev, "mm_stat")?)?.mem_limit;
 
-    let guard = RestoreGuard {
-        dev,
-        algorithm: original_algorithm,
-        mem_limit: original_mem_limit,
-        armed: true,
-    };
+    let guard = RestoreGuard { dev, algorithm: original_algorithm, mem_limit: original_mem_limit, armed: true };
     let result = run(dev, data, algorithm, threads, hook);
     guard.finish(result)
 }
 
 /// The benchmark proper; the device is restored by the caller's guard.
-fn run(
-    dev: &str,
-    data: &[u8],
-    algorithm: &str,
-    threads: usize,
-    hook: Hook<'_>,
-) -> Result<ZramRun, ZramError> {
+fn run(dev: &str, data: &[u8], algorithm: &str, threads: usize, hook: Hook<'_>) -> Result<ZramRun, ZramError> {
     let path = dev_node(dev);
     let size = u64_from(data.len());
     let disksize = size + DISKSIZE_SLACK;
@@ -437,10 +379,7 @@ fn run(
     let ranges = split_pages(data.len() / PAGE_SIZE, threads);
 
     let src = buf.as_slice();
-    let items = ranges
-        .iter()
-        .map(|&(first, n)| (first, &src[first * PAGE_SIZE..(first + n) * PAGE_SIZE]))
-        .collect();
+    let items = ranges.iter().map(|&(first, n)| (first, &src[first * PAGE_SIZE..(first + n) * PAGE_SIZE])).collect();
     let start = run_parallel("multi-thread write", items, |(first, bytes)| {
         hook("mt-write");
         write_range(&file, &path, bytes, u64_from(first * PAGE_SIZE))
@@ -489,22 +428,18 @@ where
     let gate = RwLock::new(());
     let abort = AtomicBool::new(false);
     thread::scope(|scope| {
-        let held = gate
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let held = gate.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut handles = Vec::with_capacity(items.len());
         let mut spawn_error = None;
         for (i, item) in items.into_iter().enumerate() {
             let (gate, abort, work) = (&gate, &abort, &work);
-            let spawned = thread::Builder::new()
-                .name(format!("tmem-zram-{i}"))
-                .spawn_scoped(scope, move || {
-                    let opened = gate.read().is_ok();
-                    if !opened || abort.load(Ordering::Acquire) {
-                        return Ok(());
-                    }
-                    work(item)
-                });
+            let spawned = thread::Builder::new().name(format!("tmem-zram-{i}")).spawn_scoped(scope, move || {
+                let opened = gate.read().is_ok();
+                if !opened || abort.load(Ordering::Acquire) {
+                    return Ok(());
+                }
+                work(item)
+            });
             match spawned {
                 Ok(handle) => handles.push(handle),
                 Err(e) => {
@@ -526,9 +461,7 @@ where
         drop(held);
         let mut first_error = None;
         for handle in handles {
-            let result = handle
-                .join()
-                .unwrap_or(Err(ZramError::WorkerPanicked { phase }));
+            let result = handle.join().unwrap_or(Err(ZramError::WorkerPanicked { phase }));
             if let Err(e) = result {
                 first_error.get_or_insert(e);
             }
@@ -624,11 +557,7 @@ impl AlignedBuf {
         let storage = vec![0_u8; len + PAGE_SIZE];
         let addr = storage.as_ptr().addr();
         let offset = (PAGE_SIZE - addr % PAGE_SIZE) % PAGE_SIZE;
-        Self {
-            storage,
-            offset,
-            len,
-        }
+        Self { storage, offset, len }
     }
 
     fn as_slice(&self) -> &[u8] {
@@ -651,22 +580,14 @@ fn poison(buf: &mut [u8], data: &[u8]) {
 
 /// Compares `got` with `want`, reporting the first differing byte offset.
 fn verify(want: &[u8], got: &[u8]) -> Result<(), ZramError> {
-    for (i, (w, g)) in want
-        .chunks(CHUNK_BYTES)
-        .zip(got.chunks(CHUNK_BYTES))
-        .enumerate()
-    {
+    for (i, (w, g)) in want.chunks(CHUNK_BYTES).zip(got.chunks(CHUNK_BYTES)).enumerate() {
         if w != g {
             let within = w.iter().zip(g).position(|(a, b)| a != b).unwrap_or(0);
-            return Err(ZramError::Mismatch {
-                offset: u64_from(i * CHUNK_BYTES + within),
-            });
+            return Err(ZramError::Mismatch { offset: u64_from(i * CHUNK_BYTES + within) });
         }
     }
     if want.len() != got.len() {
-        return Err(ZramError::Mismatch {
-            offset: u64_from(want.len().min(got.len())),
-        });
+        return Err(ZramError::Mismatch { offset: u64_from(want.len().min(got.len())) });
     }
     Ok(())
 }
@@ -675,13 +596,12 @@ fn verify(want: &[u8], got: &[u8]) -> Result<(), ZramError> {
 fn write_range(file: &File, path: &Path, bytes: &[u8], base: u64) -> Result<(), ZramError> {
     let mut offset = base;
     for chunk in bytes.chunks(CHUNK_BYTES) {
-        file.write_all_at(chunk, offset)
-            .map_err(|source| ZramError::Write {
-                path: path.to_owned(),
-                offset,
-                len: chunk.len(),
-                source,
-            })?;
+        file.write_all_at(chunk, offset).map_err(|source| ZramError::Write {
+            path: path.to_owned(),
+            offset,
+            len: chunk.len(),
+            source,
+        })?;
         offset += u64_from(chunk.len());
     }
     Ok(())
@@ -692,23 +612,19 @@ fn read_range(file: &File, path: &Path, bytes: &mut [u8], base: u64) -> Result<(
     let mut offset = base;
     for chunk in bytes.chunks_mut(CHUNK_BYTES) {
         let len = chunk.len();
-        file.read_exact_at(chunk, offset)
-            .map_err(|source| ZramError::Read {
-                path: path.to_owned(),
-                offset,
-                len,
-                source,
-            })?;
+        file.read_exact_at(chunk, offset).map_err(|source| ZramError::Read {
+            path: path.to_owned(),
+            offset,
+            len,
+            source,
+        })?;
         offset += u64_from(len);
     }
     Ok(())
 }
 
 fn fsync(file: &File, path: &Path) -> Result<(), ZramError> {
-    file.sync_all().map_err(|source| ZramError::Fsync {
-        path: path.to_owned(),
-        source,
-    })
+    file.sync_all().map_err(|source| ZramError::Fsync { path: path.to_owned(), source })
 }
 
 fn open_direct(path: &Path) -> Result<File, ZramError> {
@@ -717,10 +633,7 @@ fn open_direct(path: &Path) -> Result<File, ZramError> {
         .write(true)
         .custom_flags(libc::O_DIRECT)
         .open(path)
-        .map_err(|source| ZramError::Open {
-            path: path.to_owned(),
-            source,
-        })
+        .map_err(|source| ZramError::Open { path: path.to_owned(), source })
 }
 
 /// Reset, select `algorithm`, set `disksize` (initialises the device).
@@ -752,10 +665,7 @@ fn reset(dev: &str) -> Result<(), ZramError> {
 fn check_present(dev: &str) -> Result<(), String> {
     let sys = sysfs_dir(dev);
     if !sys.is_dir() {
-        return Err(format!(
-            "{} does not exist (zram module not loaded? try `modprobe zram`)",
-            sys.display()
-        ));
+        return Err(format!("{} does not exist (zram module not loaded? try `modprobe zram`)", sys.display()));
     }
     let node = dev_node(dev);
     match std::fs::metadata(&node) {
@@ -764,9 +674,7 @@ fn check_present(dev: &str) -> Result<(), String> {
         Err(e) => return Err(format!("cannot access {}: {e}", node.display())),
     }
     if !crate::is_root() {
-        return Err(format!(
-            "configuring {dev} requires root (run as root or via sudo)"
-        ));
+        return Err(format!("configuring {dev} requires root (run as root or via sudo)"));
     }
     Ok(())
 }
@@ -777,35 +685,19 @@ fn check_idle(dev: &str) -> Result<(), String> {
     let node = dev_node(dev);
     let node = node.to_string_lossy();
     let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
-    if swaps
-        .lines()
-        .skip(1)
-        .any(|l| l.split_whitespace().next() == Some(&*node))
-    {
-        return Err(format!(
-            "{node} is in use as swap (/proc/swaps); refusing to touch it"
-        ));
+    if swaps.lines().skip(1).any(|l| l.split_whitespace().next() == Some(&*node)) {
+        return Err(format!("{node} is in use as swap (/proc/swaps); refusing to touch it"));
     }
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    if let Some(line) = mounts
-        .lines()
-        .find(|l| l.split_whitespace().next() == Some(&*node))
-    {
+    if let Some(line) = mounts.lines().find(|l| l.split_whitespace().next() == Some(&*node)) {
         let target = line.split_whitespace().nth(1).unwrap_or("?");
-        return Err(format!(
-            "{node} is mounted on {target}; refusing to touch it"
-        ));
+        return Err(format!("{node} is mounted on {target}; refusing to touch it"));
     }
     if let Ok(holders) = std::fs::read_dir(sysfs_dir(dev).join("holders")) {
-        let names: Vec<String> = holders
-            .filter_map(Result::ok)
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
+        let names: Vec<String> =
+            holders.filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
         if !names.is_empty() {
-            return Err(format!(
-                "{dev} is held by {}; refusing to touch it",
-                names.join(", ")
-            ));
+            return Err(format!("{dev} is held by {}; refusing to touch it", names.join(", ")));
         }
     }
     let initstate = read_u64_attr(dev, "initstate").map_err(text)?;
@@ -827,27 +719,14 @@ struct DeviceLock {
 
 fn lock_path(dev: &str) -> PathBuf {
     let dir = Path::new("/run/lock");
-    let dir = if dir.is_dir() {
-        dir.to_owned()
-    } else {
-        std::env::temp_dir()
-    };
+    let dir = if dir.is_dir() { dir.to_owned() } else { std::env::temp_dir() };
     dir.join(format!("tmem-sys-{dev}.lock"))
 }
 
 fn lock_device(dev: &str, timeout: Duration) -> Result<DeviceLock, ZramError> {
     let path = lock_path(dev);
-    let lock_err = |source| ZramError::Lock {
-        path: path.clone(),
-        source,
-    };
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(lock_err)?;
+    let lock_err = |source| ZramError::Lock { path: path.clone(), source };
+    let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(lock_err)?;
     let start = Instant::now();
     loop {
         // SAFETY: `file` is an open file owned by this function and stays alive
@@ -862,12 +741,7 @@ fn lock_device(dev: &str, timeout: Duration) -> Result<DeviceLock, ZramError> {
             Some(libc::EWOULDBLOCK) if start.elapsed() < timeout => {
                 thread::sleep(Duration::from_millis(50));
             }
-            Some(libc::EWOULDBLOCK) => {
-                return Err(ZramError::LockTimeout {
-                    path,
-                    waited: start.elapsed(),
-                })
-            }
+            Some(libc::EWOULDBLOCK) => return Err(ZramError::LockTimeout { path, waited: start.elapsed() }),
             Some(libc::EINTR) => {}
             _ => return Err(lock_err(e)),
         }
@@ -896,20 +770,12 @@ fn read_attr(dev: &str, attr: &str) -> Result<String, ZramError> {
 
 fn write_attr(dev: &str, attr: &str, value: &str) -> Result<(), ZramError> {
     let path = sysfs_dir(dev).join(attr);
-    std::fs::write(&path, value).map_err(|source| ZramError::SysfsWrite {
-        path,
-        value: value.to_owned(),
-        source,
-    })
+    std::fs::write(&path, value).map_err(|source| ZramError::SysfsWrite { path, value: value.to_owned(), source })
 }
 
 fn read_u64_attr(dev: &str, attr: &'static str) -> Result<u64, ZramError> {
     let text = read_attr(dev, attr)?;
-    text.trim().parse().map_err(|e| ZramError::Parse {
-        what: attr,
-        reason: format!("{e}"),
-        input: text.clone(),
-    })
+    text.trim().parse().map_err(|e| ZramError::Parse { what: attr, reason: format!("{e}"), input: text.clone() })
 }
 
 fn read_comp_algorithm(dev: &str) -> Result<(Vec<String>, String), ZramError> {

@@ -10,21 +10,13 @@ const PAGES: usize = 2048; // 8 MiB
 const THREADS: usize = 2;
 
 fn state() -> (u64, String, u64) {
-    (
-        zram::disksize(DEV).unwrap(),
-        zram::current_algorithm(DEV).unwrap(),
-        zram::mm_stat(DEV).unwrap().mem_limit,
-    )
+    (zram::disksize(DEV).unwrap(), zram::current_algorithm(DEV).unwrap(), zram::mm_stat(DEV).unwrap().mem_limit)
 }
 
 #[test]
 fn generator_counts_match_zram_definition() {
     let g = common::generate(PAGES, 42);
-    let counted = g
-        .data
-        .chunks(common::PAGE)
-        .filter(|p| common::is_same_filled(p))
-        .count();
+    let counted = g.data.chunks(common::PAGE).filter(|p| common::is_same_filled(p)).count();
     assert_eq!(counted, g.same_filled);
     assert_eq!(g.same_filled + g.pattern + g.text + g.random, PAGES);
     assert!(g.zero > 0 && g.same_filled > g.zero && g.pattern > 0 && g.text > 0 && g.random > 0);
@@ -42,11 +34,7 @@ fn zram_bench_8mib_mixed_pages() {
     assert!(algorithms.contains(&before.1));
 
     let g = common::generate(PAGES, 42);
-    let same_filled = g
-        .data
-        .chunks(common::PAGE)
-        .filter(|p| common::is_same_filled(p))
-        .count();
+    let same_filled = g.data.chunks(common::PAGE).filter(|p| common::is_same_filled(p)).count();
     let pages = u64::try_from(PAGES).unwrap();
 
     // Unknown algorithm: clear error, device untouched.
@@ -64,8 +52,7 @@ fn zram_bench_8mib_mixed_pages() {
         }
         // bench verifies every byte read back (single- and multi-thread) and
         // returns ZramError::Mismatch otherwise, so Ok means verification passed.
-        let run = zram::bench(DEV, &g.data, algorithm, THREADS)
-            .unwrap_or_else(|e| panic!("bench {algorithm}: {e}"));
+        let run = zram::bench(DEV, &g.data, algorithm, THREADS).unwrap_or_else(|e| panic!("bench {algorithm}: {e}"));
         let m = &run.mm_stat;
         println!(
             "{algorithm}: {} pages ({} same-filled, {} random), orig {} B, compr {} B, mem_used_total {} B, \
@@ -94,12 +81,7 @@ fn zram_bench_8mib_mixed_pages() {
         assert!(m.compr_data_size > 0 && m.compr_data_size < m.orig_data_size);
         // Random pages do not compress: zram stores them as huge pages.
         assert!(m.huge_pages >= u64::try_from(g.random).unwrap(), "{m:?}");
-        for secs in [
-            run.put_secs_1t,
-            run.get_secs_1t,
-            run.put_secs_mt,
-            run.get_secs_mt,
-        ] {
+        for secs in [run.put_secs_1t, run.get_secs_1t, run.put_secs_mt, run.get_secs_mt] {
             assert!(secs.is_finite() && secs > 0.0);
         }
         assert_eq!(state(), before, "{DEV} not restored after {algorithm}");

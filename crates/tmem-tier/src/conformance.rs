@@ -73,7 +73,8 @@ pub fn check(tier: &dyn Tier, expect: Expect) {
     }
 
     // Batches agree with single operations.
-    let batch: Vec<(TierKey, Vec<u8>)> = (100..164).map(|i| (key(4, i), value(i, 50 + (i as usize * 13) % 3000))).collect();
+    let batch: Vec<(TierKey, Vec<u8>)> =
+        (100..164).map(|i| (key(4, i), value(i, 50 + usize::try_from(i * 13 % 3000).unwrap_or(0)))).collect();
     let items: Vec<(TierKey, &[u8])> = batch.iter().map(|(k, v)| (*k, v.as_slice())).collect();
     let results = tier.put_batch(&items);
     assert_eq!(results.len(), items.len());

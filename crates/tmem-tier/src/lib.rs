@@ -276,7 +276,11 @@ fn bucket_of(us: u64) -> usize {
 
 fn bucket_upper_us(b: usize) -> u64 {
     let whole = 1u64 << (b / 2);
-    if b % 2 == 0 { whole + whole / 2 } else { 2 * whole }
+    if b.is_multiple_of(2) {
+        whole + whole / 2
+    } else {
+        2 * whole
+    }
 }
 
 impl LatencyHistogram {

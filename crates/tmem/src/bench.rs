@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tmem_core::codec::train_dictionary;
-use tmem_core::{CodecConfig, GetOutcome, Incompressible, Key, PolicyConfig, PutOutcome, Store, StoreConfig, PAGE_SIZE};
+use tmem_core::{
+    CodecConfig, GetOutcome, Incompressible, Key, PolicyConfig, PutOutcome, Store, StoreConfig, PAGE_SIZE,
+};
 use tmem_corpus::Corpus;
 
 /// Arguments of `tmem bench store`.
@@ -120,11 +122,8 @@ pub fn run_store(args: &StoreBenchArgs) -> Result<(), String> {
     if parts.len() > 1 {
         sets.push(("mix".into(), Corpus::mix(&parts)));
     }
-    let zram_state = if args.no_zram {
-        Err("not requested".to_owned())
-    } else {
-        tmem_sys::zram::check_available("zram0")
-    };
+    let zram_state =
+        if args.no_zram { Err("not requested".to_owned()) } else { tmem_sys::zram::check_available("zram0") };
     if let Err(why) = &zram_state {
         if !args.json {
             eprintln!("zram comparison skipped: {why}");
@@ -141,7 +140,12 @@ pub fn run_store(args: &StoreBenchArgs) -> Result<(), String> {
                 rows.push(bench_zram(corpus, alg, threads)?);
             }
         }
-        let r = CorpusResult { corpus: name.clone(), pages: corpus.page_count(), rows, zram_skipped: zram_state.clone().err() };
+        let r = CorpusResult {
+            corpus: name.clone(),
+            pages: corpus.page_count(),
+            rows,
+            zram_skipped: zram_state.clone().err(),
+        };
         if !args.json {
             print_table(&r);
         }
@@ -176,7 +180,13 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn bench_tmem(corpus: &Corpus, spec: &CodecSpec, threads: usize, rounds: usize, dict_size: usize) -> Result<Row, String> {
+fn bench_tmem(
+    corpus: &Corpus,
+    spec: &CodecSpec,
+    threads: usize,
+    rounds: usize,
+    dict_size: usize,
+) -> Result<Row, String> {
     let n = corpus.page_count();
     if n == 0 {
         return Err("corpus has no pages".into());
@@ -225,7 +235,8 @@ fn bench_tmem(corpus: &Corpus, spec: &CodecSpec, threads: usize, rounds: usize, 
         res?;
         putm.push(bytes / secs / 1e6);
         let outs: Vec<&mut [u8]> = out.chunks_mut(chunk * PAGE_SIZE).collect();
-        let slots: Vec<std::sync::Mutex<Option<&mut [u8]>>> = outs.into_iter().map(|o| std::sync::Mutex::new(Some(o))).collect();
+        let slots: Vec<std::sync::Mutex<Option<&mut [u8]>>> =
+            outs.into_iter().map(|o| std::sync::Mutex::new(Some(o))).collect();
         let (secs, res) = timed_parallel(threads, |t| {
             let pool = Arc::clone(&pool);
             let mine = slots.get(t).and_then(|m| m.lock().ok()?.take());
@@ -354,7 +365,10 @@ fn print_table(r: &CorpusResult) {
     );
     let zram_lz4 = r.rows.iter().find(|row| row.backend == "zram lz4").map(|row| row.mem_used_total);
     for row in &r.rows {
-        let vs = zram_lz4.map_or_else(|| "-".to_owned(), |z| format!("{:+.1}%", (row.mem_used_total as f64 / z as f64 - 1.0) * 100.0));
+        let vs = zram_lz4.map_or_else(
+            || "-".to_owned(),
+            |z| format!("{:+.1}%", (row.mem_used_total as f64 / z as f64 - 1.0) * 100.0),
+        );
         println!(
             "{:<18} {:>6.3} {:>7.2} MiB {:>9} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>7} {:>7}",
             row.backend,

@@ -48,12 +48,25 @@ pub struct DaemonSpec {
     pub runtime_dir: PathBuf,
     /// Devices.
     pub devices: Vec<DeviceSpec>,
-    /// Turn each device into kernel swap.
+    /// Export the devices as FUSE files.
+    #[serde(default = "yes")]
+    pub fuse: bool,
+    /// Turn each device into kernel swap (needs `fuse`).
     pub swap: bool,
+    /// Serve the devices over NBD: a unix socket path, or `tcp:ADDR`.
+    #[serde(default)]
+    pub nbd: Option<String>,
+    /// Allow a non-loopback NBD TCP address.
+    #[serde(default)]
+    pub nbd_allow_remote: bool,
     /// Swap priority.
     pub priority: i32,
     /// FUSE worker threads.
     pub fuse_threads: usize,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// What the daemon set up, reported by `status`.
@@ -67,6 +80,9 @@ pub struct Status {
     pub steps: Vec<String>,
     /// Per device: name, FUSE file, loop device.
     pub devices: Vec<DeviceStatus>,
+    /// NBD URIs of the devices, when served over NBD.
+    #[serde(default)]
+    pub nbd_uris: Vec<String>,
 }
 
 /// One device's plumbing.
@@ -85,6 +101,7 @@ pub struct DeviceStatus {
 struct State {
     status: Status,
     fuse: Option<FuseMount>,
+    nbd: Option<tmem_nbd::ServerHandle>,
 }
 
 struct Daemon {
@@ -126,7 +143,9 @@ pub fn run(spec: DaemonSpec) -> Result<(), String> {
 
     let mut steps = Vec::new();
     match swap::leave_memory_cgroup() {
-        Ok(where_) => steps.push(format!("daemon pid {} moved to the root memory cgroup ({where_})", std::process::id())),
+        Ok(where_) => {
+            steps.push(format!("daemon pid {} moved to the root memory cgroup ({where_})", std::process::id()))
+        }
         Err(e) => log(&format!("warning: could not leave the memory cgroup: {e}")),
     }
     swap::mlockall_onfault().map_err(|e| e.to_string())?;
@@ -141,7 +160,9 @@ pub fn run(spec: DaemonSpec) -> Result<(), String> {
     let mut devices = Vec::new();
     for d in &spec.devices {
         let store = store_config(d, total_ram)?;
-        let dev = DeviceConfig { name: d.name.clone(), size: d.size, store, tiers: None }.build().map_err(|e| e.to_string())?;
+        let dev = DeviceConfig { name: d.name.clone(), size: d.size, store, tiers: None }
+            .build()
+            .map_err(|e| e.to_string())?;
         let limit = dev.store().policy().limit_bytes();
         steps.push(format!(
             "{}: {} device, codec {}, pool limit {}",
@@ -155,7 +176,17 @@ pub fn run(spec: DaemonSpec) -> Result<(), String> {
     let daemon = Arc::new(Daemon {
         spec,
         devices,
-        state: Mutex::new(State { status: Status { state: "starting".into(), pid: std::process::id(), steps, devices: vec![] }, fuse: None }),
+        state: Mutex::new(State {
+            status: Status {
+                state: "starting".into(),
+                pid: std::process::id(),
+                steps,
+                devices: vec![],
+                nbd_uris: vec![],
+            },
+            fuse: None,
+            nbd: None,
+        }),
         exit: AtomicBool::new(false),
     });
 
@@ -165,7 +196,10 @@ pub fn run(spec: DaemonSpec) -> Result<(), String> {
     std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).map_err(|e| e.to_string())?;
     {
         let d = Arc::clone(&daemon);
-        std::thread::Builder::new().name("tmem-ctl".into()).spawn(move || serve_control(&d, &listener)).map_err(|e| e.to_string())?;
+        std::thread::Builder::new()
+            .name("tmem-ctl".into())
+            .spawn(move || serve_control(&d, &listener))
+            .map_err(|e| e.to_string())?;
     }
 
     if let Err(e) = daemon.setup() {
@@ -207,6 +241,42 @@ impl Daemon {
     }
 
     fn setup(&self) -> Result<(), String> {
+        if self.spec.fuse {
+            self.setup_fuse()?;
+        }
+        if let Some(listen) = &self.spec.nbd {
+            self.setup_nbd(listen)?;
+        }
+        self.lock().status.state = "up".into();
+        Ok(())
+    }
+
+    fn setup_nbd(&self, listen: &str) -> Result<(), String> {
+        let listen = match listen.strip_prefix("tcp:") {
+            Some(addr) => tmem_nbd::Listen::Tcp(addr.parse().map_err(|e| format!("bad NBD address {addr:?}: {e}"))?),
+            None => tmem_nbd::Listen::Unix(PathBuf::from(listen)),
+        };
+        let exports = self
+            .devices
+            .iter()
+            .map(|d| tmem_nbd::Export::new(d.name(), Arc::clone(d) as Arc<dyn BlockDevice>))
+            .collect();
+        let mut cfg = tmem_nbd::NbdConfig::new(exports, listen);
+        cfg.allow_remote = self.spec.nbd_allow_remote;
+        let server = tmem_nbd::ServerHandle::start(cfg).map_err(|e| e.to_string())?;
+        let uris: Vec<String> = self.devices.iter().map(|d| server.uri(d.name())).collect();
+        {
+            let mut g = self.lock();
+            g.nbd = Some(server);
+            g.status.nbd_uris = uris.clone();
+        }
+        for u in uris {
+            self.step(format!("NBD export {u}"));
+        }
+        Ok(())
+    }
+
+    fn setup_fuse(&self) -> Result<(), String> {
         let mnt = self.spec.runtime_dir.join("dev");
         std::fs::create_dir_all(&mnt).map_err(|e| format!("{}: {e}", mnt.display()))?;
         let exports = self
@@ -216,7 +286,8 @@ impl Daemon {
             .collect();
         let fuse = FuseMount::mount(FuseConfig { mountpoint: mnt.clone(), exports, threads: self.spec.fuse_threads })
             .map_err(|e| e.to_string())?;
-        let files: Vec<(String, PathBuf)> = self.devices.iter().map(|d| (d.name().to_owned(), fuse.path_of(d.name()))).collect();
+        let files: Vec<(String, PathBuf)> =
+            self.devices.iter().map(|d| (d.name().to_owned(), fuse.path_of(d.name()))).collect();
         {
             let mut g = self.lock();
             g.fuse = Some(fuse);
@@ -235,10 +306,13 @@ impl Daemon {
                 self.step(format!("{name}: mkswap {}", dev.display()));
                 swap::swapon(&dev, self.spec.priority).map_err(|e| e.to_string())?;
                 self.lock().status.devices[i].swap = true;
-                self.step(format!("{name}: swapon --discard=pages --priority {} {}", self.spec.priority, dev.display()));
+                self.step(format!(
+                    "{name}: swapon --discard=pages --priority {} {}",
+                    self.spec.priority,
+                    dev.display()
+                ));
             }
         }
-        self.lock().status.state = "up".into();
         Ok(())
     }
 
@@ -263,6 +337,11 @@ impl Daemon {
             swap::loop_detach(dev).map_err(|e| e.to_string())?;
             self.lock().status.devices[i].loop_dev = None;
             self.step(format!("{}: losetup --detach {}", d.name, dev.display()));
+        }
+        let nbd = self.lock().nbd.take();
+        if let Some(server) = nbd {
+            server.stop().map_err(|e| e.to_string())?;
+            self.step("NBD server stopped".into());
         }
         let fuse = self.lock().fuse.take();
         if let Some(f) = fuse {
@@ -406,7 +485,11 @@ pub fn human(b: u64) -> String {
         v /= 1024.0;
         i += 1;
     }
-    if i == 0 { format!("{b} B") } else { format!("{v:.1} {}", U[i]) }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
 }
 
 /// Where the daemon's log goes.

@@ -3,6 +3,7 @@
 mod bench;
 mod ctl;
 mod daemon;
+mod pressure;
 mod swapcmd;
 
 use std::process::ExitCode;
@@ -53,6 +54,11 @@ enum Command {
         #[arg(required = true)]
         assignments: Vec<String>,
     },
+    /// Serves devices without touching local swap.
+    Serve {
+        #[command(subcommand)]
+        what: ServeCommand,
+    },
     /// Runs the daemon (started by `tmem swap up`).
     #[command(hide = true)]
     Daemon {
@@ -60,6 +66,12 @@ enum Command {
         #[arg(long)]
         spec: String,
     },
+}
+
+#[derive(Subcommand, Debug)]
+enum ServeCommand {
+    /// Exports compressed block devices over NBD (unix socket, or TCP on loopback) until SIGINT/SIGTERM.
+    Nbd(swapcmd::ServeNbdArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -75,6 +87,9 @@ enum BenchCommand {
     /// Puts every page of a corpus into the store, gets it back, checks it,
     /// and compares ratio and throughput with kernel zram on the same pages.
     Store(bench::StoreBenchArgs),
+    /// The zcache/RAMster memory-pressure ladder: a workload under shrinking
+    /// memory limits, swapping to disk, zram, zswap and tmem.
+    Pressure(pressure::PressureArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -93,6 +108,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result: Result<(), String> = match cli.command {
         Command::Bench { what: BenchCommand::Store(args) } => bench::run_store(&args),
+        Command::Bench { what: BenchCommand::Pressure(args) } => pressure::run(&args),
         Command::Corpus { what: CorpusCommand::Capture(args) } => {
             tmem_corpus::run_capture(&args).map_err(|e| e.to_string())
         }
@@ -101,6 +117,7 @@ fn main() -> ExitCode {
         Command::Swap { what: SwapCommand::Down(a) } => swapcmd::down(&a),
         Command::Stat { daemon, json } => swapcmd::stat(&daemon, json),
         Command::Set { daemon, device, assignments } => swapcmd::set(&daemon, &device, &assignments),
+        Command::Serve { what: ServeCommand::Nbd(a) } => swapcmd::serve_nbd(&a),
         Command::Daemon { spec } => swapcmd::run_daemon(&spec),
     };
     match result {

@@ -1,7 +1,7 @@
 //! `tmem swap up|down`, `tmem stat`, `tmem set`: the CLI side of the daemon.
 
-use std::path::{Path, PathBuf};
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -70,13 +70,28 @@ pub fn up(a: &UpArgs) -> Result<(), String> {
     }
     let (pool_limit_bytes, pool_limit_percent) = parse_limit(&a.pool_limit)?;
     let devices = (0..a.devices)
-        .map(|i| DeviceSpec { name: format!("swap{i}"), size: a.size, codec: a.codec.clone(), pool_limit_bytes, pool_limit_percent })
+        .map(|i| DeviceSpec {
+            name: format!("swap{i}"),
+            size: a.size,
+            codec: a.codec.clone(),
+            pool_limit_bytes,
+            pool_limit_percent,
+        })
         .collect::<Vec<_>>();
     // Check the configuration here, where the user sees the error.
     for d in &devices {
         daemon::store_config(d, 1)?.build().map_err(|e| e.to_string())?;
     }
-    let spec = DaemonSpec { runtime_dir: a.runtime_dir.clone(), devices, swap: true, priority: a.priority, fuse_threads: a.fuse_threads };
+    let spec = DaemonSpec {
+        runtime_dir: a.runtime_dir.clone(),
+        devices,
+        fuse: true,
+        swap: true,
+        nbd: None,
+        nbd_allow_remote: false,
+        priority: a.priority,
+        fuse_threads: a.fuse_threads,
+    };
     std::fs::create_dir_all(&a.runtime_dir).map_err(|e| format!("{}: {e}", a.runtime_dir.display()))?;
     let log = daemon::log_path(&a.runtime_dir);
     let log_file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
@@ -121,12 +136,14 @@ fn tail(path: &Path) -> String {
 
 /// `tmem swap down`: orderly teardown, then waits for the daemon to exit.
 pub fn down(a: &DaemonArgs) -> Result<(), String> {
-    let before: Status = serde_json::from_value(ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(5))?)
-        .map_err(|e| e.to_string())?;
+    let before: Status =
+        serde_json::from_value(ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(5))?)
+            .map_err(|e| e.to_string())?;
     let n = before.steps.len();
     // swapoff reads every page back: allow it time.
-    let after: Status = serde_json::from_value(ctl::call_ok(&a.runtime_dir, &Request::Down, Duration::from_secs(3600))?)
-        .map_err(|e| e.to_string())?;
+    let after: Status =
+        serde_json::from_value(ctl::call_ok(&a.runtime_dir, &Request::Down, Duration::from_secs(3600))?)
+            .map_err(|e| e.to_string())?;
     for s in after.steps.iter().skip(n) {
         println!("{s}");
     }
@@ -158,11 +175,24 @@ pub fn stat(a: &DaemonArgs, json: bool) -> Result<(), String> {
 pub fn print_stat_table(devs: &[DeviceStats]) {
     println!(
         "{:<8} {:>9} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7} {:>9} {:>8} {:>8} {:>8} {:<8}",
-        "NAME", "DISKSIZE", "DATA", "COMPR", "TOTAL", "RATIO", "PAGES", "SAME", "HUGE", "LIMIT", "REJECTS", "FAILED", "CODEC"
+        "NAME",
+        "DISKSIZE",
+        "DATA",
+        "COMPR",
+        "TOTAL",
+        "RATIO",
+        "PAGES",
+        "SAME",
+        "HUGE",
+        "LIMIT",
+        "REJECTS",
+        "FAILED",
+        "CODEC"
     );
     for d in devs {
         let t = &d.store.total;
-        let rejects = t.pool_limit_hit + t.reject_compress_poor + t.reject_compress_fail + t.reject_alloc_fail + t.reject_frozen;
+        let rejects =
+            t.pool_limit_hit + t.reject_compress_poor + t.reject_compress_fail + t.reject_alloc_fail + t.reject_frozen;
         let limit = if d.store.pool_limit_bytes == u64::MAX { "-".into() } else { human(d.store.pool_limit_bytes) };
         println!(
             "{:<8} {:>9} {:>9} {:>9} {:>9} {:>6.2} {:>8} {:>7} {:>9} {:>8} {:>8} {:>8} {:<8}",
@@ -187,11 +217,73 @@ pub fn print_stat_table(devs: &[DeviceStats]) {
 pub fn set(a: &DaemonArgs, device: &str, assignments: &[String]) -> Result<(), String> {
     for kv in assignments {
         let (key, value) = kv.split_once('=').ok_or_else(|| format!("expected KEY=VALUE, got {kv:?}"))?;
-        let req = Request::Set { device: device.to_owned(), key: key.trim().to_owned(), value: value.trim().to_owned() };
+        let req =
+            Request::Set { device: device.to_owned(), key: key.trim().to_owned(), value: value.trim().to_owned() };
         let msg = ctl::call_ok(&a.runtime_dir, &req, Duration::from_secs(60))?;
         println!("{device}: {}", msg.as_str().unwrap_or_default());
     }
     Ok(())
+}
+
+/// Arguments of `tmem serve nbd`.
+#[derive(clap::Args, Debug)]
+pub struct ServeNbdArgs {
+    /// Size of each device.
+    #[arg(long, default_value = "8G", value_parser = tmem_corpus::parse_size)]
+    size: u64,
+    /// Number of devices (exports disk0, disk1, ...).
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
+    /// Pool memory limit per device: a size or a percentage of RAM.
+    #[arg(long, default_value = "25%")]
+    pool_limit: String,
+    /// Codec: lz4, zstd, zstd:LEVEL.
+    #[arg(long, default_value = "lz4")]
+    codec: String,
+    /// Unix socket to listen on (default: RUNTIME_DIR/nbd.sock).
+    #[arg(long, conflicts_with = "tcp")]
+    socket: Option<PathBuf>,
+    /// TCP address instead, e.g. 127.0.0.1:10809 (loopback unless --allow-remote).
+    #[arg(long)]
+    tcp: Option<String>,
+    /// Allow a non-loopback TCP address (NBD has no authentication: trusted networks only).
+    #[arg(long)]
+    allow_remote: bool,
+    /// Runtime directory (control socket for `tmem stat`/`tmem set`).
+    #[arg(long, default_value = ctl::RUNTIME_DIR)]
+    runtime_dir: PathBuf,
+}
+
+/// `tmem serve nbd`: exports devices over NBD in the foreground until SIGINT/SIGTERM.
+pub fn serve_nbd(a: &ServeNbdArgs) -> Result<(), String> {
+    if ctl::call(&a.runtime_dir, &Request::Status, Duration::from_secs(2)).is_ok() {
+        return Err(format!("a tmem daemon already uses {}; pass another --runtime-dir", a.runtime_dir.display()));
+    }
+    let (pool_limit_bytes, pool_limit_percent) = parse_limit(&a.pool_limit)?;
+    let devices = (0..a.devices.max(1))
+        .map(|i| DeviceSpec {
+            name: format!("disk{i}"),
+            size: a.size,
+            codec: a.codec.clone(),
+            pool_limit_bytes,
+            pool_limit_percent,
+        })
+        .collect();
+    let listen = match (&a.tcp, &a.socket) {
+        (Some(addr), _) => format!("tcp:{addr}"),
+        (None, Some(p)) => p.display().to_string(),
+        (None, None) => a.runtime_dir.join("nbd.sock").display().to_string(),
+    };
+    daemon::run(DaemonSpec {
+        runtime_dir: a.runtime_dir.clone(),
+        devices,
+        fuse: false,
+        swap: false,
+        nbd: Some(listen),
+        nbd_allow_remote: a.allow_remote,
+        priority: 0,
+        fuse_threads: 0,
+    })
 }
 
 /// `tmem daemon --spec JSON` (internal).

@@ -192,7 +192,13 @@ impl Pool {
     }
 
     /// Reads, opens, checks and decodes the tier copy of `e` into `out`.
-    fn fetch_from_tier(&self, chain: &TierChain, key: Key, e: &Entry, out: &mut [u8; PAGE_SIZE]) -> Result<(), StoreError> {
+    fn fetch_from_tier(
+        &self,
+        chain: &TierChain,
+        key: Key,
+        e: &Entry,
+        out: &mut [u8; PAGE_SIZE],
+    ) -> Result<(), StoreError> {
         let corrupt = |reason: String| StoreError::Corrupt { pool: self.id, key, reason };
         let tier = chain.tiers.get(e.tier()).ok_or_else(|| StoreError::TierChain(format!("no tier {}", e.tier())))?;
         let tkey = self.tier_key(key);
@@ -220,9 +226,10 @@ impl Pool {
         let Some(chain) = &self.chain else { return report };
         let shards = self.shards.len();
         let mut idle = 0;
-        while (report.pages as usize) < max_pages && idle < shards && !self.destroyed.load(Ordering::Acquire) {
+        let mut moved = 0usize;
+        while moved < max_pages && idle < shards && !self.destroyed.load(Ordering::Acquire) {
             let i = self.wb_cursor.fetch_add(1, Ordering::Relaxed) % shards;
-            let batch = WB_BATCH.min(max_pages - report.pages as usize);
+            let batch = WB_BATCH.min(max_pages - moved);
             let r = self.write_back_shard(chain, i, batch);
             if r.pages == 0 {
                 idle += 1;
@@ -230,6 +237,7 @@ impl Pool {
                 idle = 0;
             }
             report.pages += r.pages;
+            moved += usize::try_from(r.pages).unwrap_or(usize::MAX);
             report.slot_bytes += r.slot_bytes;
             report.refused += r.refused;
             if r.refused > 0 && r.pages == 0 {
@@ -288,7 +296,8 @@ impl Pool {
             if pending.is_empty() {
                 break;
             }
-            let items: Vec<(TierKey, &[u8])> = pending.iter().map(|&j| (victims[j].tkey, sealed[j].1.as_slice())).collect();
+            let items: Vec<(TierKey, &[u8])> =
+                pending.iter().map(|&j| (victims[j].tkey, sealed[j].1.as_slice())).collect();
             for (r, &j) in tier.put_batch(&items).into_iter().zip(&pending) {
                 if let Ok(TierPut::Stored) = r {
                     placed[j] = Some(t);

@@ -1,7 +1,6 @@
 use super::*;
 
-const REAL_MM_STAT: &str =
-    "  8388608  3051520  3420160        0  3420160      412        0      410      410\n";
+const REAL_MM_STAT: &str = "  8388608  3051520  3420160        0  3420160      412        0      410      410\n";
 
 #[test]
 fn mm_stat_parses_kernel_output_with_extra_field() {
@@ -45,9 +44,7 @@ fn mm_stat_rejects_malformed_input() {
         "0x10 2 3 4 5 6 7 8",
     ] {
         match ZramMmStat::parse(bad) {
-            Err(ZramError::Parse {
-                what: "mm_stat", ..
-            }) => {}
+            Err(ZramError::Parse { what: "mm_stat", .. }) => {}
             other => panic!("{bad:?} should fail to parse, got {other:?}"),
         }
     }
@@ -63,14 +60,7 @@ fn comp_algorithm_parses() {
     let (all, cur) = parse_comp_algorithm("lzo lzo-rle [lz4] lz4hc zstd").unwrap();
     assert_eq!(all.len(), 5);
     assert_eq!(cur, "lz4");
-    for bad in [
-        "",
-        "lzo lz4",
-        "[lzo] [lz4]",
-        "[] lzo",
-        "[lzo lz4",
-        "lzo] lz4",
-    ] {
+    for bad in ["", "lzo lz4", "[lzo] [lz4]", "[] lzo", "[lzo lz4", "lzo] lz4"] {
         assert!(parse_comp_algorithm(bad).is_err(), "{bad:?}");
     }
 }
@@ -80,19 +70,8 @@ fn device_names_are_validated() {
     for ok in ["zram0", "zram15"] {
         validate_dev(ok).unwrap();
     }
-    for bad in [
-        "",
-        "zram",
-        "zram0/../sda",
-        "sda",
-        "zramx",
-        "/dev/zram0",
-        "zram 0",
-    ] {
-        assert!(
-            matches!(validate_dev(bad), Err(ZramError::InvalidDevice(_))),
-            "{bad:?}"
-        );
+    for bad in ["", "zram", "zram0/../sda", "sda", "zramx", "/dev/zram0", "zram 0"] {
+        assert!(matches!(validate_dev(bad), Err(ZramError::InvalidDevice(_))), "{bad:?}");
         assert!(check_available(bad).is_err());
     }
 }
@@ -110,9 +89,7 @@ fn split_pages_covers_everything_contiguously() {
                 next += n;
             }
             assert_eq!(next, pages);
-            let (min, max) = r
-                .iter()
-                .fold((usize::MAX, 0), |(a, b), &(_, n)| (a.min(n), b.max(n)));
+            let (min, max) = r.iter().fold((usize::MAX, 0), |(a, b), &(_, n)| (a.min(n), b.max(n)));
             assert!(max - min <= 1);
         }
     }
@@ -153,33 +130,15 @@ fn poison_makes_every_page_differ_and_verify_finds_offset() {
 #[test]
 fn bench_rejects_bad_input_before_touching_the_device() {
     let data = vec![0_u8; PAGE_SIZE];
-    assert!(matches!(
-        bench("zram0", &data[..100], "lz4", 1),
-        Err(ZramError::InvalidInput(_))
-    ));
-    assert!(matches!(
-        bench("zram0", &[], "lz4", 1),
-        Err(ZramError::InvalidInput(_))
-    ));
-    assert!(matches!(
-        bench("zram0", &data, "lz4", 0),
-        Err(ZramError::InvalidInput(_))
-    ));
-    assert!(matches!(
-        bench("nope", &data, "lz4", 1),
-        Err(ZramError::InvalidDevice(_))
-    ));
+    assert!(matches!(bench("zram0", &data[..100], "lz4", 1), Err(ZramError::InvalidInput(_))));
+    assert!(matches!(bench("zram0", &[], "lz4", 1), Err(ZramError::InvalidInput(_))));
+    assert!(matches!(bench("zram0", &data, "lz4", 0), Err(ZramError::InvalidInput(_))));
+    assert!(matches!(bench("nope", &data, "lz4", 1), Err(ZramError::InvalidDevice(_))));
 }
 
 #[test]
 fn run_parallel_reports_worker_errors_and_panics() {
-    let r = run_parallel("t", vec![1, 2, 3], |i| {
-        if i == 2 {
-            Err(ZramError::Mismatch { offset: 2 })
-        } else {
-            Ok(())
-        }
-    });
+    let r = run_parallel("t", vec![1, 2, 3], |i| if i == 2 { Err(ZramError::Mismatch { offset: 2 }) } else { Ok(()) });
     assert!(matches!(r, Err(ZramError::Mismatch { offset: 2 })));
     let r = run_parallel("t", vec![1, 2], |i| {
         assert!(i != 2, "injected worker panic");
@@ -195,10 +154,7 @@ const DEV: &str = "zram0";
 
 fn available_or_skip() -> Option<(String, u64)> {
     match check_available(DEV) {
-        Ok(()) => Some((
-            current_algorithm(DEV).unwrap(),
-            mm_stat(DEV).unwrap().mem_limit,
-        )),
+        Ok(()) => Some((current_algorithm(DEV).unwrap(), mm_stat(DEV).unwrap().mem_limit)),
         Err(reason) => {
             println!("SKIP: {reason}");
             None
@@ -208,27 +164,13 @@ fn available_or_skip() -> Option<(String, u64)> {
 
 fn assert_restored(algorithm: &str, mem_limit: u64) {
     assert_eq!(disksize(DEV).unwrap(), 0, "disksize not restored");
-    assert_eq!(
-        read_u64_attr(DEV, "initstate").unwrap(),
-        0,
-        "device still initialised"
-    );
-    assert_eq!(
-        current_algorithm(DEV).unwrap(),
-        algorithm,
-        "comp_algorithm not restored"
-    );
-    assert_eq!(
-        mm_stat(DEV).unwrap().mem_limit,
-        mem_limit,
-        "mem_limit not restored"
-    );
+    assert_eq!(read_u64_attr(DEV, "initstate").unwrap(), 0, "device still initialised");
+    assert_eq!(current_algorithm(DEV).unwrap(), algorithm, "comp_algorithm not restored");
+    assert_eq!(mm_stat(DEV).unwrap().mem_limit, mem_limit, "mem_limit not restored");
 }
 
 fn small_data() -> Vec<u8> {
-    (0..64 * PAGE_SIZE)
-        .map(|i| u8::try_from(i % 251).unwrap())
-        .collect()
+    (0..64 * PAGE_SIZE).map(|i| u8::try_from(i % 251).unwrap()).collect()
 }
 
 #[test]
@@ -255,15 +197,7 @@ fn device_restored_after_panic_in_worker_thread() {
     let r = bench_with_hook(DEV, &data, "lz4", 2, &|phase| {
         assert!(phase != "mt-read", "injected worker panic");
     });
-    assert!(
-        matches!(
-            r,
-            Err(ZramError::WorkerPanicked {
-                phase: "multi-thread read"
-            })
-        ),
-        "{r:?}"
-    );
+    assert!(matches!(r, Err(ZramError::WorkerPanicked { phase: "multi-thread read" })), "{r:?}");
     assert_restored(&alg, limit);
 }
 

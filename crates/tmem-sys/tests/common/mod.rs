@@ -77,7 +77,7 @@ pub fn generate(pages: usize, seed: u64) -> Pages {
             6..=10 => {
                 // Period in 9..=200, never a multiple of 8's divisors only.
                 let mut period = 9 + rng.below(192);
-                if period % 8 == 0 {
+                if period.is_multiple_of(8) {
                     period += 1;
                 }
                 let mut pat = vec![0_u8; period];
@@ -107,13 +107,5 @@ pub fn generate(pages: usize, seed: u64) -> Pages {
             }
         }
     }
-    Pages {
-        data,
-        pages,
-        same_filled: zero + same,
-        zero,
-        pattern,
-        text,
-        random,
-    }
+    Pages { data, pages, same_filled: zero + same, zero, pattern, text, random }
 }

@@ -1,0 +1,626 @@
+//! One client session: handshake, then transmission, over any byte stream.
+//!
+//! The handler is generic over `Read + Write` so that the server runs it on
+//! unix and TCP sockets and the fuzzer on an in-memory stream. Requests are
+//! handled in order, one at a time; replies are written before the next
+//! request is read. Nothing a client sends can make it panic: every length
+//! is checked before it is used, and allocations are bounded by the device
+//! range check and the 32 MiB payload limit.
+
+use std::io::{self, BufReader, Read, Write};
+
+use tmem_block::BlockError;
+
+use crate::proto::{self, *};
+use crate::stats::bump;
+use crate::{ExportEntry, Exports, NbdError};
+
+/// Options accepted in one handshake before the server hangs up.
+const MAX_OPTIONS: u32 = 4096;
+/// Largest option payload the server reads; larger ones are skipped and
+/// answered with `NBD_REP_ERR_TOO_BIG`.
+const MAX_OPTION_DATA: u32 = 64 << 10;
+/// Largest range one `NBD_CMD_BLOCK_STATUS` reply describes (the client asks
+/// again for the rest); keeps a reply under 2^20 descriptors of 4 KiB pages.
+const BLOCK_STATUS_MAX: u64 = 1 << 30;
+/// Most descriptors in one block status chunk (the protocol's SHOULD).
+const MAX_EXTENTS: usize = 1 << 20;
+/// Read buffer of the session.
+const READ_BUFFER: usize = 64 << 10;
+/// Reusable buffers above this size are shrunk after the request.
+const KEEP_BUFFER: usize = 4 << 20;
+
+/// Zeros for `NBD_CMD_WRITE_ZEROES` with `NBD_CMD_FLAG_NO_HOLE`.
+static ZEROS: [u8; 1 << 20] = [0; 1 << 20];
+
+/// How a session ended without error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SessionEnd {
+    /// The client sent `NBD_OPT_ABORT` during the handshake.
+    Aborted,
+    /// The client sent `NBD_CMD_DISC`.
+    Disconnected,
+    /// The client closed the stream between two messages.
+    Closed,
+}
+
+enum Phase {
+    End(SessionEnd),
+    Transmit(usize),
+}
+
+struct Session<'a, S: Read + Write> {
+    io: BufReader<S>,
+    exports: &'a Exports,
+    /// `NBD_OPT_STRUCTURED_REPLY` was acknowledged.
+    structured: bool,
+    /// The client negotiated `NBD_FLAG_C_NO_ZEROES`.
+    no_zeroes: bool,
+    /// `base:allocation` was selected for this export index.
+    meta: Option<usize>,
+    /// Reply / payload buffer, reused across requests.
+    buf: Vec<u8>,
+}
+
+/// Serves one client on `stream` until it disconnects: the fixed newstyle
+/// handshake, then the transmission phase on the export it chose.
+///
+/// Returns how the session ended; an error means the stream failed or the
+/// client broke the protocol (bad magic, unknown client flags, oversized
+/// write, unknown export with `NBD_OPT_EXPORT_NAME`), in which case the
+/// caller drops the stream (a hard disconnect).
+pub fn serve_connection<S: Read + Write>(stream: S, exports: &Exports) -> Result<SessionEnd, NbdError> {
+    let mut s = Session {
+        io: BufReader::with_capacity(READ_BUFFER, stream),
+        exports,
+        structured: false,
+        no_zeroes: false,
+        meta: None,
+        buf: Vec::new(),
+    };
+    match s.handshake()? {
+        Phase::End(end) => Ok(end),
+        Phase::Transmit(i) => s.transmit(i),
+    }
+}
+
+fn is_known_option(option: u32) -> bool {
+    matches!(
+        option,
+        OPT_EXPORT_NAME
+            | OPT_ABORT
+            | OPT_LIST
+            | OPT_INFO
+            | OPT_GO
+            | OPT_STRUCTURED_REPLY
+            | OPT_LIST_META_CONTEXT
+            | OPT_SET_META_CONTEXT
+    )
+}
+
+fn len64(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
+}
+
+fn to_usize(n: u32) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+/// Does `[offset, offset+len)` lie within `size`?
+fn in_range(offset: u64, len: u32, size: u64) -> bool {
+    offset.checked_add(u64::from(len)).is_some_and(|end| end <= size)
+}
+
+fn block_errno(e: &BlockError) -> u32 {
+    proto::nbd_errno(e.errno())
+}
+
+impl<S: Read + Write> Session<'_, S> {
+    // ---- stream helpers ----
+
+    /// Fills `buf`; `Ok(false)` if the stream ended before its first byte.
+    fn read_or_eof(&mut self, buf: &mut [u8]) -> io::Result<bool> {
+        let mut filled = 0;
+        while filled < buf.len() {
+            match self.io.read(&mut buf[filled..]) {
+                Ok(0) if filled == 0 => return Ok(false),
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads exactly `len` bytes into `self.buf` (reserving as data comes).
+    fn read_payload(&mut self, len: u32) -> io::Result<()> {
+        self.buf.clear();
+        self.buf.reserve(to_usize(len));
+        let got = (&mut self.io).take(u64::from(len)).read_to_end(&mut self.buf)?;
+        if got != to_usize(len) {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(())
+    }
+
+    /// Skips `len` bytes of input.
+    fn discard(&mut self, len: u64) -> io::Result<()> {
+        let got = io::copy(&mut (&mut self.io).take(len), &mut io::sink())?;
+        if got != len {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
+        let w = self.io.get_mut();
+        w.write_all(bytes)?;
+        w.flush()
+    }
+
+    /// Sends `self.buf`.
+    fn send_buf(&mut self) -> io::Result<()> {
+        let w = self.io.get_mut();
+        w.write_all(&self.buf)?;
+        w.flush()?;
+        if self.buf.capacity() > KEEP_BUFFER {
+            self.buf = Vec::new();
+        }
+        Ok(())
+    }
+
+    fn transmission_flags(&self) -> u16 {
+        let mut f = FLAG_HAS_FLAGS
+            | FLAG_SEND_FLUSH
+            | FLAG_SEND_FUA
+            | FLAG_SEND_TRIM
+            | FLAG_SEND_WRITE_ZEROES
+            | FLAG_CAN_MULTI_CONN;
+        if self.structured {
+            // Reads always go out as one chunk, so "don't fragment" is free.
+            f |= FLAG_SEND_DF;
+        }
+        f
+    }
+
+    // ---- handshake ----
+
+    fn opt_reply(&mut self, option: u32, reply: u32, data: &[u8]) -> io::Result<()> {
+        let mut out = Vec::with_capacity(20 + data.len());
+        proto::option_reply(&mut out, option, reply, data);
+        self.send(&out)
+    }
+
+    fn opt_error(&mut self, option: u32, reply: u32, message: &str) -> io::Result<()> {
+        self.opt_reply(option, reply, proto::truncate_str(message, MAX_STRING).as_bytes())
+    }
+
+    fn handshake(&mut self) -> Result<Phase, NbdError> {
+        self.send(&proto::greeting())?;
+        let mut flags = [0u8; 4];
+        if !self.read_or_eof(&mut flags)? {
+            return Ok(Phase::End(SessionEnd::Closed));
+        }
+        // Clients without NBD_FLAG_C_FIXED_NEWSTYLE still get fixed newstyle
+        // replies: the only option they may send is EXPORT_NAME, which has none.
+        self.no_zeroes = proto::parse_client_flags(&flags)?.no_zeroes;
+        for _ in 0..MAX_OPTIONS {
+            let mut header = [0u8; OPTION_HEADER_SIZE];
+            if !self.read_or_eof(&mut header)? {
+                return Ok(Phase::End(SessionEnd::Closed));
+            }
+            let h = proto::parse_option_header(&header)?;
+            if h.option == OPT_ABORT {
+                // The client may already have closed: the reply is best effort.
+                self.discard(u64::from(h.len))?;
+                let _ = self.opt_reply(OPT_ABORT, REP_ACK, &[]);
+                return Ok(Phase::End(SessionEnd::Aborted));
+            }
+            if h.option == OPT_EXPORT_NAME {
+                return self.export_name(h.len);
+            }
+            if h.len > MAX_OPTION_DATA {
+                self.discard(u64::from(h.len))?;
+                if is_known_option(h.option) {
+                    self.opt_error(h.option, REP_ERR_TOO_BIG, "option data too large")?;
+                } else {
+                    self.opt_error(h.option, REP_ERR_UNSUP, "unsupported option")?;
+                }
+                continue;
+            }
+            self.read_payload(h.len)?;
+            let data = std::mem::take(&mut self.buf);
+            let phase = self.option(h.option, &data)?;
+            self.buf = data;
+            if let Some(phase) = phase {
+                return Ok(phase);
+            }
+        }
+        Err(NbdError::Protocol(format!("more than {MAX_OPTIONS} options")))
+    }
+
+    /// `NBD_OPT_EXPORT_NAME`: no error reply is possible, so failures drop
+    /// the connection.
+    fn export_name(&mut self, len: u32) -> Result<Phase, NbdError> {
+        if to_usize(len) > MAX_STRING {
+            return Err(NbdError::Protocol(format!("export name of {len} bytes")));
+        }
+        self.read_payload(len)?;
+        let Some(i) = self.exports.find(&self.buf) else {
+            return Err(NbdError::Protocol(format!("unknown export {:?}", String::from_utf8_lossy(&self.buf))));
+        };
+        let size = self.exports.entry(i).export.device.size();
+        let reply = proto::export_name_reply(size, self.transmission_flags(), self.no_zeroes);
+        self.send(&reply)?;
+        Ok(Phase::Transmit(self.enter(i)))
+    }
+
+    /// Entering transmission on export `i`: the metadata context selection
+    /// only holds for the export it was made for.
+    fn enter(&mut self, i: usize) -> usize {
+        if self.meta != Some(i) {
+            self.meta = None;
+        }
+        i
+    }
+
+    /// Handles one option other than ABORT and EXPORT_NAME.
+    fn option(&mut self, option: u32, data: &[u8]) -> Result<Option<Phase>, NbdError> {
+        match option {
+            OPT_LIST => {
+                if !data.is_empty() {
+                    self.opt_error(option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data")?;
+                    return Ok(None);
+                }
+                let mut out = Vec::new();
+                for e in self.exports.iter() {
+                    let d = proto::prefixed(e.name.as_bytes(), e.description.as_bytes());
+                    proto::option_reply(&mut out, option, REP_SERVER, &d);
+                }
+                proto::option_reply(&mut out, option, REP_ACK, &[]);
+                self.send(&out)?;
+            }
+            OPT_INFO | OPT_GO => return self.info(option, data),
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    self.opt_error(option, REP_ERR_INVALID, "NBD_OPT_STRUCTURED_REPLY takes no data")?;
+                } else {
+                    self.structured = true;
+                    self.opt_reply(option, REP_ACK, &[])?;
+                }
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => self.meta_context(option, data)?,
+            OPT_STARTTLS => self.opt_error(option, REP_ERR_UNSUP, "TLS is not supported")?,
+            _ => self.opt_error(option, REP_ERR_UNSUP, "unsupported option")?,
+        }
+        Ok(None)
+    }
+
+    /// `NBD_OPT_INFO` / `NBD_OPT_GO`.
+    fn info(&mut self, option: u32, data: &[u8]) -> Result<Option<Phase>, NbdError> {
+        let req = match proto::parse_info_request(data) {
+            Ok(r) => r,
+            Err(e) => {
+                self.opt_error(option, REP_ERR_INVALID, &e.to_string())?;
+                return Ok(None);
+            }
+        };
+        let Some(i) = self.exports.find(req.name) else {
+            let msg = format!("no export named {:?}", String::from_utf8_lossy(req.name));
+            self.opt_error(option, REP_ERR_UNKNOWN, &msg)?;
+            return Ok(None);
+        };
+        let export = &self.exports.entry(i).export;
+        let mut out = Vec::new();
+        proto::option_reply(
+            &mut out,
+            option,
+            REP_INFO,
+            &proto::info_export(export.device.size(), self.transmission_flags()),
+        );
+        if req.requests.contains(&INFO_NAME) {
+            proto::option_reply(&mut out, option, REP_INFO, &proto::info_string(INFO_NAME, export.name.as_bytes()));
+        }
+        if req.requests.contains(&INFO_DESCRIPTION) && !export.description.is_empty() {
+            let d = proto::info_string(INFO_DESCRIPTION, export.description.as_bytes());
+            proto::option_reply(&mut out, option, REP_INFO, &d);
+        }
+        // Our constraints are the protocol defaults, so sending them
+        // unrequested is harmless and helps clients that did not ask.
+        proto::option_reply(&mut out, option, REP_INFO, &proto::info_block_size());
+        proto::option_reply(&mut out, option, REP_ACK, &[]);
+        self.send(&out)?;
+        Ok((option == OPT_GO).then(|| Phase::Transmit(self.enter(i))))
+    }
+
+    /// `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT` with the one
+    /// context `base:allocation`.
+    fn meta_context(&mut self, option: u32, data: &[u8]) -> io::Result<()> {
+        let set = option == OPT_SET_META_CONTEXT;
+        if set {
+            // SET replaces the selection even when it fails.
+            self.meta = None;
+            if !self.structured {
+                return self.opt_error(option, REP_ERR_INVALID, "negotiate structured replies first");
+            }
+        }
+        let req = match proto::parse_meta_request(data) {
+            Ok(r) => r,
+            Err(e) => return self.opt_error(option, REP_ERR_INVALID, &e.to_string()),
+        };
+        let Some(i) = self.exports.find(req.export) else {
+            let msg = format!("no export named {:?}", String::from_utf8_lossy(req.export));
+            return self.opt_error(option, REP_ERR_UNKNOWN, &msg);
+        };
+        let selected = if set {
+            req.queries.iter().any(|q| proto::meta_query_selects_allocation(q, false))
+        } else {
+            req.queries.is_empty() || req.queries.iter().any(|q| proto::meta_query_selects_allocation(q, true))
+        };
+        let mut out = Vec::new();
+        if selected {
+            let id = if set { META_ID_BASE_ALLOCATION } else { 0 };
+            proto::option_reply(&mut out, option, REP_META_CONTEXT, &proto::meta_context(id, META_BASE_ALLOCATION));
+            if set {
+                self.meta = Some(i);
+            }
+        }
+        proto::option_reply(&mut out, option, REP_ACK, &[]);
+        self.send(&out)
+    }
+
+    // ---- transmission ----
+
+    fn transmit(&mut self, i: usize) -> Result<SessionEnd, NbdError> {
+        let exports = self.exports;
+        let entry = exports.entry(i);
+        bump(&entry.counters.connections, 1);
+        bump(&entry.counters.active, 1);
+        struct Active<'e>(&'e ExportEntry);
+        impl Drop for Active<'_> {
+            fn drop(&mut self) {
+                self.0.counters.active.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let _active = Active(entry);
+        loop {
+            let mut header = [0u8; REQUEST_SIZE];
+            if !self.read_or_eof(&mut header)? {
+                return Ok(SessionEnd::Closed);
+            }
+            let req = proto::parse_request(&header)?;
+            match req.command {
+                CMD_DISC => {
+                    bump(&entry.counters.disconnects, 1);
+                    return Ok(SessionEnd::Disconnected);
+                }
+                CMD_READ => self.cmd_read(entry, &req)?,
+                CMD_WRITE => self.cmd_write(entry, &req)?,
+                CMD_FLUSH => self.cmd_flush(entry, &req)?,
+                CMD_TRIM => self.cmd_trim(entry, &req)?,
+                CMD_WRITE_ZEROES => self.cmd_write_zeroes(entry, &req)?,
+                CMD_BLOCK_STATUS => self.cmd_block_status(i, entry, &req)?,
+                other => {
+                    bump(&entry.counters.unsupported, 1);
+                    let msg = format!("command {} ({other}) is not supported", proto::command_name(other));
+                    self.reply_err(entry, &req, NBD_EINVAL, &msg)?;
+                }
+            }
+        }
+    }
+
+    /// Success without payload.
+    fn reply_ok(&mut self, req: &Request) -> io::Result<()> {
+        if self.structured {
+            self.send(&proto::structured_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.cookie, 0))
+        } else {
+            self.send(&proto::simple_reply(0, req.cookie))
+        }
+    }
+
+    /// An error: a simple reply, or an error chunk with `message` when
+    /// structured replies were negotiated.
+    fn reply_err(&mut self, entry: &ExportEntry, req: &Request, error: u32, message: &str) -> io::Result<()> {
+        bump(&entry.counters.errors, 1);
+        if self.structured {
+            self.send(&proto::error_chunk(req.cookie, error, message))
+        } else {
+            self.send(&proto::simple_reply(error, req.cookie))
+        }
+    }
+
+    fn bad_flags(&mut self, entry: &ExportEntry, req: &Request, allowed: u16) -> io::Result<bool> {
+        if req.flags & !allowed == 0 {
+            return Ok(false);
+        }
+        let msg = format!("flags {:#x} are not valid for {}", req.flags & !allowed, proto::command_name(req.command));
+        self.reply_err(entry, req, NBD_EINVAL, &msg)?;
+        Ok(true)
+    }
+
+    fn out_of_range(&mut self, entry: &ExportEntry, req: &Request, error: u32) -> io::Result<bool> {
+        let size = entry.export.device.size();
+        if in_range(req.offset, req.len, size) {
+            return Ok(false);
+        }
+        let msg = format!("range {}+{} is beyond the export size {size}", req.offset, req.len);
+        self.reply_err(entry, req, error, &msg)?;
+        Ok(true)
+    }
+
+    /// Replies to a write-type command after the device call, flushing
+    /// first when the client asked for FUA.
+    fn finish_write(
+        &mut self,
+        entry: &ExportEntry,
+        req: &Request,
+        result: Result<(), BlockError>,
+        bytes: &std::sync::atomic::AtomicU64,
+    ) -> io::Result<()> {
+        let result =
+            result.and_then(|()| if req.flags & CMD_FLAG_FUA != 0 { entry.export.device.flush() } else { Ok(()) });
+        match result {
+            Ok(()) => {
+                bump(bytes, u64::from(req.len));
+                self.reply_ok(req)
+            }
+            Err(e) => self.reply_err(entry, req, block_errno(&e), &e.to_string()),
+        }
+    }
+
+    fn cmd_read(&mut self, entry: &ExportEntry, req: &Request) -> io::Result<()> {
+        bump(&entry.counters.reads, 1);
+        let allowed = if self.structured { CMD_FLAG_FUA | CMD_FLAG_DF } else { CMD_FLAG_FUA };
+        if self.bad_flags(entry, req, allowed)? {
+            return Ok(());
+        }
+        if req.len > MAX_PAYLOAD {
+            let msg = format!("read of {} bytes exceeds the maximum payload {MAX_PAYLOAD}", req.len);
+            return self.reply_err(entry, req, NBD_EINVAL, &msg);
+        }
+        if self.out_of_range(entry, req, NBD_EINVAL)? {
+            return Ok(());
+        }
+        if req.len == 0 {
+            return self.reply_ok(req);
+        }
+        let len = to_usize(req.len);
+        let head = if self.structured { STRUCTURED_HEADER_SIZE + 8 } else { SIMPLE_REPLY_SIZE };
+        self.buf.clear();
+        self.buf.resize(head + len, 0);
+        match entry.export.device.read_at(&mut self.buf[head..], req.offset) {
+            Ok(()) => {
+                if self.structured {
+                    let h = proto::structured_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.cookie, req.len + 8);
+                    self.buf[..STRUCTURED_HEADER_SIZE].copy_from_slice(&h);
+                    self.buf[STRUCTURED_HEADER_SIZE..head].copy_from_slice(&req.offset.to_be_bytes());
+                } else {
+                    self.buf[..head].copy_from_slice(&proto::simple_reply(0, req.cookie));
+                }
+                bump(&entry.counters.bytes_read, u64::from(req.len));
+                self.send_buf()
+            }
+            Err(e) => self.reply_err(entry, req, block_errno(&e), &e.to_string()),
+        }
+    }
+
+    fn cmd_write(&mut self, entry: &ExportEntry, req: &Request) -> Result<(), NbdError> {
+        bump(&entry.counters.writes, 1);
+        if req.len > MAX_PAYLOAD {
+            // The payload cannot be buffered: a hard disconnect.
+            return Err(NbdError::Protocol(format!("write of {} bytes exceeds the maximum payload", req.len)));
+        }
+        if req.flags & !CMD_FLAG_FUA != 0 || !in_range(req.offset, req.len, entry.export.device.size()) {
+            self.discard(u64::from(req.len))?;
+            if !self.bad_flags(entry, req, CMD_FLAG_FUA)? {
+                self.out_of_range(entry, req, NBD_ENOSPC)?;
+            }
+            return Ok(());
+        }
+        self.read_payload(req.len)?;
+        let result = entry.export.device.write_at(&self.buf, req.offset);
+        if self.buf.capacity() > KEEP_BUFFER {
+            self.buf = Vec::new();
+        }
+        self.finish_write(entry, req, result, &entry.counters.bytes_written)?;
+        Ok(())
+    }
+
+    fn cmd_flush(&mut self, entry: &ExportEntry, req: &Request) -> io::Result<()> {
+        bump(&entry.counters.flushes, 1);
+        if self.bad_flags(entry, req, CMD_FLAG_FUA)? {
+            return Ok(());
+        }
+        match entry.export.device.flush() {
+            Ok(()) => self.reply_ok(req),
+            Err(e) => self.reply_err(entry, req, block_errno(&e), &e.to_string()),
+        }
+    }
+
+    fn cmd_trim(&mut self, entry: &ExportEntry, req: &Request) -> io::Result<()> {
+        bump(&entry.counters.trims, 1);
+        if self.bad_flags(entry, req, CMD_FLAG_FUA)? || self.out_of_range(entry, req, NBD_EINVAL)? {
+            return Ok(());
+        }
+        let result = entry.export.device.trim(req.offset, u64::from(req.len));
+        self.finish_write(entry, req, result, &entry.counters.bytes_trimmed)
+    }
+
+    /// `NBD_CMD_WRITE_ZEROES`. Without `NO_HOLE` the range is freed (it reads
+    /// as zeros). With `NO_HOLE` zeros are written as data, so the range
+    /// stays allocated (`base:allocation` reports no hole); the store keeps
+    /// such pages as same-filled entries that take no pool memory.
+    fn cmd_write_zeroes(&mut self, entry: &ExportEntry, req: &Request) -> io::Result<()> {
+        bump(&entry.counters.write_zeroes, 1);
+        if self.bad_flags(entry, req, CMD_FLAG_FUA | CMD_FLAG_NO_HOLE)? || self.out_of_range(entry, req, NBD_ENOSPC)? {
+            return Ok(());
+        }
+        let device = &entry.export.device;
+        let result = if req.flags & CMD_FLAG_NO_HOLE != 0 {
+            let end = req.offset + u64::from(req.len);
+            let mut pos = req.offset;
+            let mut r = Ok(());
+            while pos < end && r.is_ok() {
+                let n = usize::try_from(end - pos).map_or(ZEROS.len(), |left| left.min(ZEROS.len()));
+                r = device.write_at(&ZEROS[..n], pos);
+                pos += len64(n);
+            }
+            r
+        } else {
+            device.write_zeroes(req.offset, u64::from(req.len))
+        };
+        self.finish_write(entry, req, result, &entry.counters.bytes_zeroed)
+    }
+
+    /// `NBD_CMD_BLOCK_STATUS` on `base:allocation`: holes are reported as
+    /// `HOLE|ZERO`, stored pages as 0.
+    fn cmd_block_status(&mut self, i: usize, entry: &ExportEntry, req: &Request) -> io::Result<()> {
+        bump(&entry.counters.block_status, 1);
+        if !self.structured || self.meta != Some(i) {
+            return self.reply_err(entry, req, NBD_EINVAL, "base:allocation was not negotiated for this export");
+        }
+        if self.bad_flags(entry, req, CMD_FLAG_FUA | CMD_FLAG_REQ_ONE)? {
+            return Ok(());
+        }
+        if req.len == 0 {
+            return self.reply_err(entry, req, NBD_EINVAL, "block status of an empty range");
+        }
+        if self.out_of_range(entry, req, NBD_EINVAL)? {
+            return Ok(());
+        }
+        let len = u64::from(req.len).min(BLOCK_STATUS_MAX);
+        let extents = match entry.export.device.extents(req.offset, len) {
+            Ok(x) => x,
+            Err(e) => return self.reply_err(entry, req, block_errno(&e), &e.to_string()),
+        };
+        let limit = if req.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };
+        self.buf.clear();
+        self.buf.resize(STRUCTURED_HEADER_SIZE, 0);
+        self.buf.extend_from_slice(&META_ID_BASE_ALLOCATION.to_be_bytes());
+        let mut count = 0usize;
+        let mut covered = 0u64;
+        for x in extents.iter().filter(|x| x.len > 0) {
+            if count == limit || covered >= len {
+                break;
+            }
+            // Clip to the queried range; extents are contiguous from `offset`.
+            let Ok(n) = u32::try_from(x.len.min(len - covered)) else { break };
+            let flags = if x.hole { STATE_HOLE | STATE_ZERO } else { 0 };
+            self.buf.extend_from_slice(&n.to_be_bytes());
+            self.buf.extend_from_slice(&flags.to_be_bytes());
+            count += 1;
+            covered += u64::from(n);
+        }
+        if count == 0 {
+            // The device gave nothing usable: "allocated, contents unknown".
+            let n = u32::try_from(len).unwrap_or(u32::MAX);
+            self.buf.extend_from_slice(&n.to_be_bytes());
+            self.buf.extend_from_slice(&0u32.to_be_bytes());
+        }
+        let payload = u32::try_from(self.buf.len() - STRUCTURED_HEADER_SIZE).unwrap_or(u32::MAX);
+        let h = proto::structured_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.cookie, payload);
+        self.buf[..STRUCTURED_HEADER_SIZE].copy_from_slice(&h);
+        self.send_buf()
+    }
+}

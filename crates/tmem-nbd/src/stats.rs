@@ -1,0 +1,108 @@
+//! Per-export and per-server counters.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::Export;
+
+/// Live counters of one export (relaxed atomics, shared by its connections).
+#[derive(Debug, Default)]
+pub(crate) struct ExportCounters {
+    pub(crate) connections: AtomicU64,
+    pub(crate) active: AtomicU64,
+    pub(crate) reads: AtomicU64,
+    pub(crate) writes: AtomicU64,
+    pub(crate) flushes: AtomicU64,
+    pub(crate) trims: AtomicU64,
+    pub(crate) write_zeroes: AtomicU64,
+    pub(crate) block_status: AtomicU64,
+    pub(crate) disconnects: AtomicU64,
+    pub(crate) unsupported: AtomicU64,
+    pub(crate) bytes_read: AtomicU64,
+    pub(crate) bytes_written: AtomicU64,
+    pub(crate) bytes_trimmed: AtomicU64,
+    pub(crate) bytes_zeroed: AtomicU64,
+    pub(crate) errors: AtomicU64,
+}
+
+pub(crate) fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+impl ExportCounters {
+    pub(crate) fn snapshot(&self, export: &Export) -> ExportStats {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ExportStats {
+            name: export.name.clone(),
+            size: export.device.size(),
+            connections: l(&self.connections),
+            active_connections: l(&self.active),
+            reads: l(&self.reads),
+            writes: l(&self.writes),
+            flushes: l(&self.flushes),
+            trims: l(&self.trims),
+            write_zeroes: l(&self.write_zeroes),
+            block_status: l(&self.block_status),
+            disconnects: l(&self.disconnects),
+            unsupported: l(&self.unsupported),
+            bytes_read: l(&self.bytes_read),
+            bytes_written: l(&self.bytes_written),
+            bytes_trimmed: l(&self.bytes_trimmed),
+            bytes_zeroed: l(&self.bytes_zeroed),
+            errors: l(&self.errors),
+        }
+    }
+}
+
+/// Snapshot of one export's counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ExportStats {
+    /// Export name.
+    pub name: String,
+    /// Device size in bytes.
+    pub size: u64,
+    /// Sessions that entered transmission on this export.
+    pub connections: u64,
+    /// Sessions in transmission now.
+    pub active_connections: u64,
+    /// `NBD_CMD_READ` requests.
+    pub reads: u64,
+    /// `NBD_CMD_WRITE` requests.
+    pub writes: u64,
+    /// `NBD_CMD_FLUSH` requests.
+    pub flushes: u64,
+    /// `NBD_CMD_TRIM` requests.
+    pub trims: u64,
+    /// `NBD_CMD_WRITE_ZEROES` requests.
+    pub write_zeroes: u64,
+    /// `NBD_CMD_BLOCK_STATUS` requests.
+    pub block_status: u64,
+    /// `NBD_CMD_DISC` requests.
+    pub disconnects: u64,
+    /// Unknown or unsupported commands (`NBD_CMD_CACHE`, ...).
+    pub unsupported: u64,
+    /// Bytes returned by successful reads.
+    pub bytes_read: u64,
+    /// Bytes stored by successful writes.
+    pub bytes_written: u64,
+    /// Bytes covered by successful trims.
+    pub bytes_trimmed: u64,
+    /// Bytes covered by successful write-zeroes.
+    pub bytes_zeroed: u64,
+    /// Requests answered with an error.
+    pub errors: u64,
+}
+
+/// Snapshot of a server's counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ServerStats {
+    /// Connections accepted and handed to a session thread.
+    pub connections_accepted: u64,
+    /// Connections closed at once because `max_connections` were open.
+    pub connections_refused: u64,
+    /// Sessions running now (handshake or transmission).
+    pub connections_active: u64,
+    /// Sessions that ended with a protocol or I/O error.
+    pub session_errors: u64,
+    /// Per-export counters, in export order.
+    pub exports: Vec<ExportStats>,
+}
