@@ -37,7 +37,8 @@ fn skip_reason() -> Option<String> {
         }
     }
     for tool in ["losetup", "mkswap", "swapon", "swapoff", "python3"] {
-        if Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().map_or(true, |o| !o.status.success()) {
+        if Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().map_or(true, |o| !o.status.success())
+        {
             return Some(format!("{tool} is not installed"));
         }
     }
@@ -79,7 +80,10 @@ impl Setup {
     }
 
     fn loop_dev(&self) -> Option<String> {
-        let out = Command::new("losetup").args(["--associated", &format!("{}/dev/swap0", self.dir()), "--noheadings", "--output", "NAME"]).output().ok()?;
+        let out = Command::new("losetup")
+            .args(["--associated", &format!("{}/dev/swap0", self.dir()), "--noheadings", "--output", "NAME"])
+            .output()
+            .ok()?;
         let s = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         (!s.is_empty()).then_some(s)
     }
@@ -152,13 +156,22 @@ fn job_runs_in_half_its_memory_on_tmem_swap() {
     // 512 MiB of data plus the interpreter, in a 256 MiB cgroup.
     let out = s.run_hog(512, 256);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && stdout.starts_with("OK "), "workload failed: {:?} {stdout} {}", out.status, String::from_utf8_lossy(&out.stderr));
-    let peak: u64 = std::fs::read_to_string(s.cgroup.join("memory.max_usage_in_bytes")).unwrap().trim().parse().unwrap();
+    assert!(
+        out.status.success() && stdout.starts_with("OK "),
+        "workload failed: {:?} {stdout} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let peak: u64 =
+        std::fs::read_to_string(s.cgroup.join("memory.max_usage_in_bytes")).unwrap().trim().parse().unwrap();
     assert!(peak <= 256 << 20, "cgroup limit held: {peak}");
     let st = s.stat();
     let dev = &st[0];
     assert!(dev["write_ios"].as_u64().unwrap() > 0, "the kernel wrote to tmem: {dev}");
-    assert!(dev["store"]["total"]["succ_puts"].as_u64().unwrap() > 16_384, "at least 64 MiB went through the pool: {dev}");
+    assert!(
+        dev["store"]["total"]["succ_puts"].as_u64().unwrap() > 16_384,
+        "at least 64 MiB went through the pool: {dev}"
+    );
     assert!(dev["store"]["total"]["succ_gets"].as_u64().unwrap() > 0, "pages came back: {dev}");
     assert_eq!(dev["failed_reads"].as_u64(), Some(0));
     assert_eq!(dev["store"]["total"]["decompress_fail"].as_u64(), Some(0));
