@@ -63,6 +63,9 @@ pub struct DaemonSpec {
     pub priority: i32,
     /// FUSE worker threads.
     pub fuse_threads: usize,
+    /// Tiers below each device's pool.
+    #[serde(default)]
+    pub tiers: crate::tiers::TierArgs,
 }
 
 fn yes() -> bool {
@@ -160,9 +163,16 @@ pub fn run(spec: DaemonSpec) -> Result<(), String> {
     let mut devices = Vec::new();
     for d in &spec.devices {
         let store = store_config(d, total_ram)?;
-        let dev = DeviceConfig { name: d.name.clone(), size: d.size, store, tiers: None }
-            .build()
-            .map_err(|e| e.to_string())?;
+        let chain = spec.tiers.build(&d.name, d.size)?;
+        let tier_names = chain
+            .as_ref()
+            .map(|c| c.tiers().iter().map(|t| t.name().to_owned()).collect::<Vec<_>>().join(" -> "))
+            .unwrap_or_default();
+        let dev =
+            DeviceConfig { name: d.name.clone(), size: d.size, store, tiers: chain }.build().map_err(|e| e.to_string())?;
+        if !tier_names.is_empty() {
+            steps.push(format!("{}: pool -> {tier_names} (pages sealed with ChaCha20-Poly1305)", d.name));
+        }
         let limit = dev.store().policy().limit_bytes();
         steps.push(format!(
             "{}: {} device, codec {}, pool limit {}",

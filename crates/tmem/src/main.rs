@@ -5,6 +5,7 @@ mod ctl;
 mod daemon;
 mod pressure;
 mod swapcmd;
+mod tiers;
 
 use std::process::ExitCode;
 

@@ -34,6 +34,8 @@ pub struct UpArgs {
     /// Runtime directory (control socket, FUSE mount, log).
     #[arg(long, default_value = ctl::RUNTIME_DIR)]
     runtime_dir: PathBuf,
+    #[command(flatten)]
+    tiers: crate::tiers::TierArgs,
 }
 
 /// Arguments shared by commands that talk to a running daemon.
@@ -82,6 +84,7 @@ pub fn up(a: &UpArgs) -> Result<(), String> {
     for d in &devices {
         daemon::store_config(d, 1)?.build().map_err(|e| e.to_string())?;
     }
+    a.tiers.validate(devices.len())?;
     let spec = DaemonSpec {
         runtime_dir: a.runtime_dir.clone(),
         devices,
@@ -91,6 +94,7 @@ pub fn up(a: &UpArgs) -> Result<(), String> {
         nbd_allow_remote: false,
         priority: a.priority,
         fuse_threads: a.fuse_threads,
+        tiers: a.tiers.clone(),
     };
     std::fs::create_dir_all(&a.runtime_dir).map_err(|e| format!("{}: {e}", a.runtime_dir.display()))?;
     let log = daemon::log_path(&a.runtime_dir);
@@ -174,7 +178,7 @@ pub fn stat(a: &DaemonArgs, json: bool) -> Result<(), String> {
 /// Prints a zramctl-like table.
 pub fn print_stat_table(devs: &[DeviceStats]) {
     println!(
-        "{:<8} {:>9} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7} {:>9} {:>8} {:>8} {:>8} {:<8}",
+        "{:<8} {:>9} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7} {:>7} {:>8} {:>9} {:>8} {:>8} {:<8}",
         "NAME",
         "DISKSIZE",
         "DATA",
@@ -184,6 +188,7 @@ pub fn print_stat_table(devs: &[DeviceStats]) {
         "PAGES",
         "SAME",
         "HUGE",
+        "TIERED",
         "LIMIT",
         "REJECTS",
         "FAILED",
@@ -195,7 +200,7 @@ pub fn print_stat_table(devs: &[DeviceStats]) {
             t.pool_limit_hit + t.reject_compress_poor + t.reject_compress_fail + t.reject_alloc_fail + t.reject_frozen;
         let limit = if d.store.pool_limit_bytes == u64::MAX { "-".into() } else { human(d.store.pool_limit_bytes) };
         println!(
-            "{:<8} {:>9} {:>9} {:>9} {:>9} {:>6.2} {:>8} {:>7} {:>9} {:>8} {:>8} {:>8} {:<8}",
+            "{:<8} {:>9} {:>9} {:>9} {:>9} {:>6.2} {:>8} {:>7} {:>7} {:>8} {:>9} {:>8} {:>8} {:<8}",
             d.name,
             human(d.disksize),
             human(t.orig_data_size),
@@ -205,6 +210,7 @@ pub fn print_stat_table(devs: &[DeviceStats]) {
             t.stored_pages,
             t.same_filled_pages,
             t.stored_incompressible_pages,
+            t.tier_pages,
             limit,
             rejects,
             d.failed_reads + d.failed_writes,
@@ -252,6 +258,8 @@ pub struct ServeNbdArgs {
     /// Runtime directory (control socket for `tmem stat`/`tmem set`).
     #[arg(long, default_value = ctl::RUNTIME_DIR)]
     runtime_dir: PathBuf,
+    #[command(flatten)]
+    tiers: crate::tiers::TierArgs,
 }
 
 /// `tmem serve nbd`: exports devices over NBD in the foreground until SIGINT/SIGTERM.
@@ -260,6 +268,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> Result<(), String> {
         return Err(format!("a tmem daemon already uses {}; pass another --runtime-dir", a.runtime_dir.display()));
     }
     let (pool_limit_bytes, pool_limit_percent) = parse_limit(&a.pool_limit)?;
+    a.tiers.validate(a.devices.max(1))?;
     let devices = (0..a.devices.max(1))
         .map(|i| DeviceSpec {
             name: format!("disk{i}"),
@@ -283,6 +292,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> Result<(), String> {
         nbd_allow_remote: a.allow_remote,
         priority: 0,
         fuse_threads: 0,
+        tiers: a.tiers.clone(),
     })
 }
 

@@ -73,7 +73,13 @@ impl Setup {
     }
 
     fn swap_up(&mut self, pool_limit: &str) -> String {
-        let (ok, out) = tmem(&["swap", "up", "--size", "2G", "--pool-limit", pool_limit, "--runtime-dir", self.dir()]);
+        self.swap_up_with(pool_limit, &[])
+    }
+
+    fn swap_up_with(&mut self, pool_limit: &str, extra: &[&str]) -> String {
+        let mut args = vec!["swap", "up", "--size", "2G", "--pool-limit", pool_limit, "--runtime-dir", self.dir()];
+        args.extend_from_slice(extra);
+        let (ok, out) = tmem(&args);
         self.up = ok;
         assert!(ok, "tmem swap up failed:\n{out}");
         out
@@ -209,4 +215,43 @@ fn full_pool_refuses_pages_without_corrupting_the_job() {
     assert!(dev["store"]["mem_used_total"].as_u64().unwrap() <= (32 << 20) + (1 << 20), "{dev}");
     s.swap_down();
     assert_clean(&s);
+}
+
+/// pool → remote (3 Redis servers, R=2, small maxmemory) → disk, under a job
+/// that needs far more than the pool: pages spill to remote RAM, then to disk.
+#[test]
+fn pool_spills_to_remote_ram_and_disk() {
+    use tmem_tier_remote::testing::{RedisOptions, RedisServer};
+    if let Some(why) = skip_reason() {
+        println!("SKIP: {why}");
+        return;
+    }
+    let opts = RedisOptions { maxmemory: Some("24mb".into()), policy: "noeviction".into(), ..Default::default() };
+    let Some(r1) = RedisServer::start_or_skip(&opts) else { return };
+    let r2 = RedisServer::start(&opts).unwrap();
+    let r3 = RedisServer::start(&opts).unwrap();
+    let mut s = Setup::new("tiers");
+    let disk_dir = std::env::temp_dir().join(format!("tmem-test-disk-{}", std::process::id()));
+    std::fs::create_dir_all(&disk_dir).unwrap();
+    let remote = format!("remote={},{},{}", r1.url(), r2.url(), r3.url());
+    let disk = format!("disk={}", disk_dir.display());
+    let up = s.swap_up_with("32M", &["--tier", &remote, "--tier", &disk, "--replicas", "2"]);
+    assert!(up.contains("pool -> remote -> disk"), "{up}");
+    let out = s.run_hog(512, 192);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.starts_with("OK "), "workload failed: {:?} {stdout}", out.status);
+    let st = s.stat();
+    let dev = &st[0];
+    let t = &dev["store"]["total"];
+    assert!(t["written_back_pages"].as_u64().unwrap() > 10_000, "{t}");
+    assert!(t["tier_gets"].as_u64().unwrap() > 0, "{t}");
+    assert_eq!(t["tier_get_fail"].as_u64(), Some(0), "{t}");
+    assert_eq!(dev["failed_writes"].as_u64(), Some(0), "no write was refused: {dev}");
+    let tiers = dev["store"]["tiers"].as_array().unwrap();
+    let writes = |name: &str| tiers.iter().find(|x| x["name"] == name).map(|x| x["writes"].as_u64().unwrap()).unwrap();
+    assert!(writes("remote") > 1000, "remote RAM took pages: {tiers:?}");
+    assert!(writes("disk") > 1000, "a full remote spilled to disk: {tiers:?}");
+    s.swap_down();
+    assert_clean(&s);
+    let _ = std::fs::remove_dir_all(&disk_dir);
 }

@@ -1,0 +1,1371 @@
+//! The disk tier: a backing file or block device below the compressed pool,
+//! like zswap's writeback target or compcache's backing device.
+//!
+//! ```no_run
+//! use tmem_tier::{Tier, TierKey};
+//! use tmem_tier_disk::DiskTierConfig;
+//! let tier = DiskTierConfig { capacity_bytes: 1 << 30, ..DiskTierConfig::new("/var/tmp/tmem.tier") }.build()?;
+//! let key = TierKey { pool: 1, object: 2, index: 3 };
+//! let _ = tier.put(key, b"sealed page bytes")?;
+//! let mut out = Vec::new();
+//! let _ = tier.get(key, &mut out)?;
+//! # Ok::<(), tmem_tier::TierError>(())
+//! ```
+//!
+//! # Contents do not outlive the tier
+//!
+//! The file (or device) is scratch space for one daemon run: swap content
+//! must not outlive its daemon. [`DiskTierConfig::build`] treats whatever is
+//! in the file as garbage — a regular file is truncated to zero and re-sized
+//! (which also frees its blocks), a block device is discarded (best effort) —
+//! and dropping the [`DiskTier`] empties a regular file again. Nothing is
+//! ever read back from a previous run; there is no on-disk superblock.
+//!
+//! # Authentication is the caller's job
+//!
+//! The tier stores and returns opaque bytes. Values are expected to be sealed
+//! ([`tmem_tier::seal::Sealer`]) before they are put; a value altered on disk
+//! is returned as it is, and it is [`Sealer::open`](tmem_tier::seal::Sealer::open)
+//! in the caller that rejects it.
+//!
+//! # Design
+//!
+//! **Layout.** The file is an array of fixed-size *segments* (1 MiB by
+//! default, [`DiskTierConfig::segment_bytes`]). A segment is a log of
+//! *records* packed back to back with no alignment: a 24-byte header (pool,
+//! object, index, length; little endian) followed by the value. Values are
+//! sealed compressed pages of 300–4160 bytes, so packing instead of giving each
+//! a 4 KiB slot fits 2–3× more; the header costs ~1.5 % of a typical value.
+//!
+//! **Writes.** Puts append records to the *open segment*, an in-memory
+//! page-aligned buffer. A full segment is written with one aligned `pwrite`
+//! (the unwritten tail of its last page zeroed); [`DiskTier::flush`] and the end
+//! of [`Tier::put_batch`] write the open segment's new pages and keep it open.
+//! Until its write completes, a segment's values are served from its buffer,
+//! so a value is readable as soon as `put` returns. Three segment buffers are
+//! allocated at build time (the open one and two being written), one more for
+//! the GC's reads and one for flush copies on first use: five segments of RAM
+//! in all (5 MiB by default), recycled, never reallocated.
+//!
+//! **Index.** `HashMap<TierKey, Loc { segment, offset, len }>` in memory, plus
+//! per-segment used and live byte counts. Replacing or removing a value only
+//! marks its bytes dead. A sealed segment whose live count reaches zero is
+//! freed at once: its range is discarded (`fallocate(PUNCH_HOLE)` on a file,
+//! `BLKDISCARD` on a device, best effort), so the file's disk use follows the
+//! live data, and it goes back on the free list. An open segment whose live
+//! count reaches zero simply starts over at offset 0. The records' headers
+//! make each segment self-describing, so the GC needs no per-segment list of
+//! keys in memory (which would cost ~32 bytes of RAM per value — the resource
+//! this whole system exists to save); the index costs ~40 bytes per value
+//! plus the hash table's slack.
+//!
+//! **Garbage collection.** Greedy, on demand, inside `put`: when a put needs a
+//! new segment and only the GC reserve (one segment) is free, the GC reads the
+//! sealed segment with the fewest live bytes with one `pread`, re-appends its
+//! still-live records (checked against the index) to the open segment — the
+//! reserve segment guarantees room for them — and the victim, now dead, is
+//! freed. A victim must give back at least max(1/16 segment, two largest
+//! records), so one victim always makes room for the put; a put runs at most
+//! three GC rounds (bounded work) and is answered [`TierPut::Full`] when no
+//! segment qualifies; a put answered `Full` drops any older value under its
+//! key (superseded either way). Worst-case *waste*: with live bytes spread
+//! evenly, the tier is full at ~15/16 of its segments minus the reserve
+//! segment, plus < one record of unused tail per segment (0.4 % at 1 MiB).
+//! The price of running that full is write amplification: near the limit each
+//! collected segment gives back as little as 1/16 of itself, so up to ~16
+//! bytes are copied per byte put; size the file with headroom (at half full,
+//! greedy victims are mostly dead). Greedy rather than LFS cost-benefit: swap
+//! pages have no stable hot/cold split to exploit, and greedy is simple and
+//! bounded.
+//!
+//! **Reads.** A get looks the key up under the lock. Values of the open
+//! segment or a segment being written are copied from memory; otherwise the
+//! lock is dropped and the aligned page range covering the value (usually one
+//! or two pages) is `pread`. Each segment has a *generation* counter, bumped
+//! under the lock whenever the segment is freed (before it is discarded or
+//! reused); the reader compares generations before and after its `pread` and
+//! retries on a change (the value has moved or gone). After three lost races
+//! the read is done under the lock. (The generation is bumped with `SeqCst`
+//! before the discard or rewrite is even queued, and those happen in other
+//! syscalls, so a read that saw changed bytes sees the new generation.)
+//!
+//! **Locks.** `state` (index, segments, buffers) is held only for memory
+//! work: lookups, appends, `memcpy`. All disk *mutations* (segment writes,
+//! flushes, discards) run under a separate `writer` lock, outside `state`,
+//! in the order they were queued; whoever queues work tries to become the
+//! writer and otherwise leaves it to the current one (who re-checks for work
+//! after unlocking). The GC is serialised by its own lock, which owns its
+//! read buffer. Lock order: `gc` → `writer` → `state`.
+//!
+//! **Why `pread`/`pwrite` and not io_uring.** The callers are synchronous
+//! (a FUSE/swap thread waits for its page anyway), the machine has two cores
+//! so there is no parallelism for an async engine to exploit, writes are
+//! already batched into whole segments (one syscall per MiB) and reads are one
+//! syscall per page-in; io_uring would add a dependency, `unsafe` buffer
+//! lifetime management and a completion thread for no measurable gain here.
+//!
+//! **I/O mode.** The file is opened `O_DIRECT` by default so pages are not
+//! cached twice (once in the pool, once in the page cache). Where the
+//! filesystem refuses it (open or a probe write fails with `EINVAL`), the
+//! tier falls back to buffered I/O and reports
+//! `Health::Degraded("buffered I/O: O_DIRECT unsupported")`.
+//! I/O errors make the tier report [`Health::Down`] until an I/O succeeds
+//! again with no segment write outstanding; a segment whose write failed
+//! keeps its buffer (its values stay readable) and is retried by the next
+//! [`DiskTier::flush`] or buffer shortage.
+//!
+//! **Counters.** `bytes_written`/`bytes_read` count value bytes;
+//! `wire_bytes_out`/`wire_bytes_in` count bytes actually written to and read
+//! from the file (page alignment, GC copies and re-written partial pages
+//! included). [`DiskTier::disk_stats`] adds segment, GC and discard counters.
+
+mod aligned;
+mod sys;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::time::Instant;
+
+use tmem_tier::{
+    check_len, Capacity, Health, LatencyHistogram, Tier, TierError, TierGet, TierKey, TierPut, TierStats, MAX_VALUE,
+};
+
+use aligned::{AlignedBuf, ALIGN};
+
+/// Default segment size: 1 MiB.
+pub const DEFAULT_SEGMENT_BYTES: u32 = 1 << 20;
+/// Smallest accepted segment size.
+pub const MIN_SEGMENT_BYTES: u32 = 64 << 10;
+/// Largest accepted segment size.
+pub const MAX_SEGMENT_BYTES: u32 = 256 << 20;
+/// Fewest segments a tier may have (the open one, the GC reserve, and room to work).
+pub const MIN_SEGMENTS: u64 = 4;
+/// Bytes of record header in front of every value on disk.
+pub const RECORD_HEADER: u32 = 24;
+
+const NAME: &str = "disk";
+const PAGE: u32 = 4096;
+#[allow(clippy::cast_possible_truncation)] // 4160, asserted below
+const MAX_VALUE_U32: u32 = MAX_VALUE as u32;
+const _: () = assert!(MAX_VALUE as u64 == MAX_VALUE_U32 as u64 && PAGE as usize == ALIGN);
+const MAX_RECORD: u32 = RECORD_HEADER + MAX_VALUE_U32;
+/// Free segments user puts leave for the GC.
+const RESERVE_SEGMENTS: usize = 1;
+/// GC victims one put may collect.
+const MAX_GC_ROUNDS: u32 = 3;
+/// Lock-free read attempts before reading under the lock.
+const OPTIMISTIC_READS: u32 = 3;
+/// Segment buffers besides the open one.
+const SPARE_BUFFERS: usize = 2;
+/// Blocking write drains a put may wait for when out of buffers.
+const MAX_BUFFER_WAITS: u32 = 4;
+
+fn us(x: u32) -> usize {
+    usize::try_from(x).expect("u32 fits in usize")
+}
+
+fn align_up(x: u32) -> u32 {
+    x.div_ceil(PAGE) * PAGE
+}
+
+fn align_down(x: u32) -> u32 {
+    x - x % PAGE
+}
+
+fn encode_header(key: TierKey, len: u32) -> [u8; 24] {
+    let mut h = [0u8; 24];
+    h[..4].copy_from_slice(&key.pool.to_le_bytes());
+    h[4..12].copy_from_slice(&key.object.to_le_bytes());
+    h[12..20].copy_from_slice(&key.index.to_le_bytes());
+    h[20..].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+fn decode_header(h: &[u8]) -> (TierKey, u32) {
+    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().expect("4 bytes"));
+    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
+    (TierKey { pool: u32_at(0), object: u64_at(4), index: u64_at(12) }, u32_at(20))
+}
+
+fn config_err(reason: impl Into<String>) -> TierError {
+    TierError::Config { tier: NAME.into(), reason: reason.into() }
+}
+
+fn io_err(source: io::Error) -> TierError {
+    TierError::Io { tier: NAME.into(), source }
+}
+
+fn default_segment_bytes() -> u32 {
+    DEFAULT_SEGMENT_BYTES
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Configuration of a [`DiskTier`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DiskTierConfig {
+    /// Backing regular file (created mode 0600 if missing) or block device.
+    pub path: PathBuf,
+    /// Bytes to use; 0 = the existing file's size or the device's size. A
+    /// regular file is set to this length (sparse). Rounded down to whole segments.
+    #[serde(default)]
+    pub capacity_bytes: u64,
+    /// Open with `O_DIRECT` (falling back to buffered I/O where unsupported).
+    #[serde(default = "yes")]
+    pub direct_io: bool,
+    /// Segment size: a multiple of 4096 in
+    /// [`MIN_SEGMENT_BYTES`]..=[`MAX_SEGMENT_BYTES`]; default [`DEFAULT_SEGMENT_BYTES`].
+    #[serde(default = "default_segment_bytes")]
+    pub segment_bytes: u32,
+}
+
+impl DiskTierConfig {
+    /// Defaults for `path`: size from the file or device, `O_DIRECT`, 1 MiB segments.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self { path: path.into(), capacity_bytes: 0, direct_io: true, segment_bytes: DEFAULT_SEGMENT_BYTES }
+    }
+
+    /// Opens (creating a regular file if missing) and empties the backing store.
+    pub fn build(&self) -> Result<DiskTier, TierError> {
+        DiskTier::open(self)
+    }
+}
+
+/// Where a value's record is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Loc {
+    seg: u32,
+    /// Offset of the record (its header) in the segment.
+    off: u32,
+    /// Value length.
+    len: u32,
+}
+
+impl Loc {
+    fn rec(self) -> u32 {
+        RECORD_HEADER + self.len
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SegState {
+    /// On the free list.
+    Free,
+    /// Freed, waiting for its discard; then free.
+    Discarding,
+    /// The open segment (its bytes are in the open buffer).
+    Open,
+    /// Full, its buffer queued for (or failed) writing; served from memory.
+    Writing,
+    /// On disk.
+    Sealed,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Seg {
+    state: SegState,
+    /// Bytes of records appended.
+    used: u32,
+    /// Bytes of live records.
+    live: u32,
+}
+
+struct Open {
+    seg: u32,
+    buf: AlignedBuf,
+    /// Bytes `[0, flushed)` are on disk.
+    flushed: u32,
+    /// Changes whenever a segment is opened or an open segment starts over.
+    epoch: u64,
+}
+
+struct WriteItem {
+    seg: u32,
+    buf: Arc<AlignedBuf>,
+    start: u32,
+    end: u32,
+}
+
+enum Room {
+    Ready,
+    NoBuffer,
+    NoSegment,
+}
+
+/// Everything behind the state lock.
+struct State {
+    seg_bytes: u32,
+    index: HashMap<TierKey, Loc>,
+    segs: Vec<Seg>,
+    free: Vec<u32>,
+    discards: Vec<u32>,
+    /// Segments in `Discarding`.
+    discarding: usize,
+    open: Option<Open>,
+    /// Buffers of `Writing` segments.
+    inflight: Vec<(u32, Arc<AlignedBuf>)>,
+    queue: VecDeque<WriteItem>,
+    failed: Vec<WriteItem>,
+    spares: Vec<AlignedBuf>,
+    epoch: u64,
+    /// Record bytes (headers included) of live values.
+    live_bytes: u64,
+    /// Value bytes of live values.
+    value_bytes: u64,
+    /// Unused tails of sealed segments.
+    waste_bytes: u64,
+}
+
+impl State {
+    fn room_left(&self) -> u32 {
+        self.open.as_ref().map_or(0, |o| self.seg_bytes - self.segs[us(o.seg)].used)
+    }
+
+    /// Makes the open segment able to take `rec` bytes, sealing a full one
+    /// and opening a free one. Only the GC (`use_reserve`) may take the last
+    /// [`RESERVE_SEGMENTS`] free segments.
+    fn make_room(&mut self, rec: u32, use_reserve: bool, gens: &[AtomicU64]) -> Room {
+        if self.open.is_some() && self.room_left() >= rec {
+            return Room::Ready;
+        }
+        if let Some(o) = self.open.take() {
+            self.seal(o, gens);
+        }
+        if self.free.len() <= if use_reserve { 0 } else { RESERVE_SEGMENTS } {
+            return Room::NoSegment;
+        }
+        let Some(buf) = self.spares.pop() else { return Room::NoBuffer };
+        let seg = self.free.pop().expect("free list checked");
+        self.segs[us(seg)] = Seg { state: SegState::Open, used: 0, live: 0 };
+        self.epoch += 1;
+        self.open = Some(Open { seg, buf, flushed: 0, epoch: self.epoch });
+        Room::Ready
+    }
+
+    /// Queues the open segment for writing (or frees it if nothing in it is live).
+    fn seal(&mut self, mut o: Open, gens: &[AtomicU64]) {
+        let m = &mut self.segs[us(o.seg)];
+        m.state = SegState::Writing;
+        let (used, live) = (m.used, m.live);
+        self.waste_bytes += u64::from(self.seg_bytes - used);
+        if live == 0 {
+            self.spares.push(o.buf);
+            self.free_seg(o.seg, gens);
+            return;
+        }
+        let end = align_up(used);
+        o.buf[us(used)..us(end)].fill(0);
+        let buf = Arc::new(o.buf);
+        self.inflight.push((o.seg, Arc::clone(&buf)));
+        self.queue.push_back(WriteItem { seg: o.seg, buf, start: align_down(o.flushed), end });
+    }
+
+    /// A `Writing` or `Sealed` segment with nothing live goes to the discard
+    /// list; its generation changes so in-flight lock-free reads retry.
+    fn free_seg(&mut self, seg: u32, gens: &[AtomicU64]) {
+        gens[us(seg)].fetch_add(1, Ordering::SeqCst);
+        let m = &mut self.segs[us(seg)];
+        debug_assert!(matches!(m.state, SegState::Writing | SegState::Sealed) && m.live == 0, "{m:?}");
+        self.waste_bytes -= u64::from(self.seg_bytes - m.used);
+        *m = Seg { state: SegState::Discarding, used: 0, live: 0 };
+        self.discards.push(seg);
+        self.discarding += 1;
+    }
+
+    /// Appends a record to the open segment (room made) and points the index at it.
+    fn append(&mut self, key: TierKey, value: &[u8], gens: &[AtomicU64]) {
+        let o = self.open.as_mut().expect("make_room opened a segment");
+        let len = u32::try_from(value.len()).expect("checked against MAX_VALUE");
+        let rec = RECORD_HEADER + len;
+        let m = &mut self.segs[us(o.seg)];
+        let off = m.used;
+        let at = us(off);
+        let hdr = us(RECORD_HEADER);
+        o.buf[at..at + hdr].copy_from_slice(&encode_header(key, len));
+        o.buf[at + hdr..at + hdr + value.len()].copy_from_slice(value);
+        m.used += rec;
+        m.live += rec;
+        self.live_bytes += u64::from(rec);
+        self.value_bytes += u64::from(len);
+        if let Some(old) = self.index.insert(key, Loc { seg: o.seg, off, len }) {
+            self.kill(old, gens);
+        }
+    }
+
+    /// Marks a record dead (its key already unindexed or re-pointed).
+    fn kill(&mut self, loc: Loc, gens: &[AtomicU64]) {
+        let rec = loc.rec();
+        self.live_bytes -= u64::from(rec);
+        self.value_bytes -= u64::from(loc.len);
+        let m = &mut self.segs[us(loc.seg)];
+        m.live -= rec;
+        if m.live > 0 {
+            return;
+        }
+        match m.state {
+            SegState::Sealed => self.free_seg(loc.seg, gens),
+            SegState::Open => {
+                // Nothing live in the open segment: start it over.
+                m.used = 0;
+                self.epoch += 1;
+                let o = self.open.as_mut().expect("the Open segment is the open one");
+                o.flushed = 0;
+                o.epoch = self.epoch;
+            }
+            SegState::Writing => {} // freed when its write completes
+            SegState::Free | SegState::Discarding => unreachable!("dead record in a free segment"),
+        }
+    }
+
+    /// The in-memory bytes of an open or being-written segment.
+    fn mem(&self, seg: u32) -> Option<&[u8]> {
+        if let Some(o) = self.open.as_ref().filter(|o| o.seg == seg) {
+            return Some(&o.buf);
+        }
+        self.inflight.iter().find(|(s, _)| *s == seg).map(|(_, b)| &b[..])
+    }
+
+    /// A segment write completed (or was skipped because nothing in it is live).
+    fn finish_write(&mut self, item: WriteItem, gens: &[AtomicU64]) {
+        self.inflight.retain(|(s, _)| *s != item.seg);
+        let m = &mut self.segs[us(item.seg)];
+        m.state = SegState::Sealed;
+        if m.live == 0 {
+            self.free_seg(item.seg, gens);
+        }
+        match Arc::try_unwrap(item.buf) {
+            Ok(buf) => self.spares.push(buf),
+            Err(_) => debug_assert!(false, "segment buffer still shared"),
+        }
+    }
+
+    /// The sealed segment with the fewest live bytes that gives back at
+    /// least `min_gain` bytes and whose live records fit where the GC can put them.
+    fn victim(&self, min_gain: u32) -> Option<u32> {
+        let room = self.room_left();
+        let can_open = !self.free.is_empty();
+        self.segs
+            .iter()
+            .zip(0u32..)
+            .filter(|(m, _)| m.state == SegState::Sealed && self.seg_bytes - m.live >= min_gain)
+            .filter(|(m, _)| can_open || m.live <= room)
+            .min_by_key(|(m, _)| m.live)
+            .map(|(_, i)| i)
+    }
+
+    fn has_work(&self) -> bool {
+        !self.queue.is_empty() || !self.discards.is_empty()
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    writes: AtomicU64,
+    full: AtomicU64,
+    reads: AtomicU64,
+    misses: AtomicU64,
+    removes: AtomicU64,
+    failures: AtomicU64,
+    bytes_written: AtomicU64,
+    bytes_read: AtomicU64,
+    wire_out: AtomicU64,
+    wire_in: AtomicU64,
+    segment_writes: AtomicU64,
+    flushes: AtomicU64,
+    discards: AtomicU64,
+    gc_runs: AtomicU64,
+    gc_moved_values: AtomicU64,
+    gc_moved_bytes: AtomicU64,
+    read_retries: AtomicU64,
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn get(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+/// Owned by the holder of the writer lock.
+struct Writer {
+    /// Copy of the open segment's dirty pages for a flush.
+    flush_buf: Option<AlignedBuf>,
+}
+
+/// Owned by the holder of the GC lock.
+struct Gc {
+    buf: Option<AlignedBuf>,
+}
+
+/// Counters of a [`DiskTier`] beyond [`TierStats`].
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DiskStats {
+    /// The common tier counters.
+    pub tier: TierStats,
+    /// The backing store is a block device.
+    pub block_device: bool,
+    /// I/O bypasses the page cache (`O_DIRECT`).
+    pub direct_io: bool,
+    /// Discards (hole punching / `BLKDISCARD`) work on this store.
+    pub discard_supported: bool,
+    /// Segment size.
+    pub segment_bytes: u32,
+    /// Segments in the file.
+    pub segments: u32,
+    /// Free segments (discarding ones included).
+    pub free_segments: u32,
+    /// Bytes of live records (values and their headers).
+    pub live_bytes: u64,
+    /// Bytes of dead records in non-free segments (reclaimable by the GC).
+    pub dead_bytes: u64,
+    /// Unused tails of sealed segments.
+    pub waste_bytes: u64,
+    /// Whole-segment writes.
+    pub segment_writes: u64,
+    /// Partial writes of the open segment (flushes).
+    pub flushes: u64,
+    /// Segments discarded.
+    pub discards: u64,
+    /// Segments collected by the GC.
+    pub gc_runs: u64,
+    /// Values the GC moved.
+    pub gc_moved_values: u64,
+    /// Value bytes the GC moved.
+    pub gc_moved_bytes: u64,
+    /// Lock-free reads retried because their segment was freed meanwhile.
+    pub read_retries: u64,
+    /// Segment writes that failed and wait for a retry.
+    pub failed_writes: u64,
+}
+
+/// A tier on a backing file or block device; see the [crate docs](crate).
+pub struct DiskTier {
+    file: File,
+    path: PathBuf,
+    block: bool,
+    direct: bool,
+    /// `O_DIRECT` was asked for but is not supported.
+    fallback: bool,
+    seg_bytes: u32,
+    nsegs: u32,
+    min_gain: u32,
+    state: Mutex<State>,
+    gens: Box<[AtomicU64]>,
+    writer: Mutex<Writer>,
+    gc: Mutex<Gc>,
+    work_hint: AtomicBool,
+    discard_ok: AtomicBool,
+    failed_writes: AtomicUsize,
+    io_error: Mutex<Option<String>>,
+    io_error_set: AtomicBool,
+    counters: Counters,
+    get_latency: LatencyHistogram,
+    put_latency: LatencyHistogram,
+    /// Tests: how many coming data writes fail with `EIO`.
+    #[cfg(test)]
+    fail_writes: std::sync::atomic::AtomicU32,
+}
+
+impl std::fmt::Debug for DiskTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskTier")
+            .field("path", &self.path)
+            .field("block", &self.block)
+            .field("direct", &self.direct)
+            .field("segment_bytes", &self.seg_bytes)
+            .field("segments", &self.nsegs)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: make the `O_DIRECT` probe fail with `EINVAL`, as on a filesystem without it.
+    static FAIL_DIRECT_PROBE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Writes and reads back one aligned block: some filesystems accept
+/// `O_DIRECT` at open and refuse it at I/O time.
+fn probe_direct(file: &File) -> io::Result<()> {
+    #[cfg(test)]
+    if FAIL_DIRECT_PROBE.with(std::cell::Cell::get) {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    let mut buf = AlignedBuf::zeroed(ALIGN);
+    file.write_all_at(&buf, 0)?;
+    file.read_exact_at(&mut buf, 0)
+}
+
+impl DiskTier {
+    fn open(cfg: &DiskTierConfig) -> Result<Self, TierError> {
+        let s = cfg.segment_bytes;
+        if !s.is_multiple_of(PAGE) || !(MIN_SEGMENT_BYTES..=MAX_SEGMENT_BYTES).contains(&s) {
+            return Err(config_err(format!(
+                "segment_bytes {s} must be a multiple of {PAGE} in {MIN_SEGMENT_BYTES}..={MAX_SEGMENT_BYTES}"
+            )));
+        }
+        let path = &cfg.path;
+        let shown = path.display();
+        let block = match std::fs::metadata(path) {
+            Ok(m) if m.file_type().is_block_device() => true,
+            Ok(m) if m.is_file() => false,
+            Ok(_) => return Err(config_err(format!("{shown} is not a regular file or a block device"))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound && cfg.capacity_bytes == 0 => {
+                return Err(config_err(format!("{shown} does not exist and capacity_bytes is 0")));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+            Err(e) => return Err(io_err(e)),
+        };
+        let open = |direct: bool| {
+            let mut o = OpenOptions::new();
+            o.read(true).write(true);
+            let mut flags = 0;
+            if block {
+                flags |= libc::O_EXCL; // fails with EBUSY if mounted or held exclusively
+            } else {
+                o.create(true).mode(0o600);
+            }
+            if direct {
+                flags |= libc::O_DIRECT;
+            }
+            o.custom_flags(flags).open(path)
+        };
+        let opened = |r: io::Result<File>| {
+            r.map_err(|e| match e.raw_os_error() {
+                Some(libc::EBUSY) => config_err(format!("{shown} is busy (mounted or in use)")),
+                _ => io_err(e),
+            })
+        };
+        let mut fallback = false;
+        let file = match open(cfg.direct_io) {
+            Err(e) if cfg.direct_io && e.raw_os_error() == Some(libc::EINVAL) => {
+                fallback = true;
+                opened(open(false))?
+            }
+            r => opened(r)?,
+        };
+        sys::lock_exclusive(&file).map_err(|e| match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => config_err(format!("{shown} is in use by another disk tier")),
+            _ => io_err(e),
+        })?;
+
+        let capacity = if block {
+            let size = sys::block_device_size(&file).map_err(io_err)?;
+            let lbs = sys::logical_block_size(&file).map_err(io_err)?;
+            if lbs > PAGE {
+                return Err(config_err(format!("{shown}: logical block size {lbs} exceeds {PAGE}")));
+            }
+            if cfg.capacity_bytes > size {
+                return Err(config_err(format!(
+                    "{shown}: capacity {} exceeds the device's {size}",
+                    cfg.capacity_bytes
+                )));
+            }
+            if cfg.capacity_bytes == 0 {
+                size
+            } else {
+                cfg.capacity_bytes
+            }
+        } else {
+            let size = file.metadata().map_err(io_err)?.len();
+            let capacity = if cfg.capacity_bytes == 0 { size } else { cfg.capacity_bytes };
+            // Whatever an earlier run left is garbage: drop its blocks.
+            file.set_len(0).map_err(io_err)?;
+            file.set_len(capacity).map_err(io_err)?;
+            capacity
+        };
+        let nsegs = capacity / u64::from(s);
+        if nsegs < MIN_SEGMENTS {
+            return Err(config_err(format!(
+                "{shown}: capacity {capacity} holds {nsegs} segments of {s} bytes; at least {MIN_SEGMENTS} needed"
+            )));
+        }
+        let nsegs = u32::try_from(nsegs).map_err(|_| config_err(format!("{shown}: too many segments ({nsegs})")))?;
+
+        let mut direct = cfg.direct_io && !fallback;
+        if direct {
+            match probe_direct(&file) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    sys::clear_direct(&file).map_err(io_err)?;
+                    (direct, fallback) = (false, true);
+                }
+                Err(e) => return Err(io_err(e)),
+            }
+        }
+        let discard_ok = if block {
+            // Best effort: the previous run's pages become unreadable on devices that zero discarded blocks.
+            sys::block_discard(&file, 0, u64::from(nsegs) * u64::from(s)).is_ok()
+        } else {
+            true
+        };
+
+        let min_gain = (s / 16).max(2 * MAX_RECORD);
+        let state = State {
+            seg_bytes: s,
+            index: HashMap::new(),
+            segs: vec![Seg { state: SegState::Free, used: 0, live: 0 }; us(nsegs)],
+            // Popped from the end: segment 0 is used first.
+            free: (0..nsegs).rev().collect(),
+            discards: Vec::new(),
+            discarding: 0,
+            open: None,
+            inflight: Vec::new(),
+            queue: VecDeque::new(),
+            failed: Vec::new(),
+            spares: (0..=SPARE_BUFFERS).map(|_| AlignedBuf::zeroed(us(s))).collect(),
+            epoch: 0,
+            live_bytes: 0,
+            value_bytes: 0,
+            waste_bytes: 0,
+        };
+        Ok(Self {
+            file,
+            path: path.clone(),
+            block,
+            direct,
+            fallback,
+            seg_bytes: s,
+            nsegs,
+            min_gain,
+            state: Mutex::new(state),
+            gens: (0..nsegs).map(|_| AtomicU64::new(0)).collect(),
+            writer: Mutex::new(Writer { flush_buf: None }),
+            gc: Mutex::new(Gc { buf: None }),
+            work_hint: AtomicBool::new(false),
+            discard_ok: AtomicBool::new(discard_ok),
+            failed_writes: AtomicUsize::new(0),
+            io_error: Mutex::new(None),
+            io_error_set: AtomicBool::new(false),
+            counters: Counters::default(),
+            get_latency: LatencyHistogram::default(),
+            put_latency: LatencyHistogram::default(),
+            #[cfg(test)]
+            fail_writes: std::sync::atomic::AtomicU32::new(0),
+        })
+    }
+
+    /// The backing file or device.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether I/O bypasses the page cache: the file descriptor's flags
+    /// include `O_DIRECT` (asked of the kernel, not remembered).
+    pub fn direct_io(&self) -> bool {
+        sys::is_direct(&self.file).unwrap_or(false)
+    }
+
+    /// Segment size in bytes.
+    pub fn segment_bytes(&self) -> u32 {
+        self.seg_bytes
+    }
+
+    /// Writes every full segment still in memory and the open segment's new
+    /// pages (the open segment stays open). Values are readable without a
+    /// flush; this bounds what only memory holds. Fails while segment writes fail.
+    pub fn flush(&self) -> Result<(), TierError> {
+        let mut w = self.writer.lock().expect("disk tier writer lock poisoned");
+        self.pump_locked(&mut w, true);
+        let mut result = Ok(());
+        let mut st = self.lock();
+        let pending = st.open.as_ref().map(|o| (o.seg, o.flushed, o.epoch, st.segs[us(o.seg)].used));
+        if let Some((seg, flushed, epoch, used)) = pending.filter(|&(_, flushed, _, used)| used > flushed) {
+            // Copy the new pages under the state lock, write them outside it.
+            let (start, end) = (align_down(flushed), align_up(used));
+            let o = st.open.as_mut().expect("checked");
+            o.buf[us(used)..us(end)].fill(0);
+            let fb = w.flush_buf.get_or_insert_with(|| AlignedBuf::zeroed(us(self.seg_bytes)));
+            fb[us(start)..us(end)].copy_from_slice(&o.buf[us(start)..us(end)]);
+            drop(st);
+            let at = self.seg_off(seg) + u64::from(start);
+            match self.write_at(&fb[us(start)..us(end)], at) {
+                Ok(()) => {
+                    add(&self.counters.wire_out, u64::from(end - start));
+                    add(&self.counters.flushes, 1);
+                    self.io_ok();
+                    let mut st = self.lock();
+                    // Unless the segment was sealed or started over meanwhile.
+                    if let Some(o) = st.open.as_mut().filter(|o| o.seg == seg && o.epoch == epoch) {
+                        o.flushed = o.flushed.max(used);
+                    }
+                }
+                Err(e) => {
+                    add(&self.counters.failures, 1);
+                    self.io_failed("write", &e);
+                    result = Err(io_err(e));
+                }
+            }
+        } else {
+            drop(st);
+        }
+        drop(w);
+        if self.work_hint.load(Ordering::SeqCst) {
+            self.pump(false); // queued while we wrote, by threads that left it to us
+        }
+        result?;
+        match self.failed_writes.load(Ordering::SeqCst) {
+            0 => Ok(()),
+            n => Err(TierError::Unavailable {
+                tier: NAME.into(),
+                reason: format!("{n} segment writes failing: {}", self.io_error_text()),
+            }),
+        }
+    }
+
+    /// Counters beyond [`TierStats`].
+    pub fn disk_stats(&self) -> DiskStats {
+        let tier = self.stats();
+        let st = self.lock();
+        let used: u64 = st
+            .segs
+            .iter()
+            .filter(|m| !matches!(m.state, SegState::Free | SegState::Discarding))
+            .map(|m| u64::from(m.used))
+            .sum();
+        let c = &self.counters;
+        DiskStats {
+            tier,
+            block_device: self.block,
+            direct_io: self.direct_io(),
+            discard_supported: self.discard_ok.load(Ordering::Relaxed),
+            segment_bytes: self.seg_bytes,
+            segments: self.nsegs,
+            free_segments: u32::try_from(st.free.len() + st.discarding).unwrap_or(u32::MAX),
+            live_bytes: st.live_bytes,
+            dead_bytes: used - st.live_bytes,
+            waste_bytes: st.waste_bytes,
+            segment_writes: get(&c.segment_writes),
+            flushes: get(&c.flushes),
+            discards: get(&c.discards),
+            gc_runs: get(&c.gc_runs),
+            gc_moved_values: get(&c.gc_moved_values),
+            gc_moved_bytes: get(&c.gc_moved_bytes),
+            read_retries: get(&c.read_retries),
+            failed_writes: u64::try_from(st.failed.len()).unwrap_or(u64::MAX),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("disk tier state lock poisoned")
+    }
+
+    fn seg_off(&self, seg: u32) -> u64 {
+        u64::from(seg) * u64::from(self.seg_bytes)
+    }
+
+    /// Drops the state lock; returns whether disk work is queued.
+    fn release(&self, st: MutexGuard<'_, State>) -> bool {
+        let work = st.has_work();
+        if work {
+            self.work_hint.store(true, Ordering::SeqCst);
+        }
+        drop(st);
+        work
+    }
+
+    /// Drops the state lock and does (or leaves to the current writer) queued disk work.
+    fn settle(&self, st: MutexGuard<'_, State>) {
+        if self.release(st) {
+            self.pump(false);
+        }
+    }
+
+    /// Runs queued disk work. Without `block`, returns at once if another
+    /// thread is the writer: it re-checks for work after unlocking.
+    fn pump(&self, block: bool) {
+        let mut block = block;
+        loop {
+            let mut w = if block {
+                self.writer.lock().expect("disk tier writer lock poisoned")
+            } else {
+                match self.writer.try_lock() {
+                    Ok(w) => w,
+                    Err(TryLockError::WouldBlock) => return,
+                    Err(TryLockError::Poisoned(_)) => panic!("disk tier writer lock poisoned"),
+                }
+            };
+            self.pump_locked(&mut w, block);
+            drop(w);
+            if !self.work_hint.load(Ordering::SeqCst) {
+                return;
+            }
+            block = false;
+        }
+    }
+
+    /// With the writer lock held: discards, then segment writes, in queue
+    /// order, until none is left. `retry_failed` requeues failed writes first.
+    fn pump_locked(&self, _writer: &mut Writer, retry_failed: bool) {
+        let mut st = self.lock();
+        if retry_failed && !st.failed.is_empty() {
+            let failed = std::mem::take(&mut st.failed);
+            for item in failed.into_iter().rev() {
+                st.queue.push_front(item);
+            }
+            self.failed_writes.store(0, Ordering::SeqCst);
+        }
+        loop {
+            if !st.discards.is_empty() {
+                let segs = std::mem::take(&mut st.discards);
+                drop(st);
+                for &seg in &segs {
+                    self.discard(seg);
+                }
+                st = self.lock();
+                for seg in segs {
+                    st.segs[us(seg)].state = SegState::Free;
+                    st.free.push(seg);
+                    st.discarding -= 1;
+                }
+                continue;
+            }
+            let Some(item) = st.queue.pop_front() else {
+                self.work_hint.store(false, Ordering::SeqCst);
+                return;
+            };
+            if st.segs[us(item.seg)].live == 0 {
+                st.finish_write(item, &self.gens); // nothing live: no need to write it
+                continue;
+            }
+            drop(st);
+            let at = self.seg_off(item.seg) + u64::from(item.start);
+            let res = self.write_at(&item.buf[us(item.start)..us(item.end)], at);
+            st = self.lock();
+            match res {
+                Ok(()) => {
+                    add(&self.counters.wire_out, u64::from(item.end - item.start));
+                    add(&self.counters.segment_writes, 1);
+                    st.finish_write(item, &self.gens);
+                    if st.failed.is_empty() {
+                        self.io_ok();
+                    }
+                }
+                Err(e) => {
+                    add(&self.counters.failures, 1);
+                    self.io_failed("segment write", &e);
+                    st.failed.push(item);
+                    self.failed_writes.store(st.failed.len(), Ordering::SeqCst);
+                }
+            }
+        }
+    }
+
+    /// Writes segment data (aligned buffer, offset and length).
+    fn write_at(&self, buf: &[u8], at: u64) -> io::Result<()> {
+        #[cfg(test)]
+        if self.fail_writes.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.file.write_all_at(buf, at)
+    }
+
+    fn discard(&self, seg: u32) {
+        if !self.discard_ok.load(Ordering::Relaxed) {
+            return;
+        }
+        let (off, len) = (self.seg_off(seg), u64::from(self.seg_bytes));
+        let r =
+            if self.block { sys::block_discard(&self.file, off, len) } else { sys::punch_hole(&self.file, off, len) };
+        match r {
+            Ok(()) => add(&self.counters.discards, 1),
+            // Unsupported here: stop trying. Other errors: best effort, the space is reused anyway.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOTTY | libc::EINVAL)) => {
+                self.discard_ok.store(false, Ordering::Relaxed);
+            }
+            Err(_) => {}
+        }
+    }
+
+    fn io_failed(&self, what: &str, e: &io::Error) {
+        *self.io_error.lock().expect("disk tier error lock poisoned") = Some(format!("{what}: {e}"));
+        self.io_error_set.store(true, Ordering::SeqCst);
+    }
+
+    fn io_ok(&self) {
+        if self.io_error_set.load(Ordering::Relaxed) && self.failed_writes.load(Ordering::SeqCst) == 0 {
+            *self.io_error.lock().expect("disk tier error lock poisoned") = None;
+            self.io_error_set.store(false, Ordering::SeqCst);
+        }
+    }
+
+    fn io_error_text(&self) -> String {
+        self.io_error.lock().expect("disk tier error lock poisoned").clone().unwrap_or_default()
+    }
+
+    /// Reads a value of a sealed segment from disk into `out`.
+    fn pread_value(&self, loc: Loc, out: &mut Vec<u8>) -> io::Result<()> {
+        if loc.len == 0 {
+            return Ok(());
+        }
+        let at = self.seg_off(loc.seg) + u64::from(loc.off + RECORD_HEADER);
+        let len = us(loc.len);
+        if !self.direct {
+            out.resize(len, 0);
+            self.file.read_exact_at(out, at)?;
+            add(&self.counters.wire_in, u64::from(loc.len));
+            return Ok(());
+        }
+        let page = u64::from(PAGE);
+        let start = at - at % page;
+        let end = (at + u64::from(loc.len)).div_ceil(page) * page;
+        let span = usize::try_from(end - start).expect("a value spans at most three pages");
+        let mut buf = AlignedBuf::zeroed(span);
+        self.file.read_exact_at(&mut buf, start)?;
+        add(&self.counters.wire_in, end - start);
+        let skip = usize::try_from(at - start).expect("within a page");
+        out.extend_from_slice(&buf[skip..skip + len]);
+        Ok(())
+    }
+
+    fn get_inner(&self, key: TierKey, out: &mut Vec<u8>) -> Result<TierGet, TierError> {
+        let mut attempt = 0;
+        loop {
+            let st = self.lock();
+            let Some(loc) = st.index.get(&key).copied() else { return Ok(TierGet::Miss) };
+            if let Some(mem) = st.mem(loc.seg) {
+                let at = us(loc.off + RECORD_HEADER);
+                out.extend_from_slice(&mem[at..at + us(loc.len)]);
+                return Ok(TierGet::Hit);
+            }
+            debug_assert_eq!(st.segs[us(loc.seg)].state, SegState::Sealed);
+            if attempt >= OPTIMISTIC_READS {
+                // Under the lock the segment cannot be freed.
+                let r = self.pread_value(loc, out);
+                drop(st);
+                return self.read_done(r).map(|()| TierGet::Hit);
+            }
+            let gen = self.gens[us(loc.seg)].load(Ordering::SeqCst);
+            drop(st);
+            let r = self.pread_value(loc, out);
+            if self.gens[us(loc.seg)].load(Ordering::SeqCst) == gen {
+                return self.read_done(r).map(|()| TierGet::Hit);
+            }
+            // Freed (and maybe reused) while we read: the value moved or is gone.
+            out.clear();
+            add(&self.counters.read_retries, 1);
+            attempt += 1;
+        }
+    }
+
+    fn read_done(&self, r: io::Result<()>) -> Result<(), TierError> {
+        match r {
+            Ok(()) => {
+                self.io_ok();
+                Ok(())
+            }
+            Err(e) => {
+                self.io_failed("read", &e);
+                Err(io_err(e))
+            }
+        }
+    }
+
+    fn put_inner(&self, key: TierKey, value: &[u8]) -> Result<TierPut, TierError> {
+        check_len(value)?;
+        let rec = RECORD_HEADER + u32::try_from(value.len()).expect("checked against MAX_VALUE");
+        let (mut gc_rounds, mut buffer_waits) = (0, 0);
+        let mut waited_discards = false;
+        loop {
+            let mut st = self.lock();
+            match st.make_room(rec, false, &self.gens) {
+                Room::Ready => {
+                    st.append(key, value, &self.gens);
+                    self.settle(st);
+                    return Ok(TierPut::Stored);
+                }
+                Room::NoBuffer => {
+                    // Every buffer waits for its write: do (or wait for) the writes.
+                    let failing = !st.failed.is_empty();
+                    self.release(st);
+                    if buffer_waits >= MAX_BUFFER_WAITS || (failing && buffer_waits > 0) {
+                        return Err(TierError::Unavailable {
+                            tier: NAME.into(),
+                            reason: format!("segment writes failing: {}", self.io_error_text()),
+                        });
+                    }
+                    buffer_waits += 1;
+                    self.pump(true);
+                }
+                Room::NoSegment if st.discarding > 0 && !waited_discards => {
+                    // Freed segments are on their way to the free list.
+                    waited_discards = true;
+                    self.release(st);
+                    self.pump(true);
+                }
+                Room::NoSegment => {
+                    self.release(st);
+                    waited_discards = false;
+                    if gc_rounds >= MAX_GC_ROUNDS || !self.gc_once()? {
+                        // Full. An older value under the key is superseded either way: drop it.
+                        let mut st = self.lock();
+                        if let Some(old) = st.index.remove(&key) {
+                            st.kill(old, &self.gens);
+                        }
+                        self.settle(st);
+                        return Ok(TierPut::Full);
+                    }
+                    gc_rounds += 1;
+                }
+            }
+        }
+    }
+
+    /// Collects one victim segment: moves its live records to the open
+    /// segment, which frees it. Returns whether room was made (or already there).
+    fn gc_once(&self) -> Result<bool, TierError> {
+        let mut gc = self.gc.lock().expect("disk tier gc lock poisoned");
+        let (victim, used, gen) = {
+            let st = self.lock();
+            if st.free.len() > RESERVE_SEGMENTS || st.discarding > 0 {
+                return Ok(true); // another put's GC or a remove made room meanwhile
+            }
+            let Some(v) = st.victim(self.min_gain) else { return Ok(false) };
+            (v, st.segs[us(v)].used, self.gens[us(v)].load(Ordering::SeqCst))
+        };
+        let buf = gc.buf.get_or_insert_with(|| AlignedBuf::zeroed(us(self.seg_bytes)));
+        let end = align_up(used);
+        if let Err(e) = self.file.read_exact_at(&mut buf[..us(end)], self.seg_off(victim)) {
+            add(&self.counters.failures, 1);
+            self.io_failed("gc read", &e);
+            return Err(io_err(e));
+        }
+        add(&self.counters.wire_in, u64::from(end));
+        add(&self.counters.gc_runs, 1);
+
+        // The records, from their headers; a header that makes no sense
+        // (the file was altered) ends the walk and the index is searched instead.
+        let mut candidates = Vec::new();
+        let mut off = 0;
+        let mut intact = true;
+        while off + RECORD_HEADER <= used {
+            let (key, len) = decode_header(&buf[us(off)..us(off + RECORD_HEADER)]);
+            if len > MAX_VALUE_U32 || off + RECORD_HEADER + len > used {
+                intact = false;
+                break;
+            }
+            candidates.push((key, Loc { seg: victim, off, len }));
+            off += RECORD_HEADER + len;
+        }
+        intact &= off == used;
+
+        let mut st = self.lock();
+        if !intact && self.gens[us(victim)].load(Ordering::SeqCst) == gen {
+            candidates.extend(st.index.iter().filter(|(_, l)| l.seg == victim).map(|(k, l)| (*k, *l)));
+        }
+        let (mut moved, mut moved_bytes, mut buffer_waits) = (0, 0, 0);
+        let mut i = 0;
+        while i < candidates.len() {
+            if self.gens[us(victim)].load(Ordering::SeqCst) != gen {
+                break; // freed: by us when its last live record moved, or by removes
+            }
+            let (key, loc) = candidates[i];
+            if st.index.get(&key) != Some(&loc) {
+                i += 1;
+                continue; // dead
+            }
+            match st.make_room(loc.rec(), true, &self.gens) {
+                Room::Ready => {
+                    let at = us(loc.off + RECORD_HEADER);
+                    st.append(key, &buf[at..at + us(loc.len)], &self.gens);
+                    moved += 1;
+                    moved_bytes += u64::from(loc.len);
+                    i += 1;
+                }
+                Room::NoBuffer if buffer_waits < MAX_BUFFER_WAITS => {
+                    buffer_waits += 1;
+                    self.release(st);
+                    self.pump(true);
+                    st = self.lock();
+                }
+                Room::NoBuffer | Room::NoSegment => break,
+            }
+        }
+        let freed = self.gens[us(victim)].load(Ordering::SeqCst) != gen;
+        self.settle(st);
+        add(&self.counters.gc_moved_values, moved);
+        add(&self.counters.gc_moved_bytes, moved_bytes);
+        Ok(freed)
+    }
+
+    fn count_put(&self, r: &Result<TierPut, TierError>, len: usize) {
+        let c = &self.counters;
+        match r {
+            Ok(TierPut::Stored) => {
+                add(&c.writes, 1);
+                add(&c.bytes_written, u64::try_from(len).unwrap_or(u64::MAX));
+            }
+            Ok(TierPut::Full) => add(&c.full, 1),
+            Err(_) => add(&c.failures, 1),
+        }
+    }
+
+    #[cfg(test)]
+    /// Tests: the file offset of a value's bytes, once its segment is on disk.
+    fn value_file_offset(&self, key: TierKey) -> Option<u64> {
+        let st = self.lock();
+        let loc = st.index.get(&key)?;
+        Some(self.seg_off(loc.seg) + u64::from(loc.off + RECORD_HEADER))
+    }
+}
+
+impl Tier for DiskTier {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn put(&self, key: TierKey, value: &[u8]) -> Result<TierPut, TierError> {
+        let t0 = Instant::now();
+        let r = self.put_inner(key, value);
+        self.count_put(&r, value.len());
+        self.put_latency.record(t0.elapsed());
+        r
+    }
+
+    fn get(&self, key: TierKey, out: &mut Vec<u8>) -> Result<TierGet, TierError> {
+        let t0 = Instant::now();
+        out.clear();
+        let r = self.get_inner(key, out);
+        let c = &self.counters;
+        add(&c.reads, 1);
+        match &r {
+            Ok(TierGet::Hit) => add(&c.bytes_read, u64::try_from(out.len()).unwrap_or(u64::MAX)),
+            Ok(TierGet::Miss) => add(&c.misses, 1),
+            Err(_) => {
+                out.clear();
+                add(&c.failures, 1);
+            }
+        }
+        self.get_latency.record(t0.elapsed());
+        r
+    }
+
+    fn remove(&self, key: TierKey) -> Result<bool, TierError> {
+        add(&self.counters.removes, 1);
+        let mut st = self.lock();
+        let Some(loc) = st.index.remove(&key) else { return Ok(false) };
+        st.kill(loc, &self.gens);
+        self.settle(st);
+        Ok(true)
+    }
+
+    /// Appends every value, writing each segment that fills once, then
+    /// writes the open segment's new pages ([`DiskTier::flush`]). Latency is
+    /// recorded per value, amortised over the batch.
+    fn put_batch(&self, items: &[(TierKey, &[u8])]) -> Vec<Result<TierPut, TierError>> {
+        let t0 = Instant::now();
+        let results: Vec<_> = items
+            .iter()
+            .map(|(k, v)| {
+                let r = self.put_inner(*k, v);
+                self.count_put(&r, v.len());
+                r
+            })
+            .collect();
+        if results.iter().any(|r| matches!(r, Ok(TierPut::Stored))) {
+            // A failing write leaves the values in memory, still readable: the
+            // puts did store. The failure shows in health and counters.
+            let _ = self.flush();
+        }
+        if let Ok(n) = u32::try_from(items.len()) {
+            if n > 0 {
+                let each = t0.elapsed() / n;
+                for _ in 0..n {
+                    self.put_latency.record(each);
+                }
+            }
+        }
+        results
+    }
+
+    fn clear_pool(&self, pool: u32) -> Result<(), TierError> {
+        let mut st = self.lock();
+        let mut dead = Vec::new();
+        st.index.retain(|k, l| {
+            let keep = k.pool != pool;
+            if !keep {
+                dead.push(*l);
+            }
+            keep
+        });
+        for loc in dead {
+            st.kill(loc, &self.gens);
+        }
+        self.settle(st);
+        Ok(())
+    }
+
+    /// `used_bytes`: live records (values and their 24-byte headers) plus the
+    /// unusable tails of sealed segments; dead bytes are not counted (the GC
+    /// reclaims them). `limit_bytes`: the segments' total size. Puts are
+    /// answered `Full` somewhat before the limit: one segment is the GC's
+    /// reserve, and a segment is only collected if it gives back 1/16 of itself.
+    fn capacity(&self) -> Capacity {
+        let st = self.lock();
+        Capacity {
+            stored_pages: u64::try_from(st.index.len()).unwrap_or(u64::MAX),
+            used_bytes: st.live_bytes + st.waste_bytes,
+            limit_bytes: Some(u64::from(self.nsegs) * u64::from(self.seg_bytes)),
+        }
+    }
+
+    fn health(&self) -> Health {
+        if let Some(e) = self.io_error.lock().expect("disk tier error lock poisoned").clone() {
+            return Health::Down(e);
+        }
+        if self.fallback {
+            return Health::Degraded("buffered I/O: O_DIRECT unsupported".into());
+        }
+        Health::Healthy
+    }
+
+    fn stats(&self) -> TierStats {
+        let (pages, bytes) = {
+            let st = self.lock();
+            (u64::try_from(st.index.len()).unwrap_or(u64::MAX), st.value_bytes)
+        };
+        let c = &self.counters;
+        TierStats {
+            name: NAME.into(),
+            stored_pages: pages,
+            stored_bytes: bytes,
+            writes: get(&c.writes),
+            full: get(&c.full),
+            reads: get(&c.reads),
+            misses: get(&c.misses),
+            removes: get(&c.removes),
+            failures: get(&c.failures),
+            bytes_written: get(&c.bytes_written),
+            bytes_read: get(&c.bytes_read),
+            wire_bytes_out: get(&c.wire_out),
+            wire_bytes_in: get(&c.wire_in),
+            get_p50_us: self.get_latency.quantile_us(0.5),
+            get_p99_us: self.get_latency.quantile_us(0.99),
+            put_p50_us: self.put_latency.quantile_us(0.5),
+            put_p99_us: self.put_latency.quantile_us(0.99),
+        }
+    }
+}
+
+impl Drop for DiskTier {
+    /// Swap content does not outlive its tier: a regular file is emptied
+    /// (its blocks freed, its length kept).
+    fn drop(&mut self) {
+        if !self.block {
+            let len = self.file.metadata().map(|m| m.len());
+            if let Ok(len) = len {
+                let _ = self.file.set_len(0).and_then(|()| self.file.set_len(len));
+            }
+        }
+    }
+}

@@ -1,0 +1,855 @@
+//! The asynchronous core: placement, replication, reads with fallback,
+//! failure handling and re-replication. Runs on the tier's own runtime.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use redis::Value;
+use tmem_tier::{check_len, LatencyHistogram, TierError, TierKey, TierPut, MAX_VALUE};
+
+use crate::index::{Entry, Index};
+use crate::node::{delete_matching, memory_config, ConnectError, MemoryConfig, Node};
+use crate::placement::{bit, count, key_hash, key_name, rendezvous, resp_cmd_len, resp_value_len};
+
+pub(crate) const TIER: &str = "remote";
+
+/// Stripes of the per-key write locks (puts, removes and repairs of one key are serialized).
+const STRIPES: usize = 4096;
+const STRIPES_U64: u64 = 4096;
+/// Keys per repair step (one pipeline per node each way).
+const REPAIR_CHUNK: usize = 256;
+/// Keys per UNLINK command.
+const UNLINK_KEYS: usize = 512;
+/// Background tick: reconnect attempts are checked this often.
+const TICK: Duration = Duration::from_millis(50);
+/// Liveness PING of up nodes.
+const PING_EVERY: Duration = Duration::from_secs(1);
+
+pub(crate) fn unavailable(reason: impl Into<String>) -> TierError {
+    TierError::Unavailable { tier: TIER.into(), reason: reason.into() }
+}
+
+pub(crate) fn config_error(reason: impl Into<String>) -> TierError {
+    TierError::Config { tier: TIER.into(), reason: reason.into() }
+}
+
+/// Settings the engine needs from the configuration.
+pub(crate) struct Settings {
+    pub replicas: usize,
+    pub require_noeviction: bool,
+    pub op_timeout: Duration,
+    pub connect_timeout: Duration,
+}
+
+/// Operation counters.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub writes: AtomicU64,
+    pub full: AtomicU64,
+    pub reads: AtomicU64,
+    pub misses: AtomicU64,
+    pub removes: AtomicU64,
+    pub failures: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub bytes_read: AtomicU64,
+    pub wire_out: AtomicU64,
+    pub wire_in: AtomicU64,
+    pub get_lat: LatencyHistogram,
+    pub put_lat: LatencyHistogram,
+    /// Pages given a new copy by re-replication.
+    pub rereplicated: AtomicU64,
+    /// Pages indexed but found on none of their nodes (deleted or evicted behind the tier's back).
+    pub vanished: AtomicU64,
+    /// Puts stored with fewer than R copies (too few live nodes).
+    pub degraded_puts: AtomicU64,
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn len_u64(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
+}
+
+/// One write of a value to up to `need` more nodes, in preference order.
+struct Place<'a> {
+    name: &'a str,
+    value: &'a [u8],
+    order: Vec<usize>,
+    /// Nodes not to try: already tried, or already holding a copy.
+    skip: u64,
+    need: usize,
+    stored: u64,
+    epochs: Vec<(usize, u64)>,
+    oom: bool,
+    err: Option<String>,
+}
+
+/// One read from the first replica that answers, in preference order.
+struct Fetch {
+    name: String,
+    order: Vec<usize>,
+    tried: u64,
+    value: Option<Vec<u8>>,
+    /// A replica was down or failed (so a miss cannot be concluded).
+    failed: Option<String>,
+}
+
+/// Result of one repair pass.
+#[derive(Debug, Default)]
+pub(crate) struct RepairOutcome {
+    pub repaired: usize,
+    pub remaining: usize,
+}
+
+/// The shared state of a tier.
+pub(crate) struct Inner {
+    pub s: Settings,
+    pub prefix: String,
+    pub nodes: Vec<Node>,
+    seeds: Vec<u64>,
+    pub index: Index,
+    stripes: Box<[tokio::sync::Mutex<()>]>,
+    pub c: Counters,
+    pub wake: tokio::sync::Notify,
+    pub repair_needed: AtomicBool,
+    pub stop: AtomicBool,
+}
+
+impl Inner {
+    pub fn new(s: Settings, prefix: String, nodes: Vec<Node>) -> Self {
+        let seeds = nodes.iter().map(|n| n.seed).collect();
+        Self {
+            s,
+            prefix,
+            index: Index::new(nodes.len()),
+            nodes,
+            seeds,
+            stripes: (0..STRIPES).map(|_| tokio::sync::Mutex::new(())).collect(),
+            c: Counters::default(),
+            wake: tokio::sync::Notify::new(),
+            repair_needed: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+        }
+    }
+
+    pub fn up_mask(&self) -> u64 {
+        self.nodes.iter().enumerate().filter(|(_, n)| n.is_up()).fold(0, |m, (i, _)| m | bit(i))
+    }
+
+    /// Rendezvous order of all nodes for `k`.
+    pub fn order(&self, k: TierKey) -> Vec<usize> {
+        rendezvous(&self.seeds, key_hash(k))
+    }
+
+    fn name(&self, k: TierKey) -> String {
+        key_name(&self.prefix, k)
+    }
+
+    fn request_repair(&self) {
+        self.repair_needed.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
+    fn node_failed(&self, n: usize, epoch: u64, reason: &str) {
+        let node = &self.nodes[n];
+        add(&node.errors, 1);
+        if node.mark_down(epoch, reason, self.s.op_timeout) {
+            self.request_repair();
+        }
+    }
+
+    /// Sends one pipeline to node `n`; a transport failure or timeout marks the node down.
+    /// The deadline is the operation timeout plus the transfer time of the
+    /// payload (`out_bytes` sent, about `reply_bytes` expected) at 50 MB/s, so a
+    /// large batch is not mistaken for a dead node.
+    async fn pipeline(
+        &self,
+        n: usize,
+        pipe: redis::Pipeline,
+        out_bytes: u64,
+        reply_bytes: u64,
+    ) -> Result<(u64, Vec<Value>), String> {
+        let node = &self.nodes[n];
+        let Some((mut conn, epoch)) = node.conn() else {
+            return Err(format!("{} is down", node.name));
+        };
+        add(&self.c.wire_out, out_bytes);
+        let deadline = self.s.op_timeout + Duration::from_micros((out_bytes + reply_bytes) / 50);
+        match tokio::time::timeout(deadline, pipe.query_async::<Vec<Value>>(&mut conn)).await {
+            Ok(Ok(vals)) => {
+                add(&self.c.wire_in, vals.iter().map(resp_value_len).sum());
+                Ok((epoch, vals))
+            }
+            Ok(Err(e)) => {
+                let r = format!("{}: {e}", node.name);
+                self.node_failed(n, epoch, &r);
+                Err(r)
+            }
+            Err(_) => {
+                let r = format!("{}: no answer within {deadline:?}", node.name);
+                self.node_failed(n, epoch, &r);
+                Err(r)
+            }
+        }
+    }
+
+    /// Locks the write stripes of `keys` (sorted, so lockers never deadlock).
+    async fn lock_keys(&self, keys: impl Iterator<Item = TierKey>) -> Vec<tokio::sync::MutexGuard<'_, ()>> {
+        let mut ids: Vec<usize> = keys.map(|k| usize::try_from(key_hash(k) % STRIPES_U64).unwrap_or(0)).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut guards = Vec::with_capacity(ids.len());
+        for i in ids {
+            guards.push(self.stripes[i].lock().await);
+        }
+        guards
+    }
+
+    /// Copies whose node has not gone down since the write (call with the key's shard locked).
+    fn valid_copies(&self, epochs: &[(usize, u64)]) -> u64 {
+        epochs
+            .iter()
+            .filter(|(n, e)| self.nodes[*n].epoch.load(Ordering::Acquire) == *e)
+            .fold(0, |m, (n, _)| m | bit(*n))
+    }
+
+    /// Writes each item to nodes in its order until it has `need` copies or
+    /// runs out of candidates; OOM answers and failed nodes move on to the next.
+    async fn place(&self, items: &mut [Place<'_>]) {
+        for _round in 0..=self.nodes.len() {
+            let up = self.up_mask();
+            let mut per_node: Vec<Vec<usize>> = vec![Vec::new(); self.nodes.len()];
+            let mut any = false;
+            for (i, it) in items.iter_mut().enumerate() {
+                let mut want = it.need.saturating_sub(count(it.stored));
+                for &n in &it.order {
+                    if want == 0 {
+                        break;
+                    }
+                    if it.skip & bit(n) != 0 || up & bit(n) == 0 {
+                        continue;
+                    }
+                    it.skip |= bit(n);
+                    per_node[n].push(i);
+                    want -= 1;
+                    any = true;
+                }
+            }
+            if !any {
+                return;
+            }
+            let items_ref = &*items;
+            let futs: Vec<_> = per_node
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(n, idxs)| {
+                    let mut pipe = redis::pipe();
+                    pipe.ignore_errors();
+                    let mut bytes = 0;
+                    for &i in idxs {
+                        let it = &items_ref[i];
+                        pipe.cmd("SET").arg(it.name).arg(it.value);
+                        bytes += resp_cmd_len(&[3, it.name.len(), it.value.len()]);
+                    }
+                    let replies = 5 * len_u64(idxs.len());
+                    async move { (n, self.pipeline(n, pipe, bytes, replies).await) }
+                })
+                .collect();
+            for (n, r) in join_all(futs).await {
+                let node = &self.nodes[n];
+                match r {
+                    Ok((epoch, vals)) => {
+                        for (j, &i) in per_node[n].iter().enumerate() {
+                            let it = &mut items[i];
+                            match vals.get(j) {
+                                Some(Value::Okay) => {
+                                    it.stored |= bit(n);
+                                    it.epochs.push((n, epoch));
+                                }
+                                Some(Value::SimpleString(s)) if s == "OK" => {
+                                    it.stored |= bit(n);
+                                    it.epochs.push((n, epoch));
+                                }
+                                Some(Value::ServerError(e)) if e.code() == "OOM" => {
+                                    add(&node.oom, 1);
+                                    it.oom = true;
+                                }
+                                Some(Value::ServerError(e)) => {
+                                    add(&node.errors, 1);
+                                    it.err = Some(format!("{}: {} {}", node.name, e.code(), e.details().unwrap_or("")));
+                                }
+                                other => {
+                                    add(&node.errors, 1);
+                                    it.err = Some(format!("{}: unexpected answer to SET: {other:?}", node.name));
+                                }
+                            }
+                        }
+                    }
+                    Err(reason) => {
+                        for &i in &per_node[n] {
+                            items[i].err = Some(reason.clone());
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads each item from the first replica in its order that has it.
+    async fn fetch(&self, items: &mut [Fetch]) {
+        for _round in 0..=self.nodes.len() {
+            let up = self.up_mask();
+            let mut per_node: Vec<Vec<usize>> = vec![Vec::new(); self.nodes.len()];
+            let mut any = false;
+            for (i, it) in items.iter_mut().enumerate() {
+                if it.value.is_some() {
+                    continue;
+                }
+                for &n in &it.order {
+                    if it.tried & bit(n) != 0 {
+                        continue;
+                    }
+                    it.tried |= bit(n);
+                    if up & bit(n) == 0 {
+                        it.failed = Some(format!("{} is down", self.nodes[n].name));
+                        continue;
+                    }
+                    per_node[n].push(i);
+                    any = true;
+                    break;
+                }
+            }
+            if !any {
+                return;
+            }
+            let items_ref = &*items;
+            let futs: Vec<_> = per_node
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(n, idxs)| {
+                    let mut pipe = redis::pipe();
+                    pipe.ignore_errors();
+                    let mut bytes = 0;
+                    for &i in idxs {
+                        pipe.cmd("GET").arg(&items_ref[i].name);
+                        bytes += resp_cmd_len(&[3, items_ref[i].name.len()]);
+                    }
+                    let replies = len_u64(idxs.len() * (MAX_VALUE + 8));
+                    async move { (n, self.pipeline(n, pipe, bytes, replies).await) }
+                })
+                .collect();
+            for (n, r) in join_all(futs).await {
+                let node = &self.nodes[n];
+                match r {
+                    Ok((_, vals)) => {
+                        for (&i, v) in per_node[n].iter().zip(vals.into_iter().chain(std::iter::repeat(Value::Nil))) {
+                            let it = &mut items[i];
+                            match v {
+                                Value::BulkString(b) => it.value = Some(b),
+                                Value::Nil => {}
+                                Value::ServerError(e) => {
+                                    add(&node.errors, 1);
+                                    it.failed =
+                                        Some(format!("{}: {} {}", node.name, e.code(), e.details().unwrap_or("")));
+                                }
+                                other => {
+                                    add(&node.errors, 1);
+                                    it.failed = Some(format!("{}: unexpected answer to GET: {other:?}", node.name));
+                                }
+                            }
+                        }
+                    }
+                    Err(reason) => {
+                        for &i in &per_node[n] {
+                            items[i].failed = Some(reason.clone());
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Deletes `names` on their nodes (one pipeline per node, concurrently).
+    /// Failures are counted, not returned: a node that fails is marked down,
+    /// and a node coming back has this tier's keys wiped before serving.
+    async fn delete(&self, per_node: Vec<Vec<String>>) {
+        let futs: Vec<_> = per_node
+            .into_iter()
+            .enumerate()
+            .filter(|(n, v)| !v.is_empty() && self.nodes[*n].is_up())
+            .map(|(n, names)| {
+                let mut pipe = redis::pipe();
+                pipe.ignore_errors();
+                let mut bytes = 0;
+                for chunk in names.chunks(UNLINK_KEYS) {
+                    let cmd = pipe.cmd("UNLINK");
+                    let mut lens = vec![6];
+                    for name in chunk {
+                        cmd.arg(name);
+                        lens.push(name.len());
+                    }
+                    bytes += resp_cmd_len(&lens);
+                }
+                async move { (n, self.pipeline(n, pipe, bytes, 0).await) }
+            })
+            .collect();
+        for (n, r) in join_all(futs).await {
+            if let Ok((_, vals)) = r {
+                let errors = vals.iter().filter(|v| matches!(v, Value::ServerError(_))).count();
+                add(&self.nodes[n].errors, len_u64(errors));
+            }
+        }
+    }
+
+    pub async fn put_batch(&self, items: Vec<(TierKey, Vec<u8>)>) -> Vec<Result<TierPut, TierError>> {
+        let started = Instant::now();
+        let mut results: Vec<Option<Result<TierPut, TierError>>> = (0..items.len()).map(|_| None).collect();
+        // The last occurrence of a key in the batch wins; earlier ones were stored, then replaced.
+        let mut last: HashMap<TierKey, usize> = HashMap::with_capacity(items.len());
+        for (i, (k, v)) in items.iter().enumerate() {
+            if let Err(e) = check_len(v) {
+                results[i] = Some(Err(e));
+            } else if let Some(prev) = last.insert(*k, i) {
+                results[prev] = Some(Ok(TierPut::Stored));
+            }
+        }
+        let mut active: Vec<usize> = last.into_values().collect();
+        active.sort_unstable();
+        let names: Vec<String> = active.iter().map(|&i| self.name(items[i].0)).collect();
+        let guards = self.lock_keys(active.iter().map(|&i| items[i].0)).await;
+
+        let r = self.s.replicas;
+        let mut places: Vec<Place<'_>> = active
+            .iter()
+            .zip(&names)
+            .map(|(&i, name)| Place {
+                name,
+                value: &items[i].1,
+                order: self.order(items[i].0),
+                skip: 0,
+                need: r,
+                stored: 0,
+                epochs: Vec::new(),
+                oom: false,
+                err: None,
+            })
+            .collect();
+        self.place(&mut places).await;
+
+        let mut dels: Vec<Vec<String>> = vec![Vec::new(); self.nodes.len()];
+        let mut degraded = false;
+        for (p, &i) in places.iter().zip(&active) {
+            let (k, v) = (&items[i].0, &items[i].1);
+            let mut shard = self.index.shard(*k);
+            let valid = self.valid_copies(&p.epochs);
+            let outcome = if count(valid) >= r || (count(valid) >= 1 && !p.oom) {
+                degraded |= count(valid) < r;
+                Ok(TierPut::Stored)
+            } else if p.oom {
+                Ok(TierPut::Full)
+            } else {
+                Err(unavailable(format!("no node could store {k:?}: {}", p.err.as_deref().unwrap_or("no live node"))))
+            };
+            // Copies to delete: the old value where the new one did not go, or
+            // everything of this key when the put did not store (a stale value must
+            // never be served after a put, even a failed one).
+            let stale = if let Ok(TierPut::Stored) = outcome {
+                let e =
+                    Entry { nodes: valid, len: u32::try_from(v.len()).unwrap_or(u32::MAX), gen: self.index.next_gen() };
+                let old = self.index.put_locked(&mut shard, *k, e);
+                old.map_or(0, |o| o.nodes) & !p.stored
+            } else {
+                let old = self.index.remove_locked(&mut shard, *k);
+                old.map_or(0, |o| o.nodes) | p.stored
+            };
+            drop(shard);
+            for (n, d) in dels.iter_mut().enumerate() {
+                if stale & bit(n) != 0 {
+                    d.push(p.name.to_owned());
+                }
+            }
+            results[i] = Some(outcome);
+        }
+        self.delete(dels).await;
+        drop(guards);
+        if degraded {
+            add(&self.c.degraded_puts, 1);
+            self.request_repair();
+        }
+
+        let results: Vec<Result<TierPut, TierError>> =
+            results.into_iter().map(|r| r.unwrap_or_else(|| Err(unavailable("internal: put not done")))).collect();
+        for (r, (_, v)) in results.iter().zip(&items) {
+            match r {
+                Ok(TierPut::Stored) => {
+                    add(&self.c.writes, 1);
+                    add(&self.c.bytes_written, len_u64(v.len()));
+                }
+                Ok(TierPut::Full) => add(&self.c.full, 1),
+                Err(_) => add(&self.c.failures, 1),
+            }
+        }
+        self.c.put_lat.record(started.elapsed());
+        results
+    }
+
+    pub async fn get_batch(&self, keys: Vec<TierKey>) -> Vec<Result<Option<Vec<u8>>, TierError>> {
+        let started = Instant::now();
+        let mut results: Vec<Option<Result<Option<Vec<u8>>, TierError>>> = (0..keys.len()).map(|_| None).collect();
+        let mut pending: Vec<usize> = (0..keys.len()).collect();
+        // A value replaced while it was being read may have left the nodes read;
+        // such keys are read again from their new nodes.
+        for attempt in 0..3 {
+            let mut fetches = Vec::new();
+            let mut which = Vec::new();
+            for &i in &pending {
+                let k = keys[i];
+                match self.index.get(k) {
+                    None => results[i] = Some(Ok(None)),
+                    Some(e) if e.nodes == 0 => {
+                        results[i] = Some(Err(unavailable(format!(
+                            "{k:?} was lost: every node holding it failed (replicas = {})",
+                            self.s.replicas
+                        ))));
+                    }
+                    Some(e) => {
+                        let order = self.order(k).into_iter().filter(|n| e.nodes & bit(*n) != 0).collect();
+                        fetches.push(Fetch { name: self.name(k), order, tried: 0, value: None, failed: None });
+                        which.push((i, e));
+                    }
+                }
+            }
+            self.fetch(&mut fetches).await;
+            let mut again = Vec::new();
+            for (f, (i, snap)) in fetches.into_iter().zip(which) {
+                let k = keys[i];
+                if let Some(v) = f.value {
+                    results[i] = Some(Ok(Some(v)));
+                    continue;
+                }
+                let mut shard = self.index.shard(k);
+                match shard.get(&k).copied() {
+                    None => results[i] = Some(Ok(None)),
+                    // Replaced, or its nodes changed (a node came back and was
+                    // wiped) while it was read: read it again.
+                    Some(cur) if cur != snap && attempt < 2 => again.push(i),
+                    Some(cur) if cur == snap && f.failed.is_none() => {
+                        // Indexed, but on none of its nodes: deleted or evicted behind our back.
+                        add(&self.c.vanished, 1);
+                        if self.s.require_noeviction {
+                            // Persistent pools: a page must not silently become a miss.
+                            self.index.set_nodes_locked(&mut shard, k, 0);
+                            results[i] = Some(Err(unavailable(format!(
+                                "{k:?} vanished from its servers (deleted behind the tier's back)"
+                            ))));
+                        } else {
+                            self.index.remove_locked(&mut shard, k);
+                            results[i] = Some(Ok(None));
+                        }
+                    }
+                    Some(_) => {
+                        results[i] = Some(Err(unavailable(format!(
+                            "{k:?}: no replica reachable ({})",
+                            f.failed.as_deref().unwrap_or("value changed while reading")
+                        ))));
+                    }
+                }
+            }
+            pending = again;
+            if pending.is_empty() {
+                break;
+            }
+        }
+        let results: Vec<Result<Option<Vec<u8>>, TierError>> =
+            results.into_iter().map(|r| r.unwrap_or_else(|| Err(unavailable("internal: get not done")))).collect();
+        add(&self.c.reads, len_u64(results.len()));
+        for r in &results {
+            match r {
+                Ok(Some(v)) => add(&self.c.bytes_read, len_u64(v.len())),
+                Ok(None) => add(&self.c.misses, 1),
+                Err(_) => add(&self.c.failures, 1),
+            }
+        }
+        self.c.get_lat.record(started.elapsed());
+        results
+    }
+
+    pub async fn remove_batch(&self, keys: Vec<TierKey>) -> Vec<Result<bool, TierError>> {
+        let guards = self.lock_keys(keys.iter().copied()).await;
+        let mut dels: Vec<Vec<String>> = vec![Vec::new(); self.nodes.len()];
+        let mut results = Vec::with_capacity(keys.len());
+        for &k in &keys {
+            let old = {
+                let mut shard = self.index.shard(k);
+                self.index.remove_locked(&mut shard, k)
+            };
+            if let Some(o) = old {
+                let name = self.name(k);
+                for (n, d) in dels.iter_mut().enumerate() {
+                    if o.nodes & bit(n) != 0 {
+                        d.push(name.clone());
+                    }
+                }
+            }
+            results.push(Ok(old.is_some()));
+        }
+        self.delete(dels).await;
+        drop(guards);
+        add(&self.c.removes, len_u64(keys.len()));
+        results
+    }
+
+    pub async fn clear_pool(&self, pool: u32) {
+        let mut dels: Vec<Vec<String>> = vec![Vec::new(); self.nodes.len()];
+        for mut shard in self.index.shards() {
+            let keys: Vec<TierKey> = shard.keys().filter(|k| k.pool == pool).copied().collect();
+            for k in keys {
+                if let Some(o) = self.index.remove_locked(&mut shard, k) {
+                    let name = self.name(k);
+                    for (n, d) in dels.iter_mut().enumerate() {
+                        if o.nodes & bit(n) != 0 {
+                            d.push(name.clone());
+                        }
+                    }
+                }
+            }
+        }
+        self.delete(dels).await;
+    }
+
+    /// Copies each page that lost a replica from a surviving replica to the
+    /// next live nodes in its rendezvous order, until it has R copies again
+    /// (or as many as there are live nodes).
+    pub async fn repair_pass(&self) -> RepairOutcome {
+        let mut out = RepairOutcome::default();
+        let up = self.up_mask();
+        let target = self.s.replicas.min(count(up));
+        if target == 0 {
+            return out;
+        }
+        let mut candidates = Vec::new();
+        for shard in self.index.shards() {
+            candidates.extend(
+                shard.iter().filter(|(_, e)| e.nodes & up != 0 && count(e.nodes & up) < target).map(|(k, _)| *k),
+            );
+        }
+        for chunk in candidates.chunks(REPAIR_CHUNK) {
+            if self.stop.load(Ordering::Relaxed) {
+                break;
+            }
+            let guards = self.lock_keys(chunk.iter().copied()).await;
+            let up = self.up_mask();
+            let target = self.s.replicas.min(count(up));
+            let mut snaps = Vec::new();
+            let mut fetches = Vec::new();
+            for &k in chunk {
+                let Some(e) = self.index.get(k) else { continue };
+                let live = e.nodes & up;
+                if live == 0 || count(live) >= target {
+                    continue;
+                }
+                let order = self.order(k).into_iter().filter(|n| live & bit(*n) != 0).collect();
+                fetches.push(Fetch { name: self.name(k), order, tried: 0, value: None, failed: None });
+                snaps.push((k, e, live));
+            }
+            self.fetch(&mut fetches).await;
+            let mut places = Vec::new();
+            let mut placed = Vec::new();
+            for (f, (k, e, live)) in fetches.iter().zip(&snaps) {
+                let Some(v) = &f.value else {
+                    out.remaining += 1;
+                    continue;
+                };
+                places.push(Place {
+                    name: &f.name,
+                    value: v,
+                    order: self.order(*k),
+                    skip: e.nodes,
+                    need: target - count(*live),
+                    stored: 0,
+                    epochs: Vec::new(),
+                    oom: false,
+                    err: None,
+                });
+                placed.push((*k, *e, *live));
+            }
+            self.place(&mut places).await;
+            let mut dels: Vec<Vec<String>> = vec![Vec::new(); self.nodes.len()];
+            for (p, (k, e, live)) in places.iter().zip(placed) {
+                let mut shard = self.index.shard(k);
+                let valid = self.valid_copies(&p.epochs);
+                let cur = shard.get(&k).copied();
+                match cur {
+                    Some(c) if c.gen == e.gen => {
+                        if valid != 0 {
+                            // Copies on nodes that were down are dropped: a node that
+                            // comes back has this tier's keys wiped before serving.
+                            let dead = e.nodes & !live;
+                            self.index.set_nodes_locked(&mut shard, k, (c.nodes & !dead) | valid);
+                            add(&self.c.rereplicated, 1);
+                            out.repaired += 1;
+                        }
+                        if count(valid) < p.need {
+                            out.remaining += 1;
+                        }
+                    }
+                    _ => {
+                        // Removed (clear_pool) while copying: delete the new copies.
+                        let keep = cur.map_or(0, |c| c.nodes);
+                        for (n, d) in dels.iter_mut().enumerate() {
+                            if p.stored & !keep & bit(n) != 0 {
+                                d.push(p.name.to_owned());
+                            }
+                        }
+                    }
+                }
+            }
+            self.delete(dels).await;
+            drop(guards);
+        }
+        out
+    }
+
+    /// Pages with fewer live copies than they should have (R, or the number of live nodes).
+    pub fn under_replicated(&self) -> u64 {
+        let up = self.up_mask();
+        let target = self.s.replicas.min(count(up));
+        let mut n = 0u64;
+        for shard in self.index.shards() {
+            n += len_u64(shard.values().filter(|e| e.nodes != 0 && count(e.nodes & up) < target).count());
+        }
+        n
+    }
+
+    /// Connects node `n`, checks its eviction policy, deletes this tier's
+    /// keys left on it (from an earlier run, or from before it went down),
+    /// forgets the copies the index had on it, and puts it in service.
+    pub async fn bring_up(&self, n: usize) -> Result<(), ConnectError> {
+        let node = &self.nodes[n];
+        let mut conn = node.connect(self.s.connect_timeout, self.s.op_timeout).await?;
+        let memory = match memory_config(&node.name, &mut conn, self.s.op_timeout).await {
+            Ok(m) => m,
+            Err(e) if self.s.require_noeviction => return Err(ConnectError::Config(e)),
+            Err(_) => MemoryConfig::default(),
+        };
+        if self.s.require_noeviction {
+            if let Some(p) = memory.policy.as_deref().filter(|p| *p != "noeviction") {
+                return Err(ConnectError::Config(format!(
+                    "{}: maxmemory-policy is {p} (from {}): it may evict pages of persistent pools; \
+                     set `maxmemory-policy noeviction` on that server or use require_noeviction = false \
+                     for ephemeral pools only",
+                    node.name, memory.source
+                )));
+            }
+        }
+        let pattern = format!("{}*", self.prefix);
+        delete_matching(&mut conn, &pattern, self.s.op_timeout.max(Duration::from_secs(5)))
+            .await
+            .map_err(|e| ConnectError::Unreachable(format!("{}: deleting leftover keys: {e}", node.name)))?;
+        self.strip_node(n);
+        node.bring_up(conn, memory);
+        Ok(())
+    }
+
+    /// Forgets every copy the index records on node `n`; pages left with no
+    /// copy are lost (their gets answer `Unavailable`).
+    fn strip_node(&self, n: usize) {
+        for mut shard in self.index.shards() {
+            let keys: Vec<TierKey> = shard.iter().filter(|(_, e)| e.nodes & bit(n) != 0).map(|(k, _)| *k).collect();
+            for k in keys {
+                let nodes = shard.get(&k).map_or(0, |e| e.nodes & !bit(n));
+                self.index.set_nodes_locked(&mut shard, k, nodes);
+            }
+        }
+    }
+
+    /// Deletes every key of this tier's namespace on every live node (SCAN +
+    /// UNLINK), orphans included; forgets the index.
+    pub async fn wipe_all(&self) {
+        for mut shard in self.index.shards() {
+            let keys: Vec<TierKey> = shard.keys().copied().collect();
+            for k in keys {
+                self.index.remove_locked(&mut shard, k);
+            }
+        }
+        let pattern = format!("{}*", self.prefix);
+        let t = self.s.op_timeout;
+        join_all(self.nodes.iter().filter_map(|n| n.conn()).map(|(mut c, _)| {
+            let pattern = pattern.clone();
+            async move { delete_matching(&mut c, &pattern, t).await }
+        }))
+        .await;
+    }
+
+    async fn ping(&self, n: usize) {
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors().cmd("PING");
+        let _ = self.pipeline(n, pipe, resp_cmd_len(&[4]), 7).await;
+    }
+
+    /// Background task: reconnects down nodes with backoff and pings live
+    /// ones (each attempt in a task of its own, so a hung server delays nothing).
+    pub async fn watch_nodes(self: Arc<Self>) {
+        let mut last_ping = Instant::now();
+        loop {
+            tokio::time::sleep(TICK).await;
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let now = Instant::now();
+            let ping = last_ping.elapsed() >= PING_EVERY;
+            if ping {
+                last_ping = now;
+            }
+            for (n, node) in self.nodes.iter().enumerate() {
+                if !node.is_up() {
+                    let due = crate::index::lock(&node.state).next_attempt <= now;
+                    if due && !node.connecting.swap(true, Ordering::AcqRel) {
+                        let me = Arc::clone(&self);
+                        tokio::spawn(async move {
+                            let node = &me.nodes[n];
+                            match me.bring_up(n).await {
+                                Ok(()) => {
+                                    add(&node.reconnects, 1);
+                                    me.request_repair();
+                                }
+                                Err(e) => node.attempt_failed(e.to_string()),
+                            }
+                            node.connecting.store(false, Ordering::Release);
+                        });
+                    }
+                } else if ping && !node.pinging.swap(true, Ordering::AcqRel) {
+                    let me = Arc::clone(&self);
+                    tokio::spawn(async move {
+                        me.ping(n).await;
+                        me.nodes[n].pinging.store(false, Ordering::Release);
+                    });
+                }
+            }
+        }
+    }
+
+    /// Background task: re-replicates after a node failure, a node's return,
+    /// or a put that could store fewer than R copies.
+    pub async fn repair_loop(self: Arc<Self>) {
+        loop {
+            let _ = tokio::time::timeout(TICK * 4, self.wake.notified()).await;
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            if self.repair_needed.swap(false, Ordering::AcqRel) {
+                let o = self.repair_pass().await;
+                if o.repaired > 0 && o.remaining > 0 {
+                    self.repair_needed.store(true, Ordering::Release);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,511 @@
+//! RAMster for tmem: a [`Tier`] that keeps sealed pages in OTHER machines'
+//! RAM, on ordinary Redis or Valkey servers.
+//!
+//! * Keys are namespaced `tmem:{cluster_id}:{host_id}:{pool}:{object:x}:{index:x}`,
+//!   so many machines share the same servers.
+//! * Each page goes to R distinct servers chosen by rendezvous hashing; a read
+//!   goes to the first live replica and falls back to the others.
+//! * A server that fails is marked down and skipped; a background task copies
+//!   every page that had a replica on it from a survivor to the next server in
+//!   the page's rendezvous order, and reconnects with backoff.
+//! * The tier keeps a local index of what it stored where. A page whose every
+//!   copy is gone (R = 1 and its server died) answers `Unavailable`: a clear
+//!   error, never wrong data and never a silent miss.
+//! * A server that answers OOM is full for that write; when no other server
+//!   can take the copy the put answers [`TierPut::Full`] and the caller moves
+//!   on to the next tier.
+//!
+//! The tier runs the `redis` crate's async client on a small tokio runtime
+//! of its own and exposes the blocking [`Tier`] trait on top of it, so callers
+//! need no runtime. See README.md for the full design.
+
+mod engine;
+mod index;
+mod node;
+mod placement;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+use std::fmt;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use tmem_tier::{Capacity, Health, Tier, TierError, TierGet, TierKey, TierPut, TierStats};
+
+use engine::{config_error, unavailable, Inner, Settings, TIER};
+use node::{ConnectError, Node};
+
+/// Largest number of servers (node sets are 64-bit masks).
+pub const MAX_NODES: usize = 64;
+
+/// Configuration of a [`RemoteTier`].
+#[derive(Clone)]
+pub struct RemoteTierConfig {
+    /// Servers: `redis://[user:pass@]host:port[/db]` or `rediss://…` (TLS).
+    /// AUTH (password or ACL user) comes from the URL.
+    pub nodes: Vec<String>,
+    /// Names the group of machines sharing the servers (`[A-Za-z0-9._-]`, 1–64 chars).
+    pub cluster_id: String,
+    /// Names this machine within the cluster (`[A-Za-z0-9._-]`, 1–64 chars).
+    /// Two daemons must never share a `(cluster_id, host_id)`: each deletes
+    /// the keys of its namespace when it starts.
+    pub host_id: String,
+    /// Copies of each page (R), 1 ≤ R ≤ number of nodes.
+    pub replicas: usize,
+    /// Refuse servers whose `maxmemory-policy` may evict keys (anything but
+    /// `noeviction`): required for persistent pools, whose pages must not vanish.
+    pub require_noeviction: bool,
+    /// Deadline of one round trip to one server (plus the payload's transfer
+    /// time at 50 MB/s for large batches); a server that misses it is marked down.
+    pub op_timeout: Duration,
+    /// Deadline for connecting (TCP, TLS, AUTH).
+    pub connect_timeout: Duration,
+    /// PEM file of the CA that signed the servers' certificates, for
+    /// `rediss://` nodes whose CA is not in the system trust store.
+    pub ca_cert: Option<PathBuf>,
+}
+
+impl fmt::Debug for RemoteTierConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteTierConfig")
+            .field("nodes", &self.nodes.iter().map(|u| node::redact(u)).collect::<Vec<_>>())
+            .field("cluster_id", &self.cluster_id)
+            .field("host_id", &self.host_id)
+            .field("replicas", &self.replicas)
+            .field("require_noeviction", &self.require_noeviction)
+            .field("op_timeout", &self.op_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("ca_cert", &self.ca_cert)
+            .finish()
+    }
+}
+
+fn valid_id(s: &str) -> bool {
+    (1..=64).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+impl RemoteTierConfig {
+    /// A configuration with defaults: R = 2 (1 with a single node),
+    /// `require_noeviction`, 1 s operation and 2 s connect timeouts.
+    pub fn new(nodes: Vec<String>, cluster_id: impl Into<String>, host_id: impl Into<String>) -> Self {
+        let replicas = nodes.len().clamp(1, 2);
+        Self {
+            nodes,
+            cluster_id: cluster_id.into(),
+            host_id: host_id.into(),
+            replicas,
+            require_noeviction: true,
+            op_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(2),
+            ca_cert: None,
+        }
+    }
+
+    fn validate(&self) -> Result<(), TierError> {
+        if self.nodes.is_empty() || self.nodes.len() > MAX_NODES {
+            return Err(config_error(format!("need 1 to {MAX_NODES} nodes, got {}", self.nodes.len())));
+        }
+        if !(1..=self.nodes.len()).contains(&self.replicas) {
+            return Err(config_error(format!(
+                "replicas must be between 1 and the number of nodes ({}), got {}",
+                self.nodes.len(),
+                self.replicas
+            )));
+        }
+        for (what, id) in [("cluster_id", &self.cluster_id), ("host_id", &self.host_id)] {
+            if !valid_id(id) {
+                return Err(config_error(format!("{what} {id:?} must be 1-64 characters of [A-Za-z0-9._-]")));
+            }
+        }
+        if self.op_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err(config_error("timeouts must be positive"));
+        }
+        let mut ids: Vec<String> = self.nodes.iter().map(|u| node::identity(u)).collect();
+        ids.sort();
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(config_error(format!("node {} is listed twice", w[0])));
+        }
+        Ok(())
+    }
+
+    fn client(&self, url: &str, ca: Option<&[u8]>) -> Result<redis::Client, TierError> {
+        let bad = |e: redis::RedisError| config_error(format!("node {}: {e}", node::redact(url)));
+        match ca {
+            Some(pem) if url.starts_with("rediss://") => redis::Client::build_with_tls(
+                url,
+                redis::TlsCertificates { client_tls: None, root_cert: Some(pem.to_vec()) },
+            )
+            .map_err(bad),
+            _ => redis::Client::open(url).map_err(bad),
+        }
+    }
+
+    /// Connects to the servers, checks their eviction policy, deletes keys
+    /// left in this machine's namespace by an earlier run, and starts the
+    /// background tasks (reconnects, liveness pings, re-replication). Unreachable servers start out down (and are
+    /// retried) as long as one server answers; wrong credentials or a refused
+    /// eviction policy fail the build with [`TierError::Config`] naming the server.
+    pub fn build(self) -> Result<RemoteTier, TierError> {
+        self.validate()?;
+        // Only the ring provider is compiled in; installing it explicitly keeps
+        // rustls working if another crate enables a second provider.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let ca = match &self.ca_cert {
+            Some(p) => {
+                Some(std::fs::read(p).map_err(|e| config_error(format!("CA certificate {}: {e}", p.display())))?)
+            }
+            None => None,
+        };
+        let nodes = self
+            .nodes
+            .iter()
+            .map(|url| Ok(Node::new(url, self.client(url, ca.as_deref())?)))
+            .collect::<Result<Vec<_>, TierError>>()?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("tmem-remote")
+            .enable_all()
+            .build()
+            .map_err(|source| TierError::Io { tier: TIER.into(), source })?;
+        let settings = Settings {
+            replicas: self.replicas,
+            require_noeviction: self.require_noeviction,
+            op_timeout: self.op_timeout,
+            connect_timeout: self.connect_timeout,
+        };
+        let inner = Arc::new(Inner::new(settings, placement::prefix(&self.cluster_id, &self.host_id), nodes));
+        let tier = RemoteTier { inner: Arc::clone(&inner), rt: RtGuard(Some(rt)) };
+
+        let init = Arc::clone(&inner);
+        let results = tier
+            .run(async move { join_all((0..init.nodes.len()).map(|n| init.bring_up(n))).await })
+            .ok_or_else(|| unavailable("runtime stopped"))?;
+        let mut config_errors = Vec::new();
+        let mut unreachable = Vec::new();
+        for (n, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(()) => {}
+                Err(ConnectError::Config(m)) => config_errors.push(m),
+                Err(ConnectError::Unreachable(m)) => {
+                    inner.nodes[n].attempt_failed(m.clone());
+                    unreachable.push(m);
+                }
+            }
+        }
+        if !config_errors.is_empty() {
+            return Err(config_error(config_errors.join("; ")));
+        }
+        if inner.up_mask() == 0 {
+            return Err(unavailable(format!("no node reachable: {}", unreachable.join("; "))));
+        }
+        tier.rt().spawn(Arc::clone(&inner).watch_nodes());
+        tier.rt().spawn(Arc::clone(&inner).repair_loop());
+        Ok(tier)
+    }
+}
+
+/// Shuts the runtime down without blocking (also from inside another runtime).
+struct RtGuard(Option<tokio::runtime::Runtime>);
+
+impl Drop for RtGuard {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// The RAMster tier. See the crate documentation.
+pub struct RemoteTier {
+    inner: Arc<Inner>,
+    rt: RtGuard,
+}
+
+impl fmt::Debug for RemoteTier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteTier")
+            .field("nodes", &self.inner.nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>())
+            .field("prefix", &self.inner.prefix)
+            .field("replicas", &self.inner.s.replicas)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Per-server counters of a [`RemoteTier`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NodeStats {
+    /// Server URL, credentials redacted.
+    pub node: String,
+    /// Serving.
+    pub up: bool,
+    /// Copies of this tier's pages on the server (per the local index).
+    pub stored_pages: u64,
+    /// Value bytes of those copies.
+    pub stored_bytes: u64,
+    /// Error answers, transport failures and timeouts.
+    pub errors: u64,
+    /// Writes refused with OOM (server full).
+    pub oom_refusals: u64,
+    /// Times the server was marked down.
+    pub down_events: u64,
+    /// Times it came back.
+    pub reconnects: u64,
+    /// Its `maxmemory-policy`, when it could be read.
+    pub maxmemory_policy: Option<String>,
+    /// Its `maxmemory` in bytes (0: no limit), when it could be read.
+    pub maxmemory: Option<u64>,
+    /// Why it last failed.
+    pub last_error: Option<String>,
+}
+
+/// RAMster-specific counters (see [`RemoteTier::node_stats`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RemoteStats {
+    /// Copies per page (R).
+    pub replicas: usize,
+    /// Servers serving.
+    pub nodes_up: usize,
+    /// Pages that got a new copy from re-replication after a server failed.
+    pub rereplicated_pages: u64,
+    /// Pages with fewer live copies than R (or than the number of live servers).
+    pub under_replicated_pages: u64,
+    /// Pages whose every copy was lost (gets answer `Unavailable`).
+    pub lost_pages: u64,
+    /// Pages indexed but found on none of their servers (deleted or evicted
+    /// behind the tier's back). With `require_noeviction` (persistent pools)
+    /// their gets answer `Unavailable` and they count as lost; without it
+    /// (eviction allowed) a miss.
+    pub vanished_pages: u64,
+    /// Puts stored with fewer than R copies because too few servers were live.
+    pub degraded_puts: u64,
+    /// Per server.
+    pub nodes: Vec<NodeStats>,
+}
+
+impl RemoteTier {
+    fn rt(&self) -> &tokio::runtime::Runtime {
+        self.rt.0.as_ref().expect("runtime lives as long as the tier")
+    }
+
+    /// Runs `f` on the tier's runtime and waits for it (works from any thread,
+    /// including one inside another async runtime); `None` if it panicked.
+    fn run<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> Option<T> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.rt().spawn(async move {
+            let _ = tx.send(f.await);
+        });
+        rx.recv().ok()
+    }
+
+    /// Redis key of a page: `tmem:{cluster_id}:{host_id}:{pool}:{object:x}:{index:x}`.
+    pub fn key_name(&self, key: TierKey) -> String {
+        placement::key_name(&self.inner.prefix, key)
+    }
+
+    /// Server URLs (credentials redacted), in configuration order.
+    pub fn node_names(&self) -> Vec<String> {
+        self.inner.nodes.iter().map(|n| n.name.clone()).collect()
+    }
+
+    /// Servers (indexes into [`node_names`](Self::node_names)) that hold a copy of
+    /// `key` per the local index, in read order; `None` if the tier does not hold it.
+    pub fn replica_nodes(&self, key: TierKey) -> Option<Vec<usize>> {
+        let e = self.inner.index.get(key)?;
+        Some(self.inner.order(key).into_iter().filter(|n| e.nodes & placement::bit(*n) != 0).collect())
+    }
+
+    /// Pages with fewer live copies than they should have (O(pages)).
+    pub fn under_replicated(&self) -> u64 {
+        self.inner.under_replicated()
+    }
+
+    /// Waits until re-replication has nothing left to do it can do; returns
+    /// whether that happened within `timeout`.
+    pub fn wait_repaired(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.under_replicated() == 0 && !self.inner.repair_needed.load(Ordering::Acquire) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Per-server and replication counters.
+    pub fn node_stats(&self) -> RemoteStats {
+        let i = &self.inner;
+        let nodes: Vec<NodeStats> = i
+            .nodes
+            .iter()
+            .zip(i.index.per_node.iter())
+            .map(|(n, u)| {
+                let st = index::lock(&n.state);
+                NodeStats {
+                    node: n.name.clone(),
+                    up: n.is_up(),
+                    stored_pages: u.pages.load(Ordering::Relaxed),
+                    stored_bytes: u.bytes.load(Ordering::Relaxed),
+                    errors: n.errors.load(Ordering::Relaxed),
+                    oom_refusals: n.oom.load(Ordering::Relaxed),
+                    down_events: n.down_events.load(Ordering::Relaxed),
+                    reconnects: n.reconnects.load(Ordering::Relaxed),
+                    maxmemory_policy: st.memory.policy.clone(),
+                    maxmemory: st.memory.maxmemory,
+                    last_error: st.last_error.clone(),
+                }
+            })
+            .collect();
+        RemoteStats {
+            replicas: i.s.replicas,
+            nodes_up: nodes.iter().filter(|n| n.up).count(),
+            rereplicated_pages: i.c.rereplicated.load(Ordering::Relaxed),
+            under_replicated_pages: i.under_replicated(),
+            lost_pages: i.index.lost.load(Ordering::Relaxed),
+            vanished_pages: i.c.vanished.load(Ordering::Relaxed),
+            degraded_puts: i.c.degraded_puts.load(Ordering::Relaxed),
+            nodes,
+        }
+    }
+}
+
+impl Drop for RemoteTier {
+    /// Deletes this tier's keys from the servers (SCAN + UNLINK of its
+    /// namespace, best effort, bounded by twice the operation timeout, at
+    /// least 2 s): swap content does not outlive its daemon. Keys a crashed
+    /// daemon leaves behind are deleted by the next `build` with the same
+    /// `cluster_id`/`host_id`.
+    fn drop(&mut self) {
+        self.inner.stop.store(true, Ordering::Relaxed);
+        self.inner.wake.notify_one();
+        let inner = Arc::clone(&self.inner);
+        let limit = (inner.s.op_timeout * 2).max(Duration::from_secs(2));
+        let _ = self.run(async move { tokio::time::timeout(limit, inner.wipe_all()).await });
+    }
+}
+
+impl Tier for RemoteTier {
+    fn name(&self) -> &str {
+        TIER
+    }
+
+    fn put(&self, key: TierKey, value: &[u8]) -> Result<TierPut, TierError> {
+        self.put_batch(&[(key, value)]).pop().unwrap_or_else(|| Err(unavailable("internal: no result")))
+    }
+
+    fn get(&self, key: TierKey, out: &mut Vec<u8>) -> Result<TierGet, TierError> {
+        out.clear();
+        match self.get_batch(&[key]).pop().unwrap_or_else(|| Err(unavailable("internal: no result")))? {
+            Some(v) => {
+                out.extend_from_slice(&v);
+                Ok(TierGet::Hit)
+            }
+            None => Ok(TierGet::Miss),
+        }
+    }
+
+    fn remove(&self, key: TierKey) -> Result<bool, TierError> {
+        self.remove_batch(&[key]).pop().unwrap_or_else(|| Err(unavailable("internal: no result")))
+    }
+
+    fn put_batch(&self, items: &[(TierKey, &[u8])]) -> Vec<Result<TierPut, TierError>> {
+        let owned: Vec<(TierKey, Vec<u8>)> = items.iter().map(|(k, v)| (*k, v.to_vec())).collect();
+        let inner = Arc::clone(&self.inner);
+        self.run(async move { inner.put_batch(owned).await })
+            .unwrap_or_else(|| items.iter().map(|_| Err(unavailable("runtime stopped"))).collect())
+    }
+
+    fn get_batch(&self, keys: &[TierKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
+        let owned = keys.to_vec();
+        let inner = Arc::clone(&self.inner);
+        self.run(async move { inner.get_batch(owned).await })
+            .unwrap_or_else(|| keys.iter().map(|_| Err(unavailable("runtime stopped"))).collect())
+    }
+
+    fn remove_batch(&self, keys: &[TierKey]) -> Vec<Result<bool, TierError>> {
+        let owned = keys.to_vec();
+        let inner = Arc::clone(&self.inner);
+        self.run(async move { inner.remove_batch(owned).await })
+            .unwrap_or_else(|| keys.iter().map(|_| Err(unavailable("runtime stopped"))).collect())
+    }
+
+    fn clear_pool(&self, pool: u32) -> Result<(), TierError> {
+        let inner = Arc::clone(&self.inner);
+        self.run(async move { inner.clear_pool(pool).await }).ok_or_else(|| unavailable("runtime stopped"))
+    }
+
+    /// `used_bytes` counts every copy (value bytes); `limit_bytes` is the sum
+    /// of the servers' `maxmemory` when every server has one (the servers may
+    /// be shared with other machines).
+    fn capacity(&self) -> Capacity {
+        let i = &self.inner;
+        let used = i.index.per_node.iter().map(|u| u.bytes.load(Ordering::Relaxed)).sum();
+        let limits: Vec<Option<u64>> =
+            i.nodes.iter().map(|n| index::lock(&n.state).memory.maxmemory.filter(|m| *m > 0)).collect();
+        let limit_bytes = limits.iter().all(Option::is_some).then(|| limits.iter().flatten().sum());
+        Capacity { stored_pages: i.index.total.pages.load(Ordering::Relaxed), used_bytes: used, limit_bytes }
+    }
+
+    /// `Down` when no server is reachable; `Degraded` when some server is down
+    /// (with R = 1 its pages are unavailable until it returns, and then lost),
+    /// when fewer servers are live than R, or when pages were lost.
+    fn health(&self) -> Health {
+        let i = &self.inner;
+        let down: Vec<&str> = i.nodes.iter().filter(|n| !n.is_up()).map(|n| n.name.as_str()).collect();
+        let up = i.nodes.len() - down.len();
+        let lost = i.index.lost.load(Ordering::Relaxed);
+        if up == 0 {
+            return Health::Down(format!("no server reachable ({})", down.join(", ")));
+        }
+        let mut why = Vec::new();
+        if !down.is_empty() {
+            why.push(format!("down: {}", down.join(", ")));
+        }
+        if up < i.s.replicas {
+            why.push(format!("{up} live servers for {} replicas", i.s.replicas));
+        }
+        if lost > 0 {
+            why.push(format!("{lost} pages lost with their only servers"));
+        }
+        if why.is_empty() {
+            Health::Healthy
+        } else {
+            Health::Degraded(why.join("; "))
+        }
+    }
+
+    /// `wire_bytes_out`/`wire_bytes_in` are computed from the RESP encoding of
+    /// the commands sent and the replies received (the `redis` crate does not
+    /// count socket bytes); TLS record overhead, connection setup and the
+    /// namespace scans at start and drop are not included. Latencies are per
+    /// call (a batch counts once).
+    fn stats(&self) -> TierStats {
+        let c = &self.inner.c;
+        let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        TierStats {
+            name: TIER.into(),
+            stored_pages: l(&self.inner.index.total.pages),
+            stored_bytes: l(&self.inner.index.total.bytes),
+            writes: l(&c.writes),
+            full: l(&c.full),
+            reads: l(&c.reads),
+            misses: l(&c.misses),
+            removes: l(&c.removes),
+            failures: l(&c.failures),
+            bytes_written: l(&c.bytes_written),
+            bytes_read: l(&c.bytes_read),
+            wire_bytes_out: l(&c.wire_out),
+            wire_bytes_in: l(&c.wire_in),
+            get_p50_us: c.get_lat.quantile_us(0.5),
+            get_p99_us: c.get_lat.quantile_us(0.99),
+            put_p50_us: c.put_lat.quantile_us(0.5),
+            put_p99_us: c.put_lat.quantile_us(0.99),
+        }
+    }
+}

@@ -1,0 +1,319 @@
+//! Test infrastructure (feature `testing`): throwaway `redis-server`
+//! processes on loopback, each killed by its own pid when dropped, and test
+//! certificates made with the `openssl` command.
+//!
+//! ```no_run
+//! use tmem_tier_remote::testing::{RedisOptions, RedisServer};
+//! let Some(server) = RedisServer::start_or_skip(&RedisOptions::default()) else { return };
+//! let url = server.url();
+//! ```
+
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// A directory removed when dropped.
+#[derive(Debug)]
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    /// Creates a fresh directory under the system temp dir.
+    pub fn new(tag: &str) -> io::Result<Self> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let path = std::env::temp_dir().join(format!(
+            "tmem-{tag}-{}-{}-{nanos}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path)?;
+        Ok(Self { path })
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Certificate files for a TLS server (see [`make_test_certs`]).
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    /// The CA certificate (PEM) clients trust.
+    pub ca_cert: PathBuf,
+    /// The server certificate (PEM), for `127.0.0.1` and `localhost`.
+    pub cert: PathBuf,
+    /// The server key (PEM).
+    pub key: PathBuf,
+}
+
+/// Options of a test server.
+#[derive(Clone, Debug)]
+pub struct RedisOptions {
+    /// `maxmemory` (e.g. `"2mb"`); `None`: no limit.
+    pub maxmemory: Option<String>,
+    /// `maxmemory-policy`.
+    pub policy: String,
+    /// `requirepass` (password of the `default` user).
+    pub requirepass: Option<String>,
+    /// ACL rules, one `user` directive each, e.g. `"alice on >pw ~tmem:* +@all"`.
+    pub acl_users: Vec<String>,
+    /// Serve TLS only, with these certificates (clients need not present one).
+    pub tls: Option<TlsFiles>,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        Self { maxmemory: None, policy: "noeviction".into(), requirepass: None, acl_users: Vec::new(), tls: None }
+    }
+}
+
+/// The `redis-server` binary on `PATH`, if any.
+pub fn redis_server_binary() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|d| d.join("redis-server")).find(|p| p.is_file())
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> io::Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// A `redis-server` child process on 127.0.0.1, killed (by its pid) on drop.
+#[derive(Debug)]
+pub struct RedisServer {
+    child: Child,
+    port: u16,
+    tls: bool,
+    running: bool,
+    dir: TempDir,
+    opts: RedisOptions,
+}
+
+impl RedisServer {
+    /// Starts a server, or prints `SKIP: redis-server not installed` and
+    /// returns `None` when the binary is missing. Panics if it cannot start.
+    pub fn start_or_skip(opts: &RedisOptions) -> Option<Self> {
+        if redis_server_binary().is_none() {
+            eprintln!("SKIP: redis-server not installed");
+            return None;
+        }
+        Some(Self::start(opts).unwrap_or_else(|e| panic!("starting redis-server: {e}")))
+    }
+
+    /// Starts a server on a free loopback port (`--bind 127.0.0.1`, no
+    /// persistence, not daemonized) and waits until it accepts connections.
+    pub fn start(opts: &RedisOptions) -> io::Result<Self> {
+        let bin = redis_server_binary()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "redis-server not installed"))?;
+        let mut last = None;
+        // The port is released before the server binds it; another process may take it meanwhile.
+        for _ in 0..5 {
+            match Self::try_start(&bin, opts) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("redis-server did not start")))
+    }
+
+    fn try_start(bin: &Path, opts: &RedisOptions) -> io::Result<Self> {
+        let dir = TempDir::new("redis")?;
+        let port = free_port()?;
+        let child = spawn(bin, opts, port, dir.path())?;
+        let mut server = Self { child, port, tls: opts.tls.is_some(), running: true, dir, opts: opts.clone() };
+        server.wait_ready()?;
+        Ok(server)
+    }
+
+    /// Starts the server again on the same port with the same options (and
+    /// no data), after [`kill`](Self::kill).
+    pub fn restart(&mut self) -> io::Result<()> {
+        self.kill();
+        let bin = redis_server_binary()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "redis-server not installed"))?;
+        let _ = std::fs::remove_file(self.dir.path().join("redis.log"));
+        self.child = spawn(&bin, &self.opts, self.port, self.dir.path())?;
+        self.running = true;
+        self.wait_ready()
+    }
+
+    fn wait_ready(&mut self) -> io::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                self.running = false;
+                return Err(io::Error::other(format!("redis-server exited with {status}: {}", self.log())));
+            }
+            if self.log().contains("Ready to accept connections") && self.accepts() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(io::Error::other(format!("redis-server not ready after 10 s: {}", self.log())));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn accepts(&self) -> bool {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else { return false };
+        if self.tls {
+            return true;
+        }
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let mut buf = [0u8; 64];
+        // +PONG, or -NOAUTH when a password is required: either way it serves.
+        s.write_all(b"PING\r\n").is_ok() && matches!(s.read(&mut buf), Ok(n) if n > 0)
+    }
+
+    /// Its port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `redis://127.0.0.1:PORT` (`rediss://` for a TLS server), without credentials.
+    pub fn url(&self) -> String {
+        format!("{}://127.0.0.1:{}", if self.tls { "rediss" } else { "redis" }, self.port)
+    }
+
+    /// The URL with a user (may be empty, for `requirepass`) and password.
+    pub fn url_with_auth(&self, user: &str, password: &str) -> String {
+        format!("{}://{user}:{password}@127.0.0.1:{}", if self.tls { "rediss" } else { "redis" }, self.port)
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default()
+    }
+
+    /// Kills the server with SIGKILL (its own pid only) and reaps it.
+    pub fn kill(&mut self) {
+        if self.running {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            self.running = false;
+        }
+    }
+
+    /// Stops the server with SIGSTOP (it hangs: connections open, nothing answers).
+    pub fn pause(&mut self) -> io::Result<()> {
+        self.signal(libc::SIGSTOP)
+    }
+
+    /// Continues a paused server (SIGCONT).
+    pub fn resume(&mut self) -> io::Result<()> {
+        self.signal(libc::SIGCONT)
+    }
+
+    fn signal(&mut self, sig: libc::c_int) -> io::Result<()> {
+        if !self.is_running() {
+            return Err(io::Error::other("server not running"));
+        }
+        let pid = libc::pid_t::try_from(self.child.id()).map_err(io::Error::other)?;
+        // SAFETY: kill(2) on our own, unreaped child: the pid cannot have been reused.
+        if unsafe { libc::kill(pid, sig) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Whether the process is still alive.
+    pub fn is_running(&mut self) -> bool {
+        self.running && matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn spawn(bin: &Path, opts: &RedisOptions, port: u16, dir: &Path) -> io::Result<Child> {
+    let mut cmd = Command::new(bin);
+    cmd.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no"]);
+    cmd.arg("--dir").arg(dir).arg("--logfile").arg(dir.join("redis.log"));
+    cmd.args(["--maxmemory", opts.maxmemory.as_deref().unwrap_or("0")]);
+    cmd.args(["--maxmemory-policy", &opts.policy]);
+    if let Some(pw) = &opts.requirepass {
+        cmd.args(["--requirepass", pw]);
+    }
+    for rule in &opts.acl_users {
+        cmd.arg("--user").args(rule.split_whitespace());
+    }
+    if let Some(t) = &opts.tls {
+        cmd.args(["--port", "0", "--tls-port", &port.to_string(), "--tls-auth-clients", "no"]);
+        cmd.arg("--tls-cert-file").arg(&t.cert).arg("--tls-key-file").arg(&t.key);
+        cmd.arg("--tls-ca-cert-file").arg(&t.ca_cert);
+    } else {
+        cmd.args(["--port", &port.to_string()]);
+    }
+    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+    cmd.spawn()
+}
+
+fn openssl(dir: &Path, args: &[&str]) -> io::Result<()> {
+    let out = Command::new("openssl").args(args).current_dir(dir).stdin(Stdio::null()).output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!("openssl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr))))
+    }
+}
+
+/// Makes a throwaway CA and a server certificate for `127.0.0.1`/`localhost`
+/// (P-256 keys) in `dir` with the `openssl` command.
+pub fn make_test_certs(dir: &Path) -> io::Result<TlsFiles> {
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let mut ca = vec!["req", "-x509", "-new", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2"];
+    ca.extend(ec);
+    ca.extend(["-subj", "/CN=tmem test CA", "-addext", "basicConstraints=critical,CA:TRUE"]);
+    ca.extend(["-addext", "keyUsage=critical,keyCertSign,cRLSign"]);
+    openssl(dir, &ca)?;
+    let mut csr = vec!["req", "-new", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"];
+    csr.extend(ec);
+    openssl(dir, &csr)?;
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
+         keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )?;
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ],
+    )?;
+    Ok(TlsFiles { ca_cert: dir.join("ca.crt"), cert: dir.join("server.crt"), key: dir.join("server.key") })
+}

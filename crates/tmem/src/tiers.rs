@@ -1,0 +1,148 @@
+//! `--tier` options: building the chain of tiers below a device's pool.
+//!
+//! `--tier remote=redis://h1:6379,redis://h2:6379` (RAMster on Redis/Valkey)
+//! and `--tier disk=/var/lib/tmem` (a directory: one backing file per device,
+//! `DEVICE.back`) or `--tier disk=/dev/sdb1` (one device only), in the order
+//! pages should move down. Every value leaving the process is sealed with a
+//! key from `--key-file` (owner-only) or a key generated for this run.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tmem_core::TierChain;
+use tmem_tier::seal::Sealer;
+use tmem_tier::Tier;
+
+/// One `--tier` option.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum TierSpec {
+    /// Redis/Valkey nodes.
+    Remote(Vec<String>),
+    /// A directory for backing files, or one file or block device.
+    Disk(PathBuf),
+}
+
+/// Parses `remote=URL[,URL...]` or `disk=PATH`.
+pub fn parse_tier(s: &str) -> Result<TierSpec, String> {
+    match s.split_once('=') {
+        Some(("remote", urls)) => {
+            let nodes: Vec<String> = urls.split(',').map(str::trim).filter(|u| !u.is_empty()).map(String::from).collect();
+            if nodes.is_empty() || nodes.iter().any(|u| !u.starts_with("redis://") && !u.starts_with("rediss://")) {
+                return Err(format!("{s:?}: expected remote=redis://HOST:PORT[,rediss://...]"));
+            }
+            Ok(TierSpec::Remote(nodes))
+        }
+        Some(("disk", path)) if !path.is_empty() => Ok(TierSpec::Disk(PathBuf::from(path))),
+        _ => Err(format!("{s:?}: expected remote=URL[,URL...] or disk=PATH")),
+    }
+}
+
+/// Options shared by everything that builds tiers.
+#[derive(clap::Args, Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct TierArgs {
+    /// A tier below the pool, in order: remote=redis://H:P[,redis://...] or disk=DIR|FILE|BLOCKDEV.
+    #[arg(long = "tier", value_parser = parse_tier)]
+    pub tiers: Vec<TierSpec>,
+    /// Copies of each page on the remote tier (RAMster's replication factor R).
+    #[arg(long, default_value_t = 2)]
+    pub replicas: usize,
+    /// AEAD key file (32 bytes or 64 hex digits, mode 0600); default: a key generated for this run.
+    #[arg(long)]
+    pub key_file: Option<PathBuf>,
+    /// Cluster id: names the group of machines sharing the remote servers.
+    #[arg(long, default_value = "tmem")]
+    pub cluster_id: String,
+    /// Host id within the cluster (default: this machine's hostname).
+    #[arg(long)]
+    pub host_id: Option<String>,
+    /// Disk tier capacity per device (default: 2× the device size, sparse).
+    #[arg(long, value_parser = tmem_corpus::parse_size)]
+    pub disk_capacity: Option<u64>,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().chars().filter(|c| c.is_ascii_alphanumeric() || "._-".contains(*c)).collect())
+        .ok()
+        .filter(|h: &String| !h.is_empty())
+        .unwrap_or_else(|| "host".into())
+}
+
+impl TierArgs {
+    /// Checks what can be checked without connecting.
+    pub fn validate(&self, devices: usize) -> Result<(), String> {
+        let disks = self.tiers.iter().filter(|t| matches!(t, TierSpec::Disk(_))).count();
+        let remotes = self.tiers.iter().filter(|t| matches!(t, TierSpec::Remote(_))).count();
+        if disks > 1 || remotes > 1 {
+            return Err("at most one disk and one remote tier".into());
+        }
+        for t in &self.tiers {
+            if let TierSpec::Disk(p) = t {
+                if devices > 1 && !p.is_dir() {
+                    return Err(format!("with several devices, disk={} must be a directory", p.display()));
+                }
+            }
+        }
+        if let Some(k) = &self.key_file {
+            Sealer::from_key_file(k).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Builds the chain for device `device` of `size` bytes, or `None` without tiers.
+    pub fn build(&self, device: &str, size: u64) -> Result<Option<TierChain>, String> {
+        if self.tiers.is_empty() {
+            return Ok(None);
+        }
+        let sealer = match &self.key_file {
+            Some(k) => Sealer::from_key_file(k),
+            None => Sealer::random(),
+        }
+        .map_err(|e| e.to_string())?;
+        let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
+        for t in &self.tiers {
+            tiers.push(match t {
+                TierSpec::Remote(nodes) => {
+                    let host = format!("{}-{device}", self.host_id.clone().unwrap_or_else(hostname));
+                    let mut cfg = tmem_tier_remote::RemoteTierConfig::new(nodes.clone(), self.cluster_id.clone(), host);
+                    cfg.replicas = self.replicas.min(nodes.len()).max(1);
+                    cfg.op_timeout = Duration::from_millis(500);
+                    Arc::new(cfg.build().map_err(|e| e.to_string())?)
+                }
+                TierSpec::Disk(p) => {
+                    let path = if p.is_dir() { p.join(format!("{device}.back")) } else { p.clone() };
+                    Arc::new(disk_tier(&path, self.disk_capacity.unwrap_or(2 * size))?)
+                }
+            });
+        }
+        TierChain::new(tiers, Arc::new(sealer)).map(Some).map_err(|e| e.to_string())
+    }
+}
+
+/// Opens a disk tier of `capacity` bytes at `path` (a new, empty tier).
+pub fn disk_tier(path: &Path, capacity: u64) -> Result<tmem_tier_disk::DiskTier, String> {
+    let mut cfg = tmem_tier_disk::DiskTierConfig::new(path);
+    cfg.capacity_bytes = capacity;
+    cfg.build().map_err(|e| format!("disk tier {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_tier_options() {
+        assert_eq!(
+            parse_tier("remote=redis://a:1,rediss://b:2").unwrap(),
+            TierSpec::Remote(vec!["redis://a:1".into(), "rediss://b:2".into()])
+        );
+        assert_eq!(parse_tier("disk=/var/lib/tmem").unwrap(), TierSpec::Disk("/var/lib/tmem".into()));
+        for bad in ["remote=", "remote=http://x", "disk=", "ssd=/x", "disk"] {
+            assert!(parse_tier(bad).is_err(), "{bad}");
+        }
+        let a = TierArgs { tiers: vec![TierSpec::Disk("/nonexistent/file".into())], ..Default::default() };
+        assert!(a.validate(2).unwrap_err().contains("directory"));
+        assert!(a.validate(1).is_ok());
+    }
+}
