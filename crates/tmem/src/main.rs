@@ -5,6 +5,7 @@ mod ctl;
 mod daemon;
 mod pressure;
 mod swapcmd;
+mod tierbench;
 mod tiers;
 
 use std::process::ExitCode;
@@ -88,6 +89,8 @@ enum BenchCommand {
     /// Puts every page of a corpus into the store, gets it back, checks it,
     /// and compares ratio and throughput with kernel zram on the same pages.
     Store(bench::StoreBenchArgs),
+    /// Put/get pages per second, latency and bytes on the wire for each tier (mem, disk, remote) on loopback.
+    Tier(tierbench::TierBenchArgs),
     /// The zcache/RAMster memory-pressure ladder: a workload under shrinking
     /// memory limits, swapping to disk, zram, zswap and tmem.
     Pressure(pressure::PressureArgs),
@@ -109,6 +112,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result: Result<(), String> = match cli.command {
         Command::Bench { what: BenchCommand::Store(args) } => bench::run_store(&args),
+        Command::Bench { what: BenchCommand::Tier(args) } => tierbench::run(&args),
         Command::Bench { what: BenchCommand::Pressure(args) } => pressure::run(&args),
         Command::Corpus { what: CorpusCommand::Capture(args) } => {
             tmem_corpus::run_capture(&args).map_err(|e| e.to_string())

@@ -1,0 +1,222 @@
+//! `tmem bench tier`: put/get pages per second, latency and bytes on the
+//! wire for each tier on loopback.
+//!
+//! Values are what writeback sends: pages of the built-in corpus (or
+//! `--corpus`), compressed with lz4 and sealed. For each tier: batched puts
+//! (`put_batch` of `--batch` values) and batched gets over all pages, then
+//! single gets and single puts of a sample for latency. The remote tier runs
+//! against `--redis` servers, or starts three throwaway `redis-server`s on
+//! loopback (noeviction, no persistence) and stops them afterwards.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tmem_core::codec::{CodecConfig, COMPRESS_BUF_SIZE};
+use tmem_tier::seal::Sealer;
+use tmem_tier::{LatencyHistogram, MemTier, Tier, TierGet, TierKey, TierPut};
+use tmem_tier_remote::testing::{RedisOptions, RedisServer};
+
+/// Arguments of `tmem bench tier`.
+#[derive(clap::Args, Debug)]
+pub struct TierBenchArgs {
+    /// Tiers to measure: mem, disk, remote.
+    #[arg(long, value_delimiter = ',', default_value = "mem,disk,remote")]
+    tiers: Vec<String>,
+    /// Pages to write and read per tier.
+    #[arg(long, default_value_t = 50_000)]
+    pages: usize,
+    /// Values per batch.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Pages timed one by one for latency.
+    #[arg(long, default_value_t = 2000)]
+    latency_samples: usize,
+    /// Redis/Valkey servers for the remote tier (default: start three on loopback).
+    #[arg(long, value_delimiter = ',')]
+    redis: Vec<String>,
+    /// Remote replication factor.
+    #[arg(long, default_value_t = 2)]
+    replicas: usize,
+    /// Backing file for the disk tier.
+    #[arg(long, default_value = "/var/tmp/tmem-bench-tier.back")]
+    disk_path: PathBuf,
+    /// Corpus file for page contents (default: the built-in corpora).
+    #[arg(long)]
+    corpus: Option<PathBuf>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct TierResult {
+    tier: String,
+    pages: usize,
+    value_bytes_avg: f64,
+    put_batch_pages_per_s: f64,
+    get_batch_pages_per_s: f64,
+    get_p50_us: u64,
+    get_p99_us: u64,
+    put_p50_us: u64,
+    put_p99_us: u64,
+    wire_bytes_out_per_page: f64,
+    wire_bytes_in_per_page: f64,
+}
+
+fn values(args: &TierBenchArgs) -> Result<Vec<Vec<u8>>, String> {
+    let corpus = match &args.corpus {
+        Some(p) => tmem_corpus::Corpus::read(p).map_err(|e| e.to_string())?,
+        None => tmem_corpus::Corpus::mix(&tmem_corpus::Corpus::builtin()),
+    };
+    if corpus.page_count() == 0 {
+        return Err("corpus has no pages".into());
+    }
+    let codec = CodecConfig::Lz4.build().map_err(|e| e.to_string())?;
+    let sealer = Sealer::random().map_err(|e| e.to_string())?;
+    let mut buf = [0u8; COMPRESS_BUF_SIZE];
+    let mut out = Vec::with_capacity(args.pages);
+    for i in 0..args.pages {
+        let page = corpus.page(i % corpus.page_count());
+        let n = codec.compress(page, &mut buf).map_err(|e| e.to_string())?;
+        let plain = if n < tmem_core::PAGE_SIZE { &buf[..n] } else { &page[..] };
+        let mut v = Vec::new();
+        sealer.seal(key(i), i as u64 + 1, plain, &mut v);
+        out.push(v);
+    }
+    Ok(out)
+}
+
+fn key(i: usize) -> TierKey {
+    TierKey { pool: 7, object: 0, index: i as u64 }
+}
+
+/// Runs the benchmark.
+pub fn run(args: &TierBenchArgs) -> Result<(), String> {
+    if args.pages == 0 || args.batch == 0 {
+        return Err("--pages and --batch must be positive".into());
+    }
+    let vals = values(args)?;
+    let mut results = Vec::new();
+    let mut servers = Vec::new();
+    for name in &args.tiers {
+        let tier: Arc<dyn Tier> = match name.as_str() {
+            "mem" => Arc::new(MemTier::new(u64::MAX)),
+            "disk" => Arc::new(crate::tiers::disk_tier(&args.disk_path, 2 * (args.pages as u64) * 4200 + (64 << 20))?),
+            "remote" => {
+                let nodes = if args.redis.is_empty() {
+                    let opts = RedisOptions { policy: "noeviction".into(), ..Default::default() };
+                    for _ in 0..3 {
+                        servers.push(RedisServer::start(&opts).map_err(|e| format!("cannot start redis-server: {e}"))?);
+                    }
+                    servers.iter().map(RedisServer::url).collect()
+                } else {
+                    args.redis.clone()
+                };
+                let mut cfg = tmem_tier_remote::RemoteTierConfig::new(nodes, "tmem-bench", "tier");
+                cfg.replicas = args.replicas.min(cfg.nodes.len()).max(1);
+                Arc::new(cfg.build().map_err(|e| e.to_string())?)
+            }
+            other => return Err(format!("unknown tier {other:?} (mem, disk, remote)")),
+        };
+        if !args.json {
+            eprintln!("measuring {name} ...");
+        }
+        results.push(measure(name, tier.as_ref(), &vals, args)?);
+        drop(tier);
+        if name == "disk" {
+            let _ = std::fs::remove_file(&args.disk_path);
+        }
+    }
+    drop(servers);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results).map_err(|e| e.to_string())?);
+        return Ok(());
+    }
+    println!(
+        "{:<8} {:>7} {:>8} {:>12} {:>12} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9}",
+        "tier", "pages", "value B", "put pages/s", "get pages/s", "get p50", "get p99", "put p50", "put p99", "wire out", "wire in"
+    );
+    for r in &results {
+        println!(
+            "{:<8} {:>7} {:>8.0} {:>12.0} {:>12.0} {:>6}us {:>6}us {:>6}us {:>6}us {:>8.0}B {:>8.0}B",
+            r.tier,
+            r.pages,
+            r.value_bytes_avg,
+            r.put_batch_pages_per_s,
+            r.get_batch_pages_per_s,
+            r.get_p50_us,
+            r.get_p99_us,
+            r.put_p50_us,
+            r.put_p99_us,
+            r.wire_bytes_out_per_page,
+            r.wire_bytes_in_per_page
+        );
+    }
+    println!(
+        "(batches of {} values; latency of single operations; wire bytes per page from the tier's own counters, 0 where it has none)",
+        args.batch
+    );
+    Ok(())
+}
+
+fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) -> Result<TierResult, String> {
+    let n = vals.len();
+    let before = tier.stats();
+    let t = Instant::now();
+    for (c, chunk) in vals.chunks(args.batch).enumerate() {
+        let items: Vec<(TierKey, &[u8])> =
+            chunk.iter().enumerate().map(|(j, v)| (key(c * args.batch + j), v.as_slice())).collect();
+        for (j, r) in tier.put_batch(&items).into_iter().enumerate() {
+            match r {
+                Ok(TierPut::Stored) => {}
+                Ok(TierPut::Full) => return Err(format!("{name}: full after {} pages", c * args.batch + j)),
+                Err(e) => return Err(format!("{name}: {e}")),
+            }
+        }
+    }
+    let put_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    for c in 0..n.div_ceil(args.batch) {
+        let keys: Vec<TierKey> = (c * args.batch..((c + 1) * args.batch).min(n)).map(key).collect();
+        for (k, r) in keys.iter().zip(tier.get_batch(&keys)) {
+            match r.map_err(|e| format!("{name}: {e}"))? {
+                Some(v) if v == vals[usize::try_from(k.index).unwrap_or(0)] => {}
+                _ => return Err(format!("{name}: page {} came back wrong or missing", k.index)),
+            }
+        }
+    }
+    let get_s = t.elapsed().as_secs_f64();
+    let mid = tier.stats();
+    let get_lat = LatencyHistogram::default();
+    let put_lat = LatencyHistogram::default();
+    let mut out = Vec::new();
+    let step = (n / args.latency_samples.max(1)).max(1);
+    for i in (0..n).step_by(step) {
+        let t = Instant::now();
+        if tier.get(key(i), &mut out).map_err(|e| e.to_string())? != TierGet::Hit || out != vals[i] {
+            return Err(format!("{name}: single get of page {i} failed"));
+        }
+        get_lat.record(t.elapsed());
+        let t = Instant::now();
+        if tier.put(key(i), &vals[i]).map_err(|e| e.to_string())? != TierPut::Stored {
+            return Err(format!("{name}: single put of page {i} refused"));
+        }
+        put_lat.record(t.elapsed());
+    }
+    let _ = tier.clear_pool(7);
+    let per = |a: u64, b: u64| (a.saturating_sub(b)) as f64 / n as f64;
+    Ok(TierResult {
+        tier: name.to_owned(),
+        pages: n,
+        value_bytes_avg: vals.iter().map(Vec::len).sum::<usize>() as f64 / n as f64,
+        put_batch_pages_per_s: n as f64 / put_s,
+        get_batch_pages_per_s: n as f64 / get_s,
+        get_p50_us: get_lat.quantile_us(0.5),
+        get_p99_us: get_lat.quantile_us(0.99),
+        put_p50_us: put_lat.quantile_us(0.5),
+        put_p99_us: put_lat.quantile_us(0.99),
+        wire_bytes_out_per_page: per(mid.wire_bytes_out, before.wire_bytes_out),
+        wire_bytes_in_per_page: per(mid.wire_bytes_in, before.wire_bytes_in),
+    })
+}
