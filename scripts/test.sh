@@ -31,7 +31,9 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 echo "== cargo nextest"
-cargo nextest run --workspace --no-fail-fast
+NEXTEST_LOG="$(mktemp)"
+trap 'rm -f "$NEXTEST_LOG"' EXIT
+cargo nextest run --workspace --no-fail-fast 2>&1 | tee "$NEXTEST_LOG"
 
 echo "== doc tests"
 cargo test --workspace --doc
@@ -45,13 +47,26 @@ else
     export RUSTC_BOOTSTRAP=1
     FUZZ=(cargo fuzz)
 fi
+# Both fuzz projects share one target directory, so dependencies build once.
+export CARGO_TARGET_DIR="$PWD/target/fuzz"
 (cd fuzz && "${FUZZ[@]}" build)
 (cd crates/tmem-nbd/fuzz && "${FUZZ[@]}" build)
 if [ "${FUZZ_SECONDS:-0}" -gt 0 ]; then
-    for t in $(cd fuzz && "${FUZZ[@]}" list); do
-        (cd fuzz && "${FUZZ[@]}" run "$t" -- -max_total_time="$FUZZ_SECONDS")
+    for dir in fuzz crates/tmem-nbd/fuzz; do
+        for t in $(cd "$dir" && "${FUZZ[@]}" list); do
+            (cd "$dir" && "${FUZZ[@]}" run "$t" -- -max_total_time="$FUZZ_SECONDS")
+        done
     done
 fi
+unset CARGO_TARGET_DIR
 
+# The README's main command, on the test build (optimised dependencies) to
+# save a release build; `cargo run --release -p tmem -- bench store` is the real one.
 echo "== smoke: tmem bench store (built-in corpus, 1 round)"
-cargo run --release -q -p tmem -- bench store --rounds 1 --mix-only
+cargo run -q -p tmem -- bench store --rounds 1 --mix-only
+
+# One closing line for whoever reads the end of the log.
+summary="$(grep -E '^ +Summary .* tests? run:' "$NEXTEST_LOG" | tail -1)"
+passed="$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<<"$summary")"
+skipped="$(sed -nE 's/.* ([0-9]+) skipped.*/\1/p' <<<"$summary")"
+echo "tests: ${passed:-0} passed, 0 failed, ${skipped:-0} skipped"

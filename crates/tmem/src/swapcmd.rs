@@ -59,6 +59,20 @@ fn parse_limit(s: &str) -> Result<(u64, u32), String> {
     }
 }
 
+/// Device specs `PREFIX0..PREFIXn-1`, all alike.
+fn device_specs(prefix: &str, n: usize, size: u64, codec: &str, pool_limit: &str) -> Result<Vec<DeviceSpec>, String> {
+    let (pool_limit_bytes, pool_limit_percent) = parse_limit(pool_limit)?;
+    Ok((0..n)
+        .map(|i| DeviceSpec {
+            name: format!("{prefix}{i}"),
+            size,
+            codec: codec.to_owned(),
+            pool_limit_bytes,
+            pool_limit_percent,
+        })
+        .collect())
+}
+
 /// `tmem swap up`: starts the daemon and waits until swap is on.
 pub fn up(a: &UpArgs) -> Result<(), String> {
     if !tmem_sys::is_root() {
@@ -70,16 +84,7 @@ pub fn up(a: &UpArgs) -> Result<(), String> {
     if a.devices == 0 || a.size < 1 << 20 {
         return Err("need at least one device of at least 1 MiB".into());
     }
-    let (pool_limit_bytes, pool_limit_percent) = parse_limit(&a.pool_limit)?;
-    let devices = (0..a.devices)
-        .map(|i| DeviceSpec {
-            name: format!("swap{i}"),
-            size: a.size,
-            codec: a.codec.clone(),
-            pool_limit_bytes,
-            pool_limit_percent,
-        })
-        .collect::<Vec<_>>();
+    let devices = device_specs("swap", a.devices, a.size, &a.codec, &a.pool_limit)?;
     // Check the configuration here, where the user sees the error.
     for d in &devices {
         daemon::store_config(d, 1)?.build().map_err(|e| e.to_string())?;
@@ -267,17 +272,8 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> Result<(), String> {
     if ctl::call(&a.runtime_dir, &Request::Status, Duration::from_secs(2)).is_ok() {
         return Err(format!("a tmem daemon already uses {}; pass another --runtime-dir", a.runtime_dir.display()));
     }
-    let (pool_limit_bytes, pool_limit_percent) = parse_limit(&a.pool_limit)?;
     a.tiers.validate(a.devices.max(1))?;
-    let devices = (0..a.devices.max(1))
-        .map(|i| DeviceSpec {
-            name: format!("disk{i}"),
-            size: a.size,
-            codec: a.codec.clone(),
-            pool_limit_bytes,
-            pool_limit_percent,
-        })
-        .collect();
+    let devices = device_specs("disk", a.devices.max(1), a.size, &a.codec, &a.pool_limit)?;
     let listen = match (&a.tcp, &a.socket) {
         (Some(addr), _) => format!("tcp:{addr}"),
         (None, Some(p)) => p.display().to_string(),
