@@ -18,3 +18,7 @@ pub fn is_root() -> bool {
     euid == 0
 }
 pub mod swap;
+
+pub mod cgroup;
+pub mod vmstat;
+pub mod zswap;

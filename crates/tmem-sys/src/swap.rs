@@ -50,7 +50,8 @@ pub enum SwapError {
 /// Runs a command and returns its stdout.
 pub fn run(program: &str, args: &[&str]) -> Result<String, SwapError> {
     let cmd = std::iter::once(program).chain(args.iter().copied()).collect::<Vec<_>>().join(" ");
-    let out = Command::new(program).args(args).output().map_err(|source| SwapError::Spawn { cmd: cmd.clone(), source })?;
+    let out =
+        Command::new(program).args(args).output().map_err(|source| SwapError::Spawn { cmd: cmd.clone(), source })?;
     if !out.status.success() {
         return Err(SwapError::Failed {
             cmd,
@@ -179,7 +180,9 @@ pub fn mlockall_onfault() -> Result<(), SwapError> {
 pub fn set_io_flusher() -> Result<(), SwapError> {
     const PR_SET_IO_FLUSHER: libc::c_int = 57;
     // SAFETY: prctl with PR_SET_IO_FLUSHER takes an integer flag and no pointers.
-    let rc = unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong) };
+    let rc = unsafe {
+        libc::prctl(PR_SET_IO_FLUSHER, 1 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong)
+    };
     if rc != 0 {
         return Err(SwapError::Sys { call: "prctl(PR_SET_IO_FLUSHER)", source: std::io::Error::last_os_error() });
     }
@@ -210,7 +213,10 @@ mod tests {
         let t = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n/dev/loop3                              partition\t8388604\t\t1024\t\t100\n/swap\\040file file 100 0 -2\n";
         let v = parse_swaps(t).unwrap();
         assert_eq!(v.len(), 2);
-        assert_eq!(v[0], SwapArea { path: "/dev/loop3".into(), size: 8388604 * 1024, used: 1024 * 1024, priority: 100 });
+        assert_eq!(
+            v[0],
+            SwapArea { path: "/dev/loop3".into(), size: 8388604 * 1024, used: 1024 * 1024, priority: 100 }
+        );
         assert_eq!(v[1].path, PathBuf::from("/swap file"));
         assert_eq!(v[1].priority, -2);
         assert!(parse_swaps("h\n/dev/x partition 1\n").is_err());

@@ -168,8 +168,9 @@ pub fn run(spec: DaemonSpec) -> Result<(), String> {
             .as_ref()
             .map(|c| c.tiers().iter().map(|t| t.name().to_owned()).collect::<Vec<_>>().join(" -> "))
             .unwrap_or_default();
-        let dev =
-            DeviceConfig { name: d.name.clone(), size: d.size, store, tiers: chain }.build().map_err(|e| e.to_string())?;
+        let dev = DeviceConfig { name: d.name.clone(), size: d.size, store, tiers: chain }
+            .build()
+            .map_err(|e| e.to_string())?;
         if !tier_names.is_empty() {
             steps.push(format!("{}: pool -> {tier_names} (pages sealed with ChaCha20-Poly1305)", d.name));
         }
@@ -344,7 +345,12 @@ impl Daemon {
                 }
                 self.lock().status.devices[i].swap = false;
             }
-            swap::loop_detach(dev).map_err(|e| e.to_string())?;
+            if let Err(e) = swap::loop_detach(dev) {
+                // Someone detached it already: fine, as long as it no longer serves our file.
+                if swap::loops_of(&d.file).map_or(true, |l| l.contains(dev)) {
+                    return Err(e.to_string());
+                }
+            }
             self.lock().status.devices[i].loop_dev = None;
             self.step(format!("{}: losetup --detach {}", d.name, dev.display()));
         }

@@ -135,7 +135,17 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
     }
     println!(
         "{:<8} {:>7} {:>8} {:>12} {:>12} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9}",
-        "tier", "pages", "value B", "put pages/s", "get pages/s", "get p50", "get p99", "put p50", "put p99", "wire out", "wire in"
+        "tier",
+        "pages",
+        "value B",
+        "put pages/s",
+        "get pages/s",
+        "get p50",
+        "get p99",
+        "put p50",
+        "put p99",
+        "wire out",
+        "wire in"
     );
     for r in &results {
         println!(

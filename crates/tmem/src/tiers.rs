@@ -27,7 +27,8 @@ pub enum TierSpec {
 pub fn parse_tier(s: &str) -> Result<TierSpec, String> {
     match s.split_once('=') {
         Some(("remote", urls)) => {
-            let nodes: Vec<String> = urls.split(',').map(str::trim).filter(|u| !u.is_empty()).map(String::from).collect();
+            let nodes: Vec<String> =
+                urls.split(',').map(str::trim).filter(|u| !u.is_empty()).map(String::from).collect();
             if nodes.is_empty() || nodes.iter().any(|u| !u.starts_with("redis://") && !u.starts_with("rediss://")) {
                 return Err(format!("{s:?}: expected remote=redis://HOST:PORT[,rediss://...]"));
             }

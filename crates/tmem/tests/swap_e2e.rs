@@ -124,13 +124,25 @@ impl Setup {
 impl Drop for Setup {
     fn drop(&mut self) {
         if self.up {
-            let (ok, out) = tmem(&["swap", "down", "--runtime-dir", self.dir()]);
-            if !ok {
-                eprintln!("cleanup: swap down failed: {out}");
+            let pid = tmem(&["stat", "--json", "--runtime-dir", self.dir()]).0;
+            let status = Command::new(TMEM).args(["swap", "down", "--runtime-dir", self.dir()]).output();
+            let mut down = status.as_ref().is_ok_and(|o| o.status.success());
+            // swapoff can fail for a moment under memory pressure: retry, then
+            // take things apart by hand (our loop device, our daemon by pid).
+            for _ in 0..5 {
+                if down {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_secs(2));
+                down = tmem(&["swap", "down", "--runtime-dir", self.dir()]).0;
+            }
+            if !down {
+                eprintln!("cleanup: tmem swap down failed (daemon answering: {pid}); tearing down by hand");
                 if let Some(dev) = self.loop_dev() {
                     let _ = Command::new("swapoff").arg(&dev).status();
                     let _ = Command::new("losetup").args(["--detach", &dev]).status();
                 }
+                let _ = tmem(&["swap", "down", "--runtime-dir", self.dir()]);
                 let _ = Command::new("umount").arg("-l").arg(self.dir.join("dev")).status();
             }
         }

@@ -1,0 +1,873 @@
+//! `tmem bench pressure`: the zcache/RAMster memory-pressure ladder.
+//!
+//! A memory-hungry workload (Python jobs growing a realistic heap and making
+//! passes over it, see `crates/tmem/workload/heap.py`) first runs once in an
+//! unlimited memory cgroup without swap: that reference run gives its peak
+//! (`memory.max_usage_in_bytes`) and its checksums. Then, for every backend
+//! (disk swap file, zram, zswap over the disk file, tmem) and every pressure
+//! level (a cgroup v1 memory limit of 100 = none, 75, 50, 35, 25 % of the
+//! peak), the workload runs `--runs` times in a fresh cgroup with a fresh,
+//! empty swap area of that backend: wall time, correctness against the
+//! reference checksums, OOM kills, pswpin/pswpout and the backend's peak pool
+//! memory (sampled every 100 ms) are recorded.
+//!
+//! Every kernel setting touched is put back at the end, on error, on panic
+//! and on Ctrl-C/SIGTERM (the signal only sets a flag; the run in progress is
+//! killed and the guards undo what was set up). See docs/PRESSURE.md.
+
+mod backend;
+mod report;
+mod workload;
+
+use std::io::{IsTerminal, Write as _};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tmem_sys::cgroup::{self, MemCgroup};
+use tmem_sys::vmstat::SwapCounters;
+use tmem_sys::{swap, zram, zswap};
+
+pub use backend::BackendKind;
+use backend::{Backend, BackendConfig, PoolSample};
+use report::{Outcome, RunRecord};
+use workload::Workload;
+
+/// Arguments of `tmem bench pressure`.
+#[derive(clap::Args, Debug, Clone, serde::Serialize)]
+pub struct PressureArgs {
+    /// Target peak memory of the whole workload, MiB (split evenly over --jobs processes).
+    #[arg(long, default_value_t = 1536)]
+    pub workload_mib: u64,
+    /// Workload processes running in parallel, like make -jJ.
+    #[arg(long, default_value_t = 2)]
+    pub jobs: u32,
+    /// Passes the workload makes over its heap (read + modify).
+    #[arg(long, default_value_t = 3)]
+    pub passes: u32,
+    /// Pressure levels: memory limit in % of the measured peak (100 = no limit).
+    #[arg(long, value_delimiter = ',', default_value = "100,75,50,35,25")]
+    pub levels: Vec<u32>,
+    /// Swap backends to compare.
+    #[arg(long, value_delimiter = ',', default_value = "disk,zram,zswap,tmem")]
+    pub backends: Vec<BackendKind>,
+    /// Runs per (backend, level); the table shows medians.
+    #[arg(long, default_value_t = 2)]
+    pub runs: u32,
+    /// Write every run (raw) and the summary to this JSON file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Run even if other swap areas are active (results are then less clean).
+    #[arg(long)]
+    pub allow_other_swap: bool,
+    /// Kill a run after this many seconds (0: 20x the reference run, at least 300).
+    #[arg(long, default_value_t = 0)]
+    pub timeout: u64,
+    /// Directory for the disk swap file (the disk and zswap backends).
+    #[arg(long, default_value = "/var/tmp")]
+    pub swap_dir: PathBuf,
+    /// zram device.
+    #[arg(long, default_value = "zram0")]
+    pub zram_device: String,
+    /// zram compression algorithm.
+    #[arg(long, default_value = "lz4")]
+    pub zram_algorithm: String,
+    /// zswap compressor.
+    #[arg(long, default_value = "lzo-rle")]
+    pub zswap_compressor: String,
+    /// zswap max_pool_percent.
+    #[arg(long, default_value_t = 20)]
+    pub zswap_max_pool_percent: u32,
+    /// tmem pool limit (size or % of RAM).
+    #[arg(long, default_value = "50%")]
+    pub tmem_pool_limit: String,
+    /// tmem codec.
+    #[arg(long, default_value = "lz4")]
+    pub tmem_codec: String,
+    /// memory.swappiness of the workload's cgroup.
+    #[arg(long, default_value_t = 60)]
+    pub swappiness: u32,
+    /// Pool sampling interval, ms.
+    #[arg(long, default_value_t = 100)]
+    pub sample_ms: u64,
+    /// Python interpreter for the workload.
+    #[arg(long, default_value = "python3")]
+    pub python: String,
+}
+
+/// Set by SIGINT/SIGTERM/SIGHUP.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_sig: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe;
+        // sigaction is given a zeroed, then filled, struct that lives across the call.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+const INTERRUPTED_MSG: &str = "interrupted; everything set up was undone";
+
+/// Runs a helper command in its own process group (a terminal Ctrl-C must
+/// not interrupt a swapoff half way); returns its stdout.
+pub(crate) fn cmd(program: &str, args: &[&str]) -> Result<String, String> {
+    let line = std::iter::once(program).chain(args.iter().copied()).collect::<Vec<_>>().join(" ");
+    let out = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .process_group(0)
+        .output()
+        .map_err(|e| format!("cannot run {line}: {e}"))?;
+    if !out.status.success() {
+        let mut msg = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+        if msg.is_empty() {
+            msg = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        }
+        return Err(format!("{line} failed ({}): {msg}", out.status));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// Progress line on stderr.
+struct Progress {
+    total: usize,
+    done: usize,
+    tty: bool,
+    last: Instant,
+}
+
+impl Progress {
+    fn new(total: usize) -> Self {
+        Self { total, done: 0, tty: std::io::stderr().is_terminal(), last: Instant::now() - Duration::from_secs(10) }
+    }
+
+    fn bar(&self) -> String {
+        const W: usize = 20;
+        let filled = (self.done * W).checked_div(self.total).unwrap_or(W);
+        format!("[{}{}] {}/{}", "#".repeat(filled), "-".repeat(W - filled), self.done, self.total)
+    }
+
+    /// Shows the step in progress (throttled to once a second on a terminal).
+    fn show(&mut self, what: &str, elapsed: Option<Duration>, force: bool) {
+        if !force && self.last.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.last = Instant::now();
+        let t = elapsed.map(|e| format!(" {:.0}s", e.as_secs_f64())).unwrap_or_default();
+        let mut err = std::io::stderr().lock();
+        if self.tty {
+            let _ = write!(err, "\r\x1b[K{} {what}{t}", self.bar());
+        } else if force {
+            let _ = writeln!(err, "{} {what}", self.bar());
+        }
+        let _ = err.flush();
+    }
+
+    fn step_done(&mut self) {
+        self.done += 1;
+    }
+
+    /// Prints a message on its own line.
+    fn note(&mut self, msg: &str) {
+        let mut err = std::io::stderr().lock();
+        if self.tty {
+            let _ = write!(err, "\r\x1b[K");
+        }
+        let _ = writeln!(err, "{msg}");
+        self.last = Instant::now() - Duration::from_secs(10);
+    }
+
+    fn finish(&mut self) {
+        if self.tty {
+            let _ = writeln!(std::io::stderr(), "\r\x1b[K{} done", self.bar());
+        }
+    }
+}
+
+/// What a run needs.
+struct Ctx<'a> {
+    args: &'a PressureArgs,
+    workload: Workload,
+    cgroup_name: String,
+    /// Reference output of each job.
+    expected: Vec<String>,
+    timeout: Duration,
+    progress: Progress,
+}
+
+/// Everything a run measured.
+struct Measured {
+    wall: Duration,
+    timed_out: bool,
+    vmstat: SwapCounters,
+    peak: PoolSample,
+    samples: u64,
+    max_usage: u64,
+    failcnt: u64,
+    oom_kills: u64,
+    jobs: Vec<workload::JobResult>,
+    /// Swap areas not ours seen during the run.
+    foreign: Vec<String>,
+}
+
+impl Ctx<'_> {
+    /// Runs the workload once in a fresh cgroup limited to `limit`, sampling `backend`'s pool.
+    fn measure(&mut self, backend: Option<&Backend>, limit: Option<u64>, label: &str) -> Result<Measured, String> {
+        let ours = backend.map(Backend::swap_paths).unwrap_or_default();
+        let mut foreign = foreign_swap(&ours);
+        let cg = MemCgroup::create(&self.cgroup_name).map_err(|e| e.to_string())?;
+        if let Err(e) = cg.set_swappiness(self.args.swappiness) {
+            self.progress.note(&format!("note: {e}"));
+        }
+        cg.set_limit(limit).map_err(|e| e.to_string())?;
+        let before = SwapCounters::now().map_err(|e| e.to_string())?;
+        let start = Instant::now();
+        let mut running = self.workload.spawn(&cg.procs_file())?;
+        let sample_every = Duration::from_millis(self.args.sample_ms.max(10));
+        let mut next_sample = start;
+        let mut next_swap_check = start;
+        let mut peak = PoolSample::default();
+        let mut samples = 0;
+        let mut timed_out = false;
+        loop {
+            if running.poll()? {
+                break;
+            }
+            if interrupted() {
+                running.kill();
+                return Err(INTERRUPTED_MSG.into());
+            }
+            if start.elapsed() > self.timeout {
+                running.kill();
+                timed_out = true;
+                break;
+            }
+            let now = Instant::now();
+            if now >= next_sample {
+                next_sample = now + sample_every;
+                if let Some(b) = backend {
+                    let s = b.sample();
+                    samples += 1;
+                    if s.pool_bytes > peak.pool_bytes {
+                        peak = s;
+                    }
+                }
+                self.progress.show(label, Some(start.elapsed()), false);
+            }
+            if now >= next_swap_check {
+                next_swap_check = now + Duration::from_secs(1);
+                for f in foreign_swap(&ours) {
+                    if !foreign.contains(&f) {
+                        foreign.push(f);
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let wall = start.elapsed();
+        let vmstat = SwapCounters::now().map_err(|e| e.to_string())?.since(&before);
+        if let Some(hw) = backend.and_then(Backend::pool_high_water) {
+            peak.pool_bytes = peak.pool_bytes.max(hw);
+        }
+        let m = Measured {
+            wall,
+            timed_out,
+            vmstat,
+            peak,
+            samples,
+            max_usage: cg.max_usage().map_err(|e| e.to_string())?,
+            failcnt: cg.failcnt().map_err(|e| e.to_string())?,
+            oom_kills: cg.oom_control().map_err(|e| e.to_string())?.oom_kill,
+            jobs: running.results(),
+            foreign,
+        };
+        drop(running);
+        cg.remove().map_err(|e| e.to_string())?;
+        Ok(m)
+    }
+
+    /// Classifies a run against the reference output.
+    fn outcome(&self, m: &Measured) -> (Outcome, Option<String>) {
+        classify(&self.expected, m)
+    }
+
+    /// Waits (up to 15 minutes) until no swap area other than `ours` is active,
+    /// unless other swap is allowed.
+    fn wait_for_other_swap(&mut self, ours: &[PathBuf], label: &str) -> Result<(), String> {
+        if self.args.allow_other_swap {
+            return Ok(());
+        }
+        let deadline = Instant::now() + Duration::from_secs(900);
+        let mut said = false;
+        loop {
+            let foreign = foreign_swap(ours);
+            if foreign.is_empty() {
+                return Ok(());
+            }
+            if interrupted() {
+                return Err(INTERRUPTED_MSG.into());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("other swap areas stayed active for 15 minutes: {}", foreign.join(", ")));
+            }
+            if !said {
+                self.progress.note(&format!(
+                    "{label}: waiting for other swap areas to go away ({}; someone else's test?)",
+                    foreign.join(", ")
+                ));
+                said = true;
+            }
+            self.progress.show(&format!("{label}: waiting for other swap to go away"), None, false);
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    /// One run of `backend` at `level`, repeated (up to 3 times) while other
+    /// swap areas appear during it, unless other swap is allowed.
+    fn run_one(
+        &mut self,
+        backend: &mut Backend,
+        name: &str,
+        level: u32,
+        run: u32,
+        peak: u64,
+    ) -> Result<RunRecord, String> {
+        let label = format!("{name}@{} run {run}", report::level_title(level));
+        let mut attempt = 1;
+        loop {
+            self.wait_for_other_swap(&backend.swap_paths(), &label)?;
+            self.progress.show(&label, None, true);
+            let r = self.attempt(backend, name, level, run, peak, &label)?;
+            if r.foreign_swap.is_empty() || self.args.allow_other_swap || attempt == 3 {
+                return Ok(r);
+            }
+            self.progress.note(&format!(
+                "{label}: other swap areas were active during the run ({}); repeating it",
+                r.foreign_swap.join(", ")
+            ));
+            attempt += 1;
+        }
+    }
+
+    /// One run: fresh swap area, workload, teardown.
+    fn attempt(
+        &mut self,
+        backend: &mut Backend,
+        name: &str,
+        level: u32,
+        run: u32,
+        peak: u64,
+        label: &str,
+    ) -> Result<RunRecord, String> {
+        let limit = limit_for(level, peak);
+        let t = Instant::now();
+        if let Err(e) = backend.activate() {
+            if let Err(d) = backend.deactivate() {
+                return Err(format!("{e}; then, undoing it: {d}"));
+            }
+            return Err(e);
+        }
+        let setup_secs = t.elapsed().as_secs_f64();
+        let counters_before = backend.counters();
+        let measured = self.measure(Some(backend), limit, label);
+        let counters = backend.counters().map(|after| counter_deltas(counters_before.as_ref(), &after));
+        let t = Instant::now();
+        let down = backend.deactivate();
+        let teardown_secs = t.elapsed().as_secs_f64();
+        let m = measured?;
+        down?;
+        let (outcome, message) = self.outcome(&m);
+        Ok(RunRecord {
+            backend: name.to_owned(),
+            level,
+            limit_bytes: limit,
+            run,
+            outcome,
+            wall_secs: m.wall.as_secs_f64(),
+            vmstat: m.vmstat,
+            pool_peak_bytes: m.peak.pool_bytes,
+            pool_stored_bytes_at_peak: m.peak.stored_bytes,
+            pool_samples: m.samples,
+            cgroup_max_usage_bytes: m.max_usage,
+            cgroup_failcnt: m.failcnt,
+            oom_kills: m.oom_kills,
+            setup_secs,
+            teardown_secs,
+            jobs: m.jobs,
+            message,
+            foreign_swap: m.foreign,
+            backend_counters: counters,
+        })
+    }
+}
+
+/// How a run ended, given the reference outputs: a wrong checksum beats
+/// everything (it must never go unnoticed), then OOM kills, timeouts, other failures.
+fn classify(expected: &[String], m: &Measured) -> (Outcome, Option<String>) {
+    let wrong: Vec<String> = m
+        .jobs
+        .iter()
+        .zip(expected)
+        .filter(|(j, want)| j.code == Some(0) && j.output != **want)
+        .map(|(j, want)| format!("job seed {}: got {:?}, expected {want:?}", j.seed, j.output))
+        .collect();
+    if !wrong.is_empty() {
+        return (Outcome::Wrong, Some(wrong.join("; ")));
+    }
+    if m.oom_kills > 0 {
+        return (Outcome::Oom, Some(format!("the OOM killer killed {} task(s)", m.oom_kills)));
+    }
+    if m.timed_out {
+        return (Outcome::Timeout, Some(format!("killed after {:.0} s", m.wall.as_secs_f64())));
+    }
+    let failed: Vec<String> = m
+        .jobs
+        .iter()
+        .filter(|j| j.code != Some(0))
+        .map(|j| format!("job seed {}: exit {:?} signal {:?}: {}", j.seed, j.code, j.signal, j.stderr_tail))
+        .collect();
+    if !failed.is_empty() {
+        return (Outcome::Fail, Some(failed.join("; ")));
+    }
+    (Outcome::Ok, None)
+}
+
+/// memory.limit_in_bytes for a level (None: no limit), page aligned.
+fn limit_for(level: u32, peak: u64) -> Option<u64> {
+    (level < 100).then(|| u64::try_from(u128::from(peak) * u128::from(level) / 100).unwrap_or(u64::MAX) & !4095)
+}
+
+/// Active swap areas that are not `ours`.
+fn foreign_swap(ours: &[PathBuf]) -> Vec<String> {
+    swap::swaps()
+        .map(|v| v.into_iter().filter(|a| !ours.contains(&a.path)).map(|a| a.path.display().to_string()).collect())
+        .unwrap_or_default()
+}
+
+fn counter_deltas(
+    before: Option<&std::collections::BTreeMap<String, u64>>,
+    after: &std::collections::BTreeMap<String, u64>,
+) -> std::collections::BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(k, v)| {
+            // Gauges (pool sizes, stored pages) are kept as they are; counters become deltas.
+            let gauge = k.contains("size") || k.contains("stored") || k.contains("same_filled");
+            let d = if gauge { *v } else { v.saturating_sub(before.and_then(|b| b.get(k)).copied().unwrap_or(0)) };
+            (k.clone(), d)
+        })
+        .collect()
+}
+
+/// Rounds up to a multiple of 64 MiB.
+fn round_up_64m(b: u64) -> u64 {
+    const M: u64 = 64 << 20;
+    b.div_ceil(M) * M
+}
+
+fn preflight(a: &PressureArgs) -> Result<(), String> {
+    if !tmem_sys::is_root() {
+        return Err("tmem bench pressure needs root (memory cgroups, swapon, zram, zswap)".into());
+    }
+    cgroup::v1_memory_available().map_err(|e| e.to_string())?;
+    if a.levels.is_empty() || a.levels.iter().any(|l| *l == 0 || *l > 100) {
+        return Err("--levels must be percentages in 1..=100 (100 = no limit)".into());
+    }
+    if a.backends.is_empty() {
+        return Err("--backends is empty".into());
+    }
+    if a.runs == 0 {
+        return Err("--runs must be at least 1".into());
+    }
+    let mut seen = a.backends.clone();
+    seen.sort();
+    seen.dedup();
+    if seen.len() != a.backends.len() {
+        return Err("--backends lists a backend twice".into());
+    }
+    let areas = swap::swaps().map_err(|e| e.to_string())?;
+    if !areas.is_empty() && !a.allow_other_swap {
+        let list: Vec<String> = areas.iter().map(|s| s.path.display().to_string()).collect();
+        return Err(format!(
+            "other swap areas are active ({}); they would take part in every run. \
+             swapoff them first, or pass --allow-other-swap",
+            list.join(", ")
+        ));
+    }
+    cmd(&a.python, &["-c", "import sys; assert sys.version_info >= (3, 6)"])
+        .map_err(|e| format!("the workload needs Python 3 ({}): {e}", a.python))?;
+    for b in &a.backends {
+        match b {
+            BackendKind::Zram => {
+                zram::check_available(&a.zram_device).map_err(|e| format!("zram backend: {e}"))?;
+            }
+            BackendKind::Zswap if !zswap::available() => return Err("zswap backend: this kernel has no zswap".into()),
+            BackendKind::Disk | BackendKind::Zswap if !a.swap_dir.is_dir() => {
+                return Err(format!("--swap-dir {} is not a directory", a.swap_dir.display()));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Turns zswap off if it is on; the returned guard turns it back on.
+fn zswap_off() -> Result<Option<zswap::ZswapSettings>, String> {
+    if !zswap::available() {
+        return Ok(None);
+    }
+    let mut s = zswap::ZswapSettings::save().map_err(|e| e.to_string())?;
+    if !zswap::is_on(&s.get("enabled").map_err(|e| e.to_string())?) {
+        return Ok(None);
+    }
+    s.set("enabled", "N").map_err(|e| e.to_string())?;
+    eprintln!("note: zswap was enabled; it is disabled during the bench and re-enabled afterwards");
+    Ok(Some(s))
+}
+
+/// The JSON file.
+#[derive(serde::Serialize)]
+struct JsonOut<'a> {
+    tool: &'static str,
+    args: &'a PressureArgs,
+    kernel: String,
+    cpus: usize,
+    mem_total_bytes: u64,
+    peak_bytes: u64,
+    swap_size_bytes: u64,
+    reference: &'a RunRecord,
+    runs: &'a [RunRecord],
+    summary: &'a [report::Summary],
+    errors: &'a [String],
+}
+
+/// `tmem bench pressure`.
+pub fn run(a: &PressureArgs) -> Result<(), String> {
+    preflight(a)?;
+    install_signal_handlers();
+    // zswap, if on, would sit in front of every backend: off for the bench (restored on drop).
+    let _zswap_off = zswap_off()?;
+    let pid = std::process::id();
+    let workload = Workload::install(
+        &std::env::temp_dir().join(format!("tmem-bench-{pid}")),
+        &a.python,
+        a.workload_mib,
+        a.jobs,
+        a.passes,
+    )?;
+    let total = 1 + a.backends.len() * a.levels.len() * usize::try_from(a.runs).unwrap_or(usize::MAX);
+    let mut ctx = Ctx {
+        args: a,
+        workload,
+        cgroup_name: format!("tmem-bench-{pid}"),
+        expected: Vec::new(),
+        timeout: Duration::from_secs(if a.timeout > 0 { a.timeout } else { 3600 }),
+        progress: Progress::new(total),
+    };
+
+    // Reference run: no limit, no swap of ours; gives the peak and the checksums.
+    ctx.progress.show("reference run (no limit, no swap)", None, true);
+    let m = ctx.measure(None, None, "reference run")?;
+    if m.timed_out || m.oom_kills > 0 || m.jobs.iter().any(|j| j.code != Some(0) || j.output.is_empty()) {
+        return Err(format!("the reference run failed: {:?}", m.jobs));
+    }
+    ctx.expected = m.jobs.iter().map(|j| j.output.clone()).collect();
+    let peak = m.max_usage;
+    if a.timeout == 0 {
+        ctx.timeout = Duration::from_secs_f64((m.wall.as_secs_f64() * 20.0).max(300.0));
+    }
+    let reference = RunRecord {
+        backend: "none".into(),
+        level: 100,
+        limit_bytes: None,
+        run: 1,
+        outcome: Outcome::Ok,
+        wall_secs: m.wall.as_secs_f64(),
+        vmstat: m.vmstat,
+        pool_peak_bytes: 0,
+        pool_stored_bytes_at_peak: 0,
+        pool_samples: 0,
+        cgroup_max_usage_bytes: m.max_usage,
+        cgroup_failcnt: m.failcnt,
+        oom_kills: 0,
+        setup_secs: 0.0,
+        teardown_secs: 0.0,
+        jobs: m.jobs,
+        message: None,
+        foreign_swap: m.foreign,
+        backend_counters: None,
+    };
+    ctx.progress.step_done();
+    let swap_size = round_up_64m(peak);
+    ctx.progress.note(&format!(
+        "reference run: {:.1} s, peak {} (memory.max_usage_in_bytes), {} job(s) of {} MiB; swap areas of {}",
+        reference.wall_secs,
+        crate::daemon::human(peak),
+        a.jobs,
+        ctx.workload.mib_per_job,
+        crate::daemon::human(swap_size)
+    ));
+
+    let cfg = BackendConfig {
+        swap_size,
+        swap_file: a.swap_dir.join(format!("tmem-bench-swap-{pid}")),
+        zram_device: a.zram_device.clone(),
+        zram_algorithm: a.zram_algorithm.clone(),
+        zswap_compressor: a.zswap_compressor.clone(),
+        zswap_max_pool_percent: a.zswap_max_pool_percent,
+        tmem_runtime_dir: PathBuf::from(format!("/run/tmem-bench-{pid}")),
+        tmem_pool_limit: a.tmem_pool_limit.clone(),
+        tmem_codec: a.tmem_codec.clone(),
+    };
+    let mut runs: Vec<RunRecord> = Vec::new();
+    let mut errors: Vec<String> = Vec::new();
+    'backends: for &kind in &a.backends {
+        if interrupted() {
+            break;
+        }
+        let name = kind.name();
+        ctx.progress.show(&format!("{name}: preparing"), None, true);
+        let mut backend = match Backend::prepare(kind, &cfg) {
+            Ok(b) => b,
+            Err(e) => {
+                ctx.progress.note(&format!("{name}: cannot prepare: {e}"));
+                errors.push(format!("{name}: {e}"));
+                ctx.progress.done += a.levels.len() * usize::try_from(a.runs).unwrap_or(0);
+                continue;
+            }
+        };
+        for &level in &a.levels {
+            for run in 1..=a.runs {
+                match ctx.run_one(&mut backend, name, level, run, peak) {
+                    Ok(r) => {
+                        if r.outcome == Outcome::Wrong {
+                            ctx.progress.note(&format!(
+                                "!!! WRONG OUTPUT: {name}@{}% run {run}: {}",
+                                level,
+                                r.message.as_deref().unwrap_or("")
+                            ));
+                        } else if r.outcome != Outcome::Ok {
+                            ctx.progress.note(&format!(
+                                "{name}@{}: run {run}: {} ({})",
+                                report::level_title(level),
+                                r.outcome.marker(),
+                                r.message.as_deref().unwrap_or("")
+                            ));
+                        }
+                        runs.push(r);
+                    }
+                    Err(e) => {
+                        ctx.progress.note(&format!("{name}@{}: run {run}: error: {e}", report::level_title(level)));
+                        errors.push(format!("{name}@{level}% run {run}: {e}"));
+                        if interrupted() {
+                            break 'backends;
+                        }
+                        // The backend may be in a bad state: give up on it.
+                        if let Err(e) = backend.finish() {
+                            errors.push(format!("{name}: cleanup: {e}"));
+                        }
+                        continue 'backends;
+                    }
+                }
+                ctx.progress.step_done();
+            }
+        }
+        ctx.progress.show(&format!("{name}: cleaning up"), None, true);
+        if let Err(e) = backend.finish() {
+            ctx.progress.note(&format!("{name}: cleanup: {e}"));
+            errors.push(format!("{name}: cleanup: {e}"));
+        }
+    }
+    ctx.progress.finish();
+
+    let names: Vec<&str> = a.backends.iter().map(|b| b.name()).collect();
+    let summary = report::summarize(&runs, &names, &a.levels);
+    print_report(a, &reference, peak, &runs, &summary, &names);
+    if let Some(path) = &a.json {
+        let out = JsonOut {
+            tool: "tmem bench pressure",
+            args: a,
+            kernel: cmd("uname", &["-r"]).unwrap_or_default(),
+            cpus: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+            mem_total_bytes: swap::total_ram_bytes().unwrap_or(0),
+            peak_bytes: peak,
+            swap_size_bytes: swap_size,
+            reference: &reference,
+            runs: &runs,
+            summary: &summary,
+            errors: &errors,
+        };
+        let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
+        println!("raw runs written to {}", path.display());
+    }
+    let wrong = runs.iter().filter(|r| r.outcome == Outcome::Wrong).count();
+    if wrong > 0 {
+        return Err(format!("{wrong} run(s) produced WRONG output: data was corrupted under memory pressure"));
+    }
+    if interrupted() {
+        return Err(INTERRUPTED_MSG.into());
+    }
+    if !errors.is_empty() {
+        return Err(format!("{} error(s): {}", errors.len(), errors.join("; ")));
+    }
+    Ok(())
+}
+
+fn print_report(
+    a: &PressureArgs,
+    reference: &RunRecord,
+    peak: u64,
+    runs: &[RunRecord],
+    summary: &[report::Summary],
+    names: &[&str],
+) {
+    println!(
+        "tmem bench pressure: workload {} MiB in {} job(s), {} pass(es); measured peak {} in {:.1} s (no limit, no swap)",
+        a.workload_mib,
+        a.jobs,
+        a.passes,
+        crate::daemon::human(peak),
+        reference.wall_secs
+    );
+    println!(
+        "backends: disk = swap file in {} (prio {}); zram = /dev/{} {} (prio {}); zswap = {} max_pool_percent {} over the disk file; \
+         tmem = tmem swap up --codec {} --pool-limit {} (prio {}). {} run(s) per cell.",
+        a.swap_dir.display(),
+        backend::DISK_PRIORITY,
+        a.zram_device,
+        a.zram_algorithm,
+        backend::RAM_PRIORITY,
+        a.zswap_compressor,
+        a.zswap_max_pool_percent,
+        a.tmem_codec,
+        a.tmem_pool_limit,
+        backend::RAM_PRIORITY,
+        a.runs
+    );
+    println!();
+    print!("{}", report::render_table(summary, names, &a.levels));
+    println!();
+    if names.contains(&"zswap") {
+        println!(
+            "note: zswap charges its compressed pool to the workload's memory cgroup only on cgroup v2 \
+             (obj_cgroup_charge_zswap() returns early on v1); with the v1 controller used here no backend's pool \
+             counts against the limit: zram's is uncharged kernel memory, tmem's belongs to its daemon in the root \
+             cgroup, zswap's is uncharged too."
+        );
+    } else {
+        println!(
+            "note: no backend's pool counts against the workload's limit: zram's is uncharged kernel memory, \
+             tmem's belongs to its daemon in the root cgroup."
+        );
+    }
+    println!(
+        "note: pswpout/pswpin are system-wide /proc/vmstat deltas over each run; pages zswap keeps count as zswpout/zswpin."
+    );
+    for r in runs.iter().filter(|r| r.outcome != Outcome::Ok) {
+        println!(
+            "{} {}@{} run {}: {}",
+            if r.outcome == Outcome::Wrong { "!!! WRONG:" } else { r.outcome.marker() },
+            r.backend,
+            report::level_title(r.level),
+            r.run,
+            r.message.as_deref().unwrap_or("")
+        );
+    }
+    let foreign: Vec<&RunRecord> = runs.iter().filter(|r| !r.foreign_swap.is_empty()).collect();
+    if !foreign.is_empty() {
+        println!(
+            "warning: {} run(s) had other swap areas active: {}",
+            foreign.len(),
+            foreign[0].foreign_swap.join(", ")
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use workload::JobResult;
+
+    fn job(code: Option<i32>, signal: Option<i32>, out: &str) -> JobResult {
+        JobResult { seed: 1, code, signal, output: out.into(), stderr_tail: String::new() }
+    }
+
+    fn measured(jobs: Vec<JobResult>, oom: u64, timed_out: bool) -> Measured {
+        Measured {
+            wall: Duration::from_secs(3),
+            timed_out,
+            vmstat: SwapCounters::default(),
+            peak: PoolSample::default(),
+            samples: 0,
+            max_usage: 0,
+            failcnt: 0,
+            oom_kills: oom,
+            jobs,
+            foreign: vec![],
+        }
+    }
+
+    #[test]
+    fn runs_are_classified() {
+        let exp = vec!["checksum a".to_owned(), "checksum b".to_owned()];
+        let ok = measured(vec![job(Some(0), None, "checksum a"), job(Some(0), None, "checksum b")], 0, false);
+        assert_eq!(classify(&exp, &ok).0, Outcome::Ok);
+        let wrong = measured(vec![job(Some(0), None, "checksum a"), job(Some(0), None, "checksum X")], 1, false);
+        assert_eq!(classify(&exp, &wrong).0, Outcome::Wrong, "wrong output wins over OOM");
+        let oom = measured(vec![job(None, Some(9), ""), job(Some(0), None, "checksum b")], 1, false);
+        assert_eq!(classify(&exp, &oom).0, Outcome::Oom);
+        let t = measured(vec![job(None, Some(9), ""), job(None, Some(9), "")], 0, true);
+        assert_eq!(classify(&exp, &t).0, Outcome::Timeout);
+        let f = measured(vec![job(Some(1), None, ""), job(Some(0), None, "checksum b")], 0, false);
+        let (o, msg) = classify(&exp, &f);
+        assert_eq!(o, Outcome::Fail);
+        assert!(msg.unwrap().contains("exit Some(1)"));
+    }
+
+    #[test]
+    fn limits_and_sizes() {
+        assert_eq!(limit_for(100, 1 << 30), None);
+        assert_eq!(limit_for(50, 1 << 30), Some(1 << 29));
+        assert_eq!(limit_for(35, 1_000_000_000), Some(349_999_104));
+        assert_eq!(round_up_64m(1), 64 << 20);
+        assert_eq!(round_up_64m(64 << 20), 64 << 20);
+        assert_eq!(round_up_64m((64 << 20) + 1), 128 << 20);
+    }
+
+    #[test]
+    fn counter_deltas_keep_gauges() {
+        let b: std::collections::BTreeMap<String, u64> =
+            [("pool_total_size".to_owned(), 100), ("reject_alloc_fail".to_owned(), 5)].into_iter().collect();
+        let a: std::collections::BTreeMap<String, u64> =
+            [("pool_total_size".to_owned(), 50), ("reject_alloc_fail".to_owned(), 7), ("new".to_owned(), 1)]
+                .into_iter()
+                .collect();
+        let d = counter_deltas(Some(&b), &a);
+        assert_eq!(d["pool_total_size"], 50);
+        assert_eq!(d["reject_alloc_fail"], 2);
+        assert_eq!(d["new"], 1);
+    }
+
+    #[test]
+    fn workload_script_is_embedded() {
+        assert!(workload::SCRIPT.contains("def main"));
+        assert!(workload::SCRIPT.starts_with("#!/usr/bin/env python3"));
+    }
+}

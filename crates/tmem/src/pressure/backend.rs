@@ -1,0 +1,566 @@
+//! The swap backends of `tmem bench pressure`: a disk swap file, kernel zram,
+//! zswap in front of the disk swap file, and tmem.
+//!
+//! Each backend is *prepared* once (swap file created, zswap parameters set),
+//! *activated* before every run (swapon on an empty area) and *deactivated*
+//! after it (swapoff, zram reset, tmem daemon stopped), so every run starts
+//! with an empty swap area. *Finishing* undoes the preparation. Every piece
+//! also undoes itself on drop, so an error or a panic anywhere leaves no swap
+//! area, zram setting, zswap parameter, mount or daemon behind.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tmem_sys::{swap, zram, zswap};
+
+use super::cmd;
+use crate::ctl::{self, Request};
+
+/// Which backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// A swap file on the root filesystem.
+    Disk,
+    /// Kernel zram.
+    Zram,
+    /// zswap in front of the disk swap file.
+    Zswap,
+    /// tmem: `tmem swap up` (FUSE + loop + swapon).
+    Tmem,
+}
+
+impl BackendKind {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Disk => "disk",
+            Self::Zram => "zram",
+            Self::Zswap => "zswap",
+            Self::Tmem => "tmem",
+        }
+    }
+}
+
+/// What a backend needs to know.
+#[derive(Clone, Debug)]
+pub struct BackendConfig {
+    /// Swap area size, bytes.
+    pub swap_size: u64,
+    /// Disk swap file (disk and zswap backends).
+    pub swap_file: PathBuf,
+    /// zram device name.
+    pub zram_device: String,
+    /// zram algorithm.
+    pub zram_algorithm: String,
+    /// zswap compressor.
+    pub zswap_compressor: String,
+    /// zswap max_pool_percent.
+    pub zswap_max_pool_percent: u32,
+    /// tmem runtime directory.
+    pub tmem_runtime_dir: PathBuf,
+    /// tmem --pool-limit.
+    pub tmem_pool_limit: String,
+    /// tmem --codec.
+    pub tmem_codec: String,
+}
+
+/// Priority of the disk swap file (and of zswap's).
+pub const DISK_PRIORITY: i32 = 10;
+/// Priority of zram and tmem.
+pub const RAM_PRIORITY: i32 = 100;
+
+/// Pool memory of a backend at one instant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PoolSample {
+    /// Memory the pool uses (compressed data, fragmentation, metadata).
+    pub pool_bytes: u64,
+    /// Uncompressed bytes of the pages it holds.
+    pub stored_bytes: u64,
+}
+
+/// A prepared backend.
+pub enum Backend {
+    /// Disk swap file.
+    Disk(DiskSwap),
+    /// zram.
+    Zram(Zram),
+    /// zswap over a disk swap file. Fields drop in order: swapoff, then the
+    /// parameters are restored, then debugfs is unmounted.
+    Zswap {
+        /// The swap file behind zswap.
+        disk: DiskSwap,
+        /// Saved parameters.
+        settings: zswap::ZswapSettings,
+        /// debugfs, for zswap's counters.
+        debugfs: Option<zswap::DebugfsMount>,
+    },
+    /// tmem daemon.
+    Tmem(Tmem),
+}
+
+impl Backend {
+    /// Prepares `kind`.
+    pub fn prepare(kind: BackendKind, c: &BackendConfig) -> Result<Self, String> {
+        match kind {
+            BackendKind::Disk => Ok(Self::Disk(DiskSwap::create(&c.swap_file, c.swap_size)?)),
+            BackendKind::Zram => Ok(Self::Zram(Zram::prepare(&c.zram_device, &c.zram_algorithm, c.swap_size)?)),
+            BackendKind::Zswap => {
+                let mut settings = zswap::ZswapSettings::save().map_err(|e| e.to_string())?;
+                let set = |s: &mut zswap::ZswapSettings, k: &str, v: &str| {
+                    s.set(k, v).map_err(|e| format!("zswap: setting {k}={v}: {e}"))
+                };
+                set(&mut settings, "compressor", &c.zswap_compressor)?;
+                set(&mut settings, "max_pool_percent", &c.zswap_max_pool_percent.to_string())?;
+                set(&mut settings, "enabled", "Y")?;
+                let debugfs = match zswap::DebugfsMount::ensure() {
+                    Ok(d) => Some(d),
+                    Err(e) => {
+                        eprintln!("note: no zswap debugfs counters: {e}");
+                        None
+                    }
+                };
+                let disk = DiskSwap::create(&c.swap_file, c.swap_size)?;
+                Ok(Self::Zswap { disk, settings, debugfs })
+            }
+            BackendKind::Tmem => Ok(Self::Tmem(Tmem::prepare(c)?)),
+        }
+    }
+
+    /// Swap paths this backend puts in /proc/swaps (known once active).
+    pub fn swap_paths(&self) -> Vec<PathBuf> {
+        match self {
+            Self::Disk(d) | Self::Zswap { disk: d, .. } => vec![d.path.clone()],
+            Self::Zram(z) => vec![PathBuf::from(format!("/dev/{}", z.dev))],
+            Self::Tmem(t) => t.loop_devs.clone(),
+        }
+    }
+
+    /// swapon on an empty area.
+    pub fn activate(&mut self) -> Result<(), String> {
+        match self {
+            Self::Disk(d) | Self::Zswap { disk: d, .. } => d.activate(),
+            Self::Zram(z) => z.activate(),
+            Self::Tmem(t) => t.activate(),
+        }
+    }
+
+    /// swapoff and empty the area.
+    pub fn deactivate(&mut self) -> Result<(), String> {
+        match self {
+            Self::Disk(d) | Self::Zswap { disk: d, .. } => d.deactivate(),
+            Self::Zram(z) => z.deactivate(),
+            Self::Tmem(t) => t.deactivate(),
+        }
+    }
+
+    /// Pool memory now.
+    pub fn sample(&self) -> PoolSample {
+        match self {
+            Self::Disk(_) => PoolSample::default(),
+            Self::Zram(z) => zram::mm_stat(&z.dev)
+                .map(|m| PoolSample { pool_bytes: m.mem_used_total, stored_bytes: m.orig_data_size })
+                .unwrap_or_default(),
+            Self::Zswap { .. } => {
+                PoolSample { pool_bytes: zswap::pool_bytes().unwrap_or(0), stored_bytes: zswap::stored_bytes() }
+            }
+            Self::Tmem(t) => t.sample(),
+        }
+    }
+
+    /// The kernel's own high-water mark of pool memory, where there is one
+    /// (zram `mem_used_max`).
+    pub fn pool_high_water(&self) -> Option<u64> {
+        match self {
+            Self::Zram(z) => zram::mm_stat(&z.dev).ok().map(|m| m.mem_used_max),
+            _ => None,
+        }
+    }
+
+    /// Counters worth keeping with each run (zswap's debugfs counters).
+    pub fn counters(&self) -> Option<std::collections::BTreeMap<String, u64>> {
+        match self {
+            Self::Zswap { debugfs: Some(_), .. } => zswap::debug_stats().ok(),
+            _ => None,
+        }
+    }
+
+    /// Undoes the preparation; reports every failure.
+    pub fn finish(self) -> Result<(), String> {
+        match self {
+            Self::Disk(d) => d.remove(),
+            Self::Zram(mut z) => z.deactivate(),
+            Self::Zswap { disk, mut settings, debugfs } => {
+                let mut errs = Vec::new();
+                if let Err(e) = disk.remove() {
+                    errs.push(e);
+                }
+                if let Err(e) = settings.restore() {
+                    errs.push(e.to_string());
+                }
+                if let Some(d) = debugfs {
+                    if let Err(e) = d.release() {
+                        errs.push(e.to_string());
+                    }
+                }
+                if errs.is_empty() {
+                    Ok(())
+                } else {
+                    Err(errs.join("; "))
+                }
+            }
+            Self::Tmem(mut t) => t.finish(),
+        }
+    }
+}
+
+/// A swap file we created.
+pub struct DiskSwap {
+    path: PathBuf,
+    created: bool,
+    active: bool,
+}
+
+impl DiskSwap {
+    /// Creates the file (it must not exist), allocates it fully and writes a swap signature.
+    pub fn create(path: &Path, size: u64) -> Result<Self, String> {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|e| format!("cannot create swap file {}: {e}", path.display()))?;
+        drop(f);
+        let d = Self { path: path.to_owned(), created: true, active: false };
+        let p = path.to_string_lossy();
+        cmd("fallocate", &["--length", &size.to_string(), &p])?;
+        cmd("mkswap", &["--label", "tmem-bench", &p])?;
+        Ok(d)
+    }
+
+    fn activate(&mut self) -> Result<(), String> {
+        self.active = true;
+        cmd("swapon", &["--priority", &DISK_PRIORITY.to_string(), &self.path.to_string_lossy()]).map(drop)
+    }
+
+    fn deactivate(&mut self) -> Result<(), String> {
+        if self.active && swap::is_swap(&self.path).map_err(|e| e.to_string())? {
+            cmd("swapoff", &[&self.path.to_string_lossy()])?;
+        }
+        self.active = false;
+        Ok(())
+    }
+
+    /// swapoff (if needed) and delete the file.
+    pub fn remove(mut self) -> Result<(), String> {
+        self.remove_now()
+    }
+
+    fn remove_now(&mut self) -> Result<(), String> {
+        self.active = self.active || swap::is_swap(&self.path).unwrap_or(false);
+        self.deactivate()?;
+        if std::mem::take(&mut self.created) {
+            std::fs::remove_file(&self.path).map_err(|e| format!("cannot remove {}: {e}", self.path.display()))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DiskSwap {
+    fn drop(&mut self) {
+        if let Err(e) = self.remove_now() {
+            eprintln!("warning: swap file {}: {e}; run swapoff and rm by hand", self.path.display());
+        }
+    }
+}
+
+/// zram used as swap; the device is put back the way it was found after every run.
+pub struct Zram {
+    dev: String,
+    algorithm: String,
+    disksize: u64,
+    original_algorithm: String,
+    original_mem_limit: u64,
+    active: bool,
+    lock: Option<File>,
+}
+
+impl Zram {
+    fn prepare(dev: &str, algorithm: &str, disksize: u64) -> Result<Self, String> {
+        zram::check_available(dev)?;
+        let algs = zram::algorithms(dev).map_err(|e| e.to_string())?;
+        if !algs.iter().any(|a| a == algorithm) {
+            return Err(format!("{dev} does not offer {algorithm} (it offers {})", algs.join(", ")));
+        }
+        Ok(Self {
+            dev: dev.to_owned(),
+            algorithm: algorithm.to_owned(),
+            disksize,
+            original_algorithm: zram::current_algorithm(dev).map_err(|e| e.to_string())?,
+            original_mem_limit: zram::mm_stat(dev).map_err(|e| e.to_string())?.mem_limit,
+            active: false,
+            lock: None,
+        })
+    }
+
+    fn attr(&self, name: &str) -> PathBuf {
+        Path::new("/sys/block").join(&self.dev).join(name)
+    }
+
+    fn write(&self, name: &str, value: &str) -> Result<(), String> {
+        let p = self.attr(name);
+        std::fs::write(&p, value).map_err(|e| format!("cannot write {value:?} to {}: {e}", p.display()))
+    }
+
+    fn activate(&mut self) -> Result<(), String> {
+        // Idle now? (This takes and releases the lock of `tmem_sys::zram`.)
+        zram::check_available(&self.dev).map_err(|e| format!("{} is busy: {e}", self.dev))?;
+        // Then hold that lock for the run, serialising with `tmem bench store` and the
+        // zram tests, and check again that nobody took the device in between.
+        self.lock = Some(lock_zram(&self.dev)?);
+        let node = PathBuf::from(format!("/dev/{}", self.dev));
+        if zram::disksize(&self.dev).map_err(|e| e.to_string())? != 0 || swap::is_swap(&node).unwrap_or(true) {
+            self.lock = None;
+            return Err(format!("{} was taken by someone else", self.dev));
+        }
+        self.active = true;
+        self.write("comp_algorithm", &self.algorithm)?;
+        self.write("disksize", &self.disksize.to_string())?;
+        let node = node.to_string_lossy();
+        cmd("mkswap", &["--label", "tmem-bench-zram", &node])?;
+        cmd("swapon", &["--discard", "--priority", &RAM_PRIORITY.to_string(), &node]).map(drop)
+    }
+
+    fn deactivate(&mut self) -> Result<(), String> {
+        if !self.active {
+            return Ok(());
+        }
+        let node = PathBuf::from(format!("/dev/{}", self.dev));
+        if swap::is_swap(&node).map_err(|e| e.to_string())? {
+            cmd("swapoff", &[&node.to_string_lossy()])?;
+        }
+        // udev may briefly hold the device open after swapoff.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.write("reset", "1") {
+                Ok(()) => break,
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+        self.write("comp_algorithm", &self.original_algorithm)?;
+        if self.original_mem_limit != 0 {
+            self.write("mem_limit", &self.original_mem_limit.to_string())?;
+        }
+        self.active = false;
+        self.lock = None;
+        Ok(())
+    }
+}
+
+impl Drop for Zram {
+    fn drop(&mut self) {
+        if let Err(e) = self.deactivate() {
+            eprintln!(
+                "warning: {} not restored: {e}; do: swapoff /dev/{0}; echo 1 > /sys/block/{0}/reset; echo {} > /sys/block/{0}/comp_algorithm",
+                self.dev, self.original_algorithm
+            );
+        }
+    }
+}
+
+/// Takes the advisory lock `tmem_sys::zram` uses for `dev`.
+fn lock_zram(dev: &str) -> Result<File, String> {
+    let dir = if Path::new("/run/lock").is_dir() { PathBuf::from("/run/lock") } else { std::env::temp_dir() };
+    let path = dir.join(format!("tmem-sys-{dev}.lock"));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        // SAFETY: `f` is an open file for the whole call; flock only changes its advisory lock.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(f);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{dev} has been locked by another tmem process for 5 minutes ({})", path.display()));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// This binary's path. When it was rebuilt while the bench runs, the kernel
+/// reports the old file as "PATH (deleted)": use PATH, the new build.
+fn current_exe() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let s = exe.to_string_lossy();
+    Ok(s.strip_suffix(" (deleted)").map_or_else(|| exe.clone(), PathBuf::from))
+}
+
+/// A tmem daemon started with `tmem swap up`.
+pub struct Tmem {
+    exe: PathBuf,
+    dir: PathBuf,
+    size: u64,
+    pool_limit: String,
+    codec: String,
+    active: bool,
+    pid: Option<i32>,
+    loop_devs: Vec<PathBuf>,
+}
+
+impl Tmem {
+    fn prepare(c: &BackendConfig) -> Result<Self, String> {
+        if !Path::new("/dev/fuse").exists() {
+            return Err("/dev/fuse is missing (modprobe fuse)".into());
+        }
+        if c.tmem_runtime_dir.exists() {
+            return Err(format!("{} exists already; is another bench running?", c.tmem_runtime_dir.display()));
+        }
+        Ok(Self {
+            exe: current_exe()?,
+            dir: c.tmem_runtime_dir.clone(),
+            size: c.swap_size,
+            pool_limit: c.tmem_pool_limit.clone(),
+            codec: c.tmem_codec.clone(),
+            active: false,
+            pid: None,
+            loop_devs: Vec::new(),
+        })
+    }
+
+    fn tmem(&self, args: &[&str]) -> Result<String, String> {
+        let dir = self.dir.to_string_lossy();
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(["--runtime-dir", &dir]);
+        // Resolved every time: the binary may be rebuilt while the bench runs.
+        let exe = current_exe().unwrap_or_else(|_| self.exe.clone());
+        cmd(&exe.to_string_lossy(), &all)
+    }
+
+    fn activate(&mut self) -> Result<(), String> {
+        self.active = true;
+        let size = self.size.to_string();
+        let prio = RAM_PRIORITY.to_string();
+        let r = self.tmem(&[
+            "swap",
+            "up",
+            "--size",
+            &size,
+            "--pool-limit",
+            &self.pool_limit,
+            "--codec",
+            &self.codec,
+            "--priority",
+            &prio,
+        ]);
+        // Whether or not `up` succeeded, learn what runs so that teardown can find it.
+        if let Ok(st) = ctl::call_ok(&self.dir, &Request::Status, Duration::from_secs(5)) {
+            self.pid = st.get("pid").and_then(serde_json::Value::as_i64).and_then(|p| i32::try_from(p).ok());
+            self.loop_devs = st
+                .get("devices")
+                .and_then(serde_json::Value::as_array)
+                .map(|v| v.iter().filter_map(|d| d.get("loop_dev")?.as_str().map(PathBuf::from)).collect())
+                .unwrap_or_default();
+        }
+        r.map(drop)
+    }
+
+    fn sample(&self) -> PoolSample {
+        let Ok(data) = ctl::call_ok(&self.dir, &Request::Stat, Duration::from_secs(2)) else {
+            return PoolSample::default();
+        };
+        let mut s = PoolSample::default();
+        for d in data.as_array().map(Vec::as_slice).unwrap_or_default() {
+            let get = |ptr: &str| d.pointer(ptr).and_then(serde_json::Value::as_u64).unwrap_or(0);
+            s.pool_bytes += get("/store/mem_used_total");
+            s.stored_bytes += get("/store/total/orig_data_size");
+        }
+        s
+    }
+
+    fn deactivate(&mut self) -> Result<(), String> {
+        if !self.active {
+            return Ok(());
+        }
+        let down = self.tmem(&["swap", "down"]).map(drop);
+        if let Some(pid) = self.pid {
+            let alive = || {
+                // SAFETY: signal 0 only checks that the pid exists.
+                unsafe { libc::kill(pid, 0) == 0 }
+            };
+            if down.is_err() && alive() {
+                // SIGTERM makes the daemon tear down (swapoff first) and exit.
+                // SAFETY: kill takes plain integers.
+                unsafe { libc::kill(pid, libc::SIGTERM) };
+            }
+            let deadline = Instant::now() + Duration::from_secs(600);
+            while alive() {
+                if Instant::now() > deadline {
+                    return Err(format!(
+                        "tmem daemon pid {pid} did not exit ({down:?}); its log:\n{}",
+                        self.log_tail()
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        } else {
+            down.clone()?;
+        }
+        if self.loop_devs.iter().any(|d| swap::is_swap(d).unwrap_or(true)) {
+            return Err(format!("tmem swap is still on after tmem swap down ({down:?})"));
+        }
+        if self.mounted() {
+            return Err(format!("{} is still mounted after tmem swap down ({down:?})", self.dir.display()));
+        }
+        if let Err(e) = down {
+            eprintln!("note: tmem swap down failed ({e}), but SIGTERM stopped the daemon cleanly");
+        }
+        self.active = false;
+        self.pid = None;
+        self.loop_devs.clear();
+        Ok(())
+    }
+
+    /// Whether anything is mounted under the runtime directory.
+    fn mounted(&self) -> bool {
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+        let dir = self.dir.to_string_lossy().into_owned();
+        mounts
+            .lines()
+            .any(|l| l.split_whitespace().nth(1).is_some_and(|m| m == dir || m.starts_with(&format!("{dir}/"))))
+    }
+
+    fn finish(&mut self) -> Result<(), String> {
+        self.deactivate()?;
+        if self.dir.exists() && !self.mounted() {
+            std::fs::remove_dir_all(&self.dir).map_err(|e| format!("cannot remove {}: {e}", self.dir.display()))?;
+        }
+        Ok(())
+    }
+
+    /// The tail of the daemon log (for error messages).
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(crate::daemon::log_path(&self.dir)).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(10)..].join("\n")
+    }
+}
+
+impl Drop for Tmem {
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            eprintln!(
+                "warning: tmem daemon in {} not stopped: {e}; run tmem swap down --runtime-dir {0}",
+                self.dir.display()
+            );
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! The workload of `tmem bench pressure`: `--jobs` Python processes, each
+//! growing a realistic heap of `--workload-mib / --jobs` MiB and making
+//! passes over it (crates/tmem/workload/heap.py, embedded in the binary).
+//!
+//! Each job joins the run's memory cgroup before it execs Python (a shell
+//! writes its own pid to `cgroup.procs`, then execs), so every page it ever
+//! allocates is charged to the cgroup. Jobs run in their own process groups,
+//! so a Ctrl-C on the terminal reaches only the bench, which kills them.
+
+use std::fs::File;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+
+/// The Python program.
+pub const SCRIPT: &str = include_str!("../../workload/heap.py");
+
+/// Where the script and the jobs' outputs live for one bench; removed on drop.
+pub struct Workload {
+    dir: PathBuf,
+    script: PathBuf,
+    python: String,
+    /// MiB per job.
+    pub mib_per_job: u64,
+    /// Jobs in parallel.
+    pub jobs: u32,
+    /// Passes over the heap.
+    pub passes: u32,
+}
+
+impl Workload {
+    /// Writes the script to a fresh private directory `dir`.
+    pub fn install(dir: &Path, python: &str, total_mib: u64, jobs: u32, passes: u32) -> Result<Self, String> {
+        if jobs == 0 || total_mib / u64::from(jobs) < 16 {
+            return Err(format!("--workload-mib {total_mib} over --jobs {jobs}: need at least 16 MiB per job"));
+        }
+        std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
+            .create(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let w = Self {
+            dir: dir.to_owned(),
+            script: dir.join("heap.py"),
+            python: python.to_owned(),
+            mib_per_job: total_mib / u64::from(jobs),
+            jobs,
+            passes,
+        };
+        std::fs::write(&w.script, SCRIPT).map_err(|e| format!("cannot write {}: {e}", w.script.display()))?;
+        Ok(w)
+    }
+
+    /// Seed of job `i` (each job builds a different heap, like different compilation units).
+    #[must_use]
+    pub fn seed(i: u32) -> u32 {
+        i + 1
+    }
+
+    /// Starts every job; each joins the cgroup whose `cgroup.procs` is `procs` first.
+    pub fn spawn(&self, procs: &Path) -> Result<Running, String> {
+        let mut running = Running { jobs: Vec::new() };
+        for i in 0..self.jobs {
+            let seed = Self::seed(i);
+            let out_path = self.dir.join(format!("job{i}.out"));
+            let err_path = self.dir.join(format!("job{i}.err"));
+            let out = File::create(&out_path).map_err(|e| format!("{}: {e}", out_path.display()))?;
+            let err = File::create(&err_path).map_err(|e| format!("{}: {e}", err_path.display()))?;
+            let child = Command::new("sh")
+                .arg("-c")
+                .arg("echo $$ > \"$0\" || exit 97; exec \"$@\"")
+                .arg(procs)
+                .arg(&self.python)
+                .arg(&self.script)
+                .args(["--mib", &self.mib_per_job.to_string(), "--seed", &seed.to_string()])
+                .args(["--passes", &self.passes.to_string()])
+                .env("PYTHONHASHSEED", "0")
+                .env("PYTHONDONTWRITEBYTECODE", "1")
+                .stdin(Stdio::null())
+                .stdout(out)
+                .stderr(err)
+                .process_group(0)
+                .spawn()
+                .map_err(|e| format!("cannot start the workload (sh, {}): {e}", self.python))?;
+            running.jobs.push(Job { seed, child, out_path, err_path, status: None });
+        }
+        Ok(running)
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct Job {
+    seed: u32,
+    child: Child,
+    out_path: PathBuf,
+    err_path: PathBuf,
+    status: Option<ExitStatus>,
+}
+
+/// Jobs of one run; killed on drop if still running.
+pub struct Running {
+    jobs: Vec<Job>,
+}
+
+/// How one job ended.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct JobResult {
+    /// Its seed.
+    pub seed: u32,
+    /// Exit code, if it exited.
+    pub code: Option<i32>,
+    /// Signal, if a signal killed it.
+    pub signal: Option<i32>,
+    /// Its output (one line: the checksum).
+    pub output: String,
+    /// The end of what it printed on stderr.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub stderr_tail: String,
+}
+
+impl Running {
+    /// Reaps finished jobs; `Ok(true)` once every job has ended.
+    pub fn poll(&mut self) -> Result<bool, String> {
+        let mut done = true;
+        for j in &mut self.jobs {
+            if j.status.is_none() {
+                j.status = j.child.try_wait().map_err(|e| format!("waiting for the workload: {e}"))?;
+            }
+            done &= j.status.is_some();
+        }
+        Ok(done)
+    }
+
+    /// SIGKILLs every job still running (its whole process group) and reaps it.
+    pub fn kill(&mut self) {
+        for j in &mut self.jobs {
+            if j.status.is_none() {
+                if let Ok(pid) = i32::try_from(j.child.id()) {
+                    // SAFETY: kill takes plain integers; the group is the job's own (process_group(0)).
+                    unsafe { libc::kill(-pid, libc::SIGKILL) };
+                }
+                j.status = j.child.wait().ok();
+            }
+        }
+    }
+
+    /// Results, once every job has ended.
+    #[must_use]
+    pub fn results(&self) -> Vec<JobResult> {
+        self.jobs
+            .iter()
+            .map(|j| {
+                let output = std::fs::read_to_string(&j.out_path).unwrap_or_default().trim().to_owned();
+                let err = std::fs::read_to_string(&j.err_path).unwrap_or_default();
+                let lines: Vec<&str> = err.lines().collect();
+                JobResult {
+                    seed: j.seed,
+                    code: j.status.and_then(|s| s.code()),
+                    signal: j.status.and_then(|s| s.signal()),
+                    output,
+                    stderr_tail: lines[lines.len().saturating_sub(5)..].join("\n"),
+                }
+            })
+            .collect()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,141 @@
+//! Smoke test of `tmem bench pressure` (root only): a tiny ladder on zram and
+//! tmem; every run must be correct, both must swap at 50 %, and nothing the
+//! bench set up may remain afterwards.
+
+use std::path::Path;
+use std::process::Command;
+
+fn skip(reason: &str) {
+    eprintln!("SKIP: {reason}");
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+fn swap_areas() -> Vec<String> {
+    read("/proc/swaps").lines().skip(1).filter_map(|l| l.split_whitespace().next().map(str::to_owned)).collect()
+}
+
+/// Loop devices backed by a file under /run/tmem-bench-*.
+fn bench_loops() -> Vec<String> {
+    let out = Command::new("losetup").args(["--list", "--noheadings", "--output", "NAME,BACK-FILE"]).output();
+    let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    text.lines().filter(|l| l.contains("/run/tmem-bench-")).map(str::to_owned).collect()
+}
+
+fn bench_cgroups() -> Vec<String> {
+    std::fs::read_dir("/sys/fs/cgroup/memory")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("tmem-bench-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn bench_mounts() -> Vec<String> {
+    read("/proc/mounts")
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1).map(str::to_owned))
+        .filter(|m| m.starts_with("/run/tmem-bench-"))
+        .collect()
+}
+
+fn missing_feature() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("needs root".into());
+    }
+    if !Path::new("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() {
+        return Some("no cgroup v1 memory controller".into());
+    }
+    if !Path::new("/sys/block/zram0").exists() {
+        return Some("no /dev/zram0".into());
+    }
+    if read("/sys/block/zram0/disksize").trim() != "0" {
+        return Some("zram0 is in use".into());
+    }
+    if !read("/sys/block/zram0/comp_algorithm").split_whitespace().any(|a| a.trim_matches(['[', ']']) == "lz4") {
+        return Some("zram0 has no lz4".into());
+    }
+    if !Path::new("/dev/fuse").exists() {
+        return Some("no /dev/fuse".into());
+    }
+    if !swap_areas().is_empty() {
+        return Some("other swap areas are active".into());
+    }
+    if Command::new("python3").arg("-c").arg("pass").status().map_or(true, |s| !s.success()) {
+        return Some("no python3".into());
+    }
+    None
+}
+
+#[test]
+fn pressure_ladder_smoke() {
+    if let Some(reason) = missing_feature() {
+        skip(&reason);
+        return;
+    }
+    let cgroups_before = bench_cgroups();
+    let json = std::env::temp_dir().join(format!("tmem-pressure-smoke-{}.json", std::process::id()));
+    let start = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
+        .args(["bench", "pressure", "--workload-mib", "192", "--levels", "100,50", "--runs", "1", "--passes", "1"])
+        // Other tests may start swap of their own meanwhile: do not wait for it.
+        .args(["--backends", "zram,tmem", "--allow-other-swap", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let json_text = std::fs::read_to_string(&json).unwrap_or_default();
+    let _ = std::fs::remove_file(&json);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}\n{stderr}\n(took {:.0} s)", start.elapsed().as_secs_f64());
+
+    // Nothing remains, whatever happened. (Other tests on the machine may have
+    // swap areas of their own by now: only ours are checked.)
+    let ours: Vec<String> =
+        swap_areas().into_iter().filter(|a| a == "/dev/zram0" || a.contains("tmem-bench")).collect();
+    assert!(ours.is_empty(), "swap areas left: {ours:?}");
+    assert!(bench_loops().is_empty(), "loop devices left: {:?}", bench_loops());
+    assert_eq!(bench_cgroups(), cgroups_before, "memory cgroups left behind");
+    assert_eq!(read("/sys/block/zram0/disksize").trim(), "0", "zram0 not reset");
+    assert!(bench_mounts().is_empty(), "mounts left: {:?}", bench_mounts());
+    assert!(
+        !std::fs::read_dir("/run")
+            .unwrap()
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().starts_with("tmem-bench-")),
+        "runtime directory left in /run"
+    );
+
+    if stderr.contains("is busy") || stderr.contains("locked by another tmem process") {
+        skip("zram0 was taken by another test while the bench ran");
+        return;
+    }
+    assert!(out.status.success(), "tmem bench pressure failed");
+    let v: serde_json::Value = serde_json::from_str(&json_text).unwrap();
+    assert_eq!(v["reference"]["outcome"], "OK");
+    assert!(v["peak_bytes"].as_u64().unwrap() > 100 << 20, "peak {}", v["peak_bytes"]);
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 4, "{runs:?}");
+    for r in runs {
+        let what = format!("{}@{}", r["backend"], r["level"]);
+        assert_eq!(r["outcome"], "OK", "{what}: {r}");
+        let jobs = r["jobs"].as_array().unwrap();
+        assert_eq!(jobs.len(), 2);
+        for (j, want) in jobs.iter().zip(v["reference"]["jobs"].as_array().unwrap()) {
+            assert_eq!(j["output"], want["output"], "{what}");
+            assert!(j["output"].as_str().unwrap().starts_with("checksum "));
+        }
+        if r["level"] == 50 {
+            assert!(r["vmstat"]["pswpout"].as_u64().unwrap() > 0, "{what} did not swap: {r}");
+            assert!(r["pool_peak_bytes"].as_u64().unwrap() > 0, "{what}: no pool memory seen: {r}");
+            assert!(r["limit_bytes"].as_u64().is_some());
+        } else {
+            assert!(r["limit_bytes"].is_null());
+        }
+    }
+}
