@@ -130,6 +130,10 @@ impl fuser::Filesystem for BlockFs {
         // Best effort: the kernel may cap these; smaller values still work.
         let _ = config.set_max_write(MAX_IO);
         let _ = config.set_max_background(64);
+        // Without ASYNC_DIO the kernel turns an async direct I/O (what a loop
+        // device with --direct-io=on submits) into a synchronous request, and
+        // loop then waits for each one in turn.
+        let _ = config.add_capabilities(fuser::InitFlags::FUSE_ASYNC_DIO);
         Ok(())
     }
 
