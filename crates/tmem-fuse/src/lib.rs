@@ -26,8 +26,16 @@ use fuser::{
 };
 use tmem_block::BlockDevice;
 
-/// Largest read or write we accept from the kernel; also each worker's buffer size.
+/// Largest read we accept from the kernel; also each worker's buffer size.
 pub const MAX_IO: u32 = 1 << 20;
+/// Largest write per request. The kernel splits a bigger direct write into
+/// several requests that our workers serve in parallel, so a 1 MiB swap
+/// writeout does not wait for one thread to compress 256 pages.
+pub const MAX_WRITE: u32 = 128 << 10;
+/// Async direct I/O requests count as background requests; past this many
+/// in flight the submitter (loop's worker) blocks, reads included. The kernel
+/// default of 12 (libfuse: 64) is far below what swap writeout queues.
+const MAX_BACKGROUND: u16 = 256;
 const ROOT: u64 = 1;
 const TTL: Duration = Duration::from_secs(1);
 
@@ -128,8 +136,9 @@ impl BlockFs {
 impl fuser::Filesystem for BlockFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         // Best effort: the kernel may cap these; smaller values still work.
-        let _ = config.set_max_write(MAX_IO);
-        let _ = config.set_max_background(64);
+        let _ = config.set_max_write(MAX_WRITE);
+        let _ = config.set_max_background(MAX_BACKGROUND);
+        let _ = config.set_congestion_threshold(MAX_BACKGROUND / 4 * 3);
         // Without ASYNC_DIO the kernel turns an async direct I/O (what a loop
         // device with --direct-io=on submits) into a synchronous request, and
         // loop then waits for each one in turn.

@@ -68,6 +68,20 @@ pub fn loop_attach(file: &Path) -> Result<PathBuf, SwapError> {
     run("losetup", &["--direct-io=on", "--find", "--show", &f]).map(PathBuf::from)
 }
 
+/// Turns off writeback throttling (WBT) on a loop device's queue. WBT holds
+/// back writes when read latency rises; for a swap device that means the
+/// reclaim which would free memory waits behind swap-ins. Returns the setting
+/// written, or `None` when the kernel has no WBT for this queue.
+pub fn loop_disable_wbt(dev: &Path) -> Result<Option<String>, SwapError> {
+    let name = dev.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let path = format!("/sys/block/{name}/queue/wbt_lat_usec");
+    if !Path::new(&path).exists() {
+        return Ok(None);
+    }
+    std::fs::write(&path, "0").map_err(|e| SwapError::Proc { path: path.clone(), reason: e.to_string() })?;
+    Ok(Some(format!("{path}=0")))
+}
+
 /// Detaches a loop device.
 pub fn loop_detach(dev: &Path) -> Result<(), SwapError> {
     run("losetup", &["--detach", &dev.to_string_lossy()]).map(drop)
@@ -84,10 +98,48 @@ pub fn mkswap(dev: &Path, label: &str) -> Result<(), SwapError> {
     run("mkswap", &["--label", label, &dev.to_string_lossy()]).map(drop)
 }
 
-/// Enables swap on `dev` with `priority`, discarding freed pages so the
-/// store can free them too.
-pub fn swapon(dev: &Path, priority: i32) -> Result<(), SwapError> {
-    run("swapon", &["--discard=pages", "--priority", &priority.to_string(), &dev.to_string_lossy()]).map(drop)
+/// What the kernel tells the device about freed swap slots (`swapon --discard`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SwapDiscard {
+    /// Discard the whole area once at swapon. The kernel then reuses freed
+    /// slots in partly used clusters first, so a stale page is soon
+    /// overwritten and the store frees it: the pool stays close to the data
+    /// the kernel holds. Freed slots keep their memory until reused or swapoff.
+    #[default]
+    Once,
+    /// Also discard each 2 MiB cluster when it becomes free, which releases
+    /// memory soon after a process exits; but the kernel then prefers fresh
+    /// clusters over reusing freed slots, so up to the whole device size of
+    /// stale pages can sit in the pool while swap is busy.
+    Pages,
+}
+
+impl SwapDiscard {
+    /// The `swapon --discard=` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Once => "once",
+            Self::Pages => "pages",
+        }
+    }
+}
+
+impl std::str::FromStr for SwapDiscard {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "once" => Ok(Self::Once),
+            "pages" => Ok(Self::Pages),
+            _ => Err(format!("unknown discard policy {s:?} (once, pages)")),
+        }
+    }
+}
+
+/// Enables swap on `dev` with `priority` and the given discard policy.
+pub fn swapon(dev: &Path, priority: i32, discard: SwapDiscard) -> Result<(), SwapError> {
+    let discard = format!("--discard={}", discard.as_str());
+    run("swapon", &[&discard, "--priority", &priority.to_string(), &dev.to_string_lossy()]).map(drop)
 }
 
 /// Disables swap on `dev`; the kernel reads every page back first.

@@ -63,6 +63,9 @@ pub struct DaemonSpec {
     pub priority: i32,
     /// FUSE worker threads.
     pub fuse_threads: usize,
+    /// `swapon --discard` policy.
+    #[serde(default)]
+    pub discard: tmem_sys::swap::SwapDiscard,
     /// Tiers below each device's pool.
     #[serde(default)]
     pub tiers: crate::tiers::TierArgs,
@@ -313,12 +316,16 @@ impl Daemon {
                 let dev = swap::loop_attach(file).map_err(|e| e.to_string())?;
                 self.lock().status.devices[i].loop_dev = Some(dev.clone());
                 self.step(format!("{name}: losetup --direct-io=on {} -> {}", file.display(), dev.display()));
+                if let Some(set) = swap::loop_disable_wbt(&dev).map_err(|e| e.to_string())? {
+                    self.step(format!("{name}: {set} (no writeback throttling in front of swap)"));
+                }
                 swap::mkswap(&dev, &format!("tmem-{name}")).map_err(|e| e.to_string())?;
                 self.step(format!("{name}: mkswap {}", dev.display()));
-                swap::swapon(&dev, self.spec.priority).map_err(|e| e.to_string())?;
+                swap::swapon(&dev, self.spec.priority, self.spec.discard).map_err(|e| e.to_string())?;
                 self.lock().status.devices[i].swap = true;
                 self.step(format!(
-                    "{name}: swapon --discard=pages --priority {} {}",
+                    "{name}: swapon --discard={} --priority {} {}",
+                    self.spec.discard.as_str(),
                     self.spec.priority,
                     dev.display()
                 ));

@@ -86,6 +86,10 @@ pub struct PressureArgs {
     /// tmem codec.
     #[arg(long, default_value = "lz4")]
     pub tmem_codec: String,
+    /// Pool limit of the tiered tmem rows (tmem+remote, tmem+disk): small, so
+    /// that most pages move down to the tier.
+    #[arg(long, default_value = "64M")]
+    pub tmem_tier_pool_limit: String,
     /// memory.swappiness of the workload's cgroup.
     #[arg(long, default_value_t = 60)]
     pub swappiness: u32,
@@ -217,6 +221,7 @@ struct Measured {
     timed_out: bool,
     vmstat: SwapCounters,
     peak: PoolSample,
+    tier_peak_pages: u64,
     samples: u64,
     max_usage: u64,
     failcnt: u64,
@@ -243,6 +248,7 @@ impl Ctx<'_> {
         let mut next_sample = start;
         let mut next_swap_check = start;
         let mut peak = PoolSample::default();
+        let mut tier_peak_pages = 0;
         let mut samples = 0;
         let mut timed_out = false;
         loop {
@@ -264,6 +270,7 @@ impl Ctx<'_> {
                 if let Some(b) = backend {
                     let s = b.sample();
                     samples += 1;
+                    tier_peak_pages = tier_peak_pages.max(s.tier_pages);
                     if s.pool_bytes > peak.pool_bytes {
                         peak = s;
                     }
@@ -290,6 +297,7 @@ impl Ctx<'_> {
             timed_out,
             vmstat,
             peak,
+            tier_peak_pages,
             samples,
             max_usage: cg.max_usage().map_err(|e| e.to_string())?,
             failcnt: cg.failcnt().map_err(|e| e.to_string())?,
@@ -403,6 +411,7 @@ impl Ctx<'_> {
             vmstat: m.vmstat,
             pool_peak_bytes: m.peak.pool_bytes,
             pool_stored_bytes_at_peak: m.peak.stored_bytes,
+            tier_peak_pages: m.tier_peak_pages,
             pool_samples: m.samples,
             cgroup_max_usage_bytes: m.max_usage,
             cgroup_failcnt: m.failcnt,
@@ -518,7 +527,10 @@ fn preflight(a: &PressureArgs) -> Result<(), String> {
                 zram::check_available(&a.zram_device).map_err(|e| format!("zram backend: {e}"))?;
             }
             BackendKind::Zswap if !zswap::available() => return Err("zswap backend: this kernel has no zswap".into()),
-            BackendKind::Disk | BackendKind::Zswap if !a.swap_dir.is_dir() => {
+            BackendKind::TmemRemote if tmem_tier_remote::testing::redis_server_binary().is_none() => {
+                return Err("tmem+remote backend: redis-server is not installed (apt install redis-server)".into());
+            }
+            BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk if !a.swap_dir.is_dir() => {
                 return Err(format!("--swap-dir {} is not a directory", a.swap_dir.display()));
             }
             _ => {}
@@ -602,6 +614,7 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
         vmstat: m.vmstat,
         pool_peak_bytes: 0,
         pool_stored_bytes_at_peak: 0,
+        tier_peak_pages: 0,
         pool_samples: 0,
         cgroup_max_usage_bytes: m.max_usage,
         cgroup_failcnt: m.failcnt,
@@ -634,6 +647,8 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
         tmem_runtime_dir: PathBuf::from(format!("/run/tmem-bench-{pid}")),
         tmem_pool_limit: a.tmem_pool_limit.clone(),
         tmem_codec: a.tmem_codec.clone(),
+        tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
+        tier_dir: a.swap_dir.join(format!("tmem-bench-tier-{pid}")),
     };
     let mut runs: Vec<RunRecord> = Vec::new();
     let mut errors: Vec<String> = Vec::new();

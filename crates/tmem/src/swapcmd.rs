@@ -31,6 +31,9 @@ pub struct UpArgs {
     /// FUSE worker threads.
     #[arg(long, default_value_t = 4)]
     fuse_threads: usize,
+    /// How freed swap slots reach the pool (swapon --discard): once or pages.
+    #[arg(long, default_value = "once")]
+    discard: tmem_sys::swap::SwapDiscard,
     /// Runtime directory (control socket, FUSE mount, log).
     #[arg(long, default_value = ctl::RUNTIME_DIR)]
     runtime_dir: PathBuf,
@@ -99,6 +102,7 @@ pub fn up(a: &UpArgs) -> Result<(), String> {
         nbd_allow_remote: false,
         priority: a.priority,
         fuse_threads: a.fuse_threads,
+        discard: a.discard,
         tiers: a.tiers.clone(),
     };
     std::fs::create_dir_all(&a.runtime_dir).map_err(|e| format!("{}: {e}", a.runtime_dir.display()))?;
@@ -288,6 +292,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> Result<(), String> {
         nbd_allow_remote: a.allow_remote,
         priority: 0,
         fuse_threads: 0,
+        discard: tmem_sys::swap::SwapDiscard::default(),
         tiers: a.tiers.clone(),
     })
 }

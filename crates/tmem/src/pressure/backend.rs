@@ -1,5 +1,7 @@
 //! The swap backends of `tmem bench pressure`: a disk swap file, kernel zram,
-//! zswap in front of the disk swap file, and tmem.
+//! zswap in front of the disk swap file, and tmem, alone or with a small pool
+//! over a lower tier (RAMster-style remote RAM on Redis servers, or a disk
+//! backing file).
 //!
 //! Each backend is *prepared* once (swap file created, zswap parameters set),
 //! *activated* before every run (swapon on an empty area) and *deactivated*
@@ -31,6 +33,15 @@ pub enum BackendKind {
     Zswap,
     /// tmem: `tmem swap up` (FUSE + loop + swapon).
     Tmem,
+    /// tmem with a small pool that writes back to remote RAM: 3 local
+    /// redis-server processes, every page on 2 of them.
+    #[value(name = "tmem+remote")]
+    #[serde(rename = "tmem+remote")]
+    TmemRemote,
+    /// tmem with a small pool that writes back to a disk backing file.
+    #[value(name = "tmem+disk")]
+    #[serde(rename = "tmem+disk")]
+    TmemDisk,
 }
 
 impl BackendKind {
@@ -41,6 +52,8 @@ impl BackendKind {
             Self::Zram => "zram",
             Self::Zswap => "zswap",
             Self::Tmem => "tmem",
+            Self::TmemRemote => "tmem+remote",
+            Self::TmemDisk => "tmem+disk",
         }
     }
 }
@@ -66,6 +79,10 @@ pub struct BackendConfig {
     pub tmem_pool_limit: String,
     /// tmem --codec.
     pub tmem_codec: String,
+    /// tmem --pool-limit of the tiered rows (tmem+remote, tmem+disk).
+    pub tmem_tier_pool_limit: String,
+    /// Directory for the tmem+disk backing file.
+    pub tier_dir: PathBuf,
 }
 
 /// Priority of the disk swap file (and of zswap's).
@@ -80,6 +97,8 @@ pub struct PoolSample {
     pub pool_bytes: u64,
     /// Uncompressed bytes of the pages it holds.
     pub stored_bytes: u64,
+    /// Pages held in tiers below the pool (tmem with tiers).
+    pub tier_pages: u64,
 }
 
 /// A prepared backend.
@@ -126,7 +145,9 @@ impl Backend {
                 let disk = DiskSwap::create(&c.swap_file, c.swap_size)?;
                 Ok(Self::Zswap { disk, settings, debugfs })
             }
-            BackendKind::Tmem => Ok(Self::Tmem(Tmem::prepare(c)?)),
+            BackendKind::Tmem => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::None)?)),
+            BackendKind::TmemRemote => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::Remote)?)),
+            BackendKind::TmemDisk => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::Disk)?)),
         }
     }
 
@@ -162,10 +183,11 @@ impl Backend {
         match self {
             Self::Disk(_) => PoolSample::default(),
             Self::Zram(z) => zram::mm_stat(&z.dev)
-                .map(|m| PoolSample { pool_bytes: m.mem_used_total, stored_bytes: m.orig_data_size })
+                .map(|m| PoolSample { pool_bytes: m.mem_used_total, stored_bytes: m.orig_data_size, tier_pages: 0 })
                 .unwrap_or_default(),
             Self::Zswap { .. } => {
-                PoolSample { pool_bytes: zswap::pool_bytes().unwrap_or(0), stored_bytes: zswap::stored_bytes() }
+                let (pool_bytes, stored_bytes) = (zswap::pool_bytes().unwrap_or(0), zswap::stored_bytes());
+                PoolSample { pool_bytes, stored_bytes, tier_pages: 0 }
             }
             Self::Tmem(t) => t.sample(),
         }
@@ -404,36 +426,85 @@ fn current_exe() -> Result<PathBuf, String> {
     Ok(s.strip_suffix(" (deleted)").map_or_else(|| exe.clone(), PathBuf::from))
 }
 
-/// A tmem daemon started with `tmem swap up`.
+/// The tier below a bench daemon's pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TmemTier {
+    None,
+    Remote,
+    Disk,
+}
+
+/// Redis servers of the tmem+remote row (RAMster's "other machines").
+pub const REMOTE_NODES: usize = 3;
+/// Copies of each page on them.
+pub const REMOTE_REPLICAS: usize = 2;
+
+/// A tmem daemon started with `tmem swap up`. Fields drop after
+/// [`Drop::drop`] has stopped the daemon, so the Redis servers and the tier
+/// directory outlive it.
 pub struct Tmem {
     exe: PathBuf,
     dir: PathBuf,
     size: u64,
     pool_limit: String,
     codec: String,
+    /// `--tier ...` arguments of `swap up`.
+    tier_args: Vec<String>,
     active: bool,
     pid: Option<i32>,
     loop_devs: Vec<PathBuf>,
+    servers: Vec<tmem_tier_remote::testing::RedisServer>,
+    tier_dir: Option<PathBuf>,
 }
 
 impl Tmem {
-    fn prepare(c: &BackendConfig) -> Result<Self, String> {
+    fn prepare(c: &BackendConfig, tier: TmemTier) -> Result<Self, String> {
         if !Path::new("/dev/fuse").exists() {
             return Err("/dev/fuse is missing (modprobe fuse)".into());
         }
         if c.tmem_runtime_dir.exists() {
             return Err(format!("{} exists already; is another bench running?", c.tmem_runtime_dir.display()));
         }
-        Ok(Self {
+        let mut t = Self {
             exe: current_exe()?,
             dir: c.tmem_runtime_dir.clone(),
             size: c.swap_size,
             pool_limit: c.tmem_pool_limit.clone(),
             codec: c.tmem_codec.clone(),
+            tier_args: Vec::new(),
             active: false,
             pid: None,
             loop_devs: Vec::new(),
-        })
+            servers: Vec::new(),
+            tier_dir: None,
+        };
+        match tier {
+            TmemTier::None => {}
+            TmemTier::Remote => {
+                use tmem_tier_remote::testing::{RedisOptions, RedisServer};
+                for _ in 0..REMOTE_NODES {
+                    let s = RedisServer::start(&RedisOptions::default())
+                        .map_err(|e| format!("tmem+remote: cannot start redis-server: {e}"))?;
+                    t.servers.push(s);
+                }
+                let urls: Vec<String> = t.servers.iter().map(RedisServer::url).collect();
+                t.tier_args = vec![
+                    "--tier".into(),
+                    format!("remote={}", urls.join(",")),
+                    "--replicas".into(),
+                    REMOTE_REPLICAS.to_string(),
+                ];
+                t.pool_limit = c.tmem_tier_pool_limit.clone();
+            }
+            TmemTier::Disk => {
+                std::fs::create_dir(&c.tier_dir)
+                    .map_err(|e| format!("tmem+disk: cannot create {}: {e}", c.tier_dir.display()))?;
+                t.tier_dir = Some(c.tier_dir.clone());
+                t.tier_args = vec!["--tier".into(), format!("disk={}", c.tier_dir.display())];
+                t.pool_limit = c.tmem_tier_pool_limit.clone();
+            }
+        }
+        Ok(t)
     }
 
     fn tmem(&self, args: &[&str]) -> Result<String, String> {
@@ -449,18 +520,10 @@ impl Tmem {
         self.active = true;
         let size = self.size.to_string();
         let prio = RAM_PRIORITY.to_string();
-        let r = self.tmem(&[
-            "swap",
-            "up",
-            "--size",
-            &size,
-            "--pool-limit",
-            &self.pool_limit,
-            "--codec",
-            &self.codec,
-            "--priority",
-            &prio,
-        ]);
+        let mut args = vec!["swap", "up", "--size", &size, "--pool-limit", &self.pool_limit, "--codec", &self.codec];
+        args.extend(["--priority", &prio]);
+        args.extend(self.tier_args.iter().map(String::as_str));
+        let r = self.tmem(&args);
         // Whether or not `up` succeeded, learn what runs so that teardown can find it.
         if let Ok(st) = ctl::call_ok(&self.dir, &Request::Status, Duration::from_secs(5)) {
             self.pid = st.get("pid").and_then(serde_json::Value::as_i64).and_then(|p| i32::try_from(p).ok());
@@ -482,6 +545,7 @@ impl Tmem {
             let get = |ptr: &str| d.pointer(ptr).and_then(serde_json::Value::as_u64).unwrap_or(0);
             s.pool_bytes += get("/store/mem_used_total");
             s.stored_bytes += get("/store/total/orig_data_size");
+            s.tier_pages += get("/store/total/tier_pages");
         }
         s
     }
@@ -542,6 +606,13 @@ impl Tmem {
         self.deactivate()?;
         if self.dir.exists() && !self.mounted() {
             std::fs::remove_dir_all(&self.dir).map_err(|e| format!("cannot remove {}: {e}", self.dir.display()))?;
+        }
+        // The daemon is gone, so nothing uses the tiers any more.
+        for mut s in self.servers.drain(..) {
+            s.kill();
+        }
+        if let Some(d) = self.tier_dir.take() {
+            std::fs::remove_dir_all(&d).map_err(|e| format!("cannot remove {}: {e}", d.display()))?;
         }
         Ok(())
     }

@@ -57,6 +57,9 @@ pub struct RunRecord {
     pub pool_peak_bytes: u64,
     /// Uncompressed bytes the pool held at that peak sample.
     pub pool_stored_bytes_at_peak: u64,
+    /// Most pages seen in tiers below the pool (tiered tmem rows).
+    #[serde(default)]
+    pub tier_peak_pages: u64,
     /// Number of pool samples taken.
     pub pool_samples: u64,
     /// memory.max_usage_in_bytes of the run's cgroup.
@@ -110,6 +113,8 @@ pub struct Summary {
     pub median_pool_peak_mib: Option<f64>,
     /// Median pool ratio (stored / pool bytes at the peak).
     pub median_pool_ratio: Option<f64>,
+    /// Median of the most uncompressed MiB held in lower tiers.
+    pub median_tier_peak_mib: Option<f64>,
     /// Median pswpout (pages).
     pub median_pswpout: Option<f64>,
     /// Median pswpin (pages).
@@ -148,6 +153,7 @@ pub fn summarize(runs: &[RunRecord], backends: &[&str], levels: &[u32]) -> Vec<S
                 median_wall_secs: median(ok),
                 median_pool_peak_mib: med(&|r| r.pool_peak_bytes as f64 / MIB),
                 median_pool_ratio: median(ratios),
+                median_tier_peak_mib: med(&|r| r.tier_peak_pages as f64 * 4096.0 / MIB),
                 median_pswpout: med(&|r| r.vmstat.pswpout as f64),
                 median_pswpin: med(&|r| r.vmstat.pswpin as f64),
                 median_zswpout: med(&|r| r.vmstat.zswpout as f64),
@@ -232,6 +238,11 @@ pub fn render_table(sums: &[Summary], backends: &[&str], levels: &[u32]) -> Stri
     if !with_pool.is_empty() {
         block(&mut t, "pool ratio (stored / pool memory at the peak)", &with_pool);
     }
+    let tiered: Vec<&str> = backends.iter().copied().filter(|b| b.starts_with("tmem+")).collect();
+    if !tiered.is_empty() {
+        let tier: Fmt<'_> = &|s| s.median_tier_peak_mib.map(|m| format!("{m:.0}"));
+        block(&mut t, "pages in the lower tier at most, MiB uncompressed", &rows(&tiered, tier));
+    }
     block(&mut t, "pswpout/pswpin, thousands of pages", &rows(backends, pswp));
     if backends.contains(&"zswap") {
         block(&mut t, "zswpout/zswpin (zswap stores/loads), thousands of pages", &[("zswap", zswp)]);
@@ -254,6 +265,7 @@ mod tests {
             vmstat: SwapCounters { pswpout: 12_345, pswpin: 678, ..Default::default() },
             pool_peak_bytes: pool,
             pool_stored_bytes_at_peak: pool * 3,
+            tier_peak_pages: 0,
             pool_samples: 10,
             cgroup_max_usage_bytes: 0,
             cgroup_failcnt: 0,
