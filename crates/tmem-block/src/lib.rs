@@ -286,6 +286,36 @@ impl PoolDevice {
         Ok(())
     }
 
+    /// Reads `dst` (within one page) at byte `offset`.
+    fn read_piece(&self, offset: u64, dst: &mut [u8]) -> Result<(), BlockError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let mut scratch = [0u8; PAGE_SIZE];
+        let at = usize::try_from(offset % PAGE_SIZE as u64).expect("less than a page");
+        self.read_page(offset / PAGE_SIZE as u64, &mut scratch)?;
+        dst.copy_from_slice(&scratch[at..at + dst.len()]);
+        Ok(())
+    }
+
+    /// Reads whole pages from page `first` on.
+    fn read_pages(&self, first: u64, pages: &mut [[u8; PAGE_SIZE]]) -> Result<(), BlockError> {
+        if let [one] = pages {
+            return self.read_page(first, one);
+        }
+        if pages.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<Key> = (first..).take(pages.len()).map(Self::key).collect();
+        let results = self.pool.get_batch(&keys, pages);
+        for (r, page) in results.into_iter().zip(pages) {
+            if r? == GetOutcome::Miss {
+                page.fill(0);
+            }
+        }
+        Ok(())
+    }
+
     fn put_page(&self, page: u64, data: &[u8; PAGE_SIZE]) -> Result<(), BlockError> {
         match self.pool.put(Self::key(page), data)? {
             PutOutcome::Stored => Ok(()),
@@ -343,20 +373,18 @@ impl BlockDevice for PoolDevice {
         self.range(offset, buf.len() as u64)?;
         bump(&self.io.read_ios, 1);
         bump(&self.io.read_bytes, buf.len() as u64);
-        let mut done = 0;
-        let mut scratch = [0u8; PAGE_SIZE];
-        for (page, in_page, n) in pieces(offset, buf.len() as u64) {
-            let dst = &mut buf[done..done + n];
-            let r = match <&mut [u8; PAGE_SIZE]>::try_from(&mut *dst) {
-                Ok(whole) => self.read_page(page, whole),
-                Err(_) => {
-                    self.read_page(page, &mut scratch).map(|()| dst.copy_from_slice(&scratch[in_page..in_page + n]))
-                }
-            };
-            r.inspect_err(|_| bump(&self.io.failed_reads, 1))?;
-            done += n;
-        }
-        Ok(())
+        // A partial first and last page one by one; the whole pages between in
+        // one batch, so pages in a lower tier cost one round trip together.
+        let page_len = PAGE_SIZE as u64;
+        let head = usize::try_from(((page_len - offset % page_len) % page_len).min(buf.len() as u64))
+            .expect("less than a page");
+        let (first, rest) = buf.split_at_mut(head);
+        let (whole, last) = rest.split_at_mut(rest.len() / PAGE_SIZE * PAGE_SIZE);
+        let r = self
+            .read_piece(offset, first)
+            .and_then(|()| self.read_pages((offset + head as u64) / page_len, whole.as_chunks_mut().0))
+            .and_then(|()| self.read_piece(offset + (head + whole.len()) as u64, last));
+        r.inspect_err(|_| bump(&self.io.failed_reads, 1))
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {

@@ -391,6 +391,14 @@ fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Outcome of the pool part of a get.
+enum LocalGet {
+    /// Served: hit, miss or error.
+    Done(Result<GetOutcome, StoreError>),
+    /// The page is in a lower tier.
+    InTier(Entry),
+}
+
 /// A pool: a namespace of pages with one kind and one get mode. Obtained
 /// from [`Store::create_pool`] or [`Store::pool`]; holding the `Arc` lets a
 /// frontend skip the id lookup on every operation.
@@ -405,6 +413,8 @@ pub struct Pool {
     chain: Option<TierChain>,
     /// Next shard writeback visits.
     wb_cursor: AtomicUsize,
+    /// Stale tier copies waiting to be removed.
+    removals: tiering::TierRemovals,
 }
 
 impl std::fmt::Debug for Pool {
@@ -577,21 +587,55 @@ impl Pool {
     pub fn get(&self, key: Key, out: &mut [u8; PAGE_SIZE]) -> Result<GetOutcome, StoreError> {
         self.check_live()?;
         let hash = hash_key(key);
+        match self.get_local(key, hash, out) {
+            LocalGet::Done(r) => r,
+            LocalGet::InTier(e) => self.get_from_tier(key, hash, e, out),
+        }
+    }
+
+    /// Gets several pages: `outs[i]` receives the page of `keys[i]`, and the
+    /// result for it is what [`Pool::get`] would return. Pages in lower tiers
+    /// are fetched with one batch per tier, so a multi-page read costs one
+    /// round trip rather than one per page.
+    pub fn get_batch(&self, keys: &[Key], outs: &mut [[u8; PAGE_SIZE]]) -> Vec<Result<GetOutcome, StoreError>> {
+        assert_eq!(keys.len(), outs.len(), "one output page per key");
+        if self.check_live().is_err() {
+            return keys.iter().map(|_| Err(StoreError::PoolDestroyed(self.id))).collect();
+        }
+        let mut results: Vec<Option<Result<GetOutcome, StoreError>>> = Vec::with_capacity(keys.len());
+        let mut down = Vec::new();
+        for (i, (&key, out)) in keys.iter().zip(outs.iter_mut()).enumerate() {
+            let hash = hash_key(key);
+            match self.get_local(key, hash, out) {
+                LocalGet::Done(r) => results.push(Some(r)),
+                LocalGet::InTier(e) => {
+                    results.push(None);
+                    down.push((i, key, hash, e));
+                }
+            }
+        }
+        if !down.is_empty() {
+            self.get_batch_from_tiers(&down, outs, &mut results);
+        }
+        results.into_iter().map(|r| r.unwrap_or_else(|| Err(StoreError::TierChain("get not served".into())))).collect()
+    }
+
+    /// Serves a get from the pool, or says that the page is in a tier.
+    fn get_local(&self, key: Key, hash: u64, out: &mut [u8; PAGE_SIZE]) -> LocalGet {
         let mut s = lock(self.shard_of(hash));
         let Some(h) = s.find(key, hash) else {
             s.c.failed_gets += 1;
-            return Ok(GetOutcome::Miss);
+            return LocalGet::Done(Ok(GetOutcome::Miss));
         };
         let e = *s.entries.get(h);
         if e.has(F_TIER) {
-            drop(s);
-            return self.get_from_tier(key, hash, e, out);
+            return LocalGet::InTier(e);
         }
         if let Some(loc) = e.alloc_loc() {
             if let Err(reason) = self.decode(&e, loc, out) {
                 PoolEvents::bump(&self.events.decompress_fail);
                 out.fill(0);
-                return Err(StoreError::Corrupt { pool: self.id, key, reason });
+                return LocalGet::Done(Err(StoreError::Corrupt { pool: self.id, key, reason }));
             }
             s.c.decompressions += u64::from(!e.has(F_INCOMPRESSIBLE));
         } else {
@@ -605,7 +649,7 @@ impl Pool {
         } else {
             s.entries.get_mut(h).meta |= F_REFERENCED;
         }
-        Ok(GetOutcome::Hit)
+        LocalGet::Done(Ok(GetOutcome::Hit))
     }
 
     /// Checks and decodes the object of `e`. The caller holds the shard lock.
@@ -807,6 +851,7 @@ impl Store {
             shared: Arc::clone(&self.shared),
             chain,
             wb_cursor: AtomicUsize::new(0),
+            removals: tiering::TierRemovals::default(),
         });
         if let Some(c) = &pool.chain {
             // Whatever an earlier pool with this id left in the tiers is stale.
@@ -869,6 +914,13 @@ impl Store {
     /// Compacts now; returns pages released.
     pub fn compact(&self) -> u64 {
         self.shared.compact()
+    }
+
+    /// Sends the queued removals of stale tier copies now. Puts queue them
+    /// (and send them in batches); the writeback worker sends the rest every
+    /// period.
+    pub fn send_tier_removals(&self) {
+        self.shared.send_tier_removals();
     }
 
     /// Writes back from pools with tiers until usage is below the accept

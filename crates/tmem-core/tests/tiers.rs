@@ -86,6 +86,7 @@ fn full_pool_writes_back_instead_of_refusing() {
     for i in 0..100 {
         assert!(p.flush_page(key(i)).unwrap());
     }
+    s.send_tier_removals();
     assert_eq!(p.stats().tier_pages, tier.capacity().stored_pages);
     s.destroy_pool(p.id()).unwrap();
     assert_eq!(tier.capacity().stored_pages, 0);
@@ -102,8 +103,10 @@ fn incompressible_pages_go_straight_down() {
     assert_eq!((st.incompressible_to_tier, st.tier_pages, st.stored_pages), (1, 1, 2));
     assert_eq!(get(&p, 1).unwrap().unwrap(), noise(1));
     assert_eq!(s.stats().alloc.objects, 1, "only the compressible page uses the pool");
-    // Replacing it with a compressible page removes the tier copy.
+    // Replacing it with a compressible page removes the tier copy (queued).
     assert_eq!(p.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
+    assert_eq!(tier.capacity().stored_pages, 1);
+    s.send_tier_removals();
     assert_eq!(tier.capacity().stored_pages, 0);
 }
 
@@ -167,6 +170,8 @@ fn exclusive_get_from_a_tier_removes_it() {
     assert_eq!(p.put(key(5), &noise(5)).unwrap(), PutOutcome::Stored);
     assert_eq!(get(&p, 5).unwrap().unwrap(), noise(5));
     assert_eq!(get(&p, 5).unwrap(), None);
+    assert_eq!(tier.capacity().stored_pages, 1, "removal is queued");
+    s.send_tier_removals();
     assert_eq!(tier.capacity().stored_pages, 0);
 }
 
@@ -181,6 +186,7 @@ fn promotion_brings_pages_back() {
     assert_eq!(p.write_back(50).pages, 50);
     assert_eq!(tier.capacity().stored_pages, 50);
     assert_eq!(get(&p, 7).unwrap().unwrap(), page(7));
+    s.send_tier_removals();
     assert_eq!(tier.capacity().stored_pages, 49);
     assert_eq!(p.stats().tier_pages, 49);
 }
@@ -208,4 +214,28 @@ fn background_writeback_keeps_room_for_new_pages() {
     for i in 0..1500 {
         assert_eq!(get(&p, i).unwrap().unwrap(), page(i));
     }
+}
+
+#[test]
+fn queued_removals_never_delete_a_newer_copy() {
+    let s = store(0);
+    let tier = Arc::new(MemTier::new(1 << 30));
+    let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![tier.clone()]));
+    // Key 1 down to the tier, replaced in the pool (its removal is queued),
+    // then written back again: the new copy must survive the queued removal.
+    assert_eq!(p.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.write_back(10).pages, 1);
+    assert_eq!(p.put(key(1), &page(11)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.write_back(10).pages, 1);
+    s.send_tier_removals();
+    assert_eq!(tier.capacity().stored_pages, 1);
+    assert_eq!(get(&p, 1).unwrap().unwrap(), page(11));
+    // The same through the incompressible path, which puts to the tier directly.
+    assert_eq!(p.put(key(2), &page(2)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.write_back(10).pages, 1);
+    assert_eq!(p.put(key(2), &page(22)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.put(key(2), &noise(2)).unwrap(), PutOutcome::Stored);
+    s.send_tier_removals();
+    assert_eq!(get(&p, 2).unwrap().unwrap(), noise(2));
+    assert_eq!(tier.capacity().stored_pages, 2);
 }

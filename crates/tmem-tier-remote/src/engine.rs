@@ -21,6 +21,8 @@ const STRIPES: usize = 4096;
 const STRIPES_U64: u64 = 4096;
 /// Keys per repair step (one pipeline per node each way).
 const REPAIR_CHUNK: usize = 256;
+/// SETs per pipeline; a node gets several pipelines of a batch at once.
+const PIPELINE_CHUNK: usize = 32;
 /// Keys per UNLINK command.
 const UNLINK_KEYS: usize = 512;
 /// Background tick: reconnect attempts are checked this often.
@@ -244,10 +246,13 @@ impl Inner {
                 return;
             }
             let items_ref = &*items;
+            // Several smaller pipelines per node, in flight together on its
+            // multiplexed connection: the server works on one while we encode
+            // the next and decode the last.
             let futs: Vec<_> = per_node
                 .iter()
                 .enumerate()
-                .filter(|(_, v)| !v.is_empty())
+                .flat_map(|(n, v)| v.chunks(PIPELINE_CHUNK).map(move |c| (n, c)))
                 .map(|(n, idxs)| {
                     let mut pipe = redis::pipe();
                     pipe.ignore_errors();
@@ -258,14 +263,14 @@ impl Inner {
                         bytes += resp_cmd_len(&[3, it.name.len(), it.value.len()]);
                     }
                     let replies = 5 * len_u64(idxs.len());
-                    async move { (n, self.pipeline(n, pipe, bytes, replies).await) }
+                    async move { (n, idxs, self.pipeline(n, pipe, bytes, replies).await) }
                 })
                 .collect();
-            for (n, r) in join_all(futs).await {
+            for (n, idxs, r) in join_all(futs).await {
                 let node = &self.nodes[n];
                 match r {
                     Ok((epoch, vals)) => {
-                        for (j, &i) in per_node[n].iter().enumerate() {
+                        for (j, &i) in idxs.iter().enumerate() {
                             let it = &mut items[i];
                             match vals.get(j) {
                                 Some(Value::Okay) => {
@@ -292,7 +297,7 @@ impl Inner {
                         }
                     }
                     Err(reason) => {
-                        for &i in &per_node[n] {
+                        for &i in idxs {
                             items[i].err = Some(reason.clone());
                         }
                     }

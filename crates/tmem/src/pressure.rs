@@ -830,6 +830,7 @@ mod tests {
             timed_out,
             vmstat: SwapCounters::default(),
             peak: PoolSample::default(),
+            tier_peak_pages: 0,
             samples: 0,
             max_usage: 0,
             failcnt: 0,

@@ -28,6 +28,58 @@ use crate::{Key, PAGE_SIZE};
 
 /// Pages taken from one shard per writeback visit.
 const WB_BATCH: usize = 64;
+/// Queued tier removals that make the queuing put send them at once.
+const REMOVE_BATCH: usize = 256;
+
+/// Tier copies made stale by puts, removed later in batches.
+///
+/// Removing a replaced page's tier copy inside the put that replaced it would
+/// put a network round trip (remote tier) on every overwrite of a written-back
+/// page, the common case for swap. The copy is unreachable as soon as its
+/// entry is gone (and sealed under an old version), so its removal can wait;
+/// what must not happen is a removal overtaking a *later* put of the same key
+/// to the same tier, which would delete the new copy. Hence every tier put
+/// first calls [`TierRemovals::send`], which sends everything queued so far
+/// and holds `sending` while it does, so a put that follows can't overtake it.
+///
+/// Lock order: `sending` → `queue`; neither is held with a shard lock.
+#[derive(Default)]
+pub(super) struct TierRemovals {
+    /// (tier index, key) of stale copies, in the order they became stale.
+    queue: Mutex<Vec<(usize, TierKey)>>,
+    /// Held while a batch is being sent.
+    sending: Mutex<()>,
+}
+
+impl TierRemovals {
+    /// Queues the removal of `tkey` from tier `t`; sends the queue once it is long.
+    fn queue(&self, chain: &TierChain, t: usize, tkey: TierKey) {
+        let long = {
+            let mut q = self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            q.push((t, tkey));
+            q.len() >= REMOVE_BATCH
+        };
+        if long {
+            self.send(chain);
+        }
+    }
+
+    /// Sends every queued removal, one batch per tier. A failed removal
+    /// leaves an unreachable sealed value behind, cleared with the pool.
+    pub(super) fn send(&self, chain: &TierChain) {
+        let _sending = self.sending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let batch = std::mem::take(&mut *self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        if batch.is_empty() {
+            return;
+        }
+        for (t, tier) in chain.tiers.iter().enumerate() {
+            let keys: Vec<TierKey> = batch.iter().filter(|(i, _)| *i == t).map(|(_, k)| *k).collect();
+            if !keys.is_empty() {
+                let _ = tier.remove_batch(&keys);
+            }
+        }
+    }
+}
 
 /// The tiers below one pool, in order, and the sealer for values sent there.
 #[derive(Clone)]
@@ -73,7 +125,8 @@ impl TierChain {
     }
 
     /// Seals `plain` and offers it to the tiers in order; returns the tier
-    /// that took it and the version it was sealed under.
+    /// that took it and the version it was sealed under. The caller has sent
+    /// the queued removals.
     fn put_one(&self, shared: &Shared, tkey: TierKey, plain: &[u8]) -> Option<(usize, u64)> {
         let version = shared.next_version.fetch_add(1, Ordering::Relaxed);
         let mut sealed = Vec::with_capacity(plain.len() + tmem_tier::seal::SEAL_OVERHEAD);
@@ -128,6 +181,7 @@ impl Pool {
     /// Sends an incompressible page straight to the tiers; returns its entry.
     pub(super) fn incompressible_to_tier(&self, key: Key, page: &[u8; PAGE_SIZE]) -> Option<Entry> {
         let chain = self.chain.as_ref()?;
+        self.removals.send(chain);
         let (tier, version) = chain.put_one(&self.shared, self.tier_key(key), page)?;
         let mut e = Entry::new(key, 0, crc32fast::hash(page), PAGE_SIZE, RAW_CODEC, F_INCOMPRESSIBLE);
         e.set_tier(tier, version);
@@ -135,15 +189,20 @@ impl Pool {
         Some(e)
     }
 
-    /// Removes the tier copy of an entry that has left its shard.
+    /// Queues the removal of the tier copy of an entry that has left its shard.
     pub(super) fn drop_tier_copy(&self, key: Key, e: &Entry) {
         if !e.has(F_TIER) {
             return;
         }
-        if let Some(t) = self.chain.as_ref().and_then(|c| c.tiers.get(e.tier())) {
-            // A failure leaves an unreachable sealed value behind; it is
-            // cleared with the pool (and never readable under a new version).
-            let _ = t.remove(self.tier_key(key));
+        if let Some(chain) = self.chain.as_ref().filter(|c| e.tier() < c.tiers.len()) {
+            self.removals.queue(chain, e.tier(), self.tier_key(key));
+        }
+    }
+
+    /// Sends the queued tier removals now.
+    pub(super) fn send_tier_removals(&self) {
+        if let Some(chain) = &self.chain {
+            self.removals.send(chain);
         }
     }
 
@@ -155,15 +214,72 @@ impl Pool {
         e: Entry,
         out: &mut [u8; PAGE_SIZE],
     ) -> Result<GetOutcome, StoreError> {
-        let Some(chain) = &self.chain else {
-            PoolEvents::bump(&self.events.tier_get_fail);
-            return Err(StoreError::TierChain("page recorded in a tier but the pool has none".into()));
+        let fetched = match &self.chain {
+            Some(chain) => self.fetch_from_tier(chain, key, &e, out),
+            None => Err(StoreError::TierChain("page recorded in a tier but the pool has none".into())),
         };
-        if let Err(err) = self.fetch_from_tier(chain, key, &e, out) {
+        self.finish_tier_get(key, hash, e, fetched, out)
+    }
+
+    /// Serves several gets whose pages live in tiers, with one `get_batch`
+    /// per tier: `(index into outs, key, hash, entry)` each. Runs without
+    /// shard locks.
+    pub(super) fn get_batch_from_tiers(
+        &self,
+        items: &[(usize, Key, u64, Entry)],
+        outs: &mut [[u8; PAGE_SIZE]],
+        results: &mut [Option<Result<GetOutcome, StoreError>>],
+    ) {
+        let Some(chain) = &self.chain else {
+            for &(i, key, hash, e) in items {
+                let err = Err(StoreError::TierChain("page recorded in a tier but the pool has none".into()));
+                results[i] = Some(self.finish_tier_get(key, hash, e, err, &mut outs[i]));
+            }
+            return;
+        };
+        for (t, tier) in chain.tiers.iter().enumerate() {
+            let mine: Vec<&(usize, Key, u64, Entry)> = items.iter().filter(|it| it.3.tier() == t).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let tkeys: Vec<TierKey> = mine.iter().map(|it| self.tier_key(it.1)).collect();
+            let values = tier.get_batch(&tkeys);
+            for (&&(i, key, hash, e), value) in mine.iter().zip(values) {
+                let fetched = match value {
+                    Ok(Some(mut buf)) => self.open_tier_value(chain, tier.as_ref(), key, &e, &mut buf, &mut outs[i]),
+                    Ok(None) => Err(StoreError::Corrupt {
+                        pool: self.id,
+                        key,
+                        reason: format!("tier {} lost the page", tier.name()),
+                    }),
+                    Err(source) => Err(StoreError::Tier { pool: self.id, key, source }),
+                };
+                results[i] = Some(self.finish_tier_get(key, hash, e, fetched, &mut outs[i]));
+            }
+        }
+        for &(i, key, hash, e) in items {
+            if results[i].is_none() {
+                let err = Err(StoreError::TierChain(format!("no tier {}", e.tier())));
+                results[i] = Some(self.finish_tier_get(key, hash, e, err, &mut outs[i]));
+            }
+        }
+    }
+
+    /// Counts a tier get and applies exclusive gets and promotion.
+    fn finish_tier_get(
+        &self,
+        key: Key,
+        hash: u64,
+        e: Entry,
+        fetched: Result<(), StoreError>,
+        out: &mut [u8; PAGE_SIZE],
+    ) -> Result<GetOutcome, StoreError> {
+        if let Err(err) = fetched {
             PoolEvents::bump(&self.events.tier_get_fail);
             out.fill(0);
             return Err(err);
         }
+        let Some(chain) = &self.chain else { return Ok(GetOutcome::Hit) };
         let mut s = lock(self.shard_of(hash));
         s.c.succ_gets += 1;
         s.c.tier_gets += 1;
@@ -201,19 +317,35 @@ impl Pool {
     ) -> Result<(), StoreError> {
         let corrupt = |reason: String| StoreError::Corrupt { pool: self.id, key, reason };
         let tier = chain.tiers.get(e.tier()).ok_or_else(|| StoreError::TierChain(format!("no tier {}", e.tier())))?;
-        let tkey = self.tier_key(key);
         let mut buf = Vec::with_capacity(PAGE_SIZE + 64);
-        match tier.get(tkey, &mut buf) {
+        match tier.get(self.tier_key(key), &mut buf) {
             Ok(TierGet::Hit) => {}
             Ok(TierGet::Miss) => return Err(corrupt(format!("tier {} lost the page", tier.name()))),
             Err(source) => return Err(StoreError::Tier { pool: self.id, key, source }),
         }
-        chain.sealer.open(tkey, e.loc, &mut buf).map_err(|err| corrupt(format!("tier {}: {err}", tier.name())))?;
-        if buf.len() != e.len() || crc32fast::hash(&buf) != e.check {
+        self.open_tier_value(chain, tier.as_ref(), key, e, &mut buf, out)
+    }
+
+    /// Opens, checks and decodes a value read from `tier` for `e` into `out`.
+    fn open_tier_value(
+        &self,
+        chain: &TierChain,
+        tier: &dyn Tier,
+        key: Key,
+        e: &Entry,
+        buf: &mut Vec<u8>,
+        out: &mut [u8; PAGE_SIZE],
+    ) -> Result<(), StoreError> {
+        let corrupt = |reason: String| StoreError::Corrupt { pool: self.id, key, reason };
+        chain
+            .sealer
+            .open(self.tier_key(key), e.loc, buf)
+            .map_err(|err| corrupt(format!("tier {}: {err}", tier.name())))?;
+        if buf.len() != e.len() || crc32fast::hash(buf) != e.check {
             return Err(corrupt(format!("tier {}: checksum mismatch", tier.name())));
         }
         let codec = self.shared.codec(e.codec())?;
-        codec.decompress(&buf, out).map_err(|err| {
+        codec.decompress(buf, out).map_err(|err| {
             PoolEvents::bump(&self.events.decompress_fail);
             corrupt(err.to_string())
         })
@@ -280,7 +412,9 @@ impl Pool {
         if victims.is_empty() {
             return report;
         }
-        // 2. Seal and offer them to the tiers in order, in batches.
+        // 2. Seal and offer them to the tiers in order, in batches, after the
+        // removals queued so far (some may be of these keys' older copies).
+        self.removals.send(chain);
         let mut sealed: Vec<(u64, Vec<u8>)> = victims
             .iter()
             .map(|v| {
@@ -352,7 +486,7 @@ impl Pool {
         }
         // The key was replaced or flushed meanwhile: its tier copy is stale.
         for (t, tkey) in stale {
-            let _ = chain.tiers[t].remove(tkey);
+            self.removals.queue(chain, t, tkey);
         }
         sealed.clear();
         report
@@ -360,6 +494,13 @@ impl Pool {
 }
 
 impl Shared {
+    /// Sends the queued tier removals of every pool.
+    pub(super) fn send_tier_removals(&self) {
+        for p in self.pools_snapshot() {
+            p.send_tier_removals();
+        }
+    }
+
     /// Writes back from every pool with tiers until usage is below `target`.
     pub(super) fn write_back_until(&self, target: u64) -> bool {
         let pools: Vec<Arc<Pool>> = self.pools_snapshot().into_iter().filter(|p| p.chain.is_some()).collect();
@@ -425,6 +566,7 @@ impl WritebackWorker {
                         break;
                     }
                     drop(g);
+                    shared.send_tier_removals();
                     let limit = shared.policy.limit_bytes();
                     if limit == u64::MAX {
                         continue;
