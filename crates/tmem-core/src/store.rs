@@ -415,6 +415,8 @@ pub struct Pool {
     wb_cursor: AtomicUsize,
     /// Stale tier copies waiting to be removed.
     removals: tiering::TierRemovals,
+    /// Orders writeback and incompressible puts of one key to the tiers.
+    tier_puts: tiering::TierPutLocks,
 }
 
 impl std::fmt::Debug for Pool {
@@ -522,9 +524,9 @@ impl Pool {
             };
             let (data, codec_id, flags): (&[u8], u8, u32) = if n <= sh.policy.max_compressed_size() && n < PAGE_SIZE {
                 (&buf[..n], codec_id, 0)
-            } else if let Some(e) = self.incompressible_to_tier(key, page) {
+            } else if let Some(r) = self.incompressible_to_tier(key, hash, page) {
                 // Straight to the next tier, as zswap's writeback does for them.
-                return self.insert_entry(key, hash, e);
+                return r;
             } else if sh.policy.store_raw() {
                 (&page[..], RAW_CODEC, F_INCOMPRESSIBLE)
             } else {
@@ -852,6 +854,7 @@ impl Store {
             chain,
             wb_cursor: AtomicUsize::new(0),
             removals: tiering::TierRemovals::default(),
+            tier_puts: tiering::TierPutLocks::new(self.shards),
         });
         if let Some(c) = &pool.chain {
             // Whatever an earlier pool with this id left in the tiers is stale.

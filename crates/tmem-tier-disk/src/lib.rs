@@ -162,6 +162,8 @@ const RESERVE_SEGMENTS: usize = 1;
 const MAX_GC_ROUNDS: u32 = 3;
 /// Lock-free read attempts before reading under the lock.
 const OPTIMISTIC_READS: u32 = 3;
+/// Largest single read of a batched get.
+const MERGED_READ: u64 = 256 << 10;
 /// Segment buffers besides the open one.
 const SPARE_BUFFERS: usize = 2;
 /// Blocking write drains a put may wait for when out of buffers.
@@ -1028,6 +1030,93 @@ impl DiskTier {
         Ok(())
     }
 
+    /// Reads `[start, end)` (page-aligned in direct mode) of the file.
+    fn pread_span(&self, start: u64, end: u64) -> io::Result<AlignedBuf> {
+        let mut buf = AlignedBuf::zeroed(usize::try_from(end - start).expect("a merged read is small"));
+        self.file.read_exact_at(&mut buf, start)?;
+        add(&self.counters.wire_in, end - start);
+        Ok(buf)
+    }
+
+    /// Batched gets: values of sealed segments that lie close together on
+    /// disk (written back together, as swap readahead reads them back) are
+    /// read with one `pread`. A value whose segment was freed while we read
+    /// is fetched again on its own, like a single get.
+    fn get_batch_inner(&self, keys: &[TierKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
+        let mut out: Vec<Option<Result<Option<Vec<u8>>, TierError>>> = keys.iter().map(|_| None).collect();
+        let mut on_disk: Vec<(usize, Loc, u64)> = Vec::new();
+        {
+            let st = self.lock();
+            for (i, k) in keys.iter().enumerate() {
+                let Some(loc) = st.index.get(k).copied() else {
+                    out[i] = Some(Ok(None));
+                    continue;
+                };
+                if let Some(mem) = st.mem(loc.seg) {
+                    let at = us(loc.off + RECORD_HEADER);
+                    out[i] = Some(Ok(Some(mem[at..at + us(loc.len)].to_vec())));
+                } else {
+                    on_disk.push((i, loc, self.gens[us(loc.seg)].load(Ordering::SeqCst)));
+                }
+            }
+        }
+        on_disk.sort_unstable_by_key(|&(_, loc, _)| (loc.seg, loc.off));
+        let page = u64::from(PAGE);
+        let bounds = |loc: Loc| {
+            let at = self.seg_off(loc.seg) + u64::from(loc.off + RECORD_HEADER);
+            (at, at - at % page, (at + u64::from(loc.len)).div_ceil(page) * page)
+        };
+        let mut retry = Vec::new();
+        let mut g = 0;
+        while g < on_disk.len() {
+            // A run: same segment, each value starting within a page of the
+            // last one's end, at most MERGED_READ bytes in all.
+            let (_, first, _) = on_disk[g];
+            let (_, start, mut end) = bounds(first);
+            let mut h = g + 1;
+            while h < on_disk.len() {
+                let (_, loc, _) = on_disk[h];
+                let (_, s, e) = bounds(loc);
+                if loc.seg != first.seg || s > end + page || e - start > MERGED_READ {
+                    break;
+                }
+                end = end.max(e);
+                h += 1;
+            }
+            match self.pread_span(start, end) {
+                Ok(buf) => {
+                    for &(i, loc, gen) in &on_disk[g..h] {
+                        if self.gens[us(loc.seg)].load(Ordering::SeqCst) != gen {
+                            add(&self.counters.read_retries, 1);
+                            retry.push(i);
+                            continue;
+                        }
+                        let (at, _, _) = bounds(loc);
+                        let skip = usize::try_from(at - start).expect("within the read");
+                        out[i] = Some(Ok(Some(buf[skip..skip + us(loc.len)].to_vec())));
+                    }
+                    self.io_ok();
+                }
+                Err(e) => {
+                    self.io_failed("read", &e);
+                    for &(i, _, _) in &on_disk[g..h] {
+                        out[i] = Some(Err(io_err(io::Error::new(e.kind(), e.to_string()))));
+                    }
+                }
+            }
+            g = h;
+        }
+        for i in retry {
+            let mut v = Vec::new();
+            out[i] = Some(match self.get_inner(keys[i], &mut v) {
+                Ok(TierGet::Hit) => Ok(Some(v)),
+                Ok(TierGet::Miss) => Ok(None),
+                Err(e) => Err(e),
+            });
+        }
+        out.into_iter().map(|r| r.unwrap_or(Ok(None))).collect()
+    }
+
     fn get_inner(&self, key: TierKey, out: &mut Vec<u8>) -> Result<TierGet, TierError> {
         let mut attempt = 0;
         loop {
@@ -1247,6 +1336,26 @@ impl Tier for DiskTier {
             }
         }
         self.get_latency.record(t0.elapsed());
+        r
+    }
+
+    fn get_batch(&self, keys: &[TierKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
+        let t0 = Instant::now();
+        let r = self.get_batch_inner(keys);
+        let c = &self.counters;
+        add(&c.reads, keys.len() as u64);
+        for v in &r {
+            match v {
+                Ok(Some(v)) => add(&c.bytes_read, v.len() as u64),
+                Ok(None) => add(&c.misses, 1),
+                Err(_) => add(&c.failures, 1),
+            }
+        }
+        // Latency per value, amortised over the batch.
+        let per = t0.elapsed() / u32::try_from(keys.len().max(1)).unwrap_or(u32::MAX);
+        for _ in keys {
+            self.get_latency.record(per);
+        }
         r
     }
 

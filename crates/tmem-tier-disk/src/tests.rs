@@ -218,7 +218,15 @@ fn model(dir: &Path, direct_io: bool, seed: u64) {
                 }
             }
             45..=64 => assert_eq!(tier.remove(key).unwrap(), oracle.remove(&key).is_some(), "remove {key:?}"),
-            65..=97 => match oracle.get(&key) {
+            88..=97 => {
+                // A batched get of a run of indices, as swap readahead does.
+                let n = rng.below(16) + 1;
+                let keys: Vec<TierKey> = (0..n).map(|j| TierKey { index: key.index + j, ..key }).collect();
+                for (k, got) in keys.iter().zip(tier.get_batch(&keys)) {
+                    assert_eq!(got.unwrap().as_ref(), oracle.get(k), "step {step}: batched {k:?}");
+                }
+            }
+            65..=87 => match oracle.get(&key) {
                 Some(v) => {
                     assert_eq!(tier.get(key, &mut out).unwrap(), TierGet::Hit, "step {step}: {key:?}");
                     assert_eq!(&out, v, "step {step}: value of {key:?}");

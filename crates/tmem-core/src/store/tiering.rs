@@ -22,7 +22,7 @@ use std::time::Duration;
 use tmem_tier::seal::Sealer;
 use tmem_tier::{Tier, TierGet, TierKey, TierPut, TierStats};
 
-use super::{lock, GetOutcome, Pool, PoolEvents, Shared, StoreError, RAW_CODEC};
+use super::{lock, GetOutcome, Pool, PoolEvents, PutOutcome, Shared, StoreError, RAW_CODEC};
 use crate::shard::{hash_key, Entry, F_INCOMPRESSIBLE, F_TIER, F_WB, MAX_TIERS};
 use crate::{Key, PAGE_SIZE};
 
@@ -30,6 +30,58 @@ use crate::{Key, PAGE_SIZE};
 const WB_BATCH: usize = 64;
 /// Queued tier removals that make the queuing put send them at once.
 const REMOVE_BATCH: usize = 256;
+/// Stripes of [`TierPutLocks`].
+const TIER_PUT_STRIPES: usize = 256;
+
+/// Orders the paths that put a key's page to a tier.
+///
+/// * One writeback per shard at a time (`writeback`): an entry's `F_WB` mark
+///   then always belongs to the one writeback in flight, so a second
+///   writeback can't mistake a replacement it marked for the page the first
+///   one copied (and switch the entry to the old page's tier copy).
+/// * Per key (`stripes`): writeback of the pool's copy against an
+///   incompressible put of a new page. Without it, writeback could send the
+///   old page after the new one went down, and the tier would hold a value
+///   sealed under a version the entry no longer has: a lost page. Writeback
+///   locks the stripes of its victims (sorted) and keeps only victims still
+///   marked `F_WB`; an incompressible put holds its key's stripe from its tier
+///   put to its entry insert.
+///
+/// Lock order: writeback → stripe(s) → shard lock.
+pub(super) struct TierPutLocks {
+    writeback: Box<[Mutex<()>]>,
+    stripes: Box<[Mutex<()>]>,
+}
+
+/// Locks an ordering mutex (it guards no data, so poisoning is moot).
+fn hold(m: &Mutex<()>) -> std::sync::MutexGuard<'_, ()> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl TierPutLocks {
+    /// Locks for a pool of `shards` shards.
+    pub(super) fn new(shards: usize) -> Self {
+        let locks = |n: usize| (0..n).map(|_| Mutex::new(())).collect();
+        Self { writeback: locks(shards), stripes: locks(TIER_PUT_STRIPES) }
+    }
+
+    fn stripe(hash: u64) -> usize {
+        usize::try_from(hash % TIER_PUT_STRIPES as u64).expect("fits")
+    }
+
+    /// Locks the stripe of one key.
+    fn lock_one(&self, hash: u64) -> std::sync::MutexGuard<'_, ()> {
+        hold(&self.stripes[Self::stripe(hash)])
+    }
+
+    /// Locks the stripes of `hashes`, in order.
+    fn lock_all(&self, hashes: impl Iterator<Item = u64>) -> Vec<std::sync::MutexGuard<'_, ()>> {
+        let mut ids: Vec<usize> = hashes.map(Self::stripe).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.into_iter().map(|i| hold(&self.stripes[i])).collect()
+    }
+}
 
 /// Tier copies made stale by puts, removed later in batches.
 ///
@@ -67,7 +119,7 @@ impl TierRemovals {
     /// Sends every queued removal, one batch per tier. A failed removal
     /// leaves an unreachable sealed value behind, cleared with the pool.
     pub(super) fn send(&self, chain: &TierChain) {
-        let _sending = self.sending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _sending = hold(&self.sending);
         let batch = std::mem::take(&mut *self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         if batch.is_empty() {
             return;
@@ -178,15 +230,22 @@ impl Pool {
         TierKey { pool: self.id, object: key.object, index: key.index }
     }
 
-    /// Sends an incompressible page straight to the tiers; returns its entry.
-    pub(super) fn incompressible_to_tier(&self, key: Key, page: &[u8; PAGE_SIZE]) -> Option<Entry> {
+    /// Sends an incompressible page straight to the tiers and inserts its
+    /// entry; `None` when no tier took it.
+    pub(super) fn incompressible_to_tier(
+        &self,
+        key: Key,
+        hash: u64,
+        page: &[u8; PAGE_SIZE],
+    ) -> Option<Result<PutOutcome, StoreError>> {
         let chain = self.chain.as_ref()?;
+        let _stripe = self.tier_puts.lock_one(hash);
         self.removals.send(chain);
         let (tier, version) = chain.put_one(&self.shared, self.tier_key(key), page)?;
         let mut e = Entry::new(key, 0, crc32fast::hash(page), PAGE_SIZE, RAW_CODEC, F_INCOMPRESSIBLE);
         e.set_tier(tier, version);
-        lock(self.shard_of(hash_key(key))).c.incompressible_to_tier += 1;
-        Some(e)
+        lock(self.shard_of(hash)).c.incompressible_to_tier += 1;
+        Some(self.insert_entry(key, hash, e))
     }
 
     /// Queues the removal of the tier copy of an entry that has left its shard.
@@ -382,6 +441,7 @@ impl Pool {
 
     fn write_back_shard(&self, chain: &TierChain, i: usize, max: usize) -> WritebackReport {
         let mut report = WritebackReport::default();
+        let _one_writeback = hold(&self.tier_puts.writeback[i]);
         // 1. Pick victims and copy their bytes out, under the shard lock.
         let mut victims = Vec::new();
         {
@@ -412,7 +472,17 @@ impl Pool {
         if victims.is_empty() {
             return report;
         }
-        // 2. Seal and offer them to the tiers in order, in batches, after the
+        // 2. Order against incompressible puts of the same keys (see
+        // TierPutLocks): a victim replaced meanwhile has lost its F_WB mark.
+        let _stripes = self.tier_puts.lock_all(victims.iter().map(|v| hash_key(v.key)));
+        {
+            let s = lock(&self.shards[i].0);
+            victims.retain(|v| s.find(v.key, hash_key(v.key)).is_some_and(|h| s.entries.get(h).has(F_WB)));
+        }
+        if victims.is_empty() {
+            return report;
+        }
+        // 3. Seal and offer them to the tiers in order, in batches, after the
         // removals queued so far (some may be of these keys' older copies).
         self.removals.send(chain);
         let mut sealed: Vec<(u64, Vec<u8>)> = victims
@@ -438,7 +508,7 @@ impl Pool {
                 }
             }
         }
-        // 3. Under the lock again: switch entries that still hold the page we
+        // 4. Under the lock again: switch entries that still hold the page we
         // copied to their tier; put the rest back on the LRU.
         let mut stale = Vec::new();
         {
