@@ -33,9 +33,12 @@ pub const MAX_IO: u32 = 1 << 20;
 /// writeout does not wait for one thread to compress 256 pages.
 pub const MAX_WRITE: u32 = 128 << 10;
 /// Async direct I/O requests count as background requests; past this many
-/// in flight the submitter (loop's worker) blocks, reads included. The kernel
-/// default of 12 (libfuse: 64) is far below what swap writeout queues.
-const MAX_BACKGROUND: u16 = 256;
+/// in flight the submitter (loop's worker) waits. Measured on the 25% and 50%
+/// rungs of `tmem bench pressure` (3 runs each): 64 was fastest; 32 starved
+/// the workers, and 256 let so much writeback pile up (pages pinned in the
+/// workload's cgroup) that one 25% run was OOM-killed. The kernel's default
+/// is 12.
+const MAX_BACKGROUND: u16 = 64;
 const ROOT: u64 = 1;
 const TTL: Duration = Duration::from_secs(1);
 
