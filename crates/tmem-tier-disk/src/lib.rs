@@ -88,6 +88,9 @@
 //! the read is done under the lock. (The generation is bumped with `SeqCst`
 //! before the discard or rewrite is even queued, and those happen in other
 //! syscalls, so a read that saw changed bytes sees the new generation.)
+//! A batched get sorts its values by place on disk and reads each run of
+//! values within a page of one another (up to 256 KiB) with one `pread`:
+//! pages written back together are read back together by swap readahead.
 //!
 //! **Locks.** `state` (index, segments, buffers) is held only for memory
 //! work: lookups, appends, `memcpy`. All disk *mutations* (segment writes,
@@ -101,7 +104,7 @@
 //! (a FUSE/swap thread waits for its page anyway), the machine has two cores
 //! so there is no parallelism for an async engine to exploit, writes are
 //! already batched into whole segments (one syscall per MiB) and reads are one
-//! syscall per page-in; io_uring would add a dependency, `unsafe` buffer
+//! syscall per page-in (or per run of a batched get); io_uring would add a dependency, `unsafe` buffer
 //! lifetime management and a completion thread for no measurable gain here.
 //!
 //! **I/O mode.** The file is opened `O_DIRECT` by default so pages are not
@@ -1052,7 +1055,9 @@ impl DiskTier {
                     out[i] = Some(Ok(None));
                     continue;
                 };
-                if let Some(mem) = st.mem(loc.seg) {
+                if loc.len == 0 {
+                    out[i] = Some(Ok(Some(Vec::new())));
+                } else if let Some(mem) = st.mem(loc.seg) {
                     let at = us(loc.off + RECORD_HEADER);
                     out[i] = Some(Ok(Some(mem[at..at + us(loc.len)].to_vec())));
                 } else {

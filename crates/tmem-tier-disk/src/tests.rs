@@ -221,7 +221,19 @@ fn model(dir: &Path, direct_io: bool, seed: u64) {
             88..=97 => {
                 // A batched get of a run of indices, as swap readahead does.
                 let n = rng.below(16) + 1;
-                let keys: Vec<TierKey> = (0..n).map(|j| TierKey { index: key.index + j, ..key }).collect();
+                let mut keys: Vec<TierKey> = (0..n).map(|j| TierKey { index: key.index + j, ..key }).collect();
+                if step % 7 == 0 {
+                    // An empty value among them.
+                    let empty = TierKey { index: 1_000_000 + step, ..key };
+                    if tier.put(empty, &[]).unwrap() == TierPut::Stored {
+                        tier.flush().unwrap();
+                        oracle.insert(empty, Vec::new());
+                    } else {
+                        fulls += 1;
+                        oracle.remove(&empty);
+                    }
+                    keys.push(empty);
+                }
                 for (k, got) in keys.iter().zip(tier.get_batch(&keys)) {
                     assert_eq!(got.unwrap().as_ref(), oracle.get(k), "step {step}: batched {k:?}");
                 }
