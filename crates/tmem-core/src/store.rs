@@ -491,8 +491,8 @@ impl Pool {
     }
 
     /// Releases the pool memory of an entry removed from its shard and fixes
-    /// counters. A copy in a lower tier is removed by [`Pool::drop_tier_copy`]
-    /// once the shard lock is released.
+    /// counters. A copy in a lower tier is queued for removal by
+    /// [`Pool::queue_tier_copy`], under the same shard lock.
     fn forget(&self, c: &mut ShardCounters, e: &Entry) {
         Self::uncount(c, e);
         if let Some(loc) = e.alloc_loc() {
@@ -544,7 +544,7 @@ impl Pool {
 
     /// Inserts a ready entry, replacing an older copy of the key.
     fn insert_entry(&self, key: Key, hash: u64, entry: Entry) -> Result<PutOutcome, StoreError> {
-        let old = {
+        let (old, long) = {
             let mut s = lock(self.shard_of(hash));
             let old = s.insert(entry, hash);
             let c = &mut s.c;
@@ -556,19 +556,20 @@ impl Pool {
             Self::count(c, &entry);
             c.compressions += u64::from(entry.alloc_loc().is_some() && !entry.has(F_INCOMPRESSIBLE));
             self.account(&mut s);
-            old
-        };
-        if let Some(old) = old {
-            if let Some(loc) = old.alloc_loc() {
-                // Safe outside the shard lock: the entry is unreachable, so
-                // neither gets nor compaction can see this object any more.
-                self.shared.alloc.free(loc);
-                self.shared.maybe_compact();
-            }
             // A new value in the same tier has already overwritten the old one.
-            if !(entry.has(F_TIER) && old.has(F_TIER) && entry.tier() == old.tier()) {
-                self.drop_tier_copy(key, &old);
-            }
+            let long = old.as_ref().is_some_and(|old| {
+                !(entry.has(F_TIER) && old.has(F_TIER) && entry.tier() == old.tier()) && self.queue_tier_copy(key, old)
+            });
+            (old, long)
+        };
+        if long {
+            self.send_tier_removals();
+        }
+        if let Some(loc) = old.and_then(|o| o.alloc_loc()) {
+            // Safe outside the shard lock: the entry is unreachable, so
+            // neither gets nor compaction can see this object any more.
+            self.shared.alloc.free(loc);
+            self.shared.maybe_compact();
         }
         Ok(PutOutcome::Stored)
     }
@@ -689,8 +690,11 @@ impl Pool {
         }
         self.forget(&mut s.c, &e);
         self.account(&mut s);
+        let long = self.queue_tier_copy(key, &e);
         drop(s);
-        self.drop_tier_copy(key, &e);
+        if long {
+            self.send_tier_removals();
+        }
         self.shared.maybe_compact();
         true
     }
@@ -703,20 +707,18 @@ impl Pool {
         for shard in self.shards.iter() {
             let mut s = lock(&shard.0);
             let victims: Vec<u32> = s.entries.live_handles().filter(|&h| s.entries.get(h).object == object).collect();
-            let mut in_tiers = Vec::new();
+            let mut long = false;
             for h in victims {
                 let e = s.remove_handle(h);
                 s.c.flushes += 1;
                 self.forget(&mut s.c, &e);
-                if e.has(F_TIER) {
-                    in_tiers.push(e);
-                }
+                long |= self.queue_tier_copy(e.key(), &e);
                 n += 1;
             }
             self.account(&mut s);
             drop(s);
-            for e in in_tiers {
-                self.drop_tier_copy(e.key(), &e);
+            if long {
+                self.send_tier_removals();
             }
         }
         self.shared.maybe_compact();

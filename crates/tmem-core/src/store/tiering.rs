@@ -90,11 +90,16 @@ impl TierPutLocks {
 /// page, the common case for swap. The copy is unreachable as soon as its
 /// entry is gone (and sealed under an old version), so its removal can wait;
 /// what must not happen is a removal overtaking a *later* put of the same key
-/// to the same tier, which would delete the new copy. Hence every tier put
-/// first calls [`TierRemovals::send`], which sends everything queued so far
-/// and holds `sending` while it does, so a put that follows can't overtake it.
+/// to the same tier, which would delete the new copy. Hence:
+/// * a removal is queued under the shard lock that removed or replaced the
+///   entry, so by the time a writeback can pick the key's next page (under
+///   that lock), the removal is in the queue;
+/// * every tier put first calls [`TierRemovals::send`], which sends
+///   everything queued so far and holds `sending` while it does, so a put
+///   that follows can't overtake it.
 ///
-/// Lock order: `sending` → `queue`; neither is held with a shard lock.
+/// Lock order: shard lock → `queue`; `sending` → `queue`; `sending` is never
+/// taken under a shard lock.
 #[derive(Default)]
 pub(super) struct TierRemovals {
     /// (tier index, key) of stale copies, in the order they became stale.
@@ -104,16 +109,12 @@ pub(super) struct TierRemovals {
 }
 
 impl TierRemovals {
-    /// Queues the removal of `tkey` from tier `t`; sends the queue once it is long.
-    fn queue(&self, chain: &TierChain, t: usize, tkey: TierKey) {
-        let long = {
-            let mut q = self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            q.push((t, tkey));
-            q.len() >= REMOVE_BATCH
-        };
-        if long {
-            self.send(chain);
-        }
+    /// Queues the removal of `tkey` from tier `t`; returns whether the queue
+    /// is long enough to send now.
+    fn push(&self, t: usize, tkey: TierKey) -> bool {
+        let mut q = self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        q.push((t, tkey));
+        q.len() >= REMOVE_BATCH
     }
 
     /// Sends every queued removal, one batch per tier. A failed removal
@@ -248,14 +249,13 @@ impl Pool {
         Some(self.insert_entry(key, hash, e))
     }
 
-    /// Queues the removal of the tier copy of an entry that has left its shard.
-    pub(super) fn drop_tier_copy(&self, key: Key, e: &Entry) {
-        if !e.has(F_TIER) {
-            return;
-        }
-        if let Some(chain) = self.chain.as_ref().filter(|c| e.tier() < c.tiers.len()) {
-            self.removals.queue(chain, e.tier(), self.tier_key(key));
-        }
+    /// Queues the removal of the tier copy of `e`, which has just left its
+    /// shard; call it under that shard's lock (see [`TierRemovals`]). Returns
+    /// whether the queue should be sent (outside the lock).
+    pub(super) fn queue_tier_copy(&self, key: Key, e: &Entry) -> bool {
+        e.has(F_TIER)
+            && self.chain.as_ref().is_some_and(|c| e.tier() < c.tiers.len())
+            && self.removals.push(e.tier(), self.tier_key(key))
     }
 
     /// Sends the queued tier removals now.
@@ -354,8 +354,11 @@ impl Pool {
                 let gone = s.remove_handle(h);
                 self.forget(&mut s.c, &gone);
                 self.account(&mut s);
+                let long = self.queue_tier_copy(key, &gone);
                 drop(s);
-                self.drop_tier_copy(key, &gone);
+                if long {
+                    self.send_tier_removals();
+                }
             } else if promote {
                 drop(s);
                 // Re-inserting replaces the tier entry and removes the tier copy.
@@ -555,8 +558,14 @@ impl Pool {
             PoolEvents::bump(&self.events.tier_put_fail);
         }
         // The key was replaced or flushed meanwhile: its tier copy is stale.
+        // (Queued under the shard's writeback lock, which a writeback of the
+        // key's next page must take.)
+        let mut long = false;
         for (t, tkey) in stale {
-            self.removals.queue(chain, t, tkey);
+            long |= self.removals.push(t, tkey);
+        }
+        if long {
+            self.removals.send(chain);
         }
         sealed.clear();
         report
