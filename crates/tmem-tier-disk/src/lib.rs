@@ -1013,7 +1013,7 @@ impl DiskTier {
         if loc.len == 0 {
             return Ok(());
         }
-        let at = self.seg_off(loc.seg) + u64::from(loc.off + RECORD_HEADER);
+        let (at, start, end) = self.value_span(loc);
         let len = us(loc.len);
         if !self.direct {
             out.resize(len, 0);
@@ -1021,19 +1021,20 @@ impl DiskTier {
             add(&self.counters.wire_in, u64::from(loc.len));
             return Ok(());
         }
-        let page = u64::from(PAGE);
-        let start = at - at % page;
-        let end = (at + u64::from(loc.len)).div_ceil(page) * page;
-        let span = usize::try_from(end - start).expect("a value spans at most three pages");
-        let mut buf = AlignedBuf::zeroed(span);
-        self.file.read_exact_at(&mut buf, start)?;
-        add(&self.counters.wire_in, end - start);
+        let buf = self.pread_span(start, end)?;
         let skip = usize::try_from(at - start).expect("within a page");
         out.extend_from_slice(&buf[skip..skip + len]);
         Ok(())
     }
 
-    /// Reads `[start, end)` (page-aligned in direct mode) of the file.
+    /// File offset of the value at `loc`, and the page-aligned range that covers it.
+    fn value_span(&self, loc: Loc) -> (u64, u64, u64) {
+        let page = u64::from(PAGE);
+        let at = self.seg_off(loc.seg) + u64::from(loc.off + RECORD_HEADER);
+        (at, at - at % page, (at + u64::from(loc.len)).div_ceil(page) * page)
+    }
+
+    /// Reads the page-aligned range `[start, end)` of the file.
     fn pread_span(&self, start: u64, end: u64) -> io::Result<AlignedBuf> {
         let mut buf = AlignedBuf::zeroed(usize::try_from(end - start).expect("a merged read is small"));
         self.file.read_exact_at(&mut buf, start)?;
@@ -1067,21 +1068,17 @@ impl DiskTier {
         }
         on_disk.sort_unstable_by_key(|&(_, loc, _)| (loc.seg, loc.off));
         let page = u64::from(PAGE);
-        let bounds = |loc: Loc| {
-            let at = self.seg_off(loc.seg) + u64::from(loc.off + RECORD_HEADER);
-            (at, at - at % page, (at + u64::from(loc.len)).div_ceil(page) * page)
-        };
         let mut retry = Vec::new();
         let mut g = 0;
         while g < on_disk.len() {
             // A run: same segment, each value starting within a page of the
             // last one's end, at most MERGED_READ bytes in all.
             let (_, first, _) = on_disk[g];
-            let (_, start, mut end) = bounds(first);
+            let (_, start, mut end) = self.value_span(first);
             let mut h = g + 1;
             while h < on_disk.len() {
                 let (_, loc, _) = on_disk[h];
-                let (_, s, e) = bounds(loc);
+                let (_, s, e) = self.value_span(loc);
                 if loc.seg != first.seg || s > end + page || e - start > MERGED_READ {
                     break;
                 }
@@ -1096,7 +1093,7 @@ impl DiskTier {
                             retry.push(i);
                             continue;
                         }
-                        let (at, _, _) = bounds(loc);
+                        let (at, _, _) = self.value_span(loc);
                         let skip = usize::try_from(at - start).expect("within the read");
                         out[i] = Some(Ok(Some(buf[skip..skip + us(loc.len)].to_vec())));
                     }

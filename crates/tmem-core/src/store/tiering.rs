@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tmem_tier::seal::Sealer;
-use tmem_tier::{Tier, TierGet, TierKey, TierPut, TierStats};
+use tmem_tier::{Tier, TierError, TierGet, TierKey, TierPut, TierStats};
 
 use super::{lock, GetOutcome, Pool, PoolEvents, PutOutcome, Shared, StoreError, RAW_CODEC};
 use crate::shard::{hash_key, Entry, F_INCOMPRESSIBLE, F_TIER, F_WB, MAX_TIERS};
@@ -193,6 +193,16 @@ impl TierChain {
     }
 }
 
+/// A page recorded in a tier of a pool without tiers.
+fn no_chain() -> StoreError {
+    StoreError::TierChain("page recorded in a tier but the pool has none".into())
+}
+
+/// A page recorded in a tier the chain doesn't have.
+fn no_tier(e: &Entry) -> StoreError {
+    StoreError::TierChain(format!("no tier {}", e.tier()))
+}
+
 /// Counters of every distinct tier of `pools`.
 pub(super) fn tier_stats(pools: &[Arc<Pool>]) -> Vec<TierStats> {
     let mut seen: Vec<*const ()> = Vec::new();
@@ -275,7 +285,7 @@ impl Pool {
     ) -> Result<GetOutcome, StoreError> {
         let fetched = match &self.chain {
             Some(chain) => self.fetch_from_tier(chain, key, &e, out),
-            None => Err(StoreError::TierChain("page recorded in a tier but the pool has none".into())),
+            None => Err(no_chain()),
         };
         self.finish_tier_get(key, hash, e, fetched, out)
     }
@@ -291,8 +301,7 @@ impl Pool {
     ) {
         let Some(chain) = &self.chain else {
             for &(i, key, hash, e) in items {
-                let err = Err(StoreError::TierChain("page recorded in a tier but the pool has none".into()));
-                results[i] = Some(self.finish_tier_get(key, hash, e, err, &mut outs[i]));
+                results[i] = Some(self.finish_tier_get(key, hash, e, Err(no_chain()), &mut outs[i]));
             }
             return;
         };
@@ -304,22 +313,13 @@ impl Pool {
             let tkeys: Vec<TierKey> = mine.iter().map(|it| self.tier_key(it.1)).collect();
             let values = tier.get_batch(&tkeys);
             for (&&(i, key, hash, e), value) in mine.iter().zip(values) {
-                let fetched = match value {
-                    Ok(Some(mut buf)) => self.open_tier_value(chain, tier.as_ref(), key, &e, &mut buf, &mut outs[i]),
-                    Ok(None) => Err(StoreError::Corrupt {
-                        pool: self.id,
-                        key,
-                        reason: format!("tier {} lost the page", tier.name()),
-                    }),
-                    Err(source) => Err(StoreError::Tier { pool: self.id, key, source }),
-                };
+                let fetched = self.open_fetched(chain, tier.as_ref(), key, &e, value, &mut outs[i]);
                 results[i] = Some(self.finish_tier_get(key, hash, e, fetched, &mut outs[i]));
             }
         }
         for &(i, key, hash, e) in items {
             if results[i].is_none() {
-                let err = Err(StoreError::TierChain(format!("no tier {}", e.tier())));
-                results[i] = Some(self.finish_tier_get(key, hash, e, err, &mut outs[i]));
+                results[i] = Some(self.finish_tier_get(key, hash, e, Err(no_tier(&e)), &mut outs[i]));
             }
         }
     }
@@ -377,15 +377,30 @@ impl Pool {
         e: &Entry,
         out: &mut [u8; PAGE_SIZE],
     ) -> Result<(), StoreError> {
-        let corrupt = |reason: String| StoreError::Corrupt { pool: self.id, key, reason };
-        let tier = chain.tiers.get(e.tier()).ok_or_else(|| StoreError::TierChain(format!("no tier {}", e.tier())))?;
+        let tier = chain.tiers.get(e.tier()).ok_or_else(|| no_tier(e))?;
         let mut buf = Vec::with_capacity(PAGE_SIZE + 64);
-        match tier.get(self.tier_key(key), &mut buf) {
-            Ok(TierGet::Hit) => {}
-            Ok(TierGet::Miss) => return Err(corrupt(format!("tier {} lost the page", tier.name()))),
-            Err(source) => return Err(StoreError::Tier { pool: self.id, key, source }),
+        let got = tier.get(self.tier_key(key), &mut buf);
+        let value = got.map(|g| matches!(g, TierGet::Hit).then_some(buf));
+        self.open_fetched(chain, tier.as_ref(), key, e, value, out)
+    }
+
+    /// Opens what `tier` answered for `e`'s key (`None`: it has no value).
+    fn open_fetched(
+        &self,
+        chain: &TierChain,
+        tier: &dyn Tier,
+        key: Key,
+        e: &Entry,
+        value: Result<Option<Vec<u8>>, TierError>,
+        out: &mut [u8; PAGE_SIZE],
+    ) -> Result<(), StoreError> {
+        match value {
+            Ok(Some(mut buf)) => self.open_tier_value(chain, tier, key, e, &mut buf, out),
+            Ok(None) => {
+                Err(StoreError::Corrupt { pool: self.id, key, reason: format!("tier {} lost the page", tier.name()) })
+            }
+            Err(source) => Err(StoreError::Tier { pool: self.id, key, source }),
         }
-        self.open_tier_value(chain, tier.as_ref(), key, e, &mut buf, out)
     }
 
     /// Opens, checks and decodes a value read from `tier` for `e` into `out`.
