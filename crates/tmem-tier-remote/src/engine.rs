@@ -246,9 +246,9 @@ impl Inner {
                 return;
             }
             let items_ref = &*items;
-            // Several smaller pipelines per node, in flight together on its
-            // multiplexed connection: the server works on one while we encode
-            // the next and decode the last.
+            // One MSET per chunk (one command and one reply for many keys), several
+            // chunks per node in flight together on its multiplexed connection:
+            // the server works on one while we encode the next and decode the last.
             let futs: Vec<_> = per_node
                 .iter()
                 .enumerate()
@@ -256,50 +256,49 @@ impl Inner {
                 .map(|(n, idxs)| {
                     let mut pipe = redis::pipe();
                     pipe.ignore_errors();
-                    let mut bytes = 0;
+                    let cmd = pipe.cmd("MSET");
+                    let mut lens = Vec::with_capacity(1 + 2 * idxs.len());
+                    lens.push(4);
                     for &i in idxs {
                         let it = &items_ref[i];
-                        pipe.cmd("SET").arg(it.name).arg(it.value);
-                        bytes += resp_cmd_len(&[3, it.name.len(), it.value.len()]);
+                        cmd.arg(it.name).arg(it.value);
+                        lens.extend([it.name.len(), it.value.len()]);
                     }
-                    let replies = 5 * len_u64(idxs.len());
-                    async move { (n, idxs, self.pipeline(n, pipe, bytes, replies).await) }
+                    let bytes = resp_cmd_len(&lens);
+                    async move { (n, idxs, self.pipeline(n, pipe, bytes, 5).await) }
                 })
                 .collect();
             for (n, idxs, r) in join_all(futs).await {
                 let node = &self.nodes[n];
-                match r {
-                    Ok((epoch, vals)) => {
-                        for (j, &i) in idxs.iter().enumerate() {
-                            let it = &mut items[i];
-                            match vals.get(j) {
-                                Some(Value::Okay) => {
-                                    it.stored |= bit(n);
-                                    it.epochs.push((n, epoch));
-                                }
-                                Some(Value::SimpleString(s)) if s == "OK" => {
-                                    it.stored |= bit(n);
-                                    it.epochs.push((n, epoch));
-                                }
-                                Some(Value::ServerError(e)) if e.code() == "OOM" => {
-                                    add(&node.oom, 1);
-                                    it.oom = true;
-                                }
-                                Some(Value::ServerError(e)) => {
-                                    add(&node.errors, 1);
-                                    it.err = Some(format!("{}: {} {}", node.name, e.code(), e.details().unwrap_or("")));
-                                }
-                                other => {
-                                    add(&node.errors, 1);
-                                    it.err = Some(format!("{}: unexpected answer to SET: {other:?}", node.name));
-                                }
-                            }
+                // MSET stores all of its keys or none.
+                let outcome = match r {
+                    Ok((epoch, vals)) => match vals.first() {
+                        Some(Value::Okay) => Ok(epoch),
+                        Some(Value::SimpleString(s)) if s == "OK" => Ok(epoch),
+                        Some(Value::ServerError(e)) if e.code() == "OOM" => {
+                            add(&node.oom, 1);
+                            Err(None)
                         }
-                    }
-                    Err(reason) => {
-                        for &i in idxs {
-                            items[i].err = Some(reason.clone());
+                        Some(Value::ServerError(e)) => {
+                            add(&node.errors, 1);
+                            Err(Some(format!("{}: {} {}", node.name, e.code(), e.details().unwrap_or(""))))
                         }
+                        other => {
+                            add(&node.errors, 1);
+                            Err(Some(format!("{}: unexpected answer to MSET: {other:?}", node.name)))
+                        }
+                    },
+                    Err(reason) => Err(Some(reason)),
+                };
+                for &i in idxs {
+                    let it = &mut items[i];
+                    match &outcome {
+                        Ok(epoch) => {
+                            it.stored |= bit(n);
+                            it.epochs.push((n, *epoch));
+                        }
+                        Err(None) => it.oom = true,
+                        Err(Some(reason)) => it.err = Some(reason.clone()),
                     }
                 }
             }
@@ -341,32 +340,44 @@ impl Inner {
                 .map(|(n, idxs)| {
                     let mut pipe = redis::pipe();
                     pipe.ignore_errors();
-                    let mut bytes = 0;
+                    let cmd = pipe.cmd("MGET");
+                    let mut lens = Vec::with_capacity(1 + idxs.len());
+                    lens.push(4);
                     for &i in idxs {
-                        pipe.cmd("GET").arg(&items_ref[i].name);
-                        bytes += resp_cmd_len(&[3, items_ref[i].name.len()]);
+                        cmd.arg(&items_ref[i].name);
+                        lens.push(items_ref[i].name.len());
                     }
+                    let bytes = resp_cmd_len(&lens);
                     let replies = len_u64(idxs.len() * (MAX_VALUE + 8));
                     async move { (n, self.pipeline(n, pipe, bytes, replies).await) }
                 })
                 .collect();
             for (n, r) in join_all(futs).await {
                 let node = &self.nodes[n];
-                match r {
-                    Ok((_, vals)) => {
-                        for (&i, v) in per_node[n].iter().zip(vals.into_iter().chain(std::iter::repeat(Value::Nil))) {
+                let vals = match r {
+                    Ok((_, mut vals)) => match vals.pop() {
+                        Some(Value::Array(vals)) if vals.len() == per_node[n].len() => Ok(vals),
+                        Some(Value::ServerError(e)) => {
+                            add(&node.errors, 1);
+                            Err(format!("{}: {} {}", node.name, e.code(), e.details().unwrap_or("")))
+                        }
+                        other => {
+                            add(&node.errors, 1);
+                            Err(format!("{}: unexpected answer to MGET: {other:?}", node.name))
+                        }
+                    },
+                    Err(reason) => Err(reason),
+                };
+                match vals {
+                    Ok(vals) => {
+                        for (&i, v) in per_node[n].iter().zip(vals) {
                             let it = &mut items[i];
                             match v {
                                 Value::BulkString(b) => it.value = Some(b),
                                 Value::Nil => {}
-                                Value::ServerError(e) => {
-                                    add(&node.errors, 1);
-                                    it.failed =
-                                        Some(format!("{}: {} {}", node.name, e.code(), e.details().unwrap_or("")));
-                                }
                                 other => {
                                     add(&node.errors, 1);
-                                    it.failed = Some(format!("{}: unexpected answer to GET: {other:?}", node.name));
+                                    it.failed = Some(format!("{}: unexpected value in MGET: {other:?}", node.name));
                                 }
                             }
                         }
