@@ -26,9 +26,10 @@ fn codecs() -> &'static [Arc<dyn Codec>] {
         let dict = train_dictionary(samples.iter(), 8192).expect("dictionary");
         [
             CodecConfig::Raw,
-            CodecConfig::Lz4,
+            CodecConfig::LZ4,
             CodecConfig::Zstd { level: 1, dictionary: None },
             CodecConfig::Zstd { level: -3, dictionary: None },
+            CodecConfig::LZ4.with_dictionary(Arc::clone(&dict)),
             CodecConfig::Zstd { level: 3, dictionary: Some(dict) },
         ]
         .iter()

@@ -52,7 +52,7 @@ impl Model {
     fn new() -> Self {
         let store = StoreConfig::default().build().expect("store");
         let mut codecs = vec![RAW_CODEC];
-        for cfg in [CodecConfig::Lz4, CodecConfig::Zstd { level: 1, dictionary: None }] {
+        for cfg in [CodecConfig::LZ4, CodecConfig::Zstd { level: 1, dictionary: None }] {
             codecs.push(store.register_codec(&cfg).expect("codec"));
         }
         let slots = configs().into_iter().map(|cfg| Slot { pool: store.create_pool(cfg), oracle: HashMap::new() }).collect();

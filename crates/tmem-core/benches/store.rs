@@ -96,7 +96,7 @@ fn pages() -> (String, Vec<Page>) {
 
 fn codecs(pages: &[Page]) -> Vec<Arc<dyn Codec>> {
     let mut v = vec![
-        CodecConfig::Lz4.build().expect("lz4"),
+        CodecConfig::LZ4.build().expect("lz4"),
         CodecConfig::Zstd { level: 1, dictionary: None }.build().expect("zstd:1"),
     ];
     let samples: Vec<&Page> = pages.iter().step_by(2).collect();
@@ -212,7 +212,7 @@ fn bench_store(c: &mut Criterion) {
     let (source, pages) = pages();
     let mut g = c.benchmark_group("store");
     g.throughput(Throughput::Bytes(PAGE_SIZE as u64));
-    for codec in [CodecConfig::Lz4, CodecConfig::Zstd { level: 1, dictionary: None }] {
+    for codec in [CodecConfig::LZ4, CodecConfig::Zstd { level: 1, dictionary: None }] {
         let store = StoreConfig { codec: Some(codec), ..StoreConfig::default() }.build().expect("store");
         store.set_policy("incompressible", "store_raw").expect("policy");
         let name = store.codec_name();

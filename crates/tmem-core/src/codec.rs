@@ -71,8 +71,13 @@ pub trait Codec: Send + Sync + 'static {
 pub enum CodecConfig {
     /// Stores pages as they are: the no-op codec.
     Raw,
-    /// lz4 block format (`lz4_flex`), the zram/zswap default family.
-    Lz4,
+    /// lz4 block format (C liblz4, as the kernel's), optionally with a
+    /// dictionary (its last 64 KiB count).
+    Lz4 {
+        /// Raw dictionary bytes, for example from [`train_dictionary`].
+        #[serde(skip)]
+        dictionary: Option<Arc<[u8]>>,
+    },
     /// zstd at `level`, optionally with a dictionary trained on sample pages.
     Zstd {
         /// Compression level, 1..=22 (negative levels are zstd's fast modes).
@@ -84,11 +89,23 @@ pub enum CodecConfig {
 }
 
 impl CodecConfig {
+    /// lz4 without a dictionary.
+    pub const LZ4: Self = Self::Lz4 { dictionary: None };
+
+    /// This codec with `dictionary` (raw copies have none).
+    pub fn with_dictionary(&self, dictionary: Arc<[u8]>) -> Self {
+        match self {
+            Self::Raw => Self::Raw,
+            Self::Lz4 { .. } => Self::Lz4 { dictionary: Some(dictionary) },
+            Self::Zstd { level, .. } => Self::Zstd { level: *level, dictionary: Some(dictionary) },
+        }
+    }
+
     /// Builds the codec.
     pub fn build(&self) -> Result<Arc<dyn Codec>, CodecError> {
         Ok(match self {
             CodecConfig::Raw => Arc::new(RawCodec),
-            CodecConfig::Lz4 => Arc::new(Lz4Codec),
+            CodecConfig::Lz4 { dictionary } => Arc::new(Lz4Codec::new(dictionary.clone())),
             CodecConfig::Zstd { level, dictionary } => Arc::new(ZstdCodec::new(*level, dictionary.clone())?),
         })
     }
@@ -98,7 +115,7 @@ impl CodecConfig {
         let bad = |reason: &str| CodecError::Config { codec: s.to_owned(), reason: reason.to_owned() };
         match s.split_once(':') {
             None if s == "raw" => Ok(Self::Raw),
-            None if s == "lz4" => Ok(Self::Lz4),
+            None if s == "lz4" => Ok(Self::LZ4),
             None if s == "zstd" => Ok(Self::Zstd { level: 3, dictionary: None }),
             Some(("zstd", level)) => {
                 let level: i32 = level.parse().map_err(|_| bad("level is not an integer"))?;
@@ -106,6 +123,29 @@ impl CodecConfig {
             }
             _ => Err(bad("expected raw, lz4, zstd or zstd:LEVEL")),
         }
+    }
+}
+
+/// A codec as users name it: [`CodecConfig::parse`]'s names, each optionally
+/// followed by `+dict`: train a dictionary on the pool's own pages (see
+/// `DictTraining`) and switch to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CodecChoice {
+    /// The codec (without a dictionary).
+    pub codec: CodecConfig,
+    /// Whether to train a dictionary for it.
+    pub dictionary: bool,
+}
+
+impl CodecChoice {
+    /// Parses `lz4`, `lz4+dict`, `zstd:3+dict`, ...
+    pub fn parse(s: &str) -> Result<Self, CodecError> {
+        let (base, dictionary) = s.strip_suffix("+dict").map_or((s, false), |b| (b, true));
+        let codec = CodecConfig::parse(base)?;
+        if dictionary && codec == CodecConfig::Raw {
+            return Err(CodecError::Config { codec: s.to_owned(), reason: "raw copies take no dictionary".into() });
+        }
+        Ok(Self { codec, dictionary })
     }
 }
 
@@ -135,30 +175,47 @@ impl Codec for RawCodec {
     }
 }
 
-/// lz4 block compression.
-#[derive(Debug, Default)]
-pub struct Lz4Codec;
+/// lz4 block compression, optionally against a dictionary.
+#[derive(Debug)]
+pub struct Lz4Codec {
+    dictionary: Option<crate::lz4::Dictionary>,
+    name: &'static str,
+}
 
 const _: () = assert!(COMPRESS_BUF_SIZE >= PAGE_SIZE * 110 / 100 + 20, "lz4 worst case must fit");
 
+impl Lz4Codec {
+    /// An lz4 codec; with a dictionary, only its last 64 KiB are used.
+    pub fn new(dictionary: Option<Arc<[u8]>>) -> Self {
+        let name = if dictionary.is_some() { "lz4+dict" } else { "lz4" };
+        Self { dictionary: dictionary.map(crate::lz4::Dictionary::new), name }
+    }
+}
+
 impl Codec for Lz4Codec {
     fn name(&self) -> &str {
-        "lz4"
+        self.name
     }
 
     fn compress(&self, page: &[u8; PAGE_SIZE], dst: &mut CompressBuf) -> Result<usize, CodecError> {
-        // The buffer is at least lz4_flex's get_maximum_output_size(PAGE_SIZE).
-        lz4_flex::block::compress_into(page, dst)
-            .map_err(|e| CodecError::Compress { codec: "lz4".into(), reason: e.to_string() })
+        // The buffer holds LZ4_compressBound(PAGE_SIZE) (asserted above).
+        crate::lz4::compress(page, dst, self.dictionary.as_ref())
+            .ok_or_else(|| CodecError::Compress { codec: self.name.into(), reason: "output buffer too small".into() })
     }
 
     fn decompress(&self, src: &[u8], page: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
-        let bad = |reason: String| CodecError::Decompress { codec: "lz4".into(), reason };
-        let n = lz4_flex::block::decompress_into(src, page).map_err(|e| bad(e.to_string()))?;
+        let bad = |reason: String| CodecError::Decompress { codec: self.name.into(), reason };
+        let n = crate::lz4::decompress(src, page, self.dictionary.as_ref())
+            .ok_or_else(|| bad("malformed block, or longer than a page".into()))?;
         if n != PAGE_SIZE {
             return Err(bad(format!("decoded {n} bytes, expected {PAGE_SIZE}")));
         }
         Ok(())
+    }
+
+    fn meta_bytes(&self) -> usize {
+        // The dictionary bytes plus its digested 16 KiB stream.
+        self.dictionary.as_ref().map_or(0, |d| d.bytes().len() + (16 << 10))
     }
 }
 
@@ -324,7 +381,7 @@ mod tests {
         let dict = train_dictionary(pages.iter(), 8192).unwrap();
         vec![
             CodecConfig::Raw.build().unwrap(),
-            CodecConfig::Lz4.build().unwrap(),
+            CodecConfig::LZ4.build().unwrap(),
             CodecConfig::Zstd { level: 1, dictionary: None }.build().unwrap(),
             CodecConfig::Zstd { level: 9, dictionary: Some(dict) }.build().unwrap(),
         ]
@@ -379,7 +436,15 @@ mod tests {
 
     #[test]
     fn parse_and_bad_levels() {
-        assert_eq!(CodecConfig::parse("lz4").unwrap(), CodecConfig::Lz4);
+        assert_eq!(CodecConfig::parse("lz4").unwrap(), CodecConfig::LZ4);
+        assert_eq!(CodecChoice::parse("lz4+dict").unwrap(), CodecChoice { codec: CodecConfig::LZ4, dictionary: true });
+        assert_eq!(
+            CodecChoice::parse("zstd:5+dict").unwrap(),
+            CodecChoice { codec: CodecConfig::Zstd { level: 5, dictionary: None }, dictionary: true }
+        );
+        assert!(!CodecChoice::parse("zstd").unwrap().dictionary);
+        assert!(CodecChoice::parse("raw+dict").is_err());
+        assert!(CodecChoice::parse("lz4+dictionary").is_err());
         assert_eq!(CodecConfig::parse("zstd:7").unwrap(), CodecConfig::Zstd { level: 7, dictionary: None });
         assert!(CodecConfig::parse("zstd:x").is_err());
         assert!(CodecConfig::parse("lzma").is_err());

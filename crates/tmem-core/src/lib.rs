@@ -13,6 +13,7 @@
 
 pub mod alloc;
 pub mod codec;
+pub mod lz4;
 pub mod mem;
 pub mod policy;
 mod shard;
@@ -23,8 +24,8 @@ pub use codec::{CodecConfig, CodecError};
 pub use policy::{Incompressible, PolicyConfig, PolicyError};
 pub use stats::{PoolStats, Stats};
 pub use store::{
-    default_shards, GetOutcome, Pool, PoolConfig, PoolKind, PutOutcome, Reject, Store, StoreConfig, StoreError,
-    TierChain, WritebackReport, WritebackWorker, RAW_CODEC,
+    default_shards, DictTraining, GetOutcome, Pool, PoolConfig, PoolKind, PutOutcome, Reject, Store, StoreConfig,
+    StoreError, TierChain, TrainedDictionary, WritebackReport, WritebackWorker, RAW_CODEC,
 };
 
 /// Size of a page, the unit of every put and get.

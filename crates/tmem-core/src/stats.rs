@@ -219,6 +219,10 @@ pub struct Stats {
     pub ratio: f64,
     /// Codec used for new puts.
     pub codec: String,
+    /// Automatic dictionary training: `waiting`, `training`, `trained: …` or
+    /// `failed: …`; absent when not configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dictionary: Option<String>,
     /// Sum over pools.
     pub total: PoolStats,
     /// Allocator counters (compaction included).

@@ -182,6 +182,9 @@ pub struct StoreConfig {
     pub shards: usize,
     /// Allocator tuning.
     pub alloc: AllocConfig,
+    /// Train a dictionary for the codec from the pool's own pages once the
+    /// pool is big enough (see [`DictTraining`]).
+    pub dictionary: Option<DictTraining>,
 }
 
 impl StoreConfig {
@@ -203,17 +206,22 @@ impl StoreConfig {
             next_version: AtomicU64::new(1),
             clock: std::time::Instant::now(),
             room_failed_at: AtomicU64::new(0),
+            auto_dictionary: self
+                .dictionary
+                .map(|t| dictionary::AutoDictionary::new(self.codec.clone().unwrap_or(CodecConfig::LZ4), t)),
         });
         let shards = if self.shards == 0 { default_shards() } else { self.shards.next_power_of_two() };
         let store = Store { shared, shards };
         store.register_codec(&CodecConfig::Raw)?;
-        let id = store.register_codec(&self.codec.unwrap_or(CodecConfig::Lz4))?;
+        let id = store.register_codec(&self.codec.unwrap_or(CodecConfig::LZ4))?;
         store.set_codec(id)?;
         Ok(store)
     }
 }
 
+mod dictionary;
 mod tiering;
+pub use dictionary::{DictTraining, TrainedDictionary};
 pub use tiering::{TierChain, WritebackReport, WritebackWorker};
 
 #[repr(align(128))]
@@ -242,9 +250,32 @@ struct Shared {
     clock: std::time::Instant,
     /// When making room last failed (ns since `clock`; 0: it did not).
     room_failed_at: AtomicU64,
+    /// Automatic dictionary training, if configured.
+    auto_dictionary: Option<dictionary::AutoDictionary>,
 }
 
 impl Shared {
+    fn register_codec(&self, cfg: &CodecConfig) -> Result<u8, StoreError> {
+        let codec = cfg.build()?;
+        let mut n = self.codec_count.lock().unwrap_or_else(PoisonError::into_inner);
+        if *n >= MAX_CODECS {
+            return Err(StoreError::TooManyCodecs);
+        }
+        self.codec_meta.fetch_add(codec.meta_bytes() as u64, Ordering::Relaxed);
+        if self.codecs[*n].set(codec).is_err() {
+            unreachable!("codec slots are filled in order under codec_count");
+        }
+        let id = u8::try_from(*n).expect("fewer than 32 codecs");
+        *n += 1;
+        Ok(id)
+    }
+
+    fn set_codec(&self, id: u8) -> Result<(), StoreError> {
+        self.codec(id)?;
+        self.current_codec.store(id, Ordering::Relaxed);
+        Ok(())
+    }
+
     fn total_bytes(&self) -> u64 {
         self.alloc.total_bytes() + self.index_meta.load(Ordering::Relaxed) + self.codec_meta.load(Ordering::Relaxed)
     }
@@ -539,7 +570,9 @@ impl Pool {
             };
             Entry::new(key, loc.pack(), crc32fast::hash(data), data.len(), codec_id, flags)
         };
-        self.insert_entry(key, hash, entry)
+        let r = self.insert_entry(key, hash, entry);
+        self.shared.maybe_train_dictionary();
+        r
     }
 
     /// Inserts a ready entry, replacing an older copy of the key.
@@ -955,25 +988,12 @@ impl Store {
     /// Registers a codec and returns its id; pages keep the id they were
     /// compressed with, so registered codecs are never removed.
     pub fn register_codec(&self, cfg: &CodecConfig) -> Result<u8, StoreError> {
-        let codec = cfg.build()?;
-        let mut n = self.shared.codec_count.lock().unwrap_or_else(PoisonError::into_inner);
-        if *n >= MAX_CODECS {
-            return Err(StoreError::TooManyCodecs);
-        }
-        self.shared.codec_meta.fetch_add(codec.meta_bytes() as u64, Ordering::Relaxed);
-        if self.shared.codecs[*n].set(codec).is_err() {
-            unreachable!("codec slots are filled in order under codec_count");
-        }
-        let id = u8::try_from(*n).expect("fewer than 32 codecs");
-        *n += 1;
-        Ok(id)
+        self.shared.register_codec(cfg)
     }
 
     /// Makes codec `id` the one new puts use.
     pub fn set_codec(&self, id: u8) -> Result<(), StoreError> {
-        self.shared.codec(id)?;
-        self.shared.current_codec.store(id, Ordering::Relaxed);
-        Ok(())
+        self.shared.set_codec(id)
     }
 
     /// Registers `cfg` and switches to it.
@@ -1011,6 +1031,7 @@ impl Store {
             pool_limit_bytes: self.shared.policy.limit_bytes(),
             ratio: if mem == 0 { 0.0 } else { total.orig_data_size as f64 / mem as f64 },
             codec: self.codec_name(),
+            dictionary: self.shared.dictionary_status(),
             total,
             alloc,
             policy: self.shared.policy.config(),

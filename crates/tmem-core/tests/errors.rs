@@ -338,7 +338,7 @@ fn bad_codec_changes_are_refused() {
     // store keeps working with what it has.
     let mut last = 0;
     let err = loop {
-        match s.register_codec(&CodecConfig::Lz4) {
+        match s.register_codec(&CodecConfig::LZ4) {
             Ok(id) => last = id,
             Err(e) => break e,
         }
@@ -377,10 +377,11 @@ fn dict() -> Arc<[u8]> {
 fn codecs(dict: &Arc<[u8]>) -> Vec<Arc<dyn Codec>> {
     [
         CodecConfig::Raw,
-        CodecConfig::Lz4,
+        CodecConfig::LZ4,
         CodecConfig::Zstd { level: 1, dictionary: None },
         CodecConfig::Zstd { level: -5, dictionary: None },
         CodecConfig::Zstd { level: 3, dictionary: Some(Arc::clone(dict)) },
+        CodecConfig::LZ4.with_dictionary(Arc::clone(dict)),
     ]
     .iter()
     .map(|c| c.build().expect("codec builds"))
@@ -498,8 +499,9 @@ fn wrong_size_streams_are_errors() {
     let text: Vec<u8> = text_page(5).iter().chain(text_page(6).iter()).copied().collect();
     // lz4 blocks that decode to more or less than a page.
     for len in [0, 1, 100, PAGE_SIZE - 1, PAGE_SIZE + 1, 2 * PAGE_SIZE] {
-        let block = lz4_flex::block::compress(&text[..len]);
-        assert_decompress_error(&**lz4, &block, &format!("lz4 block of {len} bytes"));
+        let mut block = vec![0u8; 3 * PAGE_SIZE];
+        let n = tmem_core::lz4::compress(&text[..len], &mut block, None).expect("room for the block");
+        assert_decompress_error(&**lz4, &block[..n], &format!("lz4 block of {len} bytes"));
     }
     // zstd frames that decode to more or less than a page, with and without
     // a content size in the header.
@@ -535,10 +537,13 @@ fn wrong_size_streams_are_errors() {
 
 #[test]
 fn garbage_dictionary_does_not_panic() {
-    // zstd takes bytes without the dictionary magic as raw content.
+    // zstd takes bytes without the dictionary magic as raw content; lz4
+    // takes any bytes as history.
     for dictionary in [random_bytes(1, 1000), vec![0u8; 16], b"\x37\xa4\x30\xec garbage".to_vec()] {
-        let cfg = CodecConfig::Zstd { level: 3, dictionary: Some(Arc::from(dictionary)) };
-        if let Ok(c) = cfg.build() {
+        let dictionary: Arc<[u8]> = Arc::from(dictionary);
+        let lz4 = CodecConfig::LZ4.with_dictionary(Arc::clone(&dictionary));
+        for cfg in [CodecConfig::Zstd { level: 3, dictionary: Some(dictionary) }, lz4] {
+            let Ok(c) = cfg.build() else { continue };
             let page = text_page(1);
             let mut buf = [0u8; COMPRESS_BUF_SIZE];
             if let Ok(n) = c.compress(&page, &mut buf) {

@@ -321,7 +321,7 @@ impl PoolModel {
     }
 }
 
-const CODECS: usize = 4;
+const CODECS: usize = 5;
 
 struct Model {
     store: Store,
@@ -356,9 +356,10 @@ impl Model {
             .collect();
         let mut codecs: Vec<(u8, Arc<dyn Codec>)> = vec![(RAW_CODEC, CodecConfig::Raw.build().expect("raw"))];
         for cfg in [
-            CodecConfig::Lz4,
+            CodecConfig::LZ4,
             CodecConfig::Zstd { level: 1, dictionary: None },
             CodecConfig::Zstd { level: 3, dictionary: Some(dictionary()) },
+            CodecConfig::LZ4.with_dictionary(dictionary()),
         ] {
             let id = store.register_codec(&cfg).expect("register codec");
             codecs.push((id, cfg.build().expect("codec builds")));

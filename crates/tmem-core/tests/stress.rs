@@ -267,7 +267,7 @@ fn threads_with_compaction_codec_and_limit_changes() {
     let dict_pages: Vec<Page> = (0..BANK).filter(|i| i % 6 == 1 || i % 6 == 2).map(|i| bank[i]).collect();
     let dict = train_dictionary(dict_pages.iter(), 4096).ok();
     let store = StoreConfig::default().build().expect("store");
-    let mut codecs = vec![store.register_codec(&CodecConfig::Lz4).expect("lz4")];
+    let mut codecs = vec![store.register_codec(&CodecConfig::LZ4).expect("lz4")];
     codecs.push(store.register_codec(&CodecConfig::Zstd { level: 1, dictionary: None }).expect("zstd"));
     if let Some(d) = dict {
         codecs.push(store.register_codec(&CodecConfig::Zstd { level: 3, dictionary: Some(d) }).expect("zstd+dict"));

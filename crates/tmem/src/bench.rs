@@ -8,7 +8,7 @@
 //! `mem_used_total` for the same pages. Throughput is original bytes per
 //! second (MB = 10^6 bytes), the median of `--rounds` runs.
 //!
-//! zstd dictionaries are trained on a 1-in-16 sample of the corpus being
+//! Dictionaries ("+dict") are trained on a 1-in-16 sample of the corpus being
 //! measured, as a daemon would train on the first pages it sees; the
 //! dictionary's memory is part of the pool memory.
 
@@ -16,10 +16,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tmem_core::codec::train_dictionary;
-use tmem_core::{
-    CodecConfig, GetOutcome, Incompressible, Key, PolicyConfig, PutOutcome, Store, StoreConfig, PAGE_SIZE,
-};
+use tmem_core::codec::{train_dictionary, CodecChoice};
+use tmem_core::{GetOutcome, Incompressible, Key, PolicyConfig, PutOutcome, Store, StoreConfig, PAGE_SIZE};
 use tmem_corpus::Corpus;
 
 /// Arguments of `tmem bench store`.
@@ -85,20 +83,11 @@ struct CorpusResult {
 
 struct CodecSpec {
     label: String,
-    base: CodecConfig,
-    dict: bool,
+    choice: CodecChoice,
 }
 
 fn parse_codec(s: &str) -> Result<CodecSpec, String> {
-    let (base, dict) = match s.strip_suffix("+dict") {
-        Some(b) => (b, true),
-        None => (s, false),
-    };
-    let base = CodecConfig::parse(base).map_err(|e| e.to_string())?;
-    if dict && !matches!(base, CodecConfig::Zstd { .. }) {
-        return Err(format!("{s}: only zstd takes a dictionary"));
-    }
-    Ok(CodecSpec { label: s.to_owned(), base, dict })
+    Ok(CodecSpec { label: s.to_owned(), choice: CodecChoice::parse(s).map_err(|e| e.to_string())? })
 }
 
 /// Runs the benchmark and prints tables or JSON.
@@ -158,13 +147,12 @@ pub fn run_store(args: &StoreBenchArgs) -> Result<(), String> {
 }
 
 fn build_store(corpus: &Corpus, spec: &CodecSpec, dict_size: usize) -> Result<Store, String> {
-    let codec = match (&spec.base, spec.dict) {
-        (CodecConfig::Zstd { level, .. }, true) => {
-            let sample = corpus.pages().step_by(16);
-            let dict = train_dictionary(sample, dict_size).map_err(|e| e.to_string())?;
-            CodecConfig::Zstd { level: *level, dictionary: Some(dict) }
-        }
-        (c, _) => c.clone(),
+    let codec = if spec.choice.dictionary {
+        let sample = corpus.pages().step_by(16);
+        let dict = train_dictionary(sample, dict_size).map_err(|e| e.to_string())?;
+        spec.choice.codec.with_dictionary(dict)
+    } else {
+        spec.choice.codec.clone()
     };
     // Like zram: keep every page, storing poorly compressible ones raw.
     let policy = PolicyConfig { incompressible: Incompressible::StoreRaw, ..Default::default() };

@@ -20,7 +20,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tmem_block::{BlockDevice, DeviceConfig, PoolDevice};
-use tmem_core::{CodecConfig, Incompressible, PolicyConfig, StoreConfig};
+use tmem_core::codec::CodecChoice;
+use tmem_core::{DictTraining, Incompressible, PolicyConfig, StoreConfig};
 use tmem_fuse::{Export, FuseConfig, FuseMount};
 use tmem_sys::swap;
 
@@ -33,7 +34,7 @@ pub struct DeviceSpec {
     pub name: String,
     /// Size in bytes.
     pub size: u64,
-    /// Codec: lz4, zstd, zstd:LEVEL.
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages and switches to it.
     pub codec: String,
     /// Pool limit in bytes (0: use `pool_limit_percent`).
     pub pool_limit_bytes: u64,
@@ -124,7 +125,7 @@ fn log(msg: &str) {
 
 /// Builds the store configuration of a device.
 pub fn store_config(d: &DeviceSpec, total_ram: u64) -> Result<StoreConfig, String> {
-    let codec = CodecConfig::parse(&d.codec).map_err(|e| e.to_string())?;
+    let choice = CodecChoice::parse(&d.codec).map_err(|e| e.to_string())?;
     let policy = PolicyConfig {
         max_pool_bytes: d.pool_limit_bytes,
         max_pool_percent: d.pool_limit_percent,
@@ -134,7 +135,12 @@ pub fn store_config(d: &DeviceSpec, total_ram: u64) -> Result<StoreConfig, Strin
         incompressible: Incompressible::StoreRaw,
         ..Default::default()
     };
-    Ok(StoreConfig { policy, codec: Some(codec), ..Default::default() })
+    Ok(StoreConfig {
+        policy,
+        codec: Some(choice.codec),
+        dictionary: choice.dictionary.then(DictTraining::default),
+        ..Default::default()
+    })
 }
 
 /// Runs the daemon until an orderly teardown; returns an error only when
@@ -414,9 +420,15 @@ pub fn set_knob(d: &PoolDevice, key: &str, value: &str) -> Result<String, String
     let store = d.store();
     match key {
         "codec" => {
-            let cfg = CodecConfig::parse(value).map_err(|e| e.to_string())?;
-            store.use_codec(&cfg).map_err(|e| e.to_string())?;
-            Ok(format!("codec is now {} (stored pages keep their own codec)", store.codec_name()))
+            let choice = CodecChoice::parse(value).map_err(|e| e.to_string())?;
+            let trained = if choice.dictionary {
+                let t = store.train_dictionary(&choice.codec, &DictTraining::default()).map_err(|e| e.to_string())?;
+                format!(", with a {}-byte dictionary trained on {} stored pages", t.bytes, t.sample_pages)
+            } else {
+                store.use_codec(&choice.codec).map_err(|e| e.to_string())?;
+                String::new()
+            };
+            Ok(format!("codec is now {}{trained} (stored pages keep their own codec)", store.codec_name()))
         }
         "pool-limit" | "pool_limit" => {
             if let Some(p) = value.strip_suffix('%') {

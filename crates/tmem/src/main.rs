@@ -45,7 +45,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Changes knobs of a device at run time: pool-limit=2G|25%, frozen=1, codec=zstd:3,
+    /// Changes knobs of a device at run time: pool-limit=2G|25%, frozen=1, codec=zstd:3 (or lz4+dict: train a dictionary on the stored pages now),
     /// incompressible=reject|store_raw, max_compressed_size=N, accept_threshold_percent=N, compact=now.
     Set {
         #[command(flatten)]

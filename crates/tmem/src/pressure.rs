@@ -83,8 +83,8 @@ pub struct PressureArgs {
     /// tmem pool limit (size or % of RAM).
     #[arg(long, default_value = "50%")]
     pub tmem_pool_limit: String,
-    /// tmem codec.
-    #[arg(long, default_value = "lz4")]
+    /// tmem codec (as `tmem swap up --codec`).
+    #[arg(long, default_value = "zstd:1+dict")]
     pub tmem_codec: String,
     /// Pool limit of the tiered tmem rows (tmem+remote, tmem+disk): small, so
     /// that most pages move down to the tier.

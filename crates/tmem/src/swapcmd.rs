@@ -19,8 +19,8 @@ pub struct UpArgs {
     /// Pool memory limit per device: a size (2G) or a percentage of RAM (25%).
     #[arg(long, default_value = "25%")]
     pool_limit: String,
-    /// Codec: lz4, zstd, zstd:LEVEL.
-    #[arg(long, default_value = "lz4")]
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages and switches to it.
+    #[arg(long, default_value = "zstd:1+dict")]
     codec: String,
     /// Swap priority (higher is used first; disk swap is usually negative).
     #[arg(long, default_value_t = 100)]
@@ -252,8 +252,8 @@ pub struct ServeNbdArgs {
     /// Pool memory limit per device: a size or a percentage of RAM.
     #[arg(long, default_value = "25%")]
     pool_limit: String,
-    /// Codec: lz4, zstd, zstd:LEVEL.
-    #[arg(long, default_value = "lz4")]
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages and switches to it.
+    #[arg(long, default_value = "zstd:1+dict")]
     codec: String,
     /// Unix socket to listen on (default: RUNTIME_DIR/nbd.sock).
     #[arg(long, conflicts_with = "tcp")]

@@ -72,7 +72,7 @@ fn values(args: &TierBenchArgs) -> Result<Vec<Vec<u8>>, String> {
     if corpus.page_count() == 0 {
         return Err("corpus has no pages".into());
     }
-    let codec = CodecConfig::Lz4.build().map_err(|e| e.to_string())?;
+    let codec = CodecConfig::LZ4.build().map_err(|e| e.to_string())?;
     let sealer = Sealer::random().map_err(|e| e.to_string())?;
     let mut buf = [0u8; COMPRESS_BUF_SIZE];
     let mut out = Vec::with_capacity(args.pages);

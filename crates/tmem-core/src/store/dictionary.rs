@@ -1,0 +1,259 @@
+//! Dictionaries trained on the pool's own pages.
+//!
+//! A 4 KiB page is too short for lz4 (or zstd) to find much to refer back
+//! to, but the pages of one workload share a lot: object headers, type
+//! pointers, field names, padding. A dictionary of such bytes gives every
+//! page something to refer to. Trained on the pool's own pages, lz4 with a
+//! 64 KiB dictionary shrank the pages of the pressure workload's Python heap
+//! by 27% (ratio 3.21 → 4.38) and the four built-in corpora by 4–12%.
+//!
+//! Training is done once, when the pool first holds
+//! [`DictTraining::after_bytes`] of compressed data: a background thread
+//! decodes an even sample of the stored pages, trains a dictionary on them
+//! (zstd's trainer; lz4 uses its last 64 KiB as raw history), registers the
+//! codec with that dictionary and makes it current. Pages stored before keep
+//! their codec id, so nothing is recompressed and nothing needs migrating.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::{lock, Pool, Shared, Store, StoreError};
+use crate::codec::{train_dictionary, CodecConfig};
+use crate::PAGE_SIZE;
+
+/// When and how to train a dictionary from the pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DictTraining {
+    /// Train once the pool's compressed objects reach this many bytes.
+    pub after_bytes: u64,
+    /// Pages sampled for training, at most (spread evenly over the pool).
+    pub sample_pages: usize,
+    /// Dictionary size, bytes (lz4 uses at most 64 KiB).
+    pub dict_bytes: usize,
+}
+
+impl Default for DictTraining {
+    fn default() -> Self {
+        Self { after_bytes: 8 << 20, sample_pages: 2048, dict_bytes: 64 << 10 }
+    }
+}
+
+/// A trained dictionary in use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TrainedDictionary {
+    /// Codec id new puts now use.
+    pub codec_id: u8,
+    /// Dictionary size, bytes.
+    pub bytes: usize,
+    /// Pages it was trained on.
+    pub sample_pages: usize,
+}
+
+const WAITING: u8 = 0;
+const TRAINING: u8 = 1;
+const FINISHED: u8 = 2;
+
+/// Automatic training: configured at build, runs at most once.
+pub(super) struct AutoDictionary {
+    base: CodecConfig,
+    cfg: DictTraining,
+    state: AtomicU8,
+    /// What happened, for stats: "waiting", "training", the result or the error.
+    status: Mutex<String>,
+}
+
+impl AutoDictionary {
+    pub(super) fn new(base: CodecConfig, cfg: DictTraining) -> Self {
+        Self { base, cfg, state: AtomicU8::new(WAITING), status: Mutex::new("waiting".into()) }
+    }
+
+    fn set_status(&self, s: String) {
+        *self.status.lock().unwrap_or_else(PoisonError::into_inner) = s;
+    }
+}
+
+impl Pool {
+    /// Decodes every `every`-th page held in the pool (not same-filled, not
+    /// in a tier, not stored raw) into `out`, until `out` holds `max` pages.
+    fn sample_pages(&self, every: usize, max: usize, out: &mut Vec<[u8; PAGE_SIZE]>) {
+        let mut seen = 0usize;
+        let mut page = [0u8; PAGE_SIZE];
+        for shard in self.shards.iter() {
+            let s = lock(&shard.0);
+            for h in s.entries.live_handles() {
+                if out.len() >= max {
+                    return;
+                }
+                let e = s.entries.get(h);
+                let Some(loc) = e.alloc_loc() else { continue };
+                if e.has(super::F_INCOMPRESSIBLE) {
+                    continue;
+                }
+                seen += 1;
+                if seen.is_multiple_of(every) && self.decode(e, loc, &mut page).is_ok() {
+                    out.push(page);
+                }
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Trains a dictionary for `base` on a sample of the pools' pages,
+    /// registers `base` with it and makes that the current codec.
+    pub(super) fn train_dictionary(
+        &self,
+        base: &CodecConfig,
+        cfg: &DictTraining,
+    ) -> Result<TrainedDictionary, StoreError> {
+        let objects = usize::try_from(self.alloc.stats().objects).unwrap_or(usize::MAX);
+        let every = (objects / cfg.sample_pages.max(1)).max(1);
+        let mut sample = Vec::with_capacity(cfg.sample_pages.min(objects));
+        for p in self.pools_snapshot() {
+            p.sample_pages(every, cfg.sample_pages, &mut sample);
+        }
+        let dict = train_dictionary(sample.iter(), cfg.dict_bytes)?;
+        let bytes = dict.len();
+        let codec_id = self.register_codec(&base.with_dictionary(dict))?;
+        self.set_codec(codec_id)?;
+        Ok(TrainedDictionary { codec_id, bytes, sample_pages: sample.len() })
+    }
+
+    /// Starts automatic training in the background once the pool is big
+    /// enough (cheap to call on every put).
+    pub(super) fn maybe_train_dictionary(self: &Arc<Self>) {
+        let Some(auto) = &self.auto_dictionary else { return };
+        if auto.state.load(Ordering::Relaxed) != WAITING || self.alloc.total_bytes() < auto.cfg.after_bytes {
+            return;
+        }
+        if auto.state.compare_exchange(WAITING, TRAINING, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            return;
+        }
+        auto.set_status("training".into());
+        let shared = Arc::clone(self);
+        let spawned = std::thread::Builder::new().name("tmem-dictionary".into()).spawn(move || {
+            let Some(auto) = &shared.auto_dictionary else { return };
+            let status = match shared.train_dictionary(&auto.base, &auto.cfg) {
+                Ok(t) => format!("trained: {} bytes from {} pages", t.bytes, t.sample_pages),
+                Err(e) => format!("failed: {e}"),
+            };
+            auto.set_status(status);
+            auto.state.store(FINISHED, Ordering::Release);
+        });
+        if let Err(e) = spawned {
+            auto.set_status(format!("failed: cannot start the training thread: {e}"));
+            auto.state.store(FINISHED, Ordering::Release);
+        }
+    }
+
+    /// Automatic training status, if configured.
+    pub(super) fn dictionary_status(&self) -> Option<String> {
+        self.auto_dictionary.as_ref().map(|a| a.status.lock().unwrap_or_else(PoisonError::into_inner).clone())
+    }
+}
+
+impl Store {
+    /// Trains a dictionary for `base` on a sample of the pages stored now,
+    /// and switches new puts to `base` with that dictionary. Stored pages
+    /// keep their codec. Fails (changing nothing) if the pool holds too few
+    /// pages to train on.
+    pub fn train_dictionary(&self, base: &CodecConfig, cfg: &DictTraining) -> Result<TrainedDictionary, StoreError> {
+        self.shared.train_dictionary(base, cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::{Key, PoolConfig, StoreConfig};
+
+    /// JSON-like records: what a dictionary learns (keys, punctuation) recurs
+    /// on every page, while the values differ.
+    fn record_page(seed: u64) -> [u8; PAGE_SIZE] {
+        let mut text = String::new();
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        while text.len() < PAGE_SIZE {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            text.push_str(&format!(
+                "{{\"user_id\": {}, \"session\": \"{:x}\", \"balance\": {}.{:02}, \"flags\": [\"active\", \"verified\"]}},\n",
+                x % 100_000,
+                x >> 20,
+                x % 9973,
+                x % 100
+            ));
+        }
+        let mut p = [0u8; PAGE_SIZE];
+        p.copy_from_slice(&text.as_bytes()[..PAGE_SIZE]);
+        p
+    }
+
+    fn key(i: u64) -> Key {
+        Key::new(1, i)
+    }
+
+    #[test]
+    fn automatic_training_switches_codec_and_keeps_every_page() {
+        let training = DictTraining { after_bytes: 256 << 10, sample_pages: 256, dict_bytes: 8192 };
+        let store = StoreConfig { dictionary: Some(training), ..Default::default() }.build().unwrap();
+        let pool = store.create_pool(PoolConfig::persistent());
+        assert_eq!(store.stats().dictionary.as_deref(), Some("waiting"));
+        let compressed = |store: &Store| store.stats().total.compr_data_size;
+        for i in 0..1000 {
+            assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
+        }
+        let first = compressed(&store);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !store.stats().dictionary.unwrap().starts_with("trained") {
+            let status = store.stats().dictionary.unwrap();
+            assert!(!status.starts_with("failed"), "{status}");
+            assert!(Instant::now() < deadline, "no dictionary after 30 s: {status}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(store.codec_name(), "lz4+dict");
+        for i in 1000..2000 {
+            assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
+        }
+        let second = compressed(&store) - first;
+        assert!(second * 20 < first * 19, "the dictionary saves at least 5%: {second} vs {first} bytes per 1000 pages");
+        let mut out = [0u8; PAGE_SIZE];
+        for i in 0..2000 {
+            assert_eq!(pool.get(key(i), &mut out).unwrap(), crate::GetOutcome::Hit);
+            assert_eq!(out, record_page(i), "page {i}");
+        }
+    }
+
+    #[test]
+    fn training_without_pages_fails_and_changes_nothing() {
+        let store = StoreConfig::default().build().unwrap();
+        let _pool = store.create_pool(PoolConfig::persistent());
+        assert!(matches!(
+            store.train_dictionary(&CodecConfig::LZ4, &DictTraining::default()),
+            Err(StoreError::Codec(_))
+        ));
+        assert_eq!(store.codec_name(), "lz4");
+        assert_eq!(store.stats().dictionary, None);
+    }
+
+    #[test]
+    fn explicit_training_samples_evenly_and_switches() {
+        let store = StoreConfig::default().build().unwrap();
+        let pool = store.create_pool(PoolConfig::persistent());
+        for i in 0..500 {
+            assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
+        }
+        let zstd = CodecConfig::Zstd { level: 1, dictionary: None };
+        let t = store.train_dictionary(&zstd, &DictTraining { sample_pages: 100, ..Default::default() }).unwrap();
+        assert!((90..=100).contains(&t.sample_pages), "sampled {} pages", t.sample_pages);
+        assert_eq!(store.codec_name(), "zstd-1+dict");
+        assert_eq!(pool.put(key(9999), &record_page(9999)).unwrap(), crate::PutOutcome::Stored);
+        let mut out = [0u8; PAGE_SIZE];
+        for i in (0..500).chain([9999]) {
+            assert_eq!(pool.get(key(i), &mut out).unwrap(), crate::GetOutcome::Hit);
+            assert_eq!(out, record_page(i));
+        }
+    }
+}
