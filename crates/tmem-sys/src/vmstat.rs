@@ -109,3 +109,53 @@ mod tests {
         assert!(m.contains_key("pswpin") && m.contains_key("pgfault"), "{m:?}");
     }
 }
+
+/// All-CPU time from the first line of `/proc/stat`, in clock ticks: how
+/// much of it the hypervisor gave to other guests (steal) tells whether a
+/// timed run on a VM was measured on a quiet host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuTimes {
+    /// user + nice + system + idle + iowait + irq + softirq + steal.
+    pub total: u64,
+    /// Time a runnable vCPU waited for the host.
+    pub steal: u64,
+}
+
+impl CpuTimes {
+    /// Parses the `cpu` line of `/proc/stat` text.
+    pub fn parse(stat: &str) -> Option<Self> {
+        let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+        let v: Vec<u64> = line.split_whitespace().skip(1).take(8).map(|f| f.parse().ok()).collect::<Option<_>>()?;
+        (v.len() == 8).then(|| Self { total: v.iter().sum(), steal: v[7] })
+    }
+
+    /// Reads `/proc/stat` now; `None` where it is missing or unreadable.
+    pub fn now() -> Option<Self> {
+        Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    /// Percent of all CPU time since `earlier` that was stolen.
+    pub fn steal_percent_since(&self, earlier: &Self) -> f64 {
+        let total = self.total.saturating_sub(earlier.total);
+        if total == 0 {
+            return 0.0;
+        }
+        self.steal.saturating_sub(earlier.steal) as f64 * 100.0 / total as f64
+    }
+}
+
+#[cfg(test)]
+mod cpu_tests {
+    use super::CpuTimes;
+
+    #[test]
+    fn steal_is_the_eighth_field_of_the_cpu_line() {
+        let a = CpuTimes::parse("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n").unwrap();
+        assert_eq!(a, CpuTimes { total: 1000, steal: 35 });
+        let b = CpuTimes::parse("cpu  200 0 100 1500 10 0 10 185 0 0\n").unwrap();
+        assert!((b.steal_percent_since(&a) - 15.0).abs() < 1e-9);
+        assert_eq!(a.steal_percent_since(&a), 0.0);
+        assert_eq!(CpuTimes::parse("cpu  1 2 3\n"), None);
+        assert_eq!(CpuTimes::parse("intr 1 2 3\n"), None);
+    }
+}

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tmem_sys::cgroup::{self, MemCgroup};
-use tmem_sys::vmstat::SwapCounters;
+use tmem_sys::vmstat::{CpuTimes, SwapCounters};
 use tmem_sys::{swap, zram, zswap};
 
 pub use backend::BackendKind;
@@ -226,6 +226,8 @@ struct Measured {
     max_usage: u64,
     failcnt: u64,
     oom_kills: u64,
+    /// Share of CPU time the hypervisor gave to other guests during the run.
+    steal_percent: f64,
     jobs: Vec<workload::JobResult>,
     /// Swap areas not ours seen during the run.
     foreign: Vec<String>,
@@ -242,6 +244,7 @@ impl Ctx<'_> {
         }
         cg.set_limit(limit).map_err(|e| e.to_string())?;
         let before = SwapCounters::now().map_err(|e| e.to_string())?;
+        let cpu_before = CpuTimes::now();
         let start = Instant::now();
         let mut running = self.workload.spawn(&cg.procs_file())?;
         let sample_every = Duration::from_millis(self.args.sample_ms.max(10));
@@ -289,6 +292,7 @@ impl Ctx<'_> {
         }
         let wall = start.elapsed();
         let vmstat = SwapCounters::now().map_err(|e| e.to_string())?.since(&before);
+        let steal_percent = cpu_before.zip(CpuTimes::now()).map_or(0.0, |(b, a)| a.steal_percent_since(&b));
         if let Some(hw) = backend.and_then(Backend::pool_high_water) {
             peak.pool_bytes = peak.pool_bytes.max(hw);
         }
@@ -302,6 +306,7 @@ impl Ctx<'_> {
             max_usage: cg.max_usage().map_err(|e| e.to_string())?,
             failcnt: cg.failcnt().map_err(|e| e.to_string())?,
             oom_kills: cg.oom_control().map_err(|e| e.to_string())?.oom_kill,
+            steal_percent,
             jobs: running.results(),
             foreign,
         };
@@ -416,6 +421,7 @@ impl Ctx<'_> {
             cgroup_max_usage_bytes: m.max_usage,
             cgroup_failcnt: m.failcnt,
             oom_kills: m.oom_kills,
+            cpu_steal_percent: m.steal_percent,
             setup_secs,
             teardown_secs,
             jobs: m.jobs,
@@ -619,6 +625,7 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
         cgroup_max_usage_bytes: m.max_usage,
         cgroup_failcnt: m.failcnt,
         oom_kills: 0,
+        cpu_steal_percent: m.steal_percent,
         setup_secs: 0.0,
         teardown_secs: 0.0,
         jobs: m.jobs,
@@ -795,6 +802,15 @@ fn print_report(
     println!(
         "note: pswpout/pswpin are system-wide /proc/vmstat deltas over each run; pages zswap keeps count as zswpout/zswpin."
     );
+    let steal: Vec<f64> = runs.iter().map(|r| r.cpu_steal_percent).collect();
+    if let Some(med) = report::median(steal.clone()) {
+        println!(
+            "note: CPU steal (time the hypervisor gave to other guests) per run: median {med:.1}%, max {:.1}% \
+             (reference run {:.1}%); wall times from runs with high steal are not comparable.",
+            steal.iter().copied().fold(0.0, f64::max),
+            reference.cpu_steal_percent
+        );
+    }
     for r in runs.iter().filter(|r| r.outcome != Outcome::Ok) {
         println!(
             "{} {}@{} run {}: {}",
@@ -835,6 +851,7 @@ mod tests {
             max_usage: 0,
             failcnt: 0,
             oom_kills: oom,
+            steal_percent: 0.0,
             jobs,
             foreign: vec![],
         }

@@ -55,6 +55,8 @@ struct TierResult {
     pages: usize,
     value_bytes_avg: f64,
     put_batch_pages_per_s: f64,
+    /// CPU time the hypervisor gave to other guests during the batched puts and gets, percent.
+    cpu_steal_percent: f64,
     get_batch_pages_per_s: f64,
     get_p50_us: u64,
     get_p99_us: u64,
@@ -134,7 +136,7 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
         return Ok(());
     }
     println!(
-        "{:<8} {:>7} {:>8} {:>12} {:>12} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9}",
+        "{:<8} {:>7} {:>8} {:>12} {:>12} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>6}",
         "tier",
         "pages",
         "value B",
@@ -145,11 +147,12 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
         "put p50",
         "put p99",
         "wire out",
-        "wire in"
+        "wire in",
+        "steal"
     );
     for r in &results {
         println!(
-            "{:<8} {:>7} {:>8.0} {:>12.0} {:>12.0} {:>6}us {:>6}us {:>6}us {:>6}us {:>8.0}B {:>8.0}B",
+            "{:<8} {:>7} {:>8.0} {:>12.0} {:>12.0} {:>6}us {:>6}us {:>6}us {:>6}us {:>8.0}B {:>8.0}B {:>5.1}%",
             r.tier,
             r.pages,
             r.value_bytes_avg,
@@ -160,11 +163,13 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
             r.put_p50_us,
             r.put_p99_us,
             r.wire_bytes_out_per_page,
-            r.wire_bytes_in_per_page
+            r.wire_bytes_in_per_page,
+            r.cpu_steal_percent
         );
     }
     println!(
-        "(batches of {} values; latency of single operations; wire bytes per page from the tier's own counters, 0 where it has none)",
+        "(batches of {} values; latency of single operations; wire bytes per page from the tier's own counters, 0 where it has none; \
+         steal: CPU time the hypervisor gave to other guests during the batched puts and gets)",
         args.batch
     );
     Ok(())
@@ -173,6 +178,7 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
 fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) -> Result<TierResult, String> {
     let n = vals.len();
     let before = tier.stats();
+    let cpu_before = tmem_sys::vmstat::CpuTimes::now();
     let t = Instant::now();
     for (c, chunk) in vals.chunks(args.batch).enumerate() {
         let items: Vec<(TierKey, &[u8])> =
@@ -197,6 +203,7 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
         }
     }
     let get_s = t.elapsed().as_secs_f64();
+    let steal = cpu_before.zip(tmem_sys::vmstat::CpuTimes::now()).map_or(0.0, |(b, a)| a.steal_percent_since(&b));
     let mid = tier.stats();
     let get_lat = LatencyHistogram::default();
     let put_lat = LatencyHistogram::default();
@@ -222,6 +229,7 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
         value_bytes_avg: vals.iter().map(Vec::len).sum::<usize>() as f64 / n as f64,
         put_batch_pages_per_s: n as f64 / put_s,
         get_batch_pages_per_s: n as f64 / get_s,
+        cpu_steal_percent: steal,
         get_p50_us: get_lat.quantile_us(0.5),
         get_p99_us: get_lat.quantile_us(0.99),
         put_p50_us: put_lat.quantile_us(0.5),

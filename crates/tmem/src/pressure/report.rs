@@ -68,6 +68,10 @@ pub struct RunRecord {
     pub cgroup_failcnt: u64,
     /// Tasks the OOM killer killed in the run's cgroup.
     pub oom_kills: u64,
+    /// Share of all CPU time the hypervisor gave to other guests during the
+    /// run (`/proc/stat` steal): a noisy host shows here, not in the code.
+    #[serde(default)]
+    pub cpu_steal_percent: f64,
     /// Seconds to set the backend up (swapon ...).
     pub setup_secs: f64,
     /// Seconds to tear it down (swapoff ...).
@@ -270,6 +274,7 @@ mod tests {
             cgroup_max_usage_bytes: 0,
             cgroup_failcnt: 0,
             oom_kills: 0,
+            cpu_steal_percent: 0.0,
             setup_secs: 0.0,
             teardown_secs: 0.0,
             jobs: vec![],
