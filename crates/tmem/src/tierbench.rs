@@ -29,6 +29,10 @@ pub struct TierBenchArgs {
     /// Values per batch.
     #[arg(long, default_value_t = 64)]
     batch: usize,
+    /// Batches in flight at once (one thread each), as the store's writeback
+    /// keeps that many.
+    #[arg(long, default_value_t = 1)]
+    inflight: usize,
     /// Pages timed one by one for latency.
     #[arg(long, default_value_t = 2000)]
     latency_samples: usize,
@@ -168,8 +172,9 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
         );
     }
     println!(
-        "(batches of {} values; latency of single operations; wire bytes per page from the tier's own counters, 0 where it has none; \
+        "({} batch(es) of {} values in flight; latency of single operations; wire bytes per page from the tier's own counters, 0 where it has none; \
          steal: CPU time the hypervisor gave to other guests during the batched puts and gets)",
+        args.inflight.max(1),
         args.batch
     );
     Ok(())
@@ -179,8 +184,24 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
     let n = vals.len();
     let before = tier.stats();
     let cpu_before = tmem_sys::vmstat::CpuTimes::now();
+    let chunks: Vec<&[Vec<u8>]> = vals.chunks(args.batch).collect();
+    let inflight = args.inflight.max(1);
+    // Thread `t` of `inflight` does every `inflight`-th batch.
+    let in_parallel = |work: &(dyn Fn(usize, &[Vec<u8>]) -> Result<(), String> + Sync)| -> Result<(), String> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..inflight)
+                .map(|t| {
+                    let chunks = &chunks;
+                    s.spawn(move || {
+                        chunks.iter().enumerate().skip(t).step_by(inflight).try_for_each(|(c, chunk)| work(c, chunk))
+                    })
+                })
+                .collect();
+            handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|_| Err("a bench thread panicked".into())))
+        })
+    };
     let t = Instant::now();
-    for (c, chunk) in vals.chunks(args.batch).enumerate() {
+    in_parallel(&|c, chunk| {
         let items: Vec<(TierKey, &[u8])> =
             chunk.iter().enumerate().map(|(j, v)| (key(c * args.batch + j), v.as_slice())).collect();
         for (j, r) in tier.put_batch(&items).into_iter().enumerate() {
@@ -190,18 +211,20 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
                 Err(e) => return Err(format!("{name}: {e}")),
             }
         }
-    }
+        Ok(())
+    })?;
     let put_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    for c in 0..n.div_ceil(args.batch) {
-        let keys: Vec<TierKey> = (c * args.batch..((c + 1) * args.batch).min(n)).map(key).collect();
+    in_parallel(&|c, chunk| {
+        let keys: Vec<TierKey> = (c * args.batch..c * args.batch + chunk.len()).map(key).collect();
         for (k, r) in keys.iter().zip(tier.get_batch(&keys)) {
             match r.map_err(|e| format!("{name}: {e}"))? {
                 Some(v) if v == vals[usize::try_from(k.index).unwrap_or(0)] => {}
                 _ => return Err(format!("{name}: page {} came back wrong or missing", k.index)),
             }
         }
-    }
+        Ok(())
+    })?;
     let get_s = t.elapsed().as_secs_f64();
     let steal = cpu_before.zip(tmem_sys::vmstat::CpuTimes::now()).map_or(0.0, |(b, a)| a.steal_percent_since(&b));
     let mid = tier.stats();
