@@ -152,7 +152,7 @@ mod cpu_tests {
     fn steal_is_the_eighth_field_of_the_cpu_line() {
         let a = CpuTimes::parse("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n").unwrap();
         assert_eq!(a, CpuTimes { total: 1000, steal: 35 });
-        let b = CpuTimes::parse("cpu  200 0 100 1500 10 0 10 185 0 0\n").unwrap();
+        let b = CpuTimes::parse("cpu  200 0 100 1500 10 0 5 185 0 0\n").unwrap();
         assert!((b.steal_percent_since(&a) - 15.0).abs() < 1e-9);
         assert_eq!(a.steal_percent_since(&a), 0.0);
         assert_eq!(CpuTimes::parse("cpu  1 2 3\n"), None);

@@ -84,7 +84,7 @@ pub struct PressureArgs {
     #[arg(long, default_value = "50%")]
     pub tmem_pool_limit: String,
     /// tmem codec (as `tmem swap up --codec`).
-    #[arg(long, default_value = "lz4+dict")]
+    #[arg(long, default_value = "lz4")]
     pub tmem_codec: String,
     /// Pool limit of the tiered tmem rows (tmem+remote, tmem+disk): small, so
     /// that most pages move down to the tier.

@@ -20,7 +20,7 @@ pub struct UpArgs {
     #[arg(long, default_value = "25%")]
     pool_limit: String,
     /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages and switches to it.
-    #[arg(long, default_value = "lz4+dict")]
+    #[arg(long, default_value = "lz4")]
     codec: String,
     /// Swap priority (higher is used first; disk swap is usually negative).
     #[arg(long, default_value_t = 100)]
@@ -253,7 +253,7 @@ pub struct ServeNbdArgs {
     #[arg(long, default_value = "25%")]
     pool_limit: String,
     /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages and switches to it.
-    #[arg(long, default_value = "lz4+dict")]
+    #[arg(long, default_value = "lz4")]
     codec: String,
     /// Unix socket to listen on (default: RUNTIME_DIR/nbd.sock).
     #[arg(long, conflicts_with = "tcp")]

@@ -180,6 +180,9 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// Work on one batch: (batch number, its values).
+type BatchWork<'a> = dyn Fn(usize, &[Vec<u8>]) -> Result<(), String> + Sync + 'a;
+
 fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) -> Result<TierResult, String> {
     let n = vals.len();
     let before = tier.stats();
@@ -187,7 +190,7 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
     let chunks: Vec<&[Vec<u8>]> = vals.chunks(args.batch).collect();
     let inflight = args.inflight.max(1);
     // Thread `t` of `inflight` does every `inflight`-th batch.
-    let in_parallel = |work: &(dyn Fn(usize, &[Vec<u8>]) -> Result<(), String> + Sync)| -> Result<(), String> {
+    let in_parallel = |work: &BatchWork<'_>| -> Result<(), String> {
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..inflight)
                 .map(|t| {
