@@ -257,7 +257,7 @@ struct Shared {
 impl Shared {
     fn register_codec(&self, cfg: &CodecConfig) -> Result<u8, StoreError> {
         let codec = cfg.build()?;
-        let mut n = self.codec_count.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut n = lock(&self.codec_count);
         if *n >= MAX_CODECS {
             return Err(StoreError::TooManyCodecs);
         }
@@ -385,7 +385,7 @@ impl Shared {
     }
 
     fn compact(&self) -> u64 {
-        let guard = self.compaction.lock().unwrap_or_else(PoisonError::into_inner);
+        let guard = lock(&self.compaction);
         self.compact_locked(&guard)
     }
 
@@ -418,7 +418,9 @@ impl Shared {
     }
 }
 
-fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+/// Locks `m`, taking it over if a holder panicked (every lock of the store,
+/// the ordering-only ones of the tiers included, is taken this way).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 

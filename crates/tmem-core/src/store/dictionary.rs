@@ -19,7 +19,7 @@
 //! their codec id, so nothing is recompressed and nothing needs migrating.
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use super::{lock, Pool, Shared, Store, StoreError};
 use crate::codec::{train_dictionary, CodecConfig};
@@ -72,7 +72,7 @@ impl AutoDictionary {
     }
 
     fn set_status(&self, s: String) {
-        *self.status.lock().unwrap_or_else(PoisonError::into_inner) = s;
+        *lock(&self.status) = s;
     }
 }
 
@@ -152,7 +152,7 @@ impl Shared {
 
     /// Automatic training status, if configured.
     pub(super) fn dictionary_status(&self) -> Option<String> {
-        self.auto_dictionary.as_ref().map(|a| a.status.lock().unwrap_or_else(PoisonError::into_inner).clone())
+        self.auto_dictionary.as_ref().map(|a| lock(&a.status).clone())
     }
 }
 

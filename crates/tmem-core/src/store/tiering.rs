@@ -53,11 +53,6 @@ pub(super) struct TierPutLocks {
     stripes: Box<[Mutex<()>]>,
 }
 
-/// Locks an ordering mutex (it guards no data, so poisoning is moot).
-fn hold(m: &Mutex<()>) -> std::sync::MutexGuard<'_, ()> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 impl TierPutLocks {
     /// Locks for a pool of `shards` shards.
     pub(super) fn new(shards: usize) -> Self {
@@ -71,7 +66,7 @@ impl TierPutLocks {
 
     /// Locks the stripe of one key.
     fn lock_one(&self, hash: u64) -> std::sync::MutexGuard<'_, ()> {
-        hold(&self.stripes[Self::stripe(hash)])
+        lock(&self.stripes[Self::stripe(hash)])
     }
 
     /// Locks the stripes of `hashes`, in order.
@@ -79,7 +74,7 @@ impl TierPutLocks {
         let mut ids: Vec<usize> = hashes.map(Self::stripe).collect();
         ids.sort_unstable();
         ids.dedup();
-        ids.into_iter().map(|i| hold(&self.stripes[i])).collect()
+        ids.into_iter().map(|i| lock(&self.stripes[i])).collect()
     }
 }
 
@@ -112,7 +107,7 @@ impl TierRemovals {
     /// Queues the removal of `tkey` from tier `t`; returns whether the queue
     /// is long enough to send now.
     fn push(&self, t: usize, tkey: TierKey) -> bool {
-        let mut q = self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut q = lock(&self.queue);
         q.push((t, tkey));
         q.len() >= REMOVE_BATCH
     }
@@ -120,8 +115,8 @@ impl TierRemovals {
     /// Sends every queued removal, one batch per tier. A failed removal
     /// leaves an unreachable sealed value behind, cleared with the pool.
     pub(super) fn send(&self, chain: &TierChain) {
-        let _sending = hold(&self.sending);
-        let batch = std::mem::take(&mut *self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let _sending = lock(&self.sending);
+        let batch = std::mem::take(&mut *lock(&self.queue));
         if batch.is_empty() {
             return;
         }
@@ -459,7 +454,7 @@ impl Pool {
 
     fn write_back_shard(&self, chain: &TierChain, i: usize, max: usize) -> WritebackReport {
         let mut report = WritebackReport::default();
-        let _one_writeback = hold(&self.tier_puts.writeback[i]);
+        let _one_writeback = lock(&self.tier_puts.writeback[i]);
         // 1. Pick victims and copy their bytes out, under the shard lock.
         let mut victims = Vec::new();
         {
@@ -654,7 +649,7 @@ impl WritebackWorker {
             .spawn(move || {
                 let (m, cv) = &*s2;
                 loop {
-                    let g = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let g = lock(m);
                     let (g, _) = cv.wait_timeout(g, period).unwrap_or_else(std::sync::PoisonError::into_inner);
                     if *g {
                         break;
@@ -686,7 +681,7 @@ impl WritebackWorker {
 impl Drop for WritebackWorker {
     fn drop(&mut self) {
         let (m, cv) = &*self.stop;
-        *m.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        *lock(m) = true;
         cv.notify_all();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
