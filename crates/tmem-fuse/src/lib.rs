@@ -15,7 +15,9 @@
 
 use std::cell::RefCell;
 use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -25,6 +27,8 @@ use fuser::{
     ReplyWrite, Request, SessionACL, WriteFlags,
 };
 use tmem_block::BlockDevice;
+
+mod uring;
 
 /// Largest read we accept from the kernel; also each worker's buffer size.
 pub const MAX_IO: u32 = 1 << 20;
@@ -85,6 +89,40 @@ pub struct FuseConfig {
     pub exports: Vec<Export>,
     /// Worker threads reading `/dev/fuse` (each with its own cloned fd).
     pub threads: usize,
+    /// io_uring workers per CPU queue; 0 serves everything on `/dev/fuse`.
+    /// Used when the kernel offers FUSE over io_uring (see [`uring`]);
+    /// otherwise the mount falls back to `/dev/fuse` and says so.
+    pub uring_per_queue: usize,
+}
+
+/// How requests reach the workers of a mount.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// `read`/`writev` on `/dev/fuse`.
+    DevFuse,
+    /// FUSE over io_uring: this many workers, per-CPU queues.
+    IoUring {
+        /// Workers in all.
+        workers: usize,
+    },
+    /// io_uring was asked for but is unavailable; why.
+    DevFuseFallback(String),
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::DevFuse => write!(f, "/dev/fuse"),
+            Self::IoUring { workers } => write!(f, "io_uring ({workers} workers on per-CPU queues)"),
+            Self::DevFuseFallback(why) => write!(f, "/dev/fuse (io_uring unavailable: {why})"),
+        }
+    }
+}
+
+/// What a node is.
+enum NodeKind {
+    Dir,
+    File { size: u64 },
 }
 
 struct BlockFs {
@@ -92,7 +130,15 @@ struct BlockFs {
     uid: u32,
     gid: u32,
     started: SystemTime,
+    started_secs: u64,
+    /// Ask the kernel for FUSE over io_uring at INIT.
+    want_uring: bool,
+    /// The kernel agreed (set during INIT).
+    uring_negotiated: AtomicBool,
 }
+
+/// The filesystem as `fuser` sees it; io_uring workers share the same `BlockFs`.
+struct FuserFs(Arc<BlockFs>);
 
 thread_local! {
     /// Per-worker I/O buffer: allocated on a worker's first request, reused after.
@@ -104,17 +150,85 @@ fn errno(e: &tmem_block::BlockError) -> Errno {
 }
 
 impl BlockFs {
-    fn export(&self, ino: INodeNo) -> Option<&Export> {
-        let i = ino.0.checked_sub(ROOT + 1)?;
+    fn export(&self, ino: u64) -> Option<&Export> {
+        let i = ino.checked_sub(ROOT + 1)?;
         self.exports.get(usize::try_from(i).ok()?)
     }
 
-    fn attr(&self, ino: u64) -> Option<FileAttr> {
-        let (kind, size, perm, nlink) = if ino == ROOT {
-            (FileType::Directory, 0, 0o700, 2)
+    fn node(&self, ino: u64) -> Option<NodeKind> {
+        if ino == ROOT {
+            Some(NodeKind::Dir)
         } else {
-            let e = self.export(INodeNo(ino))?;
-            (FileType::RegularFile, e.device.size(), 0o600, 1)
+            self.export(ino).map(|e| NodeKind::File { size: e.device.size() })
+        }
+    }
+
+    fn lookup_ino(&self, parent: u64, name: &[u8]) -> Option<u64> {
+        if parent != ROOT {
+            return None;
+        }
+        let i = self.exports.iter().position(|e| e.name.as_bytes() == name)?;
+        Some(ROOT + 1 + i as u64)
+    }
+
+    /// `.`, `..` and the exports, as (inode, kind, name).
+    fn entries(&self) -> impl Iterator<Item = (u64, NodeKind, &str)> {
+        [(ROOT, NodeKind::Dir, "."), (ROOT, NodeKind::Dir, "..")].into_iter().chain(
+            self.exports
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (ROOT + 1 + i as u64, NodeKind::File { size: e.device.size() }, e.name.as_str())),
+        )
+    }
+
+    fn total_blocks(&self) -> u64 {
+        self.exports.iter().map(|e| e.device.size() / 4096).sum()
+    }
+
+    /// Bytes a read of `size` at `offset` returns: short at the end, like a regular file.
+    fn read_len(&self, e: &Export, offset: u64, size: u32) -> usize {
+        let end = offset.saturating_add(u64::from(size)).min(e.device.size());
+        usize::try_from(end.saturating_sub(offset)).unwrap_or(0)
+    }
+
+    /// FOPEN flags for an export; directories are not opened as files.
+    fn open_flags(&self, ino: u64) -> Result<u32, i32> {
+        if self.export(ino).is_none() {
+            return Err(libc::EISDIR);
+        }
+        Ok((FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES).bits())
+    }
+
+    fn flush(&self, ino: u64) -> Result<(), i32> {
+        match self.export(ino).map(|e| e.device.flush()) {
+            Some(Ok(())) | None => Ok(()),
+            Some(Err(err)) => Err(err.errno()),
+        }
+    }
+
+    /// Punch hole (discard), zero range, or plain allocation (a no-op).
+    fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32) -> Result<(), i32> {
+        let e = self.export(ino).ok_or(libc::ENOENT)?;
+        let r = if mode == libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE {
+            e.device.trim(offset, length)
+        } else if mode & !libc::FALLOC_FL_KEEP_SIZE == libc::FALLOC_FL_ZERO_RANGE {
+            e.device.write_zeroes(offset, length)
+        } else if mode & !libc::FALLOC_FL_KEEP_SIZE == 0 {
+            // Plain allocation: memory devices have nothing to reserve.
+            return match offset.checked_add(length) {
+                Some(end) if end <= e.device.size() => Ok(()),
+                _ => Err(libc::EFBIG),
+            };
+        } else {
+            return Err(libc::EOPNOTSUPP);
+        };
+        r.map_err(|err| err.errno())
+    }
+
+    fn attr(&self, ino: u64) -> Option<FileAttr> {
+        let (kind, size, perm, nlink) = match self.node(ino)? {
+            NodeKind::Dir => (FileType::Directory, 0, 0o700, 2),
+            NodeKind::File { size } => (FileType::RegularFile, size, 0o600, 1),
         };
         Some(FileAttr {
             ino: INodeNo(ino),
@@ -136,7 +250,14 @@ impl BlockFs {
     }
 }
 
-impl fuser::Filesystem for BlockFs {
+fn reply_empty(r: Result<(), i32>, reply: ReplyEmpty) {
+    match r {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(Errno::from_i32(e)),
+    }
+}
+
+impl fuser::Filesystem for FuserFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         // Best effort: the kernel may cap these; smaller values still work.
         let _ = config.set_max_write(MAX_WRITE);
@@ -146,32 +267,31 @@ impl fuser::Filesystem for BlockFs {
         // device with --direct-io=on submits) into a synchronous request, and
         // loop then waits for each one in turn.
         let _ = config.add_capabilities(fuser::InitFlags::FUSE_ASYNC_DIO);
+        if self.0.want_uring && config.add_capabilities(fuser::InitFlags::FUSE_OVER_IO_URING).is_ok() {
+            self.0.uring_negotiated.store(true, Ordering::Release);
+        }
         Ok(())
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let found = (parent.0 == ROOT)
-            .then(|| self.exports.iter().position(|e| OsStr::new(&e.name) == name))
-            .flatten()
-            .and_then(|i| self.attr(ROOT + 1 + i as u64));
-        match found {
+        match self.0.lookup_ino(parent.0, name.as_bytes()).and_then(|ino| self.0.attr(ino)) {
             Some(attr) => reply.entry(&TTL, &attr, Generation(0)),
             None => reply.error(Errno::ENOENT),
         }
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.attr(ino.0) {
+        match self.0.attr(ino.0) {
             Some(a) => reply.attr(&TTL, &a),
             None => reply.error(Errno::ENOENT),
         }
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        if self.export(ino).is_none() {
-            return reply.error(Errno::EISDIR);
+        match self.0.open_flags(ino.0) {
+            Ok(flags) => reply.opened(FileHandle(0), FopenFlags::from_bits_truncate(flags)),
+            Err(e) => reply.error(Errno::from_i32(e)),
         }
-        reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES);
     }
 
     fn read(
@@ -185,10 +305,8 @@ impl fuser::Filesystem for BlockFs {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let Some(e) = self.export(ino) else { return reply.error(Errno::ENOENT) };
-        // Reads at or past the end return short, like a regular file.
-        let end = offset.saturating_add(u64::from(size)).min(e.device.size());
-        let len = usize::try_from(end.saturating_sub(offset)).unwrap_or(0);
+        let Some(e) = self.0.export(ino.0) else { return reply.error(Errno::ENOENT) };
+        let len = self.0.read_len(e, offset, size);
         IO_BUF.with(|b| {
             let mut buf = b.borrow_mut();
             if buf.len() < MAX_IO as usize {
@@ -214,7 +332,7 @@ impl fuser::Filesystem for BlockFs {
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let Some(e) = self.export(ino) else { return reply.error(Errno::ENOENT) };
+        let Some(e) = self.0.export(ino.0) else { return reply.error(Errno::ENOENT) };
         match e.device.write_at(data, offset) {
             Ok(()) => reply.written(u32::try_from(data.len()).unwrap_or(u32::MAX)),
             Err(err) => reply.error(errno(&err)),
@@ -222,17 +340,11 @@ impl fuser::Filesystem for BlockFs {
     }
 
     fn flush(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _lock: LockOwner, reply: ReplyEmpty) {
-        match self.export(ino).map(|e| e.device.flush()) {
-            Some(Ok(())) | None => reply.ok(),
-            Some(Err(err)) => reply.error(errno(&err)),
-        }
+        reply_empty(self.0.flush(ino.0), reply);
     }
 
     fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        match self.export(ino).map(|e| e.device.flush()) {
-            Some(Ok(())) | None => reply.ok(),
-            Some(Err(err)) => reply.error(errno(&err)),
-        }
+        reply_empty(self.0.flush(ino.0), reply);
     }
 
     fn fallocate(
@@ -245,38 +357,15 @@ impl fuser::Filesystem for BlockFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        let Some(e) = self.export(ino) else { return reply.error(Errno::ENOENT) };
-        let r = if mode == libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE {
-            e.device.trim(offset, length)
-        } else if mode & !libc::FALLOC_FL_KEEP_SIZE == libc::FALLOC_FL_ZERO_RANGE {
-            e.device.write_zeroes(offset, length)
-        } else if mode & !libc::FALLOC_FL_KEEP_SIZE == 0 {
-            // Plain allocation: memory devices have nothing to reserve.
-            match offset.checked_add(length) {
-                Some(end) if end <= e.device.size() => Ok(()),
-                _ => return reply.error(Errno::EFBIG),
-            }
-        } else {
-            return reply.error(Errno::EOPNOTSUPP);
-        };
-        match r {
-            Ok(()) => reply.ok(),
-            Err(err) => reply.error(errno(&err)),
-        }
+        reply_empty(self.0.fallocate(ino.0, offset, length, mode), reply);
     }
 
     fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
         if ino.0 != ROOT {
             return reply.error(Errno::ENOTDIR);
         }
-        let mut entries: Vec<(u64, FileType, &str)> =
-            vec![(ROOT, FileType::Directory, "."), (ROOT, FileType::Directory, "..")];
-        for (i, e) in self.exports.iter().enumerate() {
-            entries.push((ROOT + 1 + i as u64, FileType::RegularFile, &e.name));
-        }
-        for (i, (ino, kind, name)) in
-            entries.into_iter().enumerate().skip(usize::try_from(offset).unwrap_or(usize::MAX))
-        {
+        for (i, (ino, kind, name)) in self.0.entries().enumerate().skip(usize::try_from(offset).unwrap_or(usize::MAX)) {
+            let kind = if matches!(kind, NodeKind::Dir) { FileType::Directory } else { FileType::RegularFile };
             if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
                 break;
             }
@@ -285,14 +374,16 @@ impl fuser::Filesystem for BlockFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let blocks: u64 = self.exports.iter().map(|e| e.device.size() / 4096).sum();
-        reply.statfs(blocks, 0, 0, u64::try_from(self.exports.len()).unwrap_or(0), 0, 4096, 255, 4096);
+        let files = u64::try_from(self.0.exports.len()).unwrap_or(0);
+        reply.statfs(self.0.total_blocks(), 0, 0, files, 0, 4096, 255, 4096);
     }
 }
 
 /// A mounted export directory. Dropping it unmounts.
 pub struct FuseMount {
     session: Option<fuser::BackgroundSession>,
+    uring: Option<uring::UringWorkers>,
+    transport: Transport,
     mountpoint: PathBuf,
 }
 
@@ -314,9 +405,29 @@ impl FuseMount {
                 return Err(FuseError::DuplicateName(e.name.clone()));
             }
         }
+        // The kernel offers io_uring at INIT only while fuse.enable_uring is
+        // on; a connection keeps it afterwards, so the switch is put back
+        // right after the handshake.
+        let (want_uring, restore, mut fallback) = match cfg.uring_per_queue {
+            0 => (false, None, None),
+            _ => match uring::allow_in_kernel() {
+                Ok(restore) => (true, restore, None),
+                Err(why) => (false, None, Some(why)),
+            },
+        };
         // SAFETY: getuid/getgid have no preconditions and cannot fail.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-        let fs = BlockFs { exports: cfg.exports, uid, gid, started: SystemTime::now() };
+        let started = SystemTime::now();
+        let started_secs = started.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let fs = Arc::new(BlockFs {
+            exports: cfg.exports,
+            uid,
+            gid,
+            started,
+            started_secs,
+            want_uring,
+            uring_negotiated: AtomicBool::new(false),
+        });
         let mut options = Config::default();
         options.mount_options = vec![
             MountOption::FSName("tmem".into()),
@@ -326,9 +437,76 @@ impl FuseMount {
         options.acl = SessionACL::Owner;
         options.n_threads = Some(cfg.threads.max(1));
         options.clone_fd = true;
-        let session = fuser::spawn_mount(fs, &cfg.mountpoint, &options)
-            .map_err(|source| FuseError::Mount { path: cfg.mountpoint.clone(), source })?;
-        Ok(Self { session: Some(session), mountpoint: cfg.mountpoint })
+        // Session::new mounts and completes INIT before it returns.
+        let session = fuser::Session::new(FuserFs(fs.clone()), &cfg.mountpoint, &options);
+        if let Some(previous) = restore {
+            uring::restore_kernel_switch(previous);
+        }
+        let session = session.map_err(|source| FuseError::Mount { path: cfg.mountpoint.clone(), source })?;
+        let mut uring = None;
+        if want_uring {
+            if fs.uring_negotiated.load(Ordering::Acquire) {
+                let started = std::os::fd::AsFd::as_fd(&session)
+                    .try_clone_to_owned()
+                    .and_then(|fd| uring::UringWorkers::start(fs.clone(), fd, cfg.uring_per_queue, MAX_IO as usize));
+                match started {
+                    Ok(w) => uring = Some(w),
+                    Err(e) => fallback = Some(format!("cannot start io_uring workers: {e}")),
+                }
+            } else {
+                fallback = Some("the kernel did not offer it at INIT".into());
+            }
+        }
+        let session = session.spawn().map_err(|source| FuseError::Mount { path: cfg.mountpoint.clone(), source })?;
+        let transport = match (&uring, fallback) {
+            (Some(w), _) => Transport::IoUring { workers: w.workers() },
+            (None, Some(why)) => Transport::DevFuseFallback(why),
+            (None, None) => Transport::DevFuse,
+        };
+        let m = Self { session: Some(session), uring, transport, mountpoint: cfg.mountpoint };
+        m.wait_for_ring();
+        Ok(m)
+    }
+
+    /// The kernel switches to the ring once every CPU's queue has a worker
+    /// registered, which the workers do on their own threads. Returns once a
+    /// request went over the ring, a worker failed, or 2 s passed (then the
+    /// mount serves on `/dev/fuse` and `transport()` says so).
+    fn wait_for_ring(&self) {
+        let Some(w) = &self.uring else { return };
+        let Ok(path) = std::ffi::CString::new(self.mountpoint.as_os_str().as_bytes()) else { return };
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while w.served() == 0 && w.failure().is_none() {
+            if std::time::Instant::now() > deadline {
+                w.fail("the workers registered, but the kernel never sent a request over the ring".into());
+                return;
+            }
+            // statfs is never cached, so each call is one request to us.
+            // SAFETY: `path` is a NUL-terminated string; `st` is a plain
+            // struct the call fills.
+            unsafe {
+                let mut st: libc::statfs = std::mem::zeroed();
+                libc::statfs(path.as_ptr(), &mut st);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// How requests reach the workers. Workers whose io_uring registration
+    /// failed show up here as a fallback once they have ended.
+    pub fn transport(&self) -> Transport {
+        match (&self.transport, &self.uring) {
+            (Transport::IoUring { .. }, Some(w)) => match w.failure() {
+                Some(why) => Transport::DevFuseFallback(why),
+                None => self.transport.clone(),
+            },
+            (t, _) => t.clone(),
+        }
+    }
+
+    /// Requests served over io_uring so far.
+    pub fn uring_requests(&self) -> u64 {
+        self.uring.as_ref().map_or(0, uring::UringWorkers::served)
     }
 
     /// Mount point.
@@ -344,9 +522,22 @@ impl FuseMount {
     /// Unmounts and waits for the workers.
     pub fn unmount(mut self) -> Result<(), FuseError> {
         let path = self.mountpoint.clone();
-        match self.session.take() {
+        let r = match self.session.take() {
             Some(s) => s.umount_and_join().map_err(|source| FuseError::Unmount { path, source }),
             None => Ok(()),
+        };
+        self.join_uring_if(r.is_ok());
+        r
+    }
+
+    /// After a successful unmount the connection is gone and every io_uring
+    /// worker's command ends, so they can be joined; after a failed one they
+    /// are left running rather than waited for forever.
+    fn join_uring_if(&mut self, unmounted: bool) {
+        if let Some(w) = self.uring.take() {
+            if unmounted {
+                w.join();
+            }
         }
     }
 }
@@ -354,7 +545,8 @@ impl FuseMount {
 impl Drop for FuseMount {
     fn drop(&mut self) {
         if let Some(s) = self.session.take() {
-            let _ = s.umount_and_join();
+            let r = s.umount_and_join();
+            self.join_uring_if(r.is_ok());
         }
     }
 }

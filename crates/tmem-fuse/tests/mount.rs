@@ -6,7 +6,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use tmem_block::{BlockDevice, DeviceConfig};
-use tmem_fuse::{Export, FuseConfig, FuseMount};
+use tmem_fuse::{Export, FuseConfig, FuseMount, Transport};
 
 fn can_mount() -> Result<(), String> {
     // SAFETY: geteuid has no preconditions.
@@ -43,7 +43,40 @@ fn files_read_write_punch_and_list() {
         println!("SKIP: {why}");
         return;
     }
-    let dir = tempdir("rw");
+    let (m, _dir) = read_write_punch_and_list("rw", 0);
+    assert_eq!(m.transport(), Transport::DevFuse);
+    assert_eq!(m.uring_requests(), 0);
+    m.unmount().unwrap();
+}
+
+#[test]
+fn files_read_write_punch_and_list_over_io_uring() {
+    if let Err(why) = can_mount() {
+        println!("SKIP: {why}");
+        return;
+    }
+    if !std::path::Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
+        println!("SKIP: this kernel has no FUSE over io_uring (Linux 6.14+)");
+        return;
+    }
+    let switch_before = std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring").unwrap();
+    let (m, _dir) = read_write_punch_and_list("uring", 2);
+    let workers = 2 * std::thread::available_parallelism().map_or(1, usize::from);
+    assert!(matches!(m.transport(), Transport::IoUring { workers: w } if w >= workers), "{}", m.transport());
+    // Every request after the ring came up went over it: the file I/O alone
+    // is a dozen requests.
+    assert!(m.uring_requests() >= 10, "{} requests over io_uring", m.uring_requests());
+    // The kernel switch is back as it was; the mount keeps its ring.
+    let switch_after = std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring").unwrap();
+    assert_eq!(switch_after, switch_before);
+    m.unmount().unwrap();
+}
+
+/// Two exports; reads, writes, a punched hole and the listing, through the
+/// kernel. Returns the mount for transport checks, and its directory (to
+/// remove after the unmount).
+fn read_write_punch_and_list(tag: &str, uring_per_queue: usize) -> (FuseMount, TempDir) {
+    let dir = tempdir(tag);
     let d0 = device("swap0", 64 << 20);
     let d1 = device("swap1", 8 << 20);
     let m = FuseMount::mount(FuseConfig {
@@ -53,6 +86,7 @@ fn files_read_write_punch_and_list() {
             Export { name: "swap1".into(), device: d1.clone() },
         ],
         threads: 2,
+        uring_per_queue,
     })
     .unwrap();
     let mut names: Vec<String> =
@@ -95,8 +129,24 @@ fn files_read_write_punch_and_list() {
     f.read_to_end(&mut tail).unwrap();
     assert_eq!(tail.len(), 10);
     assert!(f.write_all_at(&[1; 4096], 64 << 20).is_err());
+    // Flush and fsync reach the device and succeed.
+    f.sync_all().unwrap();
     drop(f);
-    m.unmount().unwrap();
+    let st = nix_statfs(m.mountpoint());
+    assert_eq!(st, (64 << 20) / 4096 + (8 << 20) / 4096, "statfs counts the exports' blocks");
+    (m, dir)
+}
+
+/// Total blocks `statfs` reports for `path`.
+fn nix_statfs(path: &std::path::Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: `c` is NUL-terminated; `st` is plain data the call fills.
+    unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        assert_eq!(libc::statfs(c.as_ptr(), &mut st), 0, "statfs: {}", std::io::Error::last_os_error());
+        st.f_blocks
+    }
 }
 
 #[test]
@@ -105,7 +155,27 @@ fn full_pool_gives_enospc_to_the_writer() {
         println!("SKIP: {why}");
         return;
     }
-    let dir = tempdir("full");
+    full_pool_enospc("full", 0);
+}
+
+#[test]
+fn full_pool_gives_enospc_to_the_writer_over_io_uring() {
+    if let Err(why) = can_mount() {
+        println!("SKIP: {why}");
+        return;
+    }
+    if !std::path::Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
+        println!("SKIP: this kernel has no FUSE over io_uring (Linux 6.14+)");
+        return;
+    }
+    let served = full_pool_enospc("full-uring", 1);
+    assert!(served > 0, "the error replies went over io_uring");
+}
+
+/// Writes 4 MiB of barely compressible pages into a 1 MiB pool; the writer
+/// must get ENOSPC. Returns the requests served over io_uring.
+fn full_pool_enospc(tag: &str, uring_per_queue: usize) -> u64 {
+    let dir = tempdir(tag);
     let mut store = tmem_core::StoreConfig::default();
     store.policy.max_pool_bytes = 1 << 20;
     let dev = Arc::new(DeviceConfig { name: "small".into(), size: 64 << 20, store, tiers: None }.build().unwrap());
@@ -113,6 +183,7 @@ fn full_pool_gives_enospc_to_the_writer() {
         mountpoint: dir.0.clone(),
         exports: vec![Export { name: "small".into(), device: dev.clone() }],
         threads: 1,
+        uring_per_queue,
     })
     .unwrap();
     let mut f = OpenOptions::new().write(true).open(m.path_of("small")).unwrap();
@@ -140,5 +211,7 @@ fn full_pool_gives_enospc_to_the_writer() {
     assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
     assert!(dev.stats().failed_writes > 0);
     drop(f);
+    let served = m.uring_requests();
     m.unmount().unwrap();
+    served
 }

@@ -64,6 +64,9 @@ pub struct DaemonSpec {
     pub priority: i32,
     /// FUSE worker threads.
     pub fuse_threads: usize,
+    /// FUSE over io_uring workers per CPU (0: `/dev/fuse` only).
+    #[serde(default)]
+    pub fuse_uring: usize,
     /// `swapon --discard` policy.
     #[serde(default)]
     pub discard: tmem_sys::swap::SwapDiscard,
@@ -90,6 +93,12 @@ pub struct Status {
     /// NBD URIs of the devices, when served over NBD.
     #[serde(default)]
     pub nbd_uris: Vec<String>,
+    /// How FUSE requests reach the daemon (`/dev/fuse` or io_uring), when mounted.
+    #[serde(default)]
+    pub fuse_transport: Option<String>,
+    /// FUSE requests served over io_uring so far.
+    #[serde(default)]
+    pub fuse_uring_requests: u64,
 }
 
 /// One device's plumbing.
@@ -197,13 +206,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), String> {
         spec,
         devices,
         state: Mutex::new(State {
-            status: Status {
-                state: "starting".into(),
-                pid: std::process::id(),
-                steps,
-                devices: vec![],
-                nbd_uris: vec![],
-            },
+            status: Status { state: "starting".into(), pid: std::process::id(), steps, ..Status::default() },
             fuse: None,
             nbd: None,
         }),
@@ -304,8 +307,14 @@ impl Daemon {
             .iter()
             .map(|d| Export { name: d.name().to_owned(), device: Arc::clone(d) as Arc<dyn BlockDevice> })
             .collect();
-        let fuse = FuseMount::mount(FuseConfig { mountpoint: mnt.clone(), exports, threads: self.spec.fuse_threads })
-            .map_err(|e| e.to_string())?;
+        let fuse = FuseMount::mount(FuseConfig {
+            mountpoint: mnt.clone(),
+            exports,
+            threads: self.spec.fuse_threads,
+            uring_per_queue: self.spec.fuse_uring,
+        })
+        .map_err(|e| e.to_string())?;
+        let transport = fuse.transport();
         let files: Vec<(String, PathBuf)> =
             self.devices.iter().map(|d| (d.name().to_owned(), fuse.path_of(d.name()))).collect();
         {
@@ -316,7 +325,11 @@ impl Daemon {
                 .map(|(name, file)| DeviceStatus { name: name.clone(), file: file.clone(), ..Default::default() })
                 .collect();
         }
-        self.step(format!("FUSE mounted at {} ({} worker threads, direct I/O)", mnt.display(), self.spec.fuse_threads));
+        self.step(format!(
+            "FUSE mounted at {} (direct I/O; {} /dev/fuse worker threads; requests via {transport})",
+            mnt.display(),
+            self.spec.fuse_threads
+        ));
         if self.spec.swap {
             for (i, (name, file)) in files.iter().enumerate() {
                 let dev = swap::loop_attach(file).map_err(|e| e.to_string())?;
@@ -375,8 +388,14 @@ impl Daemon {
         let fuse = self.lock().fuse.take();
         if let Some(f) = fuse {
             let at = f.mountpoint().to_owned();
+            let over_uring = f.uring_requests();
             f.unmount().map_err(|e| e.to_string())?;
-            self.step(format!("FUSE unmounted from {}", at.display()));
+            match over_uring {
+                0 => self.step(format!("FUSE unmounted from {}", at.display())),
+                n => {
+                    self.step(format!("FUSE unmounted from {} ({n} requests were served over io_uring)", at.display()))
+                }
+            }
             let _ = std::fs::remove_dir(&at);
         }
         self.exit.store(true, Ordering::Release);
@@ -385,7 +404,15 @@ impl Daemon {
 
     fn handle(&self, req: Request) -> Response {
         match req {
-            Request::Status => json(&self.lock().status),
+            Request::Status => {
+                let g = self.lock();
+                let mut status = g.status.clone();
+                if let Some(f) = &g.fuse {
+                    status.fuse_transport = Some(f.transport().to_string());
+                    status.fuse_uring_requests = f.uring_requests();
+                }
+                json(&status)
+            }
             Request::Stat => {
                 let stats: Vec<_> = self.devices.iter().map(|d| d.stats()).collect();
                 json(&stats)

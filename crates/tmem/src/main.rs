@@ -79,7 +79,7 @@ enum ServeCommand {
 #[derive(Subcommand, Debug)]
 enum SwapCommand {
     /// Starts the daemon, exports devices over FUSE, attaches loop devices, runs mkswap and swapon.
-    Up(swapcmd::UpArgs),
+    Up(Box<swapcmd::UpArgs>),
     /// swapoff (the kernel takes its pages back), detach, unmount, stop the daemon.
     Down(swapcmd::DaemonArgs),
 }

@@ -31,6 +31,10 @@ pub struct UpArgs {
     /// FUSE worker threads.
     #[arg(long, default_value_t = 4)]
     fuse_threads: usize,
+    /// FUSE over io_uring workers per CPU; 0 serves requests on /dev/fuse only.
+    /// Falls back to /dev/fuse (and says so) where the kernel lacks it.
+    #[arg(long, default_value_t = 0)]
+    fuse_uring: usize,
     /// How freed swap slots reach the pool (swapon --discard): once or pages.
     #[arg(long, default_value = "once")]
     discard: tmem_sys::swap::SwapDiscard,
@@ -102,6 +106,7 @@ pub fn up(a: &UpArgs) -> Result<(), String> {
         nbd_allow_remote: false,
         priority: a.priority,
         fuse_threads: a.fuse_threads,
+        fuse_uring: a.fuse_uring,
         discard: a.discard,
         tiers: a.tiers.clone(),
     };
@@ -292,6 +297,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> Result<(), String> {
         nbd_allow_remote: a.allow_remote,
         priority: 0,
         fuse_threads: 0,
+        fuse_uring: 0,
         discard: tmem_sys::swap::SwapDiscard::default(),
         tiers: a.tiers.clone(),
     })

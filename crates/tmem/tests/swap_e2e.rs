@@ -168,8 +168,40 @@ fn job_runs_in_half_its_memory_on_tmem_swap() {
         println!("SKIP: {why}");
         return;
     }
-    let mut s = Setup::new("half");
-    let up = s.swap_up("1G");
+    let (up, down) = half_memory_job("half", &[]);
+    assert!(up.contains("requests via /dev/fuse"), "{up}");
+    assert!(!down.contains("io_uring"), "{down}");
+}
+
+#[test]
+fn job_runs_in_half_its_memory_over_fuse_io_uring() {
+    if let Some(why) = skip_reason() {
+        println!("SKIP: {why}");
+        return;
+    }
+    if !std::path::Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
+        println!("SKIP: this kernel has no FUSE over io_uring (Linux 6.14+)");
+        return;
+    }
+    let (up, down) = half_memory_job("half-uring", &["--fuse-uring", "2"]);
+    assert!(up.contains("requests via io_uring"), "{up}");
+    // The kernel's swap I/O went over the ring: far more than the handful of
+    // requests from setting up loop and swap.
+    let served: u64 = down
+        .split(" requests were served over io_uring")
+        .next()
+        .and_then(|head| head.rsplit(['(', ' ']).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no io_uring count in:\n{down}"));
+    assert!(served > 1000, "{served} requests over io_uring:\n{down}");
+}
+
+/// `swap up` with `extra` arguments, a 512 MiB job in a 256 MiB cgroup,
+/// checks on its output and the counters, `swap down`; returns what up and
+/// down printed.
+fn half_memory_job(tag: &str, extra: &[&str]) -> (String, String) {
+    let mut s = Setup::new(tag);
+    let up = s.swap_up_with("1G", extra);
     assert!(up.contains("swapon"), "{up}");
     // 512 MiB of data plus the interpreter, in a 256 MiB cgroup.
     let out = s.run_hog(512, 256);
@@ -198,6 +230,7 @@ fn job_runs_in_half_its_memory_on_tmem_swap() {
     let down = s.swap_down();
     assert!(down.contains("swapoff") && down.contains("exited"), "{down}");
     assert_clean(&s);
+    (up, down)
 }
 
 #[test]
