@@ -443,5 +443,8 @@ impl BlockDevice for PoolDevice {
     }
 }
 
+mod ram;
+pub use ram::RamDevice;
+
 #[cfg(test)]
 mod tests;

@@ -101,6 +101,11 @@ proptest! {
     }
 
     #[test]
+    fn ram_device_matches_byte_array(ops in prop::collection::vec(op(), 1..40)) {
+        check_against_oracle(&RamDevice::new(SIZE), &ops);
+    }
+
+    #[test]
     fn tiered_pool_device_matches_byte_array(ops in prop::collection::vec(op(), 1..40)) {
         check_against_oracle(&tiered_device(), &ops);
     }
@@ -181,4 +186,19 @@ fn refused_write_is_enospc_and_keeps_old_contents() {
     assert_eq!(&back[..100], &noise[..]);
     assert_eq!(&back[100..], &old[100..]);
     assert_eq!(d.stats().failed_writes, 1);
+}
+
+#[test]
+fn ram_device_holds_memory_only_for_written_pages() {
+    let dev = RamDevice::new(SIZE + 100);
+    assert_eq!(dev.size(), SIZE, "rounded down to whole pages");
+    dev.write_at(&[7; 10], 4096 * 3 + 5).unwrap();
+    assert_eq!(dev.held_pages(), 1);
+    // A partial zeroing keeps the page; a whole-page trim frees it.
+    dev.write_zeroes(4096 * 3, 100).unwrap();
+    assert_eq!(dev.held_pages(), 1);
+    dev.trim(4096 * 3, 4096).unwrap();
+    assert_eq!(dev.held_pages(), 0);
+    assert!(matches!(dev.write_at(&[1; 2], SIZE - 1), Err(BlockError::OutOfRange { .. })));
+    assert_eq!(dev.extents(0, SIZE).unwrap(), vec![Extent { len: SIZE, hole: true }]);
 }

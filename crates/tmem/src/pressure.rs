@@ -783,6 +783,12 @@ fn print_report(
         backend::RAM_PRIORITY,
         a.runs
     );
+    if names.contains(&"fuse-ram") {
+        println!(
+            "fuse-ram = tmem's FUSE + loop swap path over plain RAM, served by the bench (no compression, no store;              prio {}): what the path itself costs.",
+            backend::RAM_PRIORITY
+        );
+    }
     println!();
     print!("{}", report::render_table(summary, names, &a.levels));
     println!();
@@ -796,7 +802,8 @@ fn print_report(
     } else {
         println!(
             "note: no backend's pool counts against the workload's limit: zram's is uncharged kernel memory, \
-             tmem's belongs to its daemon in the root cgroup."
+             tmem's belongs to its daemon in the root cgroup{}.",
+            if names.contains(&"fuse-ram") { ", fuse-ram's to the bench process" } else { "" }
         );
     }
     println!(

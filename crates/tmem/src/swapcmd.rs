@@ -11,6 +11,9 @@ use crate::ctl::{self, Request};
 use crate::daemon::{self, human, DaemonSpec, DeviceSpec, Status};
 
 /// Arguments of `tmem swap up`.
+/// `/dev/fuse` worker threads of `tmem swap up` (and of the bench's fuse-ram baseline).
+pub const DEFAULT_FUSE_THREADS: usize = 4;
+
 #[derive(clap::Args, Debug)]
 pub struct UpArgs {
     /// Size of each swap device (it is sparse: only stored pages use memory).
@@ -29,7 +32,7 @@ pub struct UpArgs {
     #[arg(long, default_value_t = 1)]
     devices: usize,
     /// FUSE worker threads.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = DEFAULT_FUSE_THREADS)]
     fuse_threads: usize,
     /// FUSE over io_uring workers per CPU; 0 serves requests on /dev/fuse only.
     /// Falls back to /dev/fuse (and says so) where the kernel lacks it.

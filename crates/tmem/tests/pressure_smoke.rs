@@ -1,6 +1,6 @@
-//! Smoke test of `tmem bench pressure` (root only): a tiny ladder on zram and
-//! tmem; every run must be correct, both must swap at 50 %, and nothing the
-//! bench set up may remain afterwards.
+//! Smoke test of `tmem bench pressure` (root only): a tiny ladder on zram,
+//! tmem and the fuse-ram baseline; every run must be correct, all must swap
+//! at 50 %, and nothing the bench set up may remain afterwards.
 
 use std::path::Path;
 use std::process::Command;
@@ -84,7 +84,7 @@ fn pressure_ladder_smoke() {
     let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
         .args(["bench", "pressure", "--workload-mib", "192", "--levels", "100,50", "--runs", "1", "--passes", "1"])
         // Other tests may start swap of their own meanwhile: do not wait for it.
-        .args(["--backends", "zram,tmem", "--allow-other-swap", "--json"])
+        .args(["--backends", "zram,tmem,fuse-ram", "--allow-other-swap", "--json"])
         .arg(&json)
         .output()
         .unwrap();
@@ -120,7 +120,7 @@ fn pressure_ladder_smoke() {
     assert_eq!(v["reference"]["outcome"], "OK");
     assert!(v["peak_bytes"].as_u64().unwrap() > 100 << 20, "peak {}", v["peak_bytes"]);
     let runs = v["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 4, "{runs:?}");
+    assert_eq!(runs.len(), 6, "{runs:?}");
     for r in runs {
         let what = format!("{}@{}", r["backend"], r["level"]);
         assert_eq!(r["outcome"], "OK", "{what}: {r}");

@@ -1,7 +1,8 @@
 //! The swap backends of `tmem bench pressure`: a disk swap file, kernel zram,
 //! zswap in front of the disk swap file, and tmem, alone or with a small pool
 //! over a lower tier (RAMster-style remote RAM on Redis servers, or a disk
-//! backing file).
+//! backing file); and `fuse-ram`, tmem's FUSE + loop path over plain RAM,
+//! which measures what that path costs without compression or a store.
 //!
 //! Each backend is *prepared* once (swap file created, zswap parameters set),
 //! *activated* before every run (swapon on an empty area) and *deactivated*
@@ -16,6 +17,10 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use tmem_block::RamDevice;
+use tmem_fuse::{Export, FuseConfig, FuseMount};
 use tmem_sys::{swap, zram, zswap};
 
 use super::cmd;
@@ -42,6 +47,11 @@ pub enum BackendKind {
     #[value(name = "tmem+disk")]
     #[serde(rename = "tmem+disk")]
     TmemDisk,
+    /// Baseline: tmem's FUSE + loop path over plain RAM (no compression, no
+    /// store), served by the bench itself; what the transport alone costs.
+    #[value(name = "fuse-ram")]
+    #[serde(rename = "fuse-ram")]
+    FuseRam,
 }
 
 impl BackendKind {
@@ -54,6 +64,7 @@ impl BackendKind {
             Self::Tmem => "tmem",
             Self::TmemRemote => "tmem+remote",
             Self::TmemDisk => "tmem+disk",
+            Self::FuseRam => "fuse-ram",
         }
     }
 }
@@ -119,6 +130,8 @@ pub enum Backend {
     },
     /// tmem daemon.
     Tmem(Tmem),
+    /// FUSE + loop over plain RAM.
+    FuseRam(FuseRam),
 }
 
 impl Backend {
@@ -148,6 +161,7 @@ impl Backend {
             BackendKind::Tmem => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::None)?)),
             BackendKind::TmemRemote => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::Remote)?)),
             BackendKind::TmemDisk => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::Disk)?)),
+            BackendKind::FuseRam => Ok(Self::FuseRam(FuseRam::prepare(c)?)),
         }
     }
 
@@ -157,6 +171,7 @@ impl Backend {
             Self::Disk(d) | Self::Zswap { disk: d, .. } => vec![d.path.clone()],
             Self::Zram(z) => vec![PathBuf::from(format!("/dev/{}", z.dev))],
             Self::Tmem(t) => t.loop_devs.clone(),
+            Self::FuseRam(f) => f.active.iter().filter_map(|a| a.loop_dev.clone()).collect(),
         }
     }
 
@@ -166,6 +181,7 @@ impl Backend {
             Self::Disk(d) | Self::Zswap { disk: d, .. } => d.activate(),
             Self::Zram(z) => z.activate(),
             Self::Tmem(t) => t.activate(),
+            Self::FuseRam(f) => f.activate(),
         }
     }
 
@@ -175,6 +191,7 @@ impl Backend {
             Self::Disk(d) | Self::Zswap { disk: d, .. } => d.deactivate(),
             Self::Zram(z) => z.deactivate(),
             Self::Tmem(t) => t.deactivate(),
+            Self::FuseRam(f) => f.deactivate(),
         }
     }
 
@@ -190,6 +207,7 @@ impl Backend {
                 PoolSample { pool_bytes, stored_bytes, tier_pages: 0 }
             }
             Self::Tmem(t) => t.sample(),
+            Self::FuseRam(f) => f.sample(),
         }
     }
 
@@ -235,6 +253,7 @@ impl Backend {
                 }
             }
             Self::Tmem(mut t) => t.finish(),
+            Self::FuseRam(mut f) => f.deactivate(),
         }
     }
 }
@@ -632,6 +651,113 @@ impl Drop for Tmem {
                 "warning: tmem daemon in {} not stopped: {e}; run tmem swap down --runtime-dir {0}",
                 self.dir.display()
             );
+        }
+    }
+}
+
+/// tmem's swap path without tmem's store: a [`RamDevice`] exported by the
+/// bench process itself over FUSE (the same settings as `tmem swap up`:
+/// direct I/O, async DIO, `/dev/fuse` workers), attached with
+/// `losetup --direct-io=on`, writeback throttling off, `swapon
+/// --discard=once`. Its pool is the uncompressed pages it holds.
+pub struct FuseRam {
+    dir: PathBuf,
+    size: u64,
+    active: Option<FuseRamSwap>,
+}
+
+/// One activation; tears itself down on drop.
+struct FuseRamSwap {
+    dir: PathBuf,
+    dev: Arc<RamDevice>,
+    mount: Option<FuseMount>,
+    loop_dev: Option<PathBuf>,
+    swap_on: bool,
+}
+
+impl FuseRam {
+    fn prepare(c: &BackendConfig) -> Result<Self, String> {
+        if !Path::new("/dev/fuse").exists() {
+            return Err("/dev/fuse is missing (modprobe fuse)".into());
+        }
+        let mut dir = c.tmem_runtime_dir.clone().into_os_string();
+        dir.push("-fuse-ram");
+        let dir = PathBuf::from(dir);
+        if dir.exists() {
+            return Err(format!("{} exists already; is another bench running?", dir.display()));
+        }
+        Ok(Self { dir, size: c.swap_size, active: None })
+    }
+
+    fn activate(&mut self) -> Result<(), String> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
+        let dev = Arc::new(RamDevice::new(self.size));
+        let a = self.active.insert(FuseRamSwap {
+            dir: self.dir.clone(),
+            dev: dev.clone(),
+            mount: None,
+            loop_dev: None,
+            swap_on: false,
+        });
+        let mount = FuseMount::mount(FuseConfig {
+            mountpoint: self.dir.clone(),
+            exports: vec![Export { name: "swap0".into(), device: dev }],
+            threads: crate::swapcmd::DEFAULT_FUSE_THREADS,
+            uring_per_queue: 0,
+        })
+        .map_err(|e| e.to_string())?;
+        let file = mount.path_of("swap0");
+        a.mount = Some(mount);
+        let err = |e: swap::SwapError| format!("fuse-ram: {e}");
+        let l = a.loop_dev.insert(swap::loop_attach(&file).map_err(err)?).clone();
+        swap::loop_disable_wbt(&l).map_err(err)?;
+        swap::mkswap(&l, "tmem-fuse-ram").map_err(err)?;
+        swap::swapon(&l, RAM_PRIORITY, swap::SwapDiscard::Once).map_err(err)?;
+        a.swap_on = true;
+        Ok(())
+    }
+
+    fn deactivate(&mut self) -> Result<(), String> {
+        match self.active.take() {
+            Some(mut a) => a.teardown(),
+            None => Ok(()),
+        }
+    }
+
+    fn sample(&self) -> PoolSample {
+        let held = self.active.as_ref().map_or(0, |a| a.dev.held_bytes());
+        PoolSample { pool_bytes: held, stored_bytes: held, tier_pages: 0 }
+    }
+}
+
+impl FuseRamSwap {
+    /// swapoff (the kernel reads its pages back through FUSE), detach,
+    /// unmount, remove the directory. Stops at the first failure; what is
+    /// left is retried on drop.
+    fn teardown(&mut self) -> Result<(), String> {
+        if let Some(l) = &self.loop_dev {
+            if self.swap_on {
+                swap::swapoff(l).map_err(|e| format!("fuse-ram: {e}"))?;
+                self.swap_on = false;
+            }
+            swap::loop_detach(l).map_err(|e| format!("fuse-ram: {e}"))?;
+            self.loop_dev = None;
+        }
+        if let Some(m) = self.mount.take() {
+            m.unmount().map_err(|e| format!("fuse-ram: {e}"))?;
+        }
+        if self.dir.exists() {
+            std::fs::remove_dir(&self.dir)
+                .map_err(|e| format!("fuse-ram: cannot remove {}: {e}", self.dir.display()))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for FuseRamSwap {
+    fn drop(&mut self) {
+        if let Err(e) = self.teardown() {
+            eprintln!("warning: fuse-ram baseline not torn down: {e}");
         }
     }
 }
