@@ -19,6 +19,14 @@ fn can_mount() -> Result<(), String> {
     Ok(())
 }
 
+fn can_mount_over_uring() -> Result<(), String> {
+    can_mount()?;
+    if !std::path::Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
+        return Err("this kernel has no FUSE over io_uring (Linux 6.14+)".into());
+    }
+    Ok(())
+}
+
 struct TempDir(std::path::PathBuf);
 
 impl Drop for TempDir {
@@ -51,12 +59,8 @@ fn files_read_write_punch_and_list() {
 
 #[test]
 fn files_read_write_punch_and_list_over_io_uring() {
-    if let Err(why) = can_mount() {
+    if let Err(why) = can_mount_over_uring() {
         println!("SKIP: {why}");
-        return;
-    }
-    if !std::path::Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
-        println!("SKIP: this kernel has no FUSE over io_uring (Linux 6.14+)");
         return;
     }
     let switch_before = std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring").unwrap();
@@ -160,12 +164,8 @@ fn full_pool_gives_enospc_to_the_writer() {
 
 #[test]
 fn full_pool_gives_enospc_to_the_writer_over_io_uring() {
-    if let Err(why) = can_mount() {
+    if let Err(why) = can_mount_over_uring() {
         println!("SKIP: {why}");
-        return;
-    }
-    if !std::path::Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
-        println!("SKIP: this kernel has no FUSE over io_uring (Linux 6.14+)");
         return;
     }
     let served = full_pool_enospc("full-uring", 1);

@@ -86,6 +86,10 @@ pub struct PressureArgs {
     /// tmem codec (as `tmem swap up --codec`).
     #[arg(long, default_value = "lz4")]
     pub tmem_codec: String,
+    /// FUSE over io_uring workers per CPU for the tmem rows (as `tmem swap up
+    /// --fuse-uring`; 0: /dev/fuse).
+    #[arg(long, default_value_t = 0)]
+    pub tmem_fuse_uring: usize,
     /// Pool limit of the tiered tmem rows (tmem+remote, tmem+disk): small, so
     /// that most pages move down to the tier.
     #[arg(long, default_value = "64M")]
@@ -654,6 +658,7 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
         tmem_runtime_dir: PathBuf::from(format!("/run/tmem-bench-{pid}")),
         tmem_pool_limit: a.tmem_pool_limit.clone(),
         tmem_codec: a.tmem_codec.clone(),
+        tmem_fuse_uring: a.tmem_fuse_uring,
         tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
         tier_dir: a.swap_dir.join(format!("tmem-bench-tier-{pid}")),
     };
@@ -770,7 +775,7 @@ fn print_report(
     );
     println!(
         "backends: disk = swap file in {} (prio {}); zram = /dev/{} {} (prio {}); zswap = {} max_pool_percent {} over the disk file; \
-         tmem = tmem swap up --codec {} --pool-limit {} (prio {}). {} run(s) per cell.",
+         tmem = tmem swap up --codec {} --pool-limit {} --fuse-uring {} (prio {}). {} run(s) per cell.",
         a.swap_dir.display(),
         backend::DISK_PRIORITY,
         a.zram_device,
@@ -780,12 +785,14 @@ fn print_report(
         a.zswap_max_pool_percent,
         a.tmem_codec,
         a.tmem_pool_limit,
+        a.tmem_fuse_uring,
         backend::RAM_PRIORITY,
         a.runs
     );
     if names.contains(&"fuse-ram") {
         println!(
-            "fuse-ram = tmem's FUSE + loop swap path over plain RAM, served by the bench (no compression, no store;              prio {}): what the path itself costs.",
+            "fuse-ram = tmem's FUSE + loop swap path over plain RAM, served by the bench (no compression, no store; \
+             prio {}): what the path itself costs.",
             backend::RAM_PRIORITY
         );
     }

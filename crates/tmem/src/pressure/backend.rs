@@ -90,6 +90,8 @@ pub struct BackendConfig {
     pub tmem_pool_limit: String,
     /// tmem --codec.
     pub tmem_codec: String,
+    /// tmem --fuse-uring.
+    pub tmem_fuse_uring: usize,
     /// tmem --pool-limit of the tiered rows (tmem+remote, tmem+disk).
     pub tmem_tier_pool_limit: String,
     /// Directory for the tmem+disk backing file.
@@ -467,6 +469,7 @@ pub struct Tmem {
     size: u64,
     pool_limit: String,
     codec: String,
+    fuse_uring: String,
     /// `--tier ...` arguments of `swap up`.
     tier_args: Vec<String>,
     active: bool,
@@ -490,6 +493,7 @@ impl Tmem {
             size: c.swap_size,
             pool_limit: c.tmem_pool_limit.clone(),
             codec: c.tmem_codec.clone(),
+            fuse_uring: c.tmem_fuse_uring.to_string(),
             tier_args: Vec::new(),
             active: false,
             pid: None,
@@ -540,6 +544,7 @@ impl Tmem {
         let size = self.size.to_string();
         let prio = RAM_PRIORITY.to_string();
         let mut args = vec!["swap", "up", "--size", &size, "--pool-limit", &self.pool_limit, "--codec", &self.codec];
+        args.extend(["--fuse-uring", &self.fuse_uring]);
         args.extend(["--priority", &prio]);
         args.extend(self.tier_args.iter().map(String::as_str));
         let r = self.tmem(&args);
