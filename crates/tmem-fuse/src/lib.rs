@@ -446,10 +446,10 @@ impl FuseMount {
         let mut uring = None;
         if want_uring {
             if fs.uring_negotiated.load(Ordering::Acquire) {
-                let started = std::os::fd::AsFd::as_fd(&session)
+                let workers = std::os::fd::AsFd::as_fd(&session)
                     .try_clone_to_owned()
                     .and_then(|fd| uring::UringWorkers::start(fs.clone(), fd, cfg.uring_per_queue, MAX_IO as usize));
-                match started {
+                match workers {
                     Ok(w) => uring = Some(w),
                     Err(e) => fallback = Some(format!("cannot start io_uring workers: {e}")),
                 }

@@ -87,6 +87,11 @@ struct RingHeader {
     ent: [u8; 32],
 }
 
+// The kernel's layout: in_out at 0, op_in at 128, ring_ent_in_out at 256
+// (288 bytes; ours is padded to 320 by the alignment, which the kernel allows).
+const _: () = assert!(std::mem::offset_of!(RingHeader, op_in) == 128);
+const _: () = assert!(std::mem::offset_of!(RingHeader, ent) == 256);
+
 /// Offsets in `fuse_uring_ent_in_out`.
 const ENT_COMMIT_ID: usize = 8;
 const ENT_PAYLOAD_SZ: usize = 16;

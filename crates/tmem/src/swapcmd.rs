@@ -10,10 +10,10 @@ use tmem_block::DeviceStats;
 use crate::ctl::{self, Request};
 use crate::daemon::{self, human, DaemonSpec, DeviceSpec, Status};
 
-/// Arguments of `tmem swap up`.
 /// `/dev/fuse` worker threads of `tmem swap up` (and of the bench's fuse-ram baseline).
 pub const DEFAULT_FUSE_THREADS: usize = 4;
 
+/// Arguments of `tmem swap up`.
 #[derive(clap::Args, Debug)]
 pub struct UpArgs {
     /// Size of each swap device (it is sparse: only stored pages use memory).
