@@ -9,8 +9,9 @@
 //!
 //! Measured on the 2-vCPU test machine (50% rung of the pressure workload,
 //! see docs/PRESSURE.md): not faster than `/dev/fuse` (29.3-32.6 s against
-//! 28.0-31.4 s, alternating runs), and workers pinned to their queue's CPU
-//! were slower still (29.9-36.2 s), so they are not pinned. Hence opt-in.
+//! 28.0-31.4 s, alternating runs); an experimental build that pinned each
+//! worker to its queue's CPU was slower still (29.9-36.2 s), so workers are
+//! not pinned. Hence opt-in.
 //!
 //! The protocol (kernel `fs/fuse/dev_uring.c`, uapi `linux/fuse.h` 7.42):
 //! - Each ring entry is two buffers: a 288-byte header ([`RingHeader`]) and a
