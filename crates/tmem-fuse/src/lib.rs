@@ -125,12 +125,28 @@ enum NodeKind {
     File { size: u64 },
 }
 
+impl NodeKind {
+    /// (size, permission bits, link count), the same over both transports.
+    fn size_perm_nlink(&self) -> (u64, u16, u32) {
+        match *self {
+            Self::Dir => (0, 0o700, 2),
+            Self::File { size } => (size, 0o600, 1),
+        }
+    }
+
+    fn file_type(&self) -> FileType {
+        match self {
+            Self::Dir => FileType::Directory,
+            Self::File { .. } => FileType::RegularFile,
+        }
+    }
+}
+
 struct BlockFs {
     exports: Vec<Export>,
     uid: u32,
     gid: u32,
     started: SystemTime,
-    started_secs: u64,
     /// Ask the kernel for FUSE over io_uring at INIT.
     want_uring: bool,
     /// The kernel agreed (set during INIT).
@@ -226,10 +242,9 @@ impl BlockFs {
     }
 
     fn attr(&self, ino: u64) -> Option<FileAttr> {
-        let (kind, size, perm, nlink) = match self.node(ino)? {
-            NodeKind::Dir => (FileType::Directory, 0, 0o700, 2),
-            NodeKind::File { size } => (FileType::RegularFile, size, 0o600, 1),
-        };
+        let node = self.node(ino)?;
+        let (size, perm, nlink) = node.size_perm_nlink();
+        let kind = node.file_type();
         Some(FileAttr {
             ino: INodeNo(ino),
             size,
@@ -365,8 +380,7 @@ impl fuser::Filesystem for FuserFs {
             return reply.error(Errno::ENOTDIR);
         }
         for (i, (ino, kind, name)) in self.0.entries().enumerate().skip(usize::try_from(offset).unwrap_or(usize::MAX)) {
-            let kind = if matches!(kind, NodeKind::Dir) { FileType::Directory } else { FileType::RegularFile };
-            if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
+            if reply.add(INodeNo(ino), i as u64 + 1, kind.file_type(), name) {
                 break;
             }
         }
@@ -417,14 +431,11 @@ impl FuseMount {
         };
         // SAFETY: getuid/getgid have no preconditions and cannot fail.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-        let started = SystemTime::now();
-        let started_secs = started.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let fs = Arc::new(BlockFs {
             exports: cfg.exports,
             uid,
             gid,
-            started,
-            started_secs,
+            started: SystemTime::now(),
             want_uring,
             uring_negotiated: AtomicBool::new(false),
         });

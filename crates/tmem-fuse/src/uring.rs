@@ -139,11 +139,9 @@ impl<'a> Out<'a> {
 
 /// `struct fuse_attr` (88 bytes).
 fn put_attr(o: &mut Out<'_>, fs: &BlockFs, ino: u64, kind: &NodeKind) {
-    let t = fs.started_secs;
-    let (mode, size, nlink) = match kind {
-        NodeKind::Dir => (libc::S_IFDIR | 0o700, 0, 2),
-        NodeKind::File { size } => (libc::S_IFREG | 0o600, *size, 1),
-    };
+    let t = fs.started.duration_since(std::time::SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (size, perm, nlink) = kind.size_perm_nlink();
+    let mode = u32::from(perm) | if matches!(kind, NodeKind::Dir) { libc::S_IFDIR } else { libc::S_IFREG };
     o.u64(ino).u64(size).u64(size / 512).u64(t).u64(t).u64(t);
     o.u32(0).u32(0).u32(0).u32(mode).u32(nlink).u32(fs.uid).u32(fs.gid).u32(0).u32(4096).u32(0);
 }

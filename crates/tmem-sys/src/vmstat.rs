@@ -134,6 +134,12 @@ impl CpuTimes {
         Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
     }
 
+    /// Percent of all CPU time from `start` until now that was stolen; 0
+    /// where `/proc/stat` could not be read at either end.
+    pub fn steal_percent_from(start: Option<Self>) -> f64 {
+        start.zip(Self::now()).map_or(0.0, |(b, a)| a.steal_percent_since(&b))
+    }
+
     /// Percent of all CPU time since `earlier` that was stolen.
     pub fn steal_percent_since(&self, earlier: &Self) -> f64 {
         let total = self.total.saturating_sub(earlier.total);

@@ -296,7 +296,7 @@ impl Ctx<'_> {
         }
         let wall = start.elapsed();
         let vmstat = SwapCounters::now().map_err(|e| e.to_string())?.since(&before);
-        let steal_percent = cpu_before.zip(CpuTimes::now()).map_or(0.0, |(b, a)| a.steal_percent_since(&b));
+        let steal_percent = CpuTimes::steal_percent_from(cpu_before);
         if let Some(hw) = backend.and_then(Backend::pool_high_water) {
             peak.pool_bytes = peak.pool_bytes.max(hw);
         }

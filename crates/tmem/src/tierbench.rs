@@ -229,7 +229,7 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
         Ok(())
     })?;
     let get_s = t.elapsed().as_secs_f64();
-    let steal = cpu_before.zip(tmem_sys::vmstat::CpuTimes::now()).map_or(0.0, |(b, a)| a.steal_percent_since(&b));
+    let steal = tmem_sys::vmstat::CpuTimes::steal_percent_from(cpu_before);
     let mid = tier.stats();
     let get_lat = LatencyHistogram::default();
     let put_lat = LatencyHistogram::default();
