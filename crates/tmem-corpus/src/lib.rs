@@ -173,8 +173,11 @@ impl Corpus {
     /// input yields an error, never a panic.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, CorpusError> {
         if bytes.starts_with(&ZSTD_MAGIC) {
+            // A frame that records its content size bounds the header's claims
+            // before anything is read; otherwise data is taken as it streams.
+            let content_size = zstd::zstd_safe::get_frame_content_size(bytes).ok().flatten();
             let decoder = zstd::stream::read::Decoder::new(bytes).map_err(CorpusError::Zstd)?;
-            parse(decoder, None)
+            parse(decoder, content_size)
         } else {
             parse(bytes, Some(u64::try_from(bytes.len()).expect("usize fits in u64")))
         }
@@ -344,10 +347,15 @@ fn le_u64(b: &[u8]) -> u64 {
     u64::from_le_bytes(b.try_into().expect("8 bytes"))
 }
 
-/// Parses the plain format from `r`. `total_len` is the exact input length if
-/// known (plain files), which lets length mismatches be reported before any
-/// large allocation; for zstd streams the page data is read incrementally, so
-/// a forged page count cannot make us allocate more than the stream holds.
+/// Parses the plain format from `r`. `total_len` is the exact plain length if
+/// known (plain files, and zstd frames that record their content size), which
+/// lets length mismatches be reported before any large allocation. Otherwise
+/// the page data is read in chunks of at most [`READ_CHUNK`] bytes, each
+/// reserved exactly, so a forged page count never makes us hold more than
+/// what the stream has given so far plus one chunk.
+/// Page data is read (and memory reserved for it) this much at a time.
+pub const READ_CHUNK: usize = 16 << 20;
+
 fn parse<R: Read>(mut r: R, total_len: Option<u64>) -> Result<Corpus, CorpusError> {
     let mut header = [0u8; HEADER_LEN];
     read_exact_or_truncated(&mut r, &mut header, "header")?;
@@ -390,11 +398,17 @@ fn parse<R: Read>(mut r: R, total_len: Option<u64>) -> Result<Corpus, CorpusErro
         return Err(CorpusError::MetaPagesMismatch { header: page_count, meta: meta.pages });
     }
 
-    // Grow the buffer with the data actually present instead of trusting
-    // `data_len` for the allocation (it could be forged in a zstd stream).
-    let mut data = Vec::with_capacity(data_len.min(64 << 20));
-    let limit = u64::try_from(data_len).expect("usize fits in u64");
-    let got = r.by_ref().take(limit).read_to_end(&mut data).map_err(CorpusError::Zstd)?;
+    let mut data = Vec::new();
+    let mut got = 0usize;
+    while got < data_len {
+        let want = (data_len - got).min(READ_CHUNK);
+        data.reserve_exact(want);
+        let n = r.by_ref().take(want as u64).read_to_end(&mut data).map_err(CorpusError::Zstd)?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
     if got != data_len {
         return Err(CorpusError::Truncated { what: "page data", expected: data_len, got });
     }

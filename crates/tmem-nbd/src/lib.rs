@@ -9,7 +9,10 @@
 //! - [`serve_connection`]: one client session over any `Read + Write`
 //!   stream (sockets in the server, in-memory buffers in the fuzzer).
 //! - [`NbdServer`] / [`ServerHandle`]: the listener (unix socket by default,
-//!   loopback TCP on request), one thread per connection.
+//!   loopback TCP on request), one thread per connection, with limits
+//!   against clients that hold connections or memory: a connection limit
+//!   with a polite refusal, handshake / idle / I/O timeouts, and a budget
+//!   of payload buffers across connections (see [`NbdConfig`]).
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -28,12 +31,16 @@ use std::sync::Arc;
 
 use tmem_block::BlockDevice;
 
+mod limits;
 pub mod proto;
 mod server;
 mod session;
 mod stats;
 
-pub use server::{Listen, NbdConfig, NbdServer, ServerHandle, DEFAULT_MAX_CONNECTIONS};
+pub use server::{
+    Listen, NbdConfig, NbdServer, ServerHandle, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IO_TIMEOUT,
+    DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_CONNECTIONS,
+};
 pub use session::{serve_connection, SessionEnd};
 pub use stats::{ExportStats, ServerStats};
 
@@ -42,7 +49,11 @@ pub use stats::{ExportStats, ServerStats};
 pub enum NbdError {
     /// Socket I/O failed (including the client going away mid-message).
     #[error("I/O: {0}")]
-    Io(#[from] std::io::Error),
+    Io(#[source] std::io::Error),
+    /// A socket read inside a message or a write of a reply made no
+    /// progress within the socket's timeout (`NbdConfig::io_timeout`).
+    #[error("socket I/O timed out")]
+    TimedOut,
     /// The client broke the protocol; the session was dropped.
     #[error("protocol violation: {0}")]
     Protocol(String),
@@ -58,6 +69,16 @@ pub enum NbdError {
     /// A server or connection thread panicked.
     #[error("server thread panicked")]
     Panicked,
+}
+
+impl From<std::io::Error> for NbdError {
+    fn from(e: std::io::Error) -> Self {
+        // Socket timeouts read as EAGAIN.
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => NbdError::TimedOut,
+            _ => NbdError::Io(e),
+        }
+    }
 }
 
 impl From<proto::ProtoError> for NbdError {

@@ -183,7 +183,8 @@ pub const META_ID_BASE_ALLOCATION: u32 = 1;
 pub const MIN_BLOCK_SIZE: u32 = 1;
 /// Advertised preferred block size.
 pub const PREFERRED_BLOCK_SIZE: u32 = 4096;
-/// Advertised (and enforced) maximum payload of a read or write: 32 MiB.
+/// The protocol's maximum payload of a read or write, 32 MiB: the default
+/// maximum block size and the largest one the server accepts.
 pub const MAX_PAYLOAD: u32 = 32 << 20;
 /// Longest string (export name, query, message) the protocol allows.
 pub const MAX_STRING: usize = 4096;
@@ -483,13 +484,14 @@ pub fn info_export(size: u64, flags: u16) -> [u8; 12] {
     b
 }
 
-/// Payload of `NBD_INFO_BLOCK_SIZE` with this server's constraints.
-pub fn info_block_size() -> [u8; 14] {
+/// Payload of `NBD_INFO_BLOCK_SIZE` with this server's constraints and the
+/// maximum block size `max_block` (at most [`MAX_PAYLOAD`]).
+pub fn info_block_size(max_block: u32) -> [u8; 14] {
     let mut b = [0u8; 14];
     b[0..2].copy_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
     b[2..6].copy_from_slice(&MIN_BLOCK_SIZE.to_be_bytes());
     b[6..10].copy_from_slice(&PREFERRED_BLOCK_SIZE.to_be_bytes());
-    b[10..14].copy_from_slice(&MAX_PAYLOAD.to_be_bytes());
+    b[10..14].copy_from_slice(&max_block.to_be_bytes());
     b
 }
 

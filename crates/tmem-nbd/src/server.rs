@@ -1,5 +1,7 @@
 //! The listener: unix socket (default) or loopback TCP, one thread per
-//! connection, a bounded number of connections, and a clean stop.
+//! connection, a bounded number of connections (with a polite refusal past
+//! it), deadlines on the handshake and on idle connections, and a clean
+//! stop.
 
 use std::collections::HashMap;
 use std::fs;
@@ -14,13 +16,29 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::limits::{Budget, Timer, Watch};
+use crate::proto::{MAX_PAYLOAD, PREFERRED_BLOCK_SIZE};
+use crate::session::{self, Limits, REQUEST_OVERHEAD};
 use crate::stats::{bump, ServerStats};
-use crate::{serve_connection, Export, Exports, NbdError};
+use crate::{Export, Exports, NbdError};
 
 /// Default bound on simultaneous connections.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
-/// How often the accept loop looks at the stop flag.
+/// Default time from accept to the end of option negotiation.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default socket timeout inside a message and on reply writes.
+pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default budget of payload buffers across all connections: 256 MiB.
+pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 256 << 20;
+/// How often the accept loop looks at the stop flag and the deadlines.
 const POLL_INTERVAL_MS: i32 = 100;
+/// Refusals answered at once past the connection limit; beyond them a
+/// connection is closed without a word.
+const MAX_REFUSALS: u64 = 8;
+/// Longest a refusal may take (or the handshake timeout, if shorter).
+const REFUSAL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Stack of a refusal thread: it only parses option headers.
+const REFUSAL_STACK: usize = 256 << 10;
 /// How long a stop waits for sessions to finish their current request
 /// before cutting their sockets.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -74,17 +92,75 @@ pub struct NbdConfig {
     pub exports: Vec<Export>,
     /// Where to listen.
     pub listen: Listen,
-    /// Connections served at once; more are closed right after `accept`.
+    /// Sessions served at once (handshake or transmission). A client past
+    /// the limit gets the greeting, then `NBD_REP_ERR_SHUTDOWN` with the
+    /// message "tmem: connection limit (N) reached" for its options, and is
+    /// closed. Default [`DEFAULT_MAX_CONNECTIONS`] (64).
     pub max_connections: usize,
+    /// Time from accept to entering transmission (`NBD_OPT_GO` or
+    /// `NBD_OPT_EXPORT_NAME` done); past it the connection is cut, however
+    /// much the client sends meanwhile. Default 10 s.
+    pub handshake_timeout: Duration,
+    /// Close a connection in transmission after this long without a
+    /// request (counted from the last reply). Default `None`: never.
+    pub idle_timeout: Option<Duration>,
+    /// A socket read inside a message, or a write of a reply, that makes
+    /// no progress for this long ends the session, freeing its buffer. A
+    /// stuck write first returns what went out, then fails after another
+    /// timeout: a client that stops reading its replies is dropped within
+    /// one to two of these. Default 30 s.
+    pub io_timeout: Duration,
+    /// Largest READ / WRITE payload, advertised as the maximum block size
+    /// (`NBD_INFO_BLOCK_SIZE`). A session serves one request at a time, so
+    /// this also bounds what one connection buffers (plus a 28-byte reply
+    /// header). Larger reads and writes get `EINVAL` (writes over 32 MiB
+    /// are a hard disconnect). A multiple of 4096, at most 32 MiB (the
+    /// default). Lower values break clients that ignore the advertised
+    /// size, such as the Linux kernel.
+    pub max_block_size: u32,
+    /// Bytes of request and reply payload buffers all connections together
+    /// may hold. A request that would go over waits, and its connection
+    /// reads no further requests, until others' replies are written. At
+    /// least `max_block_size + 28`. Default 256 MiB.
+    pub max_buffered_bytes: usize,
     /// Permit a TCP address that is not loopback (there is no TLS and no
     /// authentication: anyone who reaches the port can read and write).
     pub allow_remote: bool,
 }
 
 impl NbdConfig {
-    /// A configuration with the default connection bound, loopback only.
+    /// A configuration with the default limits, loopback only.
     pub fn new(exports: Vec<Export>, listen: Listen) -> Self {
-        Self { exports, listen, max_connections: DEFAULT_MAX_CONNECTIONS, allow_remote: false }
+        Self {
+            exports,
+            listen,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            idle_timeout: None,
+            io_timeout: DEFAULT_IO_TIMEOUT,
+            max_block_size: MAX_PAYLOAD,
+            max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
+            allow_remote: false,
+        }
+    }
+
+    /// Checks the limits (the exports and the address are checked by bind).
+    fn check_limits(&self) -> Result<(), NbdError> {
+        let bad = |what: &str| Err(NbdError::Config(what.into()));
+        if self.max_connections == 0 {
+            return bad("max_connections must be at least 1");
+        }
+        if self.handshake_timeout.is_zero() || self.io_timeout.is_zero() || self.idle_timeout == Some(Duration::ZERO) {
+            return bad("timeouts must not be zero");
+        }
+        let b = self.max_block_size;
+        if !(PREFERRED_BLOCK_SIZE..=MAX_PAYLOAD).contains(&b) || !b.is_multiple_of(PREFERRED_BLOCK_SIZE) {
+            return bad("max_block_size must be a multiple of 4096 from 4096 to 32 MiB");
+        }
+        if self.max_buffered_bytes < usize::try_from(b).unwrap_or(usize::MAX).saturating_add(REQUEST_OVERHEAD) {
+            return bad("max_buffered_bytes must hold one request: max_block_size + 28 bytes");
+        }
+        Ok(())
     }
 }
 
@@ -124,6 +200,20 @@ impl Conn {
             Conn::Unix(s) => Conn::Unix(s.try_clone()?),
             Conn::Tcp(s) => Conn::Tcp(s.try_clone()?),
         })
+    }
+
+    /// Read and write timeouts of the socket.
+    fn set_timeouts(&self, t: Duration) -> io::Result<()> {
+        match self {
+            Conn::Unix(s) => {
+                s.set_read_timeout(Some(t))?;
+                s.set_write_timeout(Some(t))
+            }
+            Conn::Tcp(s) => {
+                s.set_read_timeout(Some(t))?;
+                s.set_write_timeout(Some(t))
+            }
+        }
     }
 
     fn shutdown(&self, how: Shutdown) {
@@ -221,20 +311,32 @@ fn wait_readable(fd: RawFd, timeout_ms: i32) -> io::Result<bool> {
     }
 }
 
+/// A live connection (session or refusal) as the accept loop sees it.
+struct Tracked {
+    /// A clone of its socket, to cut it on a deadline or on stop.
+    stream: Conn,
+    watch: Arc<Watch>,
+}
+
 #[derive(Default)]
 struct Conns {
     next_id: u64,
-    /// Clones of the live sessions' sockets, to shut them down on stop.
-    streams: HashMap<u64, Conn>,
+    live: HashMap<u64, Tracked>,
     threads: Vec<JoinHandle<()>>,
 }
 
 struct Shared {
     exports: Exports,
     conns: Mutex<Conns>,
+    budget: Budget,
     accepted: AtomicU64,
-    refused: AtomicU64,
+    refused_connection_limit: AtomicU64,
+    handshake_timeouts: AtomicU64,
+    idle_timeouts: AtomicU64,
+    io_timeouts: AtomicU64,
     active: AtomicU64,
+    /// Refusal threads running.
+    refusing: AtomicU64,
     session_errors: AtomicU64,
 }
 
@@ -247,10 +349,41 @@ impl Shared {
         let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
         ServerStats {
             connections_accepted: l(&self.accepted),
-            connections_refused: l(&self.refused),
+            refused_connection_limit: l(&self.refused_connection_limit),
+            handshake_timeouts: l(&self.handshake_timeouts),
+            idle_timeouts: l(&self.idle_timeouts),
+            io_timeouts: l(&self.io_timeouts),
             connections_active: l(&self.active),
             session_errors: l(&self.session_errors),
+            buffered_bytes: self.budget.held(),
+            buffered_bytes_peak: self.budget.peak(),
+            buffer_waits: self.budget.waits(),
             exports: self.exports.stats(),
+        }
+    }
+
+    /// Starts tracking a connection; returns its id.
+    fn track(&self, stream: Conn, watch: Arc<Watch>) -> u64 {
+        let mut c = self.conns();
+        let id = c.next_id;
+        c.next_id += 1;
+        c.live.insert(id, Tracked { stream, watch });
+        id
+    }
+
+    /// Cuts the connections whose deadline passed.
+    fn enforce_deadlines(&self) {
+        for t in self.conns().live.values() {
+            let counter = match t.watch.expire() {
+                None => continue,
+                Some(Timer::Handshake) => Some(&self.handshake_timeouts),
+                Some(Timer::Idle) => Some(&self.idle_timeouts),
+                Some(Timer::Refusal) => None,
+            };
+            t.stream.shutdown(Shutdown::Both);
+            if let Some(c) = counter {
+                bump(c, 1);
+            }
         }
     }
 
@@ -271,12 +404,22 @@ impl Shared {
     }
 }
 
+/// The limits a bound server applies.
+#[derive(Clone, Copy, Debug)]
+struct ServerLimits {
+    max_connections: usize,
+    handshake_timeout: Duration,
+    idle_timeout: Option<Duration>,
+    io_timeout: Duration,
+    max_block_size: u32,
+}
+
 /// A bound NBD server. [`NbdServer::run_until`] serves it on the calling
 /// thread; [`NbdServer::spawn`] runs it on a thread of its own.
 pub struct NbdServer {
     listener: Listener,
     local: Listen,
-    max_connections: usize,
+    limits: ServerLimits,
     shared: Arc<Shared>,
     /// Dropped last: removes the unix socket file.
     _socket_file: Option<SocketFile>,
@@ -291,10 +434,15 @@ impl std::fmt::Debug for NbdServer {
 impl NbdServer {
     /// Validates the configuration and binds the listener.
     pub fn bind(config: NbdConfig) -> Result<NbdServer, NbdError> {
+        config.check_limits()?;
+        let limits = ServerLimits {
+            max_connections: config.max_connections,
+            handshake_timeout: config.handshake_timeout,
+            idle_timeout: config.idle_timeout,
+            io_timeout: config.io_timeout,
+            max_block_size: config.max_block_size,
+        };
         let exports = Exports::new(config.exports)?;
-        if config.max_connections == 0 {
-            return Err(NbdError::Config("max_connections must be at least 1".into()));
-        }
         let (listener, local, socket_file) = match config.listen {
             Listen::Tcp(addr) => {
                 if !config.allow_remote && !addr.ip().is_loopback() {
@@ -312,12 +460,17 @@ impl NbdServer {
         let shared = Arc::new(Shared {
             exports,
             conns: Mutex::default(),
+            budget: Budget::new(config.max_buffered_bytes),
             accepted: AtomicU64::new(0),
-            refused: AtomicU64::new(0),
+            refused_connection_limit: AtomicU64::new(0),
+            handshake_timeouts: AtomicU64::new(0),
+            idle_timeouts: AtomicU64::new(0),
+            io_timeouts: AtomicU64::new(0),
             active: AtomicU64::new(0),
+            refusing: AtomicU64::new(0),
             session_errors: AtomicU64::new(0),
         });
-        Ok(NbdServer { listener, local, max_connections: config.max_connections, shared, _socket_file: socket_file })
+        Ok(NbdServer { listener, local, limits, shared, _socket_file: socket_file })
     }
 
     /// The address actually bound (the TCP port is resolved).
@@ -336,7 +489,8 @@ impl NbdServer {
     }
 
     /// Accepts and serves connections until `stop` is set (checked at
-    /// least every 100 ms), then ends the sessions: each finishes its
+    /// least every 100 ms, as are the connections' deadlines), then ends
+    /// the sessions: each finishes its
     /// current request and sees end-of-stream; those still running after
     /// 5 s have their sockets cut. The listener stays bound until the
     /// server is dropped (which removes the unix socket file).
@@ -359,6 +513,7 @@ impl NbdServer {
                 }
                 Err(e) => break Err(e.into()),
             }
+            self.shared.enforce_deadlines();
             self.shared.reap();
         };
         self.close_sessions();
@@ -368,30 +523,36 @@ impl NbdServer {
     fn accept_one(&self) -> io::Result<()> {
         let conn = self.listener.accept()?;
         let shared = &self.shared;
-        if shared.active.load(Ordering::Relaxed) >= u64::try_from(self.max_connections).unwrap_or(u64::MAX) {
-            bump(&shared.refused, 1);
-            return Ok(()); // dropping `conn` closes it
+        if shared.active.load(Ordering::Relaxed) >= u64::try_from(self.limits.max_connections).unwrap_or(u64::MAX) {
+            bump(&shared.refused_connection_limit, 1);
+            return self.refuse(conn);
         }
-        let clone = conn.try_clone()?;
-        let id = {
-            let mut c = shared.conns();
-            let id = c.next_id;
-            c.next_id += 1;
-            c.streams.insert(id, clone);
-            id
-        };
+        let lim = self.limits;
+        conn.set_timeouts(lim.io_timeout)?;
+        let watch = Arc::new(Watch::new(Timer::Handshake, lim.handshake_timeout));
+        let id = shared.track(conn.try_clone()?, Arc::clone(&watch));
         bump(&shared.active, 1);
         let thread_shared = Arc::clone(shared);
         let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
             let s = &thread_shared;
-            let result = match conn {
-                Conn::Unix(stream) => serve_connection(stream, &s.exports),
-                Conn::Tcp(stream) => serve_connection(stream, &s.exports),
+            let limits = Limits {
+                max_block: lim.max_block_size,
+                budget: Some(&s.budget),
+                watch: Some(&watch),
+                idle: lim.idle_timeout,
             };
-            if result.is_err() {
-                bump(&s.session_errors, 1);
+            let result = match conn {
+                Conn::Unix(stream) => session::serve(stream, &s.exports, limits),
+                Conn::Tcp(stream) => session::serve(stream, &s.exports, limits),
+            };
+            match result {
+                // Counted by the accept loop, which cut the connection.
+                _ if watch.fired() => {}
+                Ok(_) => {}
+                Err(NbdError::TimedOut) => bump(&s.io_timeouts, 1),
+                Err(_) => bump(&s.session_errors, 1),
             }
-            s.conns().streams.remove(&id);
+            s.conns().live.remove(&id);
             s.active.fetch_sub(1, Ordering::Relaxed);
         });
         match spawned {
@@ -401,8 +562,53 @@ impl NbdServer {
                 Ok(())
             }
             Err(e) => {
-                shared.conns().streams.remove(&id);
+                shared.conns().live.remove(&id);
                 shared.active.fetch_sub(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// Answers a client past the connection limit on a small thread of its
+    /// own, under a short deadline; past [`MAX_REFUSALS`] of them at once,
+    /// just closes it.
+    fn refuse(&self, conn: Conn) -> io::Result<()> {
+        let shared = &self.shared;
+        if shared.refusing.fetch_add(1, Ordering::Relaxed) >= MAX_REFUSALS {
+            shared.refusing.fetch_sub(1, Ordering::Relaxed);
+            return Ok(()); // dropping `conn` closes it
+        }
+        let timeout = self.limits.handshake_timeout.min(REFUSAL_TIMEOUT);
+        let watch = Arc::new(Watch::new(Timer::Refusal, timeout));
+        let tracked = conn.set_timeouts(timeout).and_then(|()| conn.try_clone());
+        let id = match tracked {
+            Ok(clone) => shared.track(clone, watch),
+            Err(e) => {
+                shared.refusing.fetch_sub(1, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        let message = format!("tmem: connection limit ({}) reached", self.limits.max_connections);
+        let thread_shared = Arc::clone(shared);
+        let spawned =
+            std::thread::Builder::new().name("nbd-refuse".into()).stack_size(REFUSAL_STACK).spawn(move || {
+                let s = &thread_shared;
+                // The client is turned away either way: errors do not matter.
+                let _ = match conn {
+                    Conn::Unix(stream) => session::refuse(stream, &s.exports, &message),
+                    Conn::Tcp(stream) => session::refuse(stream, &s.exports, &message),
+                };
+                s.conns().live.remove(&id);
+                s.refusing.fetch_sub(1, Ordering::Relaxed);
+            });
+        match spawned {
+            Ok(h) => {
+                shared.conns().threads.push(h);
+                Ok(())
+            }
+            Err(e) => {
+                shared.conns().live.remove(&id);
+                shared.refusing.fetch_sub(1, Ordering::Relaxed);
                 Err(e)
             }
         }
@@ -410,8 +616,8 @@ impl NbdServer {
 
     fn close_sessions(&self) {
         let shutdown_all = |how| {
-            for s in self.shared.conns().streams.values() {
-                s.shutdown(how);
+            for t in self.shared.conns().live.values() {
+                t.stream.shutdown(how);
             }
         };
         shutdown_all(Shutdown::Read);

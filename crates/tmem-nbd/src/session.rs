@@ -3,14 +3,19 @@
 //! The handler is generic over `Read + Write` so that the server runs it on
 //! unix and TCP sockets and the fuzzer on an in-memory stream. Requests are
 //! handled in order, one at a time; replies are written before the next
-//! request is read. Nothing a client sends can make it panic: every length
-//! is checked before it is used, and allocations are bounded by the device
-//! range check and the 32 MiB payload limit.
+//! request is read, so a client that does not read its replies stops its
+//! own requests from being read. Nothing a client sends can make it panic:
+//! every length is checked before it is used, and allocations are bounded
+//! by the device range check and the maximum block size. Under the server,
+//! payload buffers are also taken from the shared [`Budget`], and the
+//! connection's [`Watch`] bounds the handshake and idle waits.
 
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::time::Duration;
 
-use tmem_block::BlockError;
+use tmem_block::{BlockError, Extent};
 
+use crate::limits::{Budget, Held, Timer, Watch};
 use crate::proto::{self, *};
 use crate::stats::bump;
 use crate::{ExportEntry, Exports, NbdError};
@@ -27,8 +32,16 @@ const BLOCK_STATUS_MAX: u64 = 1 << 30;
 const MAX_EXTENTS: usize = 1 << 20;
 /// Read buffer of the session.
 const READ_BUFFER: usize = 64 << 10;
-/// Reusable buffers above this size are shrunk after the request.
-const KEEP_BUFFER: usize = 4 << 20;
+/// The payload buffer is freed after a request if it grew above this (the
+/// budget only counts a request's own bytes).
+const KEEP_BUFFER: usize = 256 << 10;
+/// Reply header in front of read data: the larger of simple and structured.
+const READ_REPLY_HEAD: usize = STRUCTURED_HEADER_SIZE + 8;
+/// Most bytes of payload buffer one request takes: the reply header in
+/// front of a maximum-size read (a block status reply is kept below it).
+pub(crate) const REQUEST_OVERHEAD: usize = READ_REPLY_HEAD;
+/// Options a refused client may send before the server hangs up.
+const REFUSAL_OPTIONS: u32 = 16;
 
 /// Zeros for `NBD_CMD_WRITE_ZEROES` with `NBD_CMD_FLAG_NO_HOLE`.
 static ZEROS: [u8; 1 << 20] = [0; 1 << 20];
@@ -49,9 +62,30 @@ enum Phase {
     Transmit(usize),
 }
 
+/// What the server imposes on one session beyond the protocol.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits<'a> {
+    /// Largest READ / WRITE payload: the advertised maximum block size.
+    pub(crate) max_block: u32,
+    /// Payload buffers are taken from it; none: not accounted.
+    pub(crate) budget: Option<&'a Budget>,
+    /// The connection's deadline, enforced by the accept loop. Without one
+    /// a socket read timeout is an error even between messages.
+    pub(crate) watch: Option<&'a Watch>,
+    /// Close after this long without a request in transmission (needs a
+    /// watch).
+    pub(crate) idle: Option<Duration>,
+}
+
+impl Limits<'_> {
+    /// The protocol's limits only (in-memory sessions, the fuzzer).
+    pub(crate) const NONE: Limits<'static> = Limits { max_block: MAX_PAYLOAD, budget: None, watch: None, idle: None };
+}
+
 struct Session<'a, S: Read + Write> {
     io: BufReader<S>,
     exports: &'a Exports,
+    limits: Limits<'a>,
     /// `NBD_OPT_STRUCTURED_REPLY` was acknowledged.
     structured: bool,
     /// The client negotiated `NBD_FLAG_C_NO_ZEROES`.
@@ -70,18 +104,28 @@ struct Session<'a, S: Read + Write> {
 /// write, unknown export with `NBD_OPT_EXPORT_NAME`), in which case the
 /// caller drops the stream (a hard disconnect).
 pub fn serve_connection<S: Read + Write>(stream: S, exports: &Exports) -> Result<SessionEnd, NbdError> {
-    let mut s = Session {
-        io: BufReader::with_capacity(READ_BUFFER, stream),
-        exports,
-        structured: false,
-        no_zeroes: false,
-        meta: None,
-        buf: Vec::new(),
-    };
+    serve(stream, exports, Limits::NONE)
+}
+
+/// [`serve_connection`] under the server's limits.
+pub(crate) fn serve<S: Read + Write>(stream: S, exports: &Exports, limits: Limits<'_>) -> Result<SessionEnd, NbdError> {
+    let mut s = Session::new(stream, exports, limits);
     match s.handshake()? {
         Phase::End(end) => Ok(end),
         Phase::Transmit(i) => s.transmit(i),
     }
+}
+
+/// Turns a client away politely: the greeting, then `NBD_REP_ERR_SHUTDOWN`
+/// with `message` for each option (clients such as qemu and libnbd print it
+/// and exit), `NBD_REP_ACK` for `NBD_OPT_ABORT`. `NBD_OPT_EXPORT_NAME`,
+/// which has no error reply, and anything malformed just close.
+pub(crate) fn refuse<S: Read + Write>(stream: S, exports: &Exports, message: &str) -> Result<(), NbdError> {
+    Session::new(stream, exports, Limits::NONE).refuse(message)
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
 }
 
 fn is_known_option(option: u32) -> bool {
@@ -115,22 +159,54 @@ fn block_errno(e: &BlockError) -> u32 {
     proto::nbd_errno(e.errno())
 }
 
-impl<S: Read + Write> Session<'_, S> {
+impl<'a, S: Read + Write> Session<'a, S> {
+    fn new(stream: S, exports: &'a Exports, limits: Limits<'a>) -> Self {
+        Session {
+            io: BufReader::with_capacity(READ_BUFFER, stream),
+            exports,
+            limits,
+            structured: false,
+            no_zeroes: false,
+            meta: None,
+            buf: Vec::new(),
+        }
+    }
+
     // ---- stream helpers ----
 
-    /// Fills `buf`; `Ok(false)` if the stream ended before its first byte.
-    fn read_or_eof(&mut self, buf: &mut [u8]) -> io::Result<bool> {
-        let mut filled = 0;
-        while filled < buf.len() {
-            match self.io.read(&mut buf[filled..]) {
-                Ok(0) if filled == 0 => return Ok(false),
-                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => filled += n,
+    /// Waits for the first byte of the next message; `Ok(false)` if the
+    /// stream ended instead. Under a watch, the socket's read timeout is no
+    /// error here: the client is only idle, and the watch bounds that.
+    fn wait_message(&mut self) -> io::Result<bool> {
+        loop {
+            match self.io.fill_buf() {
+                Ok(b) => return Ok(!b.is_empty()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if self.limits.watch.is_some() && is_timeout(&e) => {}
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Fills `buf`; `Ok(false)` if the stream ended before its first byte.
+    fn read_or_eof(&mut self, buf: &mut [u8]) -> io::Result<bool> {
+        if !self.wait_message()? {
+            return Ok(false);
+        }
+        self.io.read_exact(buf)?;
         Ok(true)
+    }
+
+    /// Runs `f` holding `n` bytes of the budget for the payload buffer,
+    /// then frees the buffer if it grew and gives the bytes back.
+    fn with_buffer<T>(&mut self, n: usize, f: impl FnOnce(&mut Self) -> T) -> T {
+        let held: Option<Held<'a>> = self.limits.budget.map(|b| b.take(n));
+        let r = f(self);
+        if self.buf.capacity() > KEEP_BUFFER {
+            self.buf = Vec::new();
+        }
+        drop(held);
+        r
     }
 
     /// Reads exactly `len` bytes into `self.buf` (reserving as data comes).
@@ -163,11 +239,7 @@ impl<S: Read + Write> Session<'_, S> {
     fn send_buf(&mut self) -> io::Result<()> {
         let w = self.io.get_mut();
         w.write_all(&self.buf)?;
-        w.flush()?;
-        if self.buf.capacity() > KEEP_BUFFER {
-            self.buf = Vec::new();
-        }
-        Ok(())
+        w.flush()
     }
 
     fn transmission_flags(&self) -> u16 {
@@ -238,6 +310,34 @@ impl<S: Read + Write> Session<'_, S> {
             }
         }
         Err(NbdError::Protocol(format!("more than {MAX_OPTIONS} options")))
+    }
+
+    /// See [`refuse`].
+    fn refuse(&mut self, message: &str) -> Result<(), NbdError> {
+        self.send(&proto::greeting())?;
+        let mut flags = [0u8; 4];
+        if !self.read_or_eof(&mut flags)? {
+            return Ok(());
+        }
+        proto::parse_client_flags(&flags)?;
+        for _ in 0..REFUSAL_OPTIONS {
+            let mut header = [0u8; OPTION_HEADER_SIZE];
+            if !self.read_or_eof(&mut header)? {
+                return Ok(());
+            }
+            let h = proto::parse_option_header(&header)?;
+            if h.option == OPT_EXPORT_NAME || h.len > MAX_OPTION_DATA {
+                return Ok(());
+            }
+            self.discard(u64::from(h.len))?;
+            if h.option == OPT_ABORT {
+                // Best effort, as in the handshake.
+                let _ = self.opt_reply(OPT_ABORT, REP_ACK, &[]);
+                return Ok(());
+            }
+            self.opt_error(h.option, REP_ERR_SHUTDOWN, message)?;
+        }
+        Ok(())
     }
 
     /// `NBD_OPT_EXPORT_NAME`: no error reply is possible, so failures drop
@@ -326,9 +426,9 @@ impl<S: Read + Write> Session<'_, S> {
             let d = proto::info_string(INFO_DESCRIPTION, export.description.as_bytes());
             proto::option_reply(&mut out, option, REP_INFO, &d);
         }
-        // Our constraints are the protocol defaults, so sending them
-        // unrequested is harmless and helps clients that did not ask.
-        proto::option_reply(&mut out, option, REP_INFO, &proto::info_block_size());
+        // Sent unrequested: with the default maximum these are the protocol
+        // defaults, and clients that did not ask may still honour them.
+        proto::option_reply(&mut out, option, REP_INFO, &proto::info_block_size(self.limits.max_block));
         proto::option_reply(&mut out, option, REP_ACK, &[]);
         self.send(&out)?;
         Ok((option == OPT_GO).then(|| Phase::Transmit(self.enter(i))))
@@ -384,11 +484,20 @@ impl<S: Read + Write> Session<'_, S> {
             }
         }
         let _active = Active(entry);
+        let watch = self.limits.watch;
+        // The handshake deadline no longer applies.
+        watch.inspect(|w| w.disarm());
+        let idle = watch.zip(self.limits.idle);
         loop {
-            let mut header = [0u8; REQUEST_SIZE];
-            if !self.read_or_eof(&mut header)? {
+            if let Some((w, after)) = idle {
+                w.arm(Timer::Idle, after);
+            }
+            if !self.wait_message()? {
                 return Ok(SessionEnd::Closed);
             }
+            idle.inspect(|(w, _)| w.disarm());
+            let mut header = [0u8; REQUEST_SIZE];
+            self.io.read_exact(&mut header)?;
             let req = proto::parse_request(&header)?;
             match req.command {
                 CMD_DISC => {
@@ -475,8 +584,8 @@ impl<S: Read + Write> Session<'_, S> {
         if self.bad_flags(entry, req, allowed)? {
             return Ok(());
         }
-        if req.len > MAX_PAYLOAD {
-            let msg = format!("read of {} bytes exceeds the maximum payload {MAX_PAYLOAD}", req.len);
+        if req.len > self.limits.max_block {
+            let msg = format!("read of {} bytes exceeds the maximum block size {}", req.len, self.limits.max_block);
             return self.reply_err(entry, req, NBD_EINVAL, &msg);
         }
         if self.out_of_range(entry, req, NBD_EINVAL)? {
@@ -485,10 +594,15 @@ impl<S: Read + Write> Session<'_, S> {
         if req.len == 0 {
             return self.reply_ok(req);
         }
-        let len = to_usize(req.len);
-        let head = if self.structured { STRUCTURED_HEADER_SIZE + 8 } else { SIMPLE_REPLY_SIZE };
+        let head = if self.structured { READ_REPLY_HEAD } else { SIMPLE_REPLY_SIZE };
+        self.with_buffer(head + to_usize(req.len), |s| s.read_reply(entry, req, head))
+    }
+
+    /// Reads the data into `self.buf` after `head` bytes of reply header and
+    /// sends the reply.
+    fn read_reply(&mut self, entry: &ExportEntry, req: &Request, head: usize) -> io::Result<()> {
         self.buf.clear();
-        self.buf.resize(head + len, 0);
+        self.buf.resize(head + to_usize(req.len), 0);
         match entry.export.device.read_at(&mut self.buf[head..], req.offset) {
             Ok(()) => {
                 if self.structured {
@@ -508,21 +622,26 @@ impl<S: Read + Write> Session<'_, S> {
     fn cmd_write(&mut self, entry: &ExportEntry, req: &Request) -> Result<(), NbdError> {
         bump(&entry.counters.writes, 1);
         if req.len > MAX_PAYLOAD {
-            // The payload cannot be buffered: a hard disconnect.
+            // Beyond the protocol's limit: a hard disconnect.
             return Err(NbdError::Protocol(format!("write of {} bytes exceeds the maximum payload", req.len)));
         }
-        if req.flags & !CMD_FLAG_FUA != 0 || !in_range(req.offset, req.len, entry.export.device.size()) {
+        let too_big = req.len > self.limits.max_block;
+        if too_big || req.flags & !CMD_FLAG_FUA != 0 || !in_range(req.offset, req.len, entry.export.device.size()) {
+            // Skipped without buffering, so the stream stays in sync.
             self.discard(u64::from(req.len))?;
-            if !self.bad_flags(entry, req, CMD_FLAG_FUA)? {
+            if too_big {
+                let max = self.limits.max_block;
+                let msg = format!("write of {} bytes exceeds the maximum block size {max}", req.len);
+                self.reply_err(entry, req, NBD_EINVAL, &msg)?;
+            } else if !self.bad_flags(entry, req, CMD_FLAG_FUA)? {
                 self.out_of_range(entry, req, NBD_ENOSPC)?;
             }
             return Ok(());
         }
-        self.read_payload(req.len)?;
-        let result = entry.export.device.write_at(&self.buf, req.offset);
-        if self.buf.capacity() > KEEP_BUFFER {
-            self.buf = Vec::new();
-        }
+        let result = self.with_buffer(to_usize(req.len), |s| -> io::Result<_> {
+            s.read_payload(req.len)?;
+            Ok(entry.export.device.write_at(&s.buf, req.offset))
+        })?;
         self.finish_write(entry, req, result, &entry.counters.bytes_written)?;
         Ok(())
     }
@@ -594,7 +713,16 @@ impl<S: Read + Write> Session<'_, S> {
             Ok(x) => x,
             Err(e) => return self.reply_err(entry, req, block_errno(&e), &e.to_string()),
         };
-        let limit = if req.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };
+        // The chunk's payload stays within the maximum block size.
+        let fit = (to_usize(self.limits.max_block).saturating_sub(4) / 8).max(1);
+        let limit = if req.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS.min(fit) };
+        let n = STRUCTURED_HEADER_SIZE + 4 + 8 * extents.len().clamp(1, limit);
+        self.with_buffer(n, |s| s.block_status_reply(req, len, extents, limit))
+    }
+
+    /// Builds the block status chunk of at most `limit` descriptors for
+    /// `[req.offset, +len)` in `self.buf` and sends it.
+    fn block_status_reply(&mut self, req: &Request, len: u64, extents: Vec<Extent>, limit: usize) -> io::Result<()> {
         self.buf.clear();
         self.buf.resize(STRUCTURED_HEADER_SIZE, 0);
         self.buf.extend_from_slice(&META_ID_BASE_ALLOCATION.to_be_bytes());
@@ -618,6 +746,7 @@ impl<S: Read + Write> Session<'_, S> {
             self.buf.extend_from_slice(&n.to_be_bytes());
             self.buf.extend_from_slice(&0u32.to_be_bytes());
         }
+        drop(extents);
         let payload = u32::try_from(self.buf.len() - STRUCTURED_HEADER_SIZE).unwrap_or(u32::MAX);
         let h = proto::structured_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.cookie, payload);
         self.buf[..STRUCTURED_HEADER_SIZE].copy_from_slice(&h);

@@ -97,12 +97,30 @@ pub struct ExportStats {
 pub struct ServerStats {
     /// Connections accepted and handed to a session thread.
     pub connections_accepted: u64,
-    /// Connections closed at once because `max_connections` were open.
-    pub connections_refused: u64,
+    /// Connections turned away because `max_connections` sessions were
+    /// open (answered with `NBD_REP_ERR_SHUTDOWN`, or closed at once when
+    /// 8 refusals were already under way).
+    pub refused_connection_limit: u64,
+    /// Sessions cut because the handshake took longer than
+    /// `handshake_timeout`.
+    pub handshake_timeouts: u64,
+    /// Sessions closed after `idle_timeout` without a request.
+    pub idle_timeouts: u64,
+    /// Sessions dropped because a read inside a message or a reply write
+    /// made no progress for `io_timeout` (a client not reading replies).
+    pub io_timeouts: u64,
     /// Sessions running now (handshake or transmission).
     pub connections_active: u64,
-    /// Sessions that ended with a protocol or I/O error.
+    /// Sessions that ended with a protocol or I/O error (timeouts are
+    /// counted above instead).
     pub session_errors: u64,
+    /// Bytes of request / reply payload buffers held now (bounded by
+    /// `max_buffered_bytes`).
+    pub buffered_bytes: u64,
+    /// Most payload buffer bytes held at once since the server started.
+    pub buffered_bytes_peak: u64,
+    /// Requests that waited for others to free buffer budget.
+    pub buffer_waits: u64,
     /// Per-export counters, in export order.
     pub exports: Vec<ExportStats>,
 }

@@ -293,3 +293,24 @@ fn tcp_loopback_qemu_io() {
     std::thread::sleep(Duration::from_millis(50));
     assert!(std::net::TcpStream::connect(addr).is_err(), "still listening after stop");
 }
+
+/// A client past `max_connections` is told why and exits at once, rather
+/// than hanging or seeing a bare end of stream.
+#[test]
+fn qemu_io_reports_the_connection_limit() {
+    require!("qemu-io");
+    let dir = TempDir::new("limit");
+    let mut cfg = NbdConfig::new(disk(pool_device("disk", MIB)), Listen::Unix(dir.join("nbd.sock")));
+    cfg.max_connections = 1;
+    let server = ServerHandle::start(cfg).unwrap();
+    let _idle = std::os::unix::net::UnixStream::connect(dir.join("nbd.sock")).unwrap();
+    common::eventually("the idle connection to be accepted", || server.stats().connections_active == 1);
+    let t = std::time::Instant::now();
+    let out = spawn(Command::new("qemu-io").args(["-f", "raw", "-c", "read 0 512", &server.uri("disk")]))
+        .wait(Duration::from_secs(30));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "qemu-io must fail: {text}");
+    assert!(text.contains("tmem: connection limit (1) reached"), "{text}");
+    assert!(t.elapsed() < Duration::from_secs(5), "qemu-io took {:?}", t.elapsed());
+    assert_eq!(server.stats().refused_connection_limit, 1);
+}

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    be16, be32, be64, disk, eventually, info_data, meta_data, pool_device, start_unix, strict_pool_device, Client, Rng,
-    TempDir,
+    be16, be32, be64, disk, eventually, go, info_data, meta_data, pool_device, start_unix, strict_pool_device, Client,
+    Rng, TempDir,
 };
 use tmem_block::{BlockDevice, ZeroDevice};
 use tmem_nbd::proto::*;
@@ -26,20 +26,6 @@ fn two_exports() -> Vec<Export> {
         Export::new("disk", pool_device("disk", 16 * MIB) as Arc<dyn BlockDevice>).with_description("test disk"),
         Export::new("zero", Arc::new(ZeroDevice::new(MIB)) as Arc<dyn BlockDevice>),
     ]
-}
-
-/// NBD_OPT_GO on `name`; returns (size, transmission flags).
-fn go<S: std::io::Read + std::io::Write>(c: &mut Client<S>, name: &str) -> (u64, u16) {
-    c.opt(OPT_GO, &info_data(name, &[]));
-    let replies = c.opt_replies();
-    let last = replies.last().unwrap();
-    assert_eq!(last.kind, REP_ACK, "{replies:?}");
-    let export = replies
-        .iter()
-        .find(|r| r.kind == REP_INFO && be16(&r.data) == INFO_EXPORT)
-        .expect("NBD_INFO_EXPORT before ACK");
-    assert_eq!(export.data.len(), 12);
-    (be64(&export.data[2..]), be16(&export.data[10..]))
 }
 
 /// A kernel-like client: fixed newstyle, NBD_OPT_GO without structured
@@ -517,7 +503,8 @@ fn tcp_raw_client() {
     c.expect_eof();
 }
 
-/// Connections beyond `max_connections` are closed at once.
+/// Connections beyond `max_connections` are refused (see `tests/limits.rs`
+/// for the refusal itself).
 #[test]
 fn max_connections_is_enforced() {
     let dir = TempDir::new("maxconn");
@@ -530,8 +517,10 @@ fn max_connections_is_enforced() {
     let mut b = Client::unix(&sock);
     b.greeting();
     let mut c = Client::unix(&sock);
-    c.expect_eof();
-    assert_eq!(server.stats().connections_refused, 1);
+    c.start(BOTH);
+    c.opt(OPT_GO, &info_data("", &[]));
+    assert_eq!(c.opt_reply().kind, REP_ERR_SHUTDOWN);
+    assert_eq!(server.stats().refused_connection_limit, 1);
     drop(a);
     eventually("a slot to free up", || server.stats().connections_active == 1);
     let mut d = Client::unix(&sock);

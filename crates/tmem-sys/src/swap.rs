@@ -241,6 +241,18 @@ pub fn set_io_flusher() -> Result<(), SwapError> {
     Ok(())
 }
 
+/// Makes this process the OOM killer's last choice (`oom_score_adj` -1000,
+/// as nbd-client `-swap` and nbdkit `--swap` do): the daemon holds other
+/// processes' pages, so its death would kill them all. Returns the value
+/// read back.
+pub fn protect_from_oom() -> Result<i32, SwapError> {
+    const PATH: &str = "/proc/self/oom_score_adj";
+    let err = |reason: String| SwapError::Proc { path: PATH.into(), reason };
+    std::fs::write(PATH, "-1000").map_err(|e| err(e.to_string()))?;
+    let v = std::fs::read_to_string(PATH).map_err(|e| err(e.to_string()))?;
+    v.trim().parse().map_err(|_| err(format!("unexpected contents {v:?}")))
+}
+
 /// Moves this process to the root memory cgroup (v1 and v2), so memory
 /// limits on the workload it serves never apply to it. Returns where it
 /// went, or why it could not.

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU32;
 
 use tmem_tier::conformance::{self, Expect};
-use tmem_tier::seal::{SealError, Sealer};
+use tmem_tier::seal::{MasterKey, SealError, Sealer};
 
 use super::*;
 
@@ -373,7 +373,7 @@ fn restart_starts_empty() {
 fn tampered_bytes_fail_authentication() {
     let p = TempPath::new(disk_dir(), "tamper");
     let tier = config(&p, 64 << 10, 8).build().unwrap();
-    let sealer = Sealer::new([3; 32], 1);
+    let sealer = Sealer::new(&MasterKey::from_bytes([3; 32])).unwrap();
     let mut rng = Rng(99);
     let sealed: Vec<(TierKey, u64, Vec<u8>)> = (0..120u64)
         .map(|i| {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tmem_tier::conformance::{check, Expect};
-use tmem_tier::seal::{SealError, Sealer};
+use tmem_tier::seal::{MasterKey, SealError, Sealer};
 use tmem_tier::{Health, Tier, TierError, TierGet, TierKey, TierPut};
 use tmem_tier_remote::testing::{make_test_certs, redis_server_binary, RedisOptions, RedisServer, TempDir};
 use tmem_tier_remote::{RemoteTier, RemoteTierConfig};
@@ -287,7 +287,7 @@ fn r1_node_loss_is_an_error_never_wrong_data() {
 fn tampered_value_fails_to_open() {
     let Some(s) = servers(2, &RedisOptions::default()) else { return };
     let tier = config(urls(&s), "tamper", 2).build().unwrap();
-    let sealer = Sealer::new([0x42; 32], 7);
+    let sealer = Sealer::new(&MasterKey::from_bytes([0x42; 32])).unwrap();
     let k = TierKey { pool: 3, object: 11, index: 5 };
     let page: Vec<u8> = (0..4096u32).map(|i| u8::try_from(i % 251).unwrap()).collect();
     let mut sealed = Vec::new();

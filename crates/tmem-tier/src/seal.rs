@@ -1,27 +1,42 @@
 //! Sealing pages before they leave the process (to a remote node or to disk).
 //!
-//! ChaCha20-Poly1305 with a 256-bit key. The nonce is the page's *version*, a
-//! number the store never reuses for one key (96 bits: 64-bit version and the
-//! 32-bit key id). The associated data binds the key id, the pool, object and
-//! index, and the version, so a value copied to another key, an older value
-//! replayed under the same key, or a value sealed under another key fails to
-//! open, exactly like a tampered one.
+//! # Construction (reasoning in docs/SECURITY.md)
 //!
-//! Keys come from a key file that only its owner can read (32 raw bytes or 64
-//! hex digits), or are generated per daemon run from the kernel's random
-//! source: swap content must not outlive its daemon anyway.
+//! A *master key* comes from a key file (32 raw bytes or 64 hex digits,
+//! owner-only) or is drawn per run from the kernel's random source. Every
+//! [`Sealer`] — one per device, per daemon run — draws a fresh 256-bit random
+//! salt and derives its own 256-bit *subkey* with HKDF-SHA256
+//! (`salt`, `master`, info `"tmem seal v2 " + algorithm`). The AEAD nonce is
+//! the page's *version* (64 bits, never reused by one store) followed by the
+//! sealer's 32-bit key id (also HKDF-derived). So a (subkey, nonce) pair can
+//! only repeat if two sealers drew the same 256-bit salt: devices of one
+//! daemon, restarts with the same key file and stores that restart their
+//! version counters all seal under different subkeys. A successor that takes
+//! over a store (hand-over) is given the salt with the version counter, and
+//! so continues the same sequence instead of restarting it.
+//!
+//! The cipher is AES-256-GCM where the CPU has AES and carry-less multiply
+//! instructions (x86-64 AES-NI + PCLMULQDQ, AArch64 AES + PMULL), and
+//! ChaCha20-Poly1305 elsewhere; both from `ring` (BoringSSL's assembly).
+//! The associated data binds the key id, the pool, object and index, and
+//! the version, so a value copied to another key, an older value replayed
+//! under the same key, or a value sealed by another sealer fails to open,
+//! exactly like a tampered one.
 
 use std::io::Read;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
-use chacha20poly1305::aead::{AeadInPlace, KeyInit};
-use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce, Tag};
+use ring::aead::{self, Aad, LessSafeKey, Nonce, UnboundKey};
+use ring::hkdf;
+use ring::rand::{SecureRandom, SystemRandom};
 
 use crate::TierKey;
 
-/// Bytes a sealed value adds to the plaintext (the Poly1305 tag).
+/// Bytes a sealed value adds to the plaintext (the AEAD tag).
 pub const SEAL_OVERHEAD: usize = 16;
+/// Bytes of the per-sealer random salt.
+pub const SALT_LEN: usize = 32;
 
 /// Sealing errors.
 #[derive(Debug, thiserror::Error)]
@@ -34,9 +49,9 @@ pub enum SealError {
         /// Why.
         reason: String,
     },
-    /// No randomness for a generated key.
-    #[error("cannot read /dev/urandom: {0}")]
-    Random(std::io::Error),
+    /// No randomness for a key or salt.
+    #[error("the kernel's random source failed")]
+    Random,
     /// The value is not what was sealed under this key and version.
     #[error("authentication failed (tampered, moved to another key, or an older version)")]
     Auth,
@@ -45,49 +60,193 @@ pub enum SealError {
     Short(usize),
 }
 
-/// Seals and opens values for one AEAD key.
+/// The AEAD a sealer uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SealAlgorithm {
+    /// AES-256-GCM (chosen where the CPU accelerates AES and GHASH).
+    Aes256Gcm,
+    /// ChaCha20-Poly1305 (chosen where it does not).
+    ChaCha20Poly1305,
+}
+
+impl SealAlgorithm {
+    /// The faster of the two on this CPU.
+    pub fn preferred() -> Self {
+        if aes_hardware() {
+            Self::Aes256Gcm
+        } else {
+            Self::ChaCha20Poly1305
+        }
+    }
+
+    /// Name as printed and bound into the key derivation.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Aes256Gcm => "AES-256-GCM",
+            Self::ChaCha20Poly1305 => "ChaCha20-Poly1305",
+        }
+    }
+
+    fn ring(self) -> &'static aead::Algorithm {
+        match self {
+            Self::Aes256Gcm => &aead::AES_256_GCM,
+            Self::ChaCha20Poly1305 => &aead::CHACHA20_POLY1305,
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn aes_hardware() -> bool {
+    std::arch::is_x86_feature_detected!("aes") && std::arch::is_x86_feature_detected!("pclmulqdq")
+}
+
+#[cfg(target_arch = "aarch64")]
+fn aes_hardware() -> bool {
+    std::arch::is_aarch64_feature_detected!("aes") && std::arch::is_aarch64_feature_detected!("pmull")
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn aes_hardware() -> bool {
+    false
+}
+
+/// A 256-bit master key: from a key file, or random for this run.
+#[derive(Clone)]
+pub struct MasterKey([u8; 32]);
+
+impl std::fmt::Debug for MasterKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MasterKey(..)")
+    }
+}
+
+impl MasterKey {
+    /// A key given as bytes (tests, benches).
+    pub fn from_bytes(key: [u8; 32]) -> Self {
+        Self(key)
+    }
+
+    /// A fresh random key (per daemon run).
+    pub fn random() -> Result<Self, SealError> {
+        let mut k = [0u8; 32];
+        SystemRandom::new().fill(&mut k).map_err(|_| SealError::Random)?;
+        Ok(Self(k))
+    }
+
+    /// Loads a key from a regular file that only its owner can read (mode
+    /// 0600 or 0400, owned by the daemon's user) holding 32 raw bytes or 64
+    /// hex digits (and an optional newline). The file is opened with
+    /// `O_NOFOLLOW | O_NONBLOCK`, so a symlink or a FIFO is refused at once,
+    /// and its size is checked before a byte is read.
+    pub fn from_file(path: &Path) -> Result<Self, SealError> {
+        let err = |reason: String| SealError::KeyFile { path: path.display().to_string(), reason };
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ELOOP) => err("is a symbolic link; give the real file".into()),
+                _ => err(e.to_string()),
+            })?;
+        let meta = file.metadata().map_err(|e| err(e.to_string()))?;
+        if !meta.file_type().is_file() {
+            return Err(err("not a regular file".into()));
+        }
+        if meta.mode() & 0o077 != 0 {
+            return Err(err(format!("mode {:o} lets others read it; chmod 600", meta.mode() & 0o777)));
+        }
+        if meta.uid() != rustix::process::geteuid().as_raw() {
+            return Err(err("not owned by the daemon's user".into()));
+        }
+        if !matches!(meta.len(), 32 | 64 | 65) {
+            return Err(err(format!(
+                "{} bytes; expected 32 raw bytes or 64 hex digits (65 with a newline)",
+                meta.len()
+            )));
+        }
+        let mut raw = Vec::with_capacity(65);
+        file.take(65).read_to_end(&mut raw).map_err(|e| err(e.to_string()))?;
+        parse_key(&raw).map(Self).ok_or_else(|| err("expected 32 raw bytes or 64 hex digits".into()))
+    }
+}
+
+/// Seals and opens values under one subkey derived from a master key and a
+/// salt of its own.
 pub struct Sealer {
-    cipher: ChaCha20Poly1305,
+    key: LessSafeKey,
+    algorithm: SealAlgorithm,
     key_id: u32,
+    salt: [u8; SALT_LEN],
+    #[cfg(any(test, feature = "nonce-audit"))]
+    fingerprint: [u8; 16],
 }
 
 impl std::fmt::Debug for Sealer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sealer").field("key_id", &self.key_id).finish_non_exhaustive()
+        f.debug_struct("Sealer")
+            .field("algorithm", &self.algorithm)
+            .field("key_id", &self.key_id)
+            .finish_non_exhaustive()
     }
 }
 
+/// HKDF output length request for `expand`.
+struct Len(usize);
+
+impl hkdf::KeyType for Len {
+    fn len(&self) -> usize {
+        self.0
+    }
+}
+
+fn derive<const N: usize>(prk: &hkdf::Prk, info: &[&[u8]]) -> [u8; N] {
+    let mut out = [0u8; N];
+    prk.expand(info, Len(N))
+        .and_then(|okm| okm.fill(&mut out))
+        .expect("HKDF-SHA256 gives up to 8160 bytes; we ask for at most 32");
+    out
+}
+
 impl Sealer {
-    /// A sealer for `key`; `key_id` names the key (bound into every value).
-    pub fn new(key: [u8; 32], key_id: u32) -> Self {
-        Self { cipher: ChaCha20Poly1305::new(Key::from_slice(&key)), key_id }
+    /// A sealer with a fresh random salt: its subkey is its own, whatever
+    /// other sealers use the same master key.
+    pub fn new(master: &MasterKey) -> Result<Self, SealError> {
+        Self::with_algorithm(master, SealAlgorithm::preferred())
     }
 
-    /// A sealer with a fresh random key (per daemon run).
+    /// [`Sealer::new`] with a chosen algorithm (benches compare them).
+    pub fn with_algorithm(master: &MasterKey, algorithm: SealAlgorithm) -> Result<Self, SealError> {
+        let mut salt = [0u8; SALT_LEN];
+        SystemRandom::new().fill(&mut salt).map_err(|_| SealError::Random)?;
+        Ok(Self::resume(master, algorithm, salt))
+    }
+
+    /// The sealer that a predecessor with this master key, algorithm and
+    /// salt had: for a hand-over that also continues the version counter.
+    pub fn resume(master: &MasterKey, algorithm: SealAlgorithm, salt: [u8; SALT_LEN]) -> Self {
+        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &salt).extract(&master.0);
+        let name = algorithm.name().as_bytes();
+        let subkey: [u8; 32] = derive(&prk, &[b"tmem seal v2 key ", name]);
+        let id: [u8; 4] = derive(&prk, &[b"tmem seal v2 key id ", name]);
+        let unbound = UnboundKey::new(algorithm.ring(), &subkey).expect("both algorithms take 256-bit keys");
+        Self {
+            key: LessSafeKey::new(unbound),
+            algorithm,
+            key_id: u32::from_le_bytes(id),
+            salt,
+            #[cfg(any(test, feature = "nonce-audit"))]
+            fingerprint: derive(&prk, &[b"tmem seal v2 audit ", name]),
+        }
+    }
+
+    /// A sealer with a random master key (a run without a key file).
     pub fn random() -> Result<Self, SealError> {
-        let mut buf = [0u8; 36];
-        std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut buf)).map_err(SealError::Random)?;
-        let mut key = [0u8; 32];
-        key.copy_from_slice(&buf[..32]);
-        Ok(Self::new(key, u32::from_le_bytes([buf[32], buf[33], buf[34], buf[35]])))
+        Self::new(&MasterKey::random()?)
     }
 
-    /// Loads a key from a file readable by its owner only (mode 0600 or 0400).
-    pub fn from_key_file(path: &Path) -> Result<Self, SealError> {
-        let err = |reason: String| SealError::KeyFile { path: path.display().to_string(), reason };
-        let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
-        if meta.mode() & 0o077 != 0 {
-            return Err(err(format!("mode {:o} lets others read it; chmod 600", meta.mode() & 0o777)));
-        }
-        // SAFETY: geteuid has no preconditions.
-        if meta.uid() != unsafe { libc::geteuid() } {
-            return Err(err("not owned by the daemon's user".into()));
-        }
-        let raw = std::fs::read(path).map_err(|e| err(e.to_string()))?;
-        let key = parse_key(&raw).ok_or_else(|| err("expected 32 raw bytes or 64 hex digits".into()))?;
-        // The key id is derived from the key, so the same file always gives the same id.
-        let id = key.chunks(4).fold(0u32, |acc, c| acc.rotate_left(5) ^ u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-        Ok(Self::new(key, id))
+    /// The algorithm in use.
+    pub fn algorithm(&self) -> SealAlgorithm {
+        self.algorithm
     }
 
     /// The key id bound into every value.
@@ -95,11 +254,16 @@ impl Sealer {
         self.key_id
     }
 
-    fn nonce(&self, version: u64) -> [u8; 12] {
-        let mut n = [0u8; 12];
+    /// The salt this sealer's subkey was derived with (handed to a successor).
+    pub fn salt(&self) -> [u8; SALT_LEN] {
+        self.salt
+    }
+
+    fn nonce(&self, version: u64) -> Nonce {
+        let mut n = [0u8; aead::NONCE_LEN];
         n[..8].copy_from_slice(&version.to_le_bytes());
         n[8..].copy_from_slice(&self.key_id.to_le_bytes());
-        n
+        Nonce::assume_unique_for_key(n)
     }
 
     fn aad(&self, key: TierKey, version: u64) -> [u8; 32] {
@@ -113,29 +277,57 @@ impl Sealer {
     }
 
     /// Seals `plain` for (`key`, `version`) into `out` (cleared first).
-    /// `version` must never repeat for one key under one sealer.
+    /// `version` must never repeat under one sealer (test builds check it).
     pub fn seal(&self, key: TierKey, version: u64, plain: &[u8], out: &mut Vec<u8>) {
+        #[cfg(any(test, feature = "nonce-audit"))]
+        audit::record(self.fingerprint, version, self.key_id);
         out.clear();
         out.extend_from_slice(plain);
         let tag = self
-            .cipher
-            .encrypt_in_place_detached(Nonce::from_slice(&self.nonce(version)), &self.aad(key, version), out)
-            .expect("ChaCha20-Poly1305 accepts any page-sized message");
-        out.extend_from_slice(&tag);
+            .key
+            .seal_in_place_separate_tag(self.nonce(version), Aad::from(self.aad(key, version)), out)
+            .expect("both AEADs accept any page-sized message");
+        out.extend_from_slice(tag.as_ref());
     }
 
     /// Opens a value sealed for (`key`, `version`) in place; on success
-    /// `buf` holds the plaintext.
+    /// `buf` holds the plaintext, on failure it is empty.
     pub fn open(&self, key: TierKey, version: u64, buf: &mut Vec<u8>) -> Result<(), SealError> {
         let n = buf.len().checked_sub(SEAL_OVERHEAD).ok_or(SealError::Short(buf.len()))?;
-        let tag = *Tag::from_slice(&buf[n..]);
+        let tag = aead::Tag::try_from(&buf[n..]).map_err(|_| SealError::Short(buf.len()))?;
         buf.truncate(n);
-        self.cipher
-            .decrypt_in_place_detached(Nonce::from_slice(&self.nonce(version)), &self.aad(key, version), buf, &tag)
-            .map_err(|_| {
+        match self.key.open_in_place_separate_tag(self.nonce(version), Aad::from(self.aad(key, version)), tag, buf, 0..)
+        {
+            Ok(_) => Ok(()),
+            Err(_) => {
                 buf.clear();
-                SealError::Auth
-            })
+                Err(SealError::Auth)
+            }
+        }
+    }
+}
+
+/// Test builds (and builds with the `nonce-audit` feature) record every
+/// (subkey, nonce) pair sealed in this process and panic on a repeat.
+#[cfg(any(test, feature = "nonce-audit"))]
+pub mod audit {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+
+    /// (subkey fingerprint, version, key id): one nonce under one subkey.
+    type Use = ([u8; 16], u64, u32);
+
+    static SEEN: Mutex<Option<HashSet<Use>>> = Mutex::new(None);
+
+    pub(super) fn record(fingerprint: [u8; 16], version: u64, key_id: u32) {
+        let mut g = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let fresh = g.get_or_insert_with(HashSet::new).insert((fingerprint, version, key_id));
+        assert!(fresh, "AEAD nonce reuse: version {version} sealed twice under one subkey (key id {key_id:#x})");
+    }
+
+    /// Pairs recorded so far.
+    pub fn recorded() -> usize {
+        SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref().map_or(0, HashSet::len)
     }
 }
 
@@ -143,7 +335,8 @@ fn parse_key(raw: &[u8]) -> Option<[u8; 32]> {
     if raw.len() == 32 {
         return raw.try_into().ok();
     }
-    let text = std::str::from_utf8(raw).ok()?.trim();
+    let text = std::str::from_utf8(raw).ok()?;
+    let text = text.strip_suffix('\n').unwrap_or(text);
     if text.len() != 64 {
         return None;
     }
@@ -162,50 +355,104 @@ mod tests {
 
     const K: TierKey = TierKey { pool: 1, object: 2, index: 3 };
 
-    #[test]
-    fn seal_open_and_every_kind_of_misuse_fails() {
-        let s = Sealer::new([7; 32], 9);
-        let mut v = Vec::new();
-        s.seal(K, 5, b"page bytes", &mut v);
-        assert_eq!(v.len(), 10 + SEAL_OVERHEAD);
-        assert_ne!(&v[..10], b"page bytes", "ciphertext differs from plaintext");
-        let mut ok = v.clone();
-        s.open(K, 5, &mut ok).unwrap();
-        assert_eq!(ok, b"page bytes");
-        // Tampered.
-        let mut t = v.clone();
-        t[3] ^= 1;
-        assert!(matches!(s.open(K, 5, &mut t), Err(SealError::Auth)));
-        assert!(t.is_empty(), "nothing is returned from a failed open");
-        // Moved to another key.
-        let mut m = v.clone();
-        assert!(s.open(TierKey { index: 4, ..K }, 5, &mut m).is_err());
-        // Replayed older version.
-        let mut r = v.clone();
-        assert!(s.open(K, 6, &mut r).is_err());
-        // Another key (another daemon run).
-        let mut o = v.clone();
-        assert!(Sealer::new([8; 32], 9).open(K, 5, &mut o).is_err());
-        assert!(matches!(s.open(K, 5, &mut vec![1, 2, 3]), Err(SealError::Short(3))));
+    fn both() -> [SealAlgorithm; 2] {
+        [SealAlgorithm::Aes256Gcm, SealAlgorithm::ChaCha20Poly1305]
     }
 
     #[test]
-    fn key_files_must_be_private() {
-        let dir = std::env::temp_dir().join(format!("tmem-seal-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("key");
-        std::fs::write(&p, "00".repeat(31) + "ff").unwrap();
+    fn seal_open_and_every_kind_of_misuse_fails() {
+        let master = MasterKey::from_bytes([7; 32]);
+        for alg in both() {
+            let s = Sealer::with_algorithm(&master, alg).unwrap();
+            let mut v = Vec::new();
+            s.seal(K, 5, b"page bytes", &mut v);
+            assert_eq!(v.len(), 10 + SEAL_OVERHEAD);
+            assert_ne!(&v[..10], b"page bytes", "ciphertext differs from plaintext");
+            let mut ok = v.clone();
+            s.open(K, 5, &mut ok).unwrap();
+            assert_eq!(ok, b"page bytes");
+            // Tampered.
+            let mut t = v.clone();
+            t[3] ^= 1;
+            assert!(matches!(s.open(K, 5, &mut t), Err(SealError::Auth)));
+            assert!(t.is_empty(), "nothing is returned from a failed open");
+            // Moved to another key.
+            let mut m = v.clone();
+            assert!(s.open(TierKey { index: 4, ..K }, 5, &mut m).is_err());
+            // Replayed older version.
+            let mut r = v.clone();
+            assert!(s.open(K, 6, &mut r).is_err());
+            // Another sealer of the same master key (another device or run).
+            let mut o = v.clone();
+            assert!(Sealer::with_algorithm(&master, alg).unwrap().open(K, 5, &mut o).is_err());
+            // The same salt resumes the same subkey (hand-over).
+            let mut h = v.clone();
+            Sealer::resume(&master, alg, s.salt()).open(K, 5, &mut h).unwrap();
+            assert_eq!(h, b"page bytes");
+            assert!(matches!(s.open(K, 5, &mut vec![1, 2, 3]), Err(SealError::Short(3))));
+        }
+    }
+
+    /// The keystream is the XOR of ciphertext and plaintext. Two sealers of
+    /// one master key (two devices, or two runs with one key file) sealing
+    /// the same pages at the same versions must share none of it.
+    #[test]
+    fn two_sealers_of_one_key_share_no_keystream() {
+        let master = MasterKey::from_bytes([9; 32]);
+        for alg in both() {
+            let (a, b) = (Sealer::with_algorithm(&master, alg).unwrap(), Sealer::with_algorithm(&master, alg).unwrap());
+            let page = vec![0x5au8; 4096];
+            let (mut ca, mut cb) = (Vec::new(), Vec::new());
+            let mut equal = 0usize;
+            for version in 1..=64u64 {
+                a.seal(K, version, &page, &mut ca);
+                b.seal(K, version, &page, &mut cb);
+                equal += ca.iter().zip(&cb).filter(|(x, y)| x == y).count();
+            }
+            // Independent streams agree on 1/256 of bytes by chance.
+            let total = 64 * (4096 + SEAL_OVERHEAD);
+            assert!(equal * 64 < total, "{alg:?}: {equal} of {total} bytes equal");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "nonce reuse")]
+    fn the_audit_catches_a_repeated_nonce() {
+        let s = Sealer::new(&MasterKey::from_bytes([1; 32])).unwrap();
+        let mut v = Vec::new();
+        s.seal(K, 77, b"a", &mut v);
+        s.seal(TierKey { index: 9, ..K }, 77, b"b", &mut v);
+    }
+
+    #[test]
+    fn key_files_must_be_private_regular_and_exact() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("key");
+        std::fs::write(&p, "00".repeat(31) + "ff\n").unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
-        assert!(Sealer::from_key_file(&p).unwrap_err().to_string().contains("chmod 600"));
+        assert!(MasterKey::from_file(&p).unwrap_err().to_string().contains("chmod 600"));
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let a = Sealer::from_key_file(&p).unwrap();
-        let b = Sealer::from_key_file(&p).unwrap();
+        let m = MasterKey::from_file(&p).unwrap();
+        let (a, b) = (Sealer::new(&m).unwrap(), Sealer::resume(&m, Sealer::new(&m).unwrap().algorithm(), [0; 32]));
         let mut v = Vec::new();
         a.seal(K, 1, b"x", &mut v);
-        b.open(K, 1, &mut v).unwrap();
+        Sealer::resume(&MasterKey::from_file(&p).unwrap(), a.algorithm(), a.salt()).open(K, 1, &mut v).unwrap();
+        assert_ne!(a.key_id(), b.key_id());
         std::fs::write(&p, "short").unwrap();
-        assert!(Sealer::from_key_file(&p).is_err());
-        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(MasterKey::from_file(&p).unwrap_err().to_string().contains("5 bytes"));
+        // Large files are refused by their size, not read.
+        std::fs::File::options().write(true).open(&p).unwrap().set_len(3 << 30).unwrap();
+        assert!(MasterKey::from_file(&p).unwrap_err().to_string().contains("3221225472 bytes"));
+        // A symlink is refused, even to a good key.
+        std::fs::write(&p, [3u8; 32]).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&p, &link).unwrap();
+        assert!(MasterKey::from_file(&link).unwrap_err().to_string().contains("symbolic link"));
+        // A FIFO is refused at once (it would block a plain open or read).
+        let fifo = dir.path().join("fifo");
+        rustix::fs::mkfifoat(rustix::fs::CWD, &fifo, rustix::fs::Mode::from_raw_mode(0o600)).unwrap();
+        assert!(MasterKey::from_file(&fifo).unwrap_err().to_string().contains("not a regular file"));
+        assert!(MasterKey::from_file(dir.path()).is_err());
         assert!(Sealer::random().is_ok());
     }
 }

@@ -1,12 +1,9 @@
 //! `tmem`: userspace transcendent memory — command-line interface.
 
 mod bench;
-mod ctl;
-mod daemon;
 mod pressure;
 mod swapcmd;
 mod tierbench;
-mod tiers;
 
 use std::process::ExitCode;
 
@@ -110,13 +107,11 @@ enum CorpusCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result: Result<(), String> = match cli.command {
-        Command::Bench { what: BenchCommand::Store(args) } => bench::run_store(&args),
-        Command::Bench { what: BenchCommand::Tier(args) } => tierbench::run(&args),
-        Command::Bench { what: BenchCommand::Pressure(args) } => pressure::run(&args),
-        Command::Corpus { what: CorpusCommand::Capture(args) } => {
-            tmem_corpus::run_capture(&args).map_err(|e| e.to_string())
-        }
+    let result: anyhow::Result<()> = match cli.command {
+        Command::Bench { what: BenchCommand::Store(args) } => bench::run_store(&args).map_err(anyhow::Error::msg),
+        Command::Bench { what: BenchCommand::Tier(args) } => tierbench::run(&args).map_err(anyhow::Error::msg),
+        Command::Bench { what: BenchCommand::Pressure(args) } => pressure::run(&args).map_err(anyhow::Error::msg),
+        Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a),
         Command::Swap { what: SwapCommand::Down(a) } => swapcmd::down(&a),
@@ -128,16 +123,16 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tmem: {e}");
+            eprintln!("tmem: {e:#}");
             ExitCode::FAILURE
         }
     }
 }
 
-fn corpus_info(files: &[std::path::PathBuf]) -> Result<(), String> {
+fn corpus_info(files: &[std::path::PathBuf]) -> anyhow::Result<()> {
     for f in files {
-        let c = tmem_corpus::Corpus::read(f).map_err(|e| e.to_string())?;
-        let meta = serde_json::to_string(&c.meta).map_err(|e| e.to_string())?;
+        let c = tmem_corpus::Corpus::read(f)?;
+        let meta = serde_json::to_string(&c.meta)?;
         println!("{}: {} pages ({:.1} MiB) {meta}", f.display(), c.page_count(), c.data().len() as f64 / 1048576.0);
     }
     Ok(())

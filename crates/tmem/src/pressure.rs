@@ -642,10 +642,10 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
     ctx.progress.note(&format!(
         "reference run: {:.1} s, peak {} (memory.max_usage_in_bytes), {} job(s) of {} MiB; swap areas of {}",
         reference.wall_secs,
-        crate::daemon::human(peak),
+        tmem_daemon::human(peak),
         a.jobs,
         ctx.workload.mib_per_job,
-        crate::daemon::human(swap_size)
+        tmem_daemon::human(swap_size)
     ));
 
     let cfg = BackendConfig {
@@ -770,7 +770,7 @@ fn print_report(
         a.workload_mib,
         a.jobs,
         a.passes,
-        crate::daemon::human(peak),
+        tmem_daemon::human(peak),
         reference.wall_secs
     );
     println!(

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tmem_core::codec::{CodecConfig, COMPRESS_BUF_SIZE};
-use tmem_tier::seal::Sealer;
+use tmem_tier::seal::{MasterKey, SealAlgorithm, Sealer};
 use tmem_tier::{LatencyHistogram, MemTier, Tier, TierGet, TierKey, TierPut};
 use tmem_tier_remote::testing::{RedisOptions, RedisServer};
 
@@ -108,7 +108,9 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
     for name in &args.tiers {
         let tier: Arc<dyn Tier> = match name.as_str() {
             "mem" => Arc::new(MemTier::new(u64::MAX)),
-            "disk" => Arc::new(crate::tiers::disk_tier(&args.disk_path, 2 * (args.pages as u64) * 4200 + (64 << 20))?),
+            "disk" => {
+                Arc::new(tmem_daemon::tiers::disk_tier(&args.disk_path, 2 * (args.pages as u64) * 4200 + (64 << 20))?)
+            }
             "remote" => {
                 let nodes = if args.redis.is_empty() {
                     let opts = RedisOptions { policy: "noeviction".into(), ..Default::default() };
@@ -135,8 +137,16 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
         }
     }
     drop(servers);
+    if !args.json {
+        eprintln!("measuring sealing ...");
+    }
+    let sealing = [SealAlgorithm::Aes256Gcm, SealAlgorithm::ChaCha20Poly1305]
+        .into_iter()
+        .map(|alg| measure_sealing(alg, &vals))
+        .collect::<Result<Vec<_>, _>>()?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&results).map_err(|e| e.to_string())?);
+        let all = serde_json::json!({ "tiers": results, "sealing": sealing });
+        println!("{}", serde_json::to_string_pretty(&all).map_err(|e| e.to_string())?);
         return Ok(());
     }
     println!(
@@ -177,7 +187,89 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
         args.inflight.max(1),
         args.batch
     );
+    println!();
+    println!(
+        "{:<18} {:>9} {:>12} {:>12} {:>10} {:>10}",
+        "sealing (1 core)", "value B", "seal GB/s", "open GB/s", "seal/page", "open/page"
+    );
+    for r in &sealing {
+        println!(
+            "{:<18} {:>9.0} {:>12.2} {:>12.2} {:>8.2}us {:>8.2}us{}",
+            r.algorithm,
+            r.value_bytes_avg,
+            r.seal_gb_per_s,
+            r.open_gb_per_s,
+            r.seal_us_per_page,
+            r.open_us_per_page,
+            if r.algorithm == SealAlgorithm::preferred().name() { "  (used on this CPU)" } else { "" }
+        );
+    }
+    println!("(each figure timed over at least {SEAL_MIN_BYTES_MIB} MiB and {SEAL_MIN_MS} ms of the values above)");
     Ok(())
+}
+
+/// Sealing throughput of one algorithm on one core.
+#[derive(Debug, serde::Serialize)]
+struct SealResult {
+    algorithm: &'static str,
+    value_bytes_avg: f64,
+    seal_gb_per_s: f64,
+    open_gb_per_s: f64,
+    seal_us_per_page: f64,
+    open_us_per_page: f64,
+}
+
+const SEAL_MIN_BYTES_MIB: usize = 256;
+const SEAL_MIN_MS: u128 = 300;
+
+/// Seals, then opens, the bench's values (compressed pages) over and over on
+/// this thread, each for at least [`SEAL_MIN_BYTES_MIB`] MiB and
+/// [`SEAL_MIN_MS`] ms, so each figure is timed over enough work.
+fn measure_sealing(alg: SealAlgorithm, vals: &[Vec<u8>]) -> Result<SealResult, String> {
+    let sealer =
+        Sealer::with_algorithm(&MasterKey::random().map_err(|e| e.to_string())?, alg).map_err(|e| e.to_string())?;
+    let plains: Vec<&[u8]> = vals.iter().map(|v| &v[..v.len() - tmem_tier::seal::SEAL_OVERHEAD]).collect();
+    let mut sealed: Vec<Vec<u8>> = plains.iter().map(|p| Vec::with_capacity(p.len() + 16)).collect();
+    let mut version = 0u64;
+    let timed = |work: &mut dyn FnMut() -> Result<usize, String>| -> Result<(f64, f64, usize), String> {
+        let t = Instant::now();
+        let (mut bytes, mut pages) = (0usize, 0usize);
+        while bytes < SEAL_MIN_BYTES_MIB << 20 || t.elapsed().as_millis() < SEAL_MIN_MS {
+            bytes += work()?;
+            pages += plains.len();
+        }
+        Ok((t.elapsed().as_secs_f64(), bytes as f64, pages))
+    };
+    let (seal_s, seal_bytes, seal_pages) = timed(&mut || {
+        let mut bytes = 0;
+        for (i, (p, out)) in plains.iter().zip(sealed.iter_mut()).enumerate() {
+            version += 1;
+            sealer.seal(key(i), version, p, out);
+            bytes += p.len();
+        }
+        Ok(bytes)
+    })?;
+    // Open the last round's values again and again (opening never reuses a nonce).
+    let first = version - plains.len() as u64 + 1;
+    let mut buf = Vec::with_capacity(tmem_core::PAGE_SIZE + 16);
+    let (open_s, open_bytes, open_pages) = timed(&mut || {
+        let mut bytes = 0;
+        for (i, v) in sealed.iter().enumerate() {
+            buf.clear();
+            buf.extend_from_slice(v);
+            sealer.open(key(i), first + i as u64, &mut buf).map_err(|e| format!("{}: {e}", alg.name()))?;
+            bytes += buf.len();
+        }
+        Ok(bytes)
+    })?;
+    Ok(SealResult {
+        algorithm: alg.name(),
+        value_bytes_avg: seal_bytes / seal_pages as f64,
+        seal_gb_per_s: seal_bytes / seal_s / 1e9,
+        open_gb_per_s: open_bytes / open_s / 1e9,
+        seal_us_per_page: seal_s * 1e6 / seal_pages as f64,
+        open_us_per_page: open_s * 1e6 / open_pages as f64,
+    })
 }
 
 /// Work on one batch: (batch number, its values).

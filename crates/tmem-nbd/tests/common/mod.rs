@@ -351,6 +351,20 @@ impl<S: Read + Write> Client<S> {
     }
 }
 
+/// NBD_OPT_GO on `name`; returns (size, transmission flags).
+pub fn go<S: Read + Write>(c: &mut Client<S>, name: &str) -> (u64, u16) {
+    c.opt(OPT_GO, &info_data(name, &[]));
+    let replies = c.opt_replies();
+    let last = replies.last().unwrap();
+    assert_eq!(last.kind, REP_ACK, "{replies:?}");
+    let export = replies
+        .iter()
+        .find(|r| r.kind == REP_INFO && be16(&r.data) == INFO_EXPORT)
+        .expect("NBD_INFO_EXPORT before ACK");
+    assert_eq!(export.data.len(), 12);
+    (be64(&export.data[2..]), be16(&export.data[10..]))
+}
+
 /// Data of NBD_OPT_INFO / NBD_OPT_GO.
 pub fn info_data(name: &str, requests: &[u16]) -> Vec<u8> {
     let mut v = prefixed(name.as_bytes(), &[]);

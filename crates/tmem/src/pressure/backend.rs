@@ -24,7 +24,7 @@ use tmem_fuse::{Export, FuseConfig, FuseMount};
 use tmem_sys::{swap, zram, zswap};
 
 use super::cmd;
-use crate::ctl::{self, Request};
+use tmem_ctl::{self as ctl, Request};
 
 /// Which backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum, serde::Serialize)]
@@ -643,7 +643,7 @@ impl Tmem {
 
     /// The tail of the daemon log (for error messages).
     pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(crate::daemon::log_path(&self.dir)).unwrap_or_default();
+        let text = std::fs::read_to_string(self.dir.join(tmem_daemon::runtime::LOG_FILE)).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(10)..].join("\n")
     }

@@ -3,15 +3,18 @@
 //! `--tier remote=redis://h1:6379,redis://h2:6379` (RAMster on Redis/Valkey)
 //! and `--tier disk=/var/lib/tmem` (a directory: one backing file per device,
 //! `DEVICE.back`) or `--tier disk=/dev/sdb1` (one device only), in the order
-//! pages should move down. Every value leaving the process is sealed with a
-//! key from `--key-file` (owner-only) or a key generated for this run.
+//! pages should move down. Every value leaving the process is sealed under a
+//! subkey of its own device and run, derived from `--key-file` (owner-only)
+//! or from a key generated for this run (see `tmem_tier::seal`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tmem_core::TierChain;
-use tmem_tier::seal::Sealer;
+use tmem_tier::seal::{MasterKey, Sealer};
+
+use crate::DaemonError;
 use tmem_tier::Tier;
 
 /// One `--tier` option.
@@ -72,7 +75,11 @@ fn hostname() -> String {
 
 impl TierArgs {
     /// Checks what can be checked without connecting.
-    pub fn validate(&self, devices: usize) -> Result<(), String> {
+    pub fn validate(&self, devices: usize) -> Result<(), DaemonError> {
+        self.check(devices).map_err(DaemonError::Invalid)
+    }
+
+    fn check(&self, devices: usize) -> Result<(), String> {
         let disks = self.tiers.iter().filter(|t| matches!(t, TierSpec::Disk(_))).count();
         let remotes = self.tiers.iter().filter(|t| matches!(t, TierSpec::Remote(_))).count();
         if disks > 1 || remotes > 1 {
@@ -86,21 +93,27 @@ impl TierArgs {
             }
         }
         if let Some(k) = &self.key_file {
-            Sealer::from_key_file(k).map_err(|e| e.to_string())?;
+            MasterKey::from_file(k).map_err(|e| e.to_string())?;
         }
         Ok(())
     }
 
     /// Builds the chain for device `device` of `size` bytes, or `None` without tiers.
-    pub fn build(&self, device: &str, size: u64) -> Result<Option<TierChain>, String> {
+    pub fn build(&self, device: &str, size: u64) -> Result<Option<TierChain>, DaemonError> {
+        self.build_chain(device, size).map_err(|e| DaemonError::Tier(format!("{device}: {e}")))
+    }
+
+    fn build_chain(&self, device: &str, size: u64) -> Result<Option<TierChain>, String> {
         if self.tiers.is_empty() {
             return Ok(None);
         }
-        let sealer = match &self.key_file {
-            Some(k) => Sealer::from_key_file(k),
-            None => Sealer::random(),
+        let master = match &self.key_file {
+            Some(k) => MasterKey::from_file(k),
+            None => MasterKey::random(),
         }
         .map_err(|e| e.to_string())?;
+        // A sealer of its own per device and run: a fresh salt, so a fresh subkey.
+        let sealer = Sealer::new(&master).map_err(|e| e.to_string())?;
         let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
         for t in &self.tiers {
             tiers.push(match t {
@@ -143,7 +156,7 @@ mod tests {
             assert!(parse_tier(bad).is_err(), "{bad}");
         }
         let a = TierArgs { tiers: vec![TierSpec::Disk("/nonexistent/file".into())], ..Default::default() };
-        assert!(a.validate(2).unwrap_err().contains("directory"));
+        assert!(a.validate(2).unwrap_err().to_string().contains("directory"));
         assert!(a.validate(1).is_ok());
     }
 }

@@ -1,0 +1,246 @@
+//! The control protocol between the `tmem` command line and its daemon: one
+//! JSON request per line, one JSON answer per line, over a unix socket that
+//! only its owner can open (mode 0600 in a 0700 directory; the daemon also
+//! checks the peer's uid).
+//!
+//! Requests are bounded ([`MAX_REQUEST`] bytes) and parsed by one function,
+//! [`parse_request`], which the fuzz target `ctl_request` drives. Clients
+//! set read and write timeouts, and the daemon serves each client on its own
+//! thread with timeouts of its own, so one silent client delays nobody.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Default runtime directory of the daemon.
+pub const RUNTIME_DIR: &str = "/run/tmem";
+/// Name of the control socket in the runtime directory.
+pub const SOCKET: &str = "ctl.sock";
+/// Largest request line accepted, newline included.
+pub const MAX_REQUEST: usize = 64 * 1024;
+/// Largest answer a client reads.
+pub const MAX_ANSWER: u64 = 64 << 20;
+
+/// Control protocol errors.
+#[derive(Debug, thiserror::Error)]
+pub enum CtlError {
+    /// No daemon listens (or the socket cannot be reached).
+    #[error("no tmem daemon at {path} ({source})")]
+    NoDaemon {
+        /// Socket path.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Reading or writing the socket failed (or timed out).
+    #[error("control socket: {0}")]
+    Io(#[from] std::io::Error),
+    /// The request line has no newline within the bound.
+    #[error("request line missing or longer than {MAX_REQUEST} bytes")]
+    TooLong,
+    /// The request is not valid UTF-8 JSON of a known command.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// The daemon closed the socket without an answer.
+    #[error("the daemon closed the control socket without answering")]
+    NoAnswer,
+    /// The answer is not valid.
+    #[error("bad answer from the daemon: {0}")]
+    BadAnswer(String),
+    /// The daemon refused the request.
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// A control request.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "cmd", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Request {
+    /// Daemon state and what it set up.
+    Status,
+    /// Every counter of every device.
+    Stat,
+    /// Change a knob of one device at run time.
+    Set {
+        /// Device name.
+        device: String,
+        /// Knob.
+        key: String,
+        /// New value.
+        value: String,
+    },
+    /// Orderly teardown: swapoff, detach, unmount, exit.
+    Down,
+}
+
+/// A control response.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Response {
+    /// Whether the request succeeded.
+    pub ok: bool,
+    /// Why not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Result.
+    #[serde(default)]
+    pub data: serde_json::Value,
+}
+
+impl Response {
+    /// A success carrying `data`.
+    pub fn ok(data: serde_json::Value) -> Self {
+        Self { ok: true, error: None, data }
+    }
+
+    /// A failure.
+    pub fn err(e: impl std::fmt::Display) -> Self {
+        Self { ok: false, error: Some(e.to_string()), data: serde_json::Value::Null }
+    }
+
+    /// The line sent for this answer, newline included.
+    pub fn to_line(&self) -> String {
+        let mut line = serde_json::to_string(self)
+            .unwrap_or_else(|e| serde_json::json!({ "ok": false, "error": e.to_string() }).to_string());
+        line.push('\n');
+        line
+    }
+}
+
+/// What the daemon set up, answered to `status`.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Status {
+    /// `starting`, `up`, `stopping`.
+    pub state: String,
+    /// Daemon pid.
+    pub pid: u32,
+    /// Steps done, in order, for the CLI to print.
+    pub steps: Vec<String>,
+    /// Per device: name, FUSE file, loop device.
+    pub devices: Vec<DeviceStatus>,
+    /// NBD URIs of the devices, when served over NBD.
+    #[serde(default)]
+    pub nbd_uris: Vec<String>,
+    /// How FUSE requests reach the daemon (`/dev/fuse` or io_uring), when mounted.
+    #[serde(default)]
+    pub fuse_transport: Option<String>,
+    /// FUSE requests served over io_uring so far.
+    #[serde(default)]
+    pub fuse_uring_requests: u64,
+}
+
+/// One device's plumbing.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct DeviceStatus {
+    /// Device name.
+    pub name: String,
+    /// FUSE file.
+    pub file: PathBuf,
+    /// Loop device, when attached.
+    pub loop_dev: Option<PathBuf>,
+    /// Whether swap is on.
+    pub swap: bool,
+}
+
+/// Path of the control socket in `dir`.
+pub fn socket_path(dir: &Path) -> PathBuf {
+    dir.join(SOCKET)
+}
+
+/// Parses one request line (as read, newline included).
+pub fn parse_request(line: &[u8]) -> Result<Request, CtlError> {
+    if line.len() > MAX_REQUEST || line.last() != Some(&b'\n') {
+        return Err(CtlError::TooLong);
+    }
+    let text = std::str::from_utf8(line).map_err(|e| CtlError::BadRequest(e.to_string()))?;
+    serde_json::from_str(text).map_err(|e| CtlError::BadRequest(e.to_string()))
+}
+
+/// Reads one request line from a client: at most [`MAX_REQUEST`] bytes,
+/// within the stream's read timeout.
+pub fn read_request(stream: &UnixStream) -> Result<Request, CtlError> {
+    let mut line = Vec::new();
+    let mut reader = BufReader::new(std::io::Read::take(stream, MAX_REQUEST as u64));
+    reader.read_until(b'\n', &mut line)?;
+    parse_request(&line)
+}
+
+/// Sends one request and waits up to `timeout` for the answer.
+pub fn call(dir: &Path, req: &Request, timeout: Duration) -> Result<Response, CtlError> {
+    let path = socket_path(dir);
+    let mut s = UnixStream::connect(&path).map_err(|source| CtlError::NoDaemon { path: path.clone(), source })?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    let mut line = serde_json::to_string(req).map_err(|e| CtlError::BadRequest(e.to_string()))?;
+    line.push('\n');
+    // A daemon that refuses at once (busy, not the owner) answers and
+    // closes before reading: its answer is still there after a failed write.
+    let wrote = s.write_all(line.as_bytes());
+    let mut answer = String::new();
+    let read = BufReader::new(std::io::Read::take(s, MAX_ANSWER)).read_line(&mut answer);
+    if answer.is_empty() {
+        wrote?;
+        read?;
+        return Err(CtlError::NoAnswer);
+    }
+    serde_json::from_str(&answer).map_err(|e| CtlError::BadAnswer(e.to_string()))
+}
+
+/// Sends a request and turns a refusal into an error.
+pub fn call_ok(dir: &Path, req: &Request, timeout: Duration) -> Result<serde_json::Value, CtlError> {
+    let r = call(dir, req, timeout)?;
+    if r.ok {
+        Ok(r.data)
+    } else {
+        Err(CtlError::Refused(r.error.unwrap_or_else(|| "request failed".into())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_bad_input_is_refused() {
+        for r in [
+            Request::Status,
+            Request::Stat,
+            Request::Down,
+            Request::Set { device: "swap0".into(), key: "frozen".into(), value: "1".into() },
+        ] {
+            let mut s = serde_json::to_string(&r).unwrap();
+            s.push('\n');
+            assert_eq!(parse_request(s.as_bytes()).unwrap(), r);
+        }
+        for bad in [
+            &br#"{"cmd":"reboot"}"#[..],
+            br#"{"cmd":"set","device":"x"}"#,
+            br#"{"cmd":"set","device":"x","key":"k","value":"v","extra":1}"#,
+            b"\xff\xfe\n",
+            b"",
+        ] {
+            let mut line = bad.to_vec();
+            if !line.is_empty() {
+                line.push(b'\n');
+            }
+            assert!(parse_request(&line).is_err(), "{bad:?}");
+        }
+        assert!(matches!(parse_request(br#"{"cmd":"stat"}"#), Err(CtlError::TooLong)));
+    }
+
+    #[test]
+    fn read_request_bounds_the_line() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        b.write_all(b"{\"cmd\":\"stat\"}\n").unwrap();
+        assert_eq!(read_request(&a).unwrap(), Request::Stat);
+        let (a, mut b) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            let _ = b.write_all(&vec![b'x'; MAX_REQUEST + 10]);
+        });
+        assert!(matches!(read_request(&a), Err(CtlError::TooLong)));
+        // A silent client ends at the read timeout instead of holding the reader.
+        let (a, _b) = UnixStream::pair().unwrap();
+        a.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        assert!(matches!(read_request(&a), Err(CtlError::Io(_))));
+    }
+}

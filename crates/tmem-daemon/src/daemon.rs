@@ -1,0 +1,423 @@
+//! The daemon's life: setup, serving, orderly teardown.
+//!
+//! Started by `tmem swap up` as `tmem daemon --spec JSON` (or in the
+//! foreground by `tmem serve nbd`). Before it serves anything it holds the
+//! runtime directory's lock for good, makes itself the OOM killer's last
+//! choice (`oom_score_adj` -1000), locks its memory (`mlockall`, on fault),
+//! marks itself an I/O flusher (`PR_SET_IO_FLUSHER`) and leaves the memory
+//! cgroup it may have been started in, so that a workload's memory limit
+//! never throttles the process that makes room for it.
+//!
+//! Teardown (control `down`, SIGTERM, SIGINT or SIGHUP) is orderly: swapoff
+//! first, so the kernel reads every page back; if swapoff fails (not enough
+//! RAM), the daemon keeps serving and says why, since exiting would lose
+//! pages. A signal during setup stops it between two steps and undoes what
+//! was done, so a command line that gives up waiting leaves nothing behind.
+//!
+//! Threads: the main thread (setup, then waits for an [`Event`]), a signal
+//! thread, the control server (a thread per client) and the frontends'
+//! workers. Lock order: `Daemon::teardown_gate` before `Daemon::state`; no
+//! other daemon lock is held while either is (docs/ARCHITECTURE.md).
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
+
+use tmem_block::{BlockDevice, DeviceConfig, PoolDevice};
+use tmem_ctl::{DeviceStatus, Request, Response, Status};
+use tmem_fuse::{Export, FuseConfig, FuseMount};
+use tmem_sys::swap;
+
+use crate::runtime::RuntimeDir;
+use crate::spec::{store_config, DaemonSpec};
+use crate::{control, human, knobs, DaemonError};
+
+/// Name of the FUSE mount point in the runtime directory.
+pub const MOUNT_DIR: &str = "dev";
+
+/// What wakes the main thread once the daemon is up.
+#[derive(Debug)]
+enum Event {
+    /// SIGTERM, SIGINT or SIGHUP.
+    Signal(i32),
+    /// A control `down` finished its teardown and was answered.
+    Down,
+}
+
+struct State {
+    status: Status,
+    fuse: Option<FuseMount>,
+    nbd: Option<tmem_nbd::ServerHandle>,
+}
+
+/// A running daemon, shared by the main, signal and control threads.
+pub struct Daemon {
+    spec: DaemonSpec,
+    dir: RuntimeDir,
+    devices: Vec<Arc<PoolDevice>>,
+    state: Mutex<State>,
+    /// Serialises teardowns (a `down` and a signal may race).
+    teardown_gate: Mutex<()>,
+    events: Mutex<mpsc::Sender<Event>>,
+    /// The signal that arrived during setup, if any (0: none).
+    signalled: Arc<AtomicI32>,
+    exited: AtomicBool,
+}
+
+/// Writes one timestamped line to the daemon's log (its stderr).
+pub fn log(msg: &str) {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    eprintln!("[{}.{:03}] {msg}", now.as_secs(), now.subsec_millis());
+}
+
+fn setup_err(e: impl std::fmt::Display) -> DaemonError {
+    DaemonError::Setup(e.to_string())
+}
+
+/// Runs the daemon until an orderly teardown; returns an error only when
+/// setup fails (after undoing what was set up) or is stopped by a signal.
+pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
+    let dir = RuntimeDir::create(&spec.runtime_dir)?;
+    let _lock = match spec.lock_fd {
+        Some(fd) => dir.adopt_lock(fd)?,
+        None => dir.lock()?,
+    };
+    let (tx, rx) = mpsc::channel();
+    let signalled = Arc::new(AtomicI32::new(0));
+    watch_signals(tx.clone(), Arc::clone(&signalled))?;
+
+    let mut steps = Vec::new();
+    match swap::protect_from_oom() {
+        Ok(v) => steps.push(format!("oom_score_adj {v}: the OOM killer takes every other process first")),
+        Err(e) => {
+            let msg = format!("WARNING: could not set oom_score_adj -1000 ({e}): under memory pressure the OOM killer may pick this daemon, and every process with a page in it would die");
+            log(&msg);
+            steps.push(msg);
+        }
+    }
+    match swap::leave_memory_cgroup() {
+        Ok(where_) => {
+            steps.push(format!("daemon pid {} moved to the root memory cgroup ({where_})", std::process::id()))
+        }
+        Err(e) => log(&format!("warning: could not leave the memory cgroup: {e}")),
+    }
+    swap::mlockall_onfault().map_err(setup_err)?;
+    steps.push("mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT) set".into());
+    match swap::set_io_flusher() {
+        Ok(()) => steps.push("PR_SET_IO_FLUSHER set".into()),
+        // It needs CAP_SYS_RESOURCE, which some containers and VMs withhold.
+        Err(e) => steps.push(format!("warning: {e}; continuing with mlockall and direct I/O only")),
+    }
+
+    let total_ram = swap::total_ram_bytes().map_err(setup_err)?;
+    let mut devices = Vec::new();
+    for d in &spec.devices {
+        let store = store_config(d, total_ram)?;
+        let chain = spec.tiers.build(&d.name, d.size)?;
+        let tier_names = chain
+            .as_ref()
+            .map(|c| c.tiers().iter().map(|t| t.name().to_owned()).collect::<Vec<_>>().join(" -> "))
+            .unwrap_or_default();
+        let dev =
+            DeviceConfig { name: d.name.clone(), size: d.size, store, tiers: chain }.build().map_err(setup_err)?;
+        if !tier_names.is_empty() {
+            steps.push(format!(
+                "{}: pool -> {tier_names} (pages sealed with {} under a subkey of this device and run)",
+                d.name,
+                tmem_tier::seal::SealAlgorithm::preferred().name()
+            ));
+        }
+        let limit = dev.store().policy().limit_bytes();
+        steps.push(format!(
+            "{}: {} device, codec {}, pool limit {}",
+            d.name,
+            human(d.size),
+            dev.store().codec_name(),
+            if limit == u64::MAX { "none".to_owned() } else { human(limit) }
+        ));
+        devices.push(Arc::new(dev));
+    }
+    let daemon = Arc::new(Daemon {
+        spec,
+        dir,
+        devices,
+        state: Mutex::new(State {
+            status: Status { state: "starting".into(), pid: std::process::id(), steps, ..Status::default() },
+            fuse: None,
+            nbd: None,
+        }),
+        teardown_gate: Mutex::new(()),
+        events: Mutex::new(tx),
+        signalled,
+        exited: AtomicBool::new(false),
+    });
+
+    // We hold the lock, so a socket left here belongs to a dead daemon.
+    daemon.dir.remove(tmem_ctl::SOCKET)?;
+    let sock = daemon.dir.join(tmem_ctl::SOCKET);
+    let listener = UnixListener::bind(&sock).map_err(|e| setup_err(format!("{}: {e}", sock.display())))?;
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).map_err(setup_err)?;
+    control::spawn(listener, Arc::clone(&daemon) as Arc<dyn control::Handler>).map_err(setup_err)?;
+
+    if let Err(e) = daemon.setup() {
+        log(&format!("setup failed: {e}"));
+        if let Err(t) = daemon.teardown() {
+            log(&format!("teardown after failed setup: {t}"));
+        }
+        let _ = daemon.dir.remove(tmem_ctl::SOCKET);
+        return Err(e);
+    }
+    log("up");
+
+    while let Ok(event) = rx.recv() {
+        match event {
+            Event::Down => break,
+            Event::Signal(sig) => {
+                log(&format!("signal {sig}: tearing down"));
+                match daemon.teardown() {
+                    Ok(()) => break,
+                    Err(e) => log(&format!("refusing to exit: {e}")),
+                }
+            }
+        }
+    }
+    let _ = daemon.dir.remove(tmem_ctl::SOCKET);
+    log("stopped");
+    Ok(())
+}
+
+/// A thread that turns SIGTERM, SIGINT and SIGHUP into events. During setup
+/// the main thread looks at `signalled` between steps.
+fn watch_signals(tx: mpsc::Sender<Event>, signalled: Arc<AtomicI32>) -> Result<(), DaemonError> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]).map_err(setup_err)?;
+    std::thread::Builder::new()
+        .name("tmem-signals".into())
+        .spawn(move || {
+            for sig in signals.forever() {
+                signalled.store(sig, Ordering::Release);
+                if tx.send(Event::Signal(sig)).is_err() {
+                    break;
+                }
+            }
+        })
+        .map(drop)
+        .map_err(setup_err)
+}
+
+impl Daemon {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn step(&self, s: String) {
+        log(&s);
+        self.lock().status.steps.push(s);
+    }
+
+    /// Fails when a signal asked the daemon to stop during setup.
+    fn check_signal(&self) -> Result<(), DaemonError> {
+        match self.signalled.load(Ordering::Acquire) {
+            0 => Ok(()),
+            sig => Err(DaemonError::Setup(format!("stopped by signal {sig} during setup; undoing what was set up"))),
+        }
+    }
+
+    fn setup(&self) -> Result<(), DaemonError> {
+        if self.spec.fuse {
+            self.setup_fuse()?;
+        }
+        if let Some(listen) = &self.spec.nbd {
+            self.setup_nbd(listen)?;
+        }
+        self.check_signal()?;
+        self.lock().status.state = "up".into();
+        Ok(())
+    }
+
+    fn setup_nbd(&self, listen: &str) -> Result<(), DaemonError> {
+        let listen = match listen.strip_prefix("tcp:") {
+            Some(addr) => tmem_nbd::Listen::Tcp(
+                addr.parse().map_err(|e| DaemonError::Invalid(format!("bad NBD address {addr:?}: {e}")))?,
+            ),
+            None => tmem_nbd::Listen::Unix(PathBuf::from(listen)),
+        };
+        let exports = self
+            .devices
+            .iter()
+            .map(|d| tmem_nbd::Export::new(d.name(), Arc::clone(d) as Arc<dyn BlockDevice>))
+            .collect();
+        let mut cfg = tmem_nbd::NbdConfig::new(exports, listen);
+        cfg.allow_remote = self.spec.nbd_allow_remote;
+        let server = tmem_nbd::ServerHandle::start(cfg).map_err(setup_err)?;
+        let uris: Vec<String> = self.devices.iter().map(|d| server.uri(d.name())).collect();
+        {
+            let mut g = self.lock();
+            g.nbd = Some(server);
+            g.status.nbd_uris = uris.clone();
+        }
+        for u in uris {
+            self.step(format!("NBD export {u}"));
+        }
+        Ok(())
+    }
+
+    fn setup_fuse(&self) -> Result<(), DaemonError> {
+        let mnt = self.dir.mount_point(MOUNT_DIR)?;
+        let exports = self
+            .devices
+            .iter()
+            .map(|d| Export { name: d.name().to_owned(), device: Arc::clone(d) as Arc<dyn BlockDevice> })
+            .collect();
+        let fuse = FuseMount::mount(FuseConfig {
+            mountpoint: mnt.clone(),
+            exports,
+            threads: self.spec.fuse_threads,
+            uring_per_queue: self.spec.fuse_uring,
+        })
+        .map_err(setup_err)?;
+        let transport = fuse.transport();
+        let files: Vec<(String, PathBuf)> =
+            self.devices.iter().map(|d| (d.name().to_owned(), fuse.path_of(d.name()))).collect();
+        {
+            let mut g = self.lock();
+            g.fuse = Some(fuse);
+            g.status.devices = files
+                .iter()
+                .map(|(name, file)| DeviceStatus { name: name.clone(), file: file.clone(), ..Default::default() })
+                .collect();
+        }
+        self.step(format!(
+            "FUSE mounted at {} (direct I/O; {} /dev/fuse worker threads; requests via {transport})",
+            mnt.display(),
+            self.spec.fuse_threads
+        ));
+        if !self.spec.swap {
+            return Ok(());
+        }
+        for (i, (name, file)) in files.iter().enumerate() {
+            self.check_signal()?;
+            let dev = swap::loop_attach(file).map_err(setup_err)?;
+            self.lock().status.devices[i].loop_dev = Some(dev.clone());
+            self.step(format!("{name}: losetup --direct-io=on {} -> {}", file.display(), dev.display()));
+            if let Some(set) = swap::loop_disable_wbt(&dev).map_err(setup_err)? {
+                self.step(format!("{name}: {set} (no writeback throttling in front of swap)"));
+            }
+            self.check_signal()?;
+            swap::mkswap(&dev, &format!("tmem-{name}")).map_err(setup_err)?;
+            self.step(format!("{name}: mkswap {}", dev.display()));
+            self.check_signal()?;
+            swap::swapon(&dev, self.spec.priority, self.spec.discard).map_err(setup_err)?;
+            self.lock().status.devices[i].swap = true;
+            self.step(format!(
+                "{name}: swapon --discard={} --priority {} {}",
+                self.spec.discard.as_str(),
+                self.spec.priority,
+                dev.display()
+            ));
+        }
+        Ok(())
+    }
+
+    /// swapoff, detach, unmount. Stops at the first swapoff failure and
+    /// leaves everything serving.
+    fn teardown(&self) -> Result<(), DaemonError> {
+        let _gate = self.teardown_gate.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.exited.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.lock().status.state = "stopping".into();
+        let devs = self.lock().status.devices.clone();
+        for (i, d) in devs.iter().enumerate() {
+            let Some(dev) = &d.loop_dev else { continue };
+            if d.swap || swap::is_swap(dev).unwrap_or(false) {
+                self.step(format!("{}: swapoff {} (the kernel reads its pages back)", d.name, dev.display()));
+                if let Err(e) = swap::swapoff(dev) {
+                    self.lock().status.state = "up".into();
+                    return Err(DaemonError::Teardown(format!(
+                        "swapoff {} failed, so the daemon keeps serving to lose no page: {e}",
+                        dev.display()
+                    )));
+                }
+                self.lock().status.devices[i].swap = false;
+            }
+            if let Err(e) = swap::loop_detach(dev) {
+                // Someone detached it already: fine, as long as it no longer serves our file.
+                if swap::loops_of(&d.file).map_or(true, |l| l.contains(dev)) {
+                    return Err(DaemonError::Teardown(e.to_string()));
+                }
+            }
+            self.lock().status.devices[i].loop_dev = None;
+            self.step(format!("{}: losetup --detach {}", d.name, dev.display()));
+        }
+        let nbd = self.lock().nbd.take();
+        if let Some(server) = nbd {
+            server.stop().map_err(|e| DaemonError::Teardown(e.to_string()))?;
+            self.step("NBD server stopped".into());
+        }
+        let fuse = self.lock().fuse.take();
+        if let Some(f) = fuse {
+            let at = f.mountpoint().to_owned();
+            let over_uring = f.uring_requests();
+            f.unmount().map_err(|e| DaemonError::Teardown(e.to_string()))?;
+            match over_uring {
+                0 => self.step(format!("FUSE unmounted from {}", at.display())),
+                n => {
+                    self.step(format!("FUSE unmounted from {} ({n} requests were served over io_uring)", at.display()))
+                }
+            }
+            let _ = std::fs::remove_dir(&at);
+        }
+        self.exited.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl control::Handler for Daemon {
+    fn handle(&self, req: Request) -> Response {
+        match req {
+            Request::Status => {
+                let g = self.lock();
+                let mut status = g.status.clone();
+                if let Some(f) = &g.fuse {
+                    status.fuse_transport = Some(f.transport().to_string());
+                    status.fuse_uring_requests = f.uring_requests();
+                }
+                json(&status)
+            }
+            Request::Stat => {
+                let stats: Vec<_> = self.devices.iter().map(|d| d.stats()).collect();
+                json(&stats)
+            }
+            Request::Set { device, key, value } => match self.devices.iter().find(|d| d.name() == device) {
+                None => Response::err(format!("no device {device:?}")),
+                Some(d) => match knobs::set(d, &key, &value) {
+                    Ok(msg) => {
+                        log(&format!("{device}: {msg}"));
+                        Response::ok(serde_json::Value::String(msg))
+                    }
+                    Err(e) => Response::err(e),
+                },
+            },
+            Request::Down => match self.teardown() {
+                Ok(()) => json(&self.lock().status),
+                Err(e) => Response::err(e),
+            },
+        }
+    }
+
+    fn answered(&self, req: &Request) {
+        if matches!(req, Request::Down) && self.exited.load(Ordering::Acquire) {
+            let _ = self.events.lock().unwrap_or_else(PoisonError::into_inner).send(Event::Down);
+        }
+    }
+}
+
+fn json<T: serde::Serialize>(v: &T) -> Response {
+    match serde_json::to_value(v) {
+        Ok(v) => Response::ok(v),
+        Err(e) => Response::err(e),
+    }
+}

@@ -1,0 +1,99 @@
+//! `tmem set DEVICE KEY=VALUE`: run-time changes to one device, checked
+//! exactly as `tmem swap up` checks its flags.
+
+use tmem_block::PoolDevice;
+use tmem_core::codec::CodecChoice;
+use tmem_core::DictTraining;
+
+use crate::spec::PoolLimit;
+use crate::{human, DaemonError};
+
+/// Knobs `tmem set` takes, as listed in errors.
+pub const KNOBS: &str = "codec=lz4|zstd[:LEVEL][+dict], pool-limit=SIZE|N%, compact=now, frozen=0|1, \
+incompressible=reject|store_raw, max_compressed_size=BYTES, accept_threshold_percent=N, compact_threshold_percent=N";
+
+/// Store policy keys passed through as they are (the store checks their values).
+const POLICY_KEYS: [&str; 5] =
+    ["frozen", "incompressible", "max_compressed_size", "accept_threshold_percent", "compact_threshold_percent"];
+
+/// Applies one `KEY=VALUE` to `d`; returns what changed, in words.
+pub fn set(d: &PoolDevice, key: &str, value: &str) -> Result<String, DaemonError> {
+    let store = d.store();
+    let invalid = |e: &dyn std::fmt::Display| DaemonError::Invalid(format!("{key}={value}: {e}"));
+    match key {
+        "codec" => {
+            let choice = CodecChoice::parse(value).map_err(|e| invalid(&e))?;
+            let trained = if choice.dictionary {
+                let t = store.train_dictionary(&choice.codec, &DictTraining::default()).map_err(|e| invalid(&e))?;
+                format!(", with a {}-byte dictionary trained on {} stored pages", t.bytes, t.sample_pages)
+            } else {
+                store.use_codec(&choice.codec).map_err(|e| invalid(&e))?;
+                String::new()
+            };
+            Ok(format!("codec is now {}{trained} (stored pages keep their own codec)", store.codec_name()))
+        }
+        "pool-limit" | "pool_limit" => {
+            match value.parse::<PoolLimit>()? {
+                PoolLimit::Percent(p) => {
+                    store.set_policy("max_pool_percent", &p.to_string()).map_err(|e| invalid(&e))?;
+                    store.set_policy("max_pool_bytes", "0").map_err(|e| invalid(&e))?;
+                }
+                PoolLimit::Bytes(b) => store.set_policy("max_pool_bytes", &b.to_string()).map_err(|e| invalid(&e))?,
+            }
+            Ok(format!("pool limit is now {}", human(store.policy().limit_bytes())))
+        }
+        "compact" if value == "now" => Ok(format!("compacted: {} pages released", store.compact())),
+        "compact" => Err(invalid(&"expected compact=now")),
+        k if POLICY_KEYS.contains(&k) => {
+            store.set_policy(key, value).map_err(|e| invalid(&e))?;
+            Ok(format!("{key} = {value}"))
+        }
+        _ => Err(DaemonError::Invalid(format!("unknown knob {key:?}; knobs: {KNOBS}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tmem_block::DeviceConfig;
+
+    use super::*;
+    use crate::spec::{store_config, DeviceSpec};
+
+    fn device() -> PoolDevice {
+        let spec = DeviceSpec {
+            name: "swap0".into(),
+            size: 64 << 20,
+            codec: "lz4".into(),
+            pool_limit: PoolLimit::Percent(25),
+        };
+        let store = store_config(&spec, 8 << 30).unwrap();
+        DeviceConfig { name: spec.name, size: spec.size, store, tiers: None }.build().unwrap()
+    }
+
+    /// Finding: `pool-limit=0%`, `pool-limit=1` and `compact=garbage` were accepted.
+    #[test]
+    fn set_checks_like_swap_up() {
+        let d = device();
+        let before = d.store().policy().limit_bytes();
+        for (k, v) in [
+            ("pool-limit", "0%"),
+            ("pool-limit", "1"),
+            ("pool-limit", "150%"),
+            ("compact", "garbage"),
+            ("codec", "gzip"),
+            ("frozen", "maybe"),
+            ("max_pool_percent", "0"),
+            ("total_ram_bytes", "0"),
+            ("nonsense", "1"),
+        ] {
+            let e = set(&d, k, v).unwrap_err().to_string();
+            assert!(e.contains(k) || e.contains(v), "{k}={v}: {e}");
+        }
+        assert_eq!(d.store().policy().limit_bytes(), before, "refused values change nothing");
+        assert!(set(&d, "pool-limit", "2G").unwrap().contains("2.0 GiB"));
+        assert!(set(&d, "pool-limit", "50%").unwrap().contains("4.0 GiB"));
+        assert!(set(&d, "compact", "now").is_ok());
+        assert!(set(&d, "frozen", "1").is_ok());
+        assert!(set(&d, "codec", "zstd:3").unwrap().contains("zstd"));
+    }
+}

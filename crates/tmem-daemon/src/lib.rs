@@ -1,0 +1,64 @@
+//! The tmem daemon: devices on compressed stores, exported as FUSE files and
+//! turned into kernel swap (loop + mkswap + swapon), or served over NBD,
+//! with a control socket for `tmem stat`, `tmem set` and `tmem swap down`.
+//!
+//! - [`spec`]: what a daemon runs, and the checks it passes first;
+//! - [`runtime`]: the runtime directory, its lifetime lock and safe file access;
+//! - [`daemon`]: the daemon's life: setup, serving, orderly teardown;
+//! - [`control`]: the control socket's server (the protocol is `tmem_ctl`);
+//! - [`launch`]: starting a daemon from the command line and waiting for it;
+//! - [`knobs`]: run-time changes (`tmem set`);
+//! - [`tiers`]: the `--tier` options.
+
+pub mod control;
+pub mod daemon;
+pub mod knobs;
+pub mod launch;
+pub mod runtime;
+pub mod spec;
+pub mod tiers;
+
+pub use daemon::run;
+pub use spec::{DaemonSpec, DeviceSpec, PoolLimit};
+
+/// Daemon errors.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// A value given by the user is invalid.
+    #[error("{0}")]
+    Invalid(String),
+    /// The runtime directory cannot be used.
+    #[error(transparent)]
+    Runtime(#[from] runtime::RuntimeError),
+    /// The control protocol failed.
+    #[error(transparent)]
+    Ctl(#[from] tmem_ctl::CtlError),
+    /// A tier cannot be built.
+    #[error("tier: {0}")]
+    Tier(String),
+    /// A setup step failed (after what was set up was undone).
+    #[error("{0}")]
+    Setup(String),
+    /// Teardown cannot finish; the daemon keeps serving.
+    #[error("{0}")]
+    Teardown(String),
+    /// The daemon did not start or stop as expected.
+    #[error("{0}")]
+    Lifecycle(String),
+}
+
+/// Formats bytes as B/KiB/MiB/GiB/TiB.
+pub fn human(b: u64) -> String {
+    const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}

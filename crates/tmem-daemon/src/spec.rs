@@ -1,0 +1,202 @@
+//! What a daemon runs ([`DaemonSpec`]), and the checks every value passes
+//! before anything starts: pool limits, device sizes against what their
+//! metadata would cost, codecs.
+
+use std::path::PathBuf;
+
+use tmem_core::codec::CodecChoice;
+use tmem_core::{DictTraining, Incompressible, PolicyConfig, StoreConfig};
+
+use crate::DaemonError;
+
+/// Smallest pool limit given in bytes.
+pub const MIN_POOL_LIMIT: u64 = 1 << 20;
+/// Smallest device.
+pub const MIN_DEVICE_SIZE: u64 = 1 << 20;
+/// Kernel memory per 4 KiB page of a swap area: `swap_map` (1 byte), the
+/// swap cgroup map (2), the swap table (8) and cluster info. Measured: a
+/// 4 TiB area (2^30 pages) raised `VmallocUsed` by 13.4 GB, 12.5 bytes a
+/// page; rounded up.
+pub const SWAP_METADATA_PER_PAGE: u64 = 13;
+/// Share of RAM that the kernel's metadata for tmem's swap areas may take.
+pub const MAX_METADATA_RAM_DIVISOR: u64 = 16;
+
+/// One device to create.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct DeviceSpec {
+    /// Name, e.g. `swap0`.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages and switches to it.
+    pub codec: String,
+    /// The pool limit.
+    pub pool_limit: PoolLimit,
+}
+
+/// A pool limit: bytes, or a percentage of RAM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum PoolLimit {
+    /// At most this many bytes.
+    Bytes(u64),
+    /// At most this share of RAM.
+    Percent(u32),
+}
+
+impl std::str::FromStr for PoolLimit {
+    type Err = DaemonError;
+
+    /// `2G`, `512M`, or `25%`: 1..100 percent, or at least 1 MiB.
+    fn from_str(s: &str) -> Result<Self, DaemonError> {
+        let bad = |why: String| DaemonError::Invalid(format!("pool limit {s:?}: {why}"));
+        match s.trim().strip_suffix('%') {
+            Some(p) => match p.trim().parse::<u32>() {
+                Ok(p @ 1..=100) => Ok(Self::Percent(p)),
+                _ => Err(bad("a percentage must be 1%..100%".into())),
+            },
+            None => {
+                let b = tmem_corpus::parse_size(s).map_err(bad)?;
+                if b < MIN_POOL_LIMIT {
+                    return Err(bad(format!("{b} bytes is below the minimum of 1 MiB")));
+                }
+                Ok(Self::Bytes(b))
+            }
+        }
+    }
+}
+
+/// What the daemon runs.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct DaemonSpec {
+    /// Runtime directory (control socket, FUSE mount, log, lock).
+    pub runtime_dir: PathBuf,
+    /// Devices.
+    pub devices: Vec<DeviceSpec>,
+    /// Export the devices as FUSE files.
+    pub fuse: bool,
+    /// Turn each device into kernel swap (needs `fuse`).
+    pub swap: bool,
+    /// Serve the devices over NBD: a unix socket path, or `tcp:ADDR`.
+    #[serde(default)]
+    pub nbd: Option<String>,
+    /// Allow a non-loopback NBD TCP address.
+    #[serde(default)]
+    pub nbd_allow_remote: bool,
+    /// Swap priority.
+    pub priority: i32,
+    /// FUSE worker threads.
+    pub fuse_threads: usize,
+    /// FUSE over io_uring workers per CPU (0: `/dev/fuse` only).
+    #[serde(default)]
+    pub fuse_uring: usize,
+    /// `swapon --discard` policy.
+    #[serde(default)]
+    pub discard: tmem_sys::swap::SwapDiscard,
+    /// Tiers below each device's pool.
+    #[serde(default)]
+    pub tiers: crate::tiers::TierArgs,
+    /// The runtime directory's lock, inherited from the command that started
+    /// the daemon (a descriptor number); `None`: the daemon takes it.
+    #[serde(default)]
+    pub lock_fd: Option<i32>,
+}
+
+impl DaemonSpec {
+    /// Checks everything that can be checked before the daemon starts:
+    /// device sizes and count, codecs and limits, tiers and key file.
+    pub fn validate(&self, total_ram: u64) -> Result<(), DaemonError> {
+        if self.devices.is_empty() {
+            return Err(DaemonError::Invalid("need at least one device".into()));
+        }
+        if self.swap {
+            check_swap_size(self.devices.iter().map(|d| d.size), total_ram)?;
+        }
+        for d in &self.devices {
+            if d.size < MIN_DEVICE_SIZE {
+                return Err(DaemonError::Invalid(format!("{}: size {} is below the minimum of 1 MiB", d.name, d.size)));
+            }
+            store_config(d, total_ram)?.build().map_err(|e| DaemonError::Invalid(format!("{}: {e}", d.name)))?;
+        }
+        self.tiers.validate(self.devices.len())
+    }
+}
+
+/// Refuses swap areas whose kernel metadata would take more than
+/// 1/[`MAX_METADATA_RAM_DIVISOR`] of RAM, with the numbers.
+pub fn check_swap_size(sizes: impl Iterator<Item = u64>, total_ram: u64) -> Result<(), DaemonError> {
+    let pages: u64 = sizes.map(|s| s / 4096).fold(0, u64::saturating_add);
+    let metadata = pages.saturating_mul(SWAP_METADATA_PER_PAGE);
+    let allowed = total_ram / MAX_METADATA_RAM_DIVISOR;
+    if metadata > allowed {
+        let largest = allowed / SWAP_METADATA_PER_PAGE * 4096;
+        return Err(DaemonError::Invalid(format!(
+            "swap of {} in all would need about {} of kernel memory for its metadata \
+             ({SWAP_METADATA_PER_PAGE} bytes per 4 KiB page), more than 1/{MAX_METADATA_RAM_DIVISOR} of RAM ({}); \
+             the largest total size here is {}",
+            crate::human(pages.saturating_mul(4096)),
+            crate::human(metadata),
+            crate::human(allowed),
+            crate::human(largest),
+        )));
+    }
+    Ok(())
+}
+
+/// `count` device specs `PREFIX0..`, all alike.
+pub fn device_specs(prefix: &str, count: usize, size: u64, codec: &str, pool_limit: PoolLimit) -> Vec<DeviceSpec> {
+    (0..count).map(|i| DeviceSpec { name: format!("{prefix}{i}"), size, codec: codec.to_owned(), pool_limit }).collect()
+}
+
+/// Builds the store configuration of a device.
+pub fn store_config(d: &DeviceSpec, total_ram: u64) -> Result<StoreConfig, DaemonError> {
+    let choice = CodecChoice::parse(&d.codec).map_err(|e| DaemonError::Invalid(format!("codec {:?}: {e}", d.codec)))?;
+    let (max_pool_bytes, max_pool_percent) = match d.pool_limit {
+        PoolLimit::Bytes(b) => (b, 0),
+        PoolLimit::Percent(p) => (0, p),
+    };
+    let policy = PolicyConfig {
+        max_pool_bytes,
+        max_pool_percent,
+        total_ram_bytes: total_ram,
+        // A swap device has no lower tier yet: keep poorly compressible
+        // pages raw rather than failing the kernel's write (zram's huge pages).
+        incompressible: Incompressible::StoreRaw,
+        ..Default::default()
+    };
+    Ok(StoreConfig {
+        policy,
+        codec: Some(choice.codec),
+        dictionary: choice.dictionary.then(DictTraining::default),
+        ..Default::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_limits_are_checked_like_swap_up_does() {
+        assert_eq!("25%".parse::<PoolLimit>().unwrap(), PoolLimit::Percent(25));
+        assert_eq!("2G".parse::<PoolLimit>().unwrap(), PoolLimit::Bytes(2 << 30));
+        for bad in ["0%", "101%", "x%", "1", "1K", "garbage", ""] {
+            let e = bad.parse::<PoolLimit>().unwrap_err().to_string();
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
+    }
+
+    /// Finding: `--size 99999T` was accepted and activated a 4 TiB area.
+    #[test]
+    fn swap_sizes_are_bounded_by_their_metadata() {
+        let ram = 24 << 30;
+        check_swap_size([8u64 << 30].into_iter(), ram).unwrap();
+        check_swap_size([64u64 << 30; 4].into_iter(), ram).unwrap();
+        let e = check_swap_size([99999u64 << 40].into_iter(), ram).unwrap_err().to_string();
+        assert!(e.contains("kernel memory") && e.contains("the largest total size here is"), "{e}");
+        // The largest size it names is accepted, and a page more is not.
+        let largest = ram / MAX_METADATA_RAM_DIVISOR / SWAP_METADATA_PER_PAGE * 4096;
+        check_swap_size([largest].into_iter(), ram).unwrap();
+        assert!(check_swap_size([largest + 4096 * 2].into_iter(), ram).is_err());
+        assert!(check_swap_size([u64::MAX, u64::MAX].into_iter(), ram).is_err());
+    }
+}
