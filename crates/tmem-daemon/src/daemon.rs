@@ -308,6 +308,8 @@ impl Daemon {
             self.check_signal()?;
             swap::mkswap(&dev, &format!("tmem-{name}")).map_err(setup_err)?;
             self.step(format!("{name}: mkswap {}", dev.display()));
+            #[cfg(feature = "fault-injection")]
+            crate::fault::stall_setup(&self.signalled);
             self.check_signal()?;
             swap::swapon(&dev, self.spec.priority, self.spec.discard).map_err(setup_err)?;
             self.lock().status.devices[i].swap = true;

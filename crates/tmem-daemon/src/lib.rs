@@ -8,10 +8,13 @@
 //! - [`control`]: the control socket's server (the protocol is `tmem_ctl`);
 //! - [`launch`]: starting a daemon from the command line and waiting for it;
 //! - [`knobs`]: run-time changes (`tmem set`);
-//! - [`tiers`]: the `--tier` options.
+//! - [`tiers`]: the `--tier` options;
+//! - `fault` (feature `fault-injection`, test builds only): injected faults.
 
 pub mod control;
 pub mod daemon;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod knobs;
 pub mod launch;
 pub mod runtime;

@@ -43,6 +43,9 @@ pub struct UpArgs {
     /// Runtime directory (control socket, FUSE mount, log).
     #[arg(long, default_value = ctl::RUNTIME_DIR)]
     runtime_dir: PathBuf,
+    /// Seconds to wait for the daemon to come up; then it is stopped and undoes its setup.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    wait: u64,
     #[command(flatten)]
     tiers: tmem_daemon::tiers::TierArgs,
 }
@@ -76,7 +79,7 @@ pub fn up(a: &UpArgs) -> anyhow::Result<()> {
     };
     // Check everything here, where the user sees the error.
     spec.validate(tmem_sys::swap::total_ram_bytes()?)?;
-    let st = launch::start(spec, &std::env::current_exe()?, UP_TIMEOUT)?;
+    let st = launch::start(spec, &std::env::current_exe()?, Duration::from_secs(a.wait))?;
     for s in &st.steps {
         println!("{s}");
     }
@@ -87,9 +90,6 @@ pub fn up(a: &UpArgs) -> anyhow::Result<()> {
     );
     Ok(())
 }
-
-/// How long `tmem swap up` waits for the daemon before it stops it.
-const UP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// `tmem swap down`: orderly teardown, then waits for the daemon to exit.
 pub fn down(a: &DaemonArgs) -> anyhow::Result<()> {

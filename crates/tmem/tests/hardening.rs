@@ -260,3 +260,37 @@ fn runtime_dir_is_checked_and_planted_symlinks_are_not_followed() {
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious", "the symlink's target was not touched");
     assert!(!std::fs::symlink_metadata(run.join("daemon.log")).unwrap().file_type().is_symlink());
 }
+
+/// Finding 4: when `swap up` gave up waiting, the daemon went on and
+/// activated swap a minute later. Now the command stops it, the daemon
+/// undoes its setup, and nothing of it is left.
+#[test]
+fn swap_up_that_gives_up_leaves_nothing_behind() {
+    let need = ["/dev/fuse", "/proc/swaps"];
+    if !root() || need.iter().any(|p| !Path::new(p).exists()) || !have("losetup") {
+        println!("SKIP: needs root, FUSE, losetup");
+        return;
+    }
+    let s = Scratch::new();
+    let run = s.path("run");
+    let run_s = run.to_str().unwrap();
+    let t = Instant::now();
+    let out = Command::new(TMEM)
+        .args(["swap", "up", "--size", "64M", "--wait", "2", "--runtime-dir", run_s])
+        .env("TMEM_FAULT_STALL_SETUP_MS", "60000")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("did not come up within 2 s, so it was stopped and undid its setup"), "{text}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    assert!(text.contains("losetup --detach") && text.contains("FUSE unmounted"), "the log shows the rollback: {text}");
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    let loops = Command::new("losetup").arg("-a").output().unwrap();
+    assert!(!swaps.contains(run_s) && !mounts.contains(run_s), "{swaps}{mounts}");
+    assert!(!String::from_utf8_lossy(&loops.stdout).contains(run_s), "loop device left behind");
+    // The directory is free for the next daemon.
+    let (out, text, _) = tmem(&["stat", "--runtime-dir", run_s]);
+    assert!(!out.status.success() && text.contains("no tmem daemon"), "{text}");
+}

@@ -1,0 +1,18 @@
+//! Injected faults, for tests only: this module exists only with the
+//! `fault-injection` feature, which the release binary never has.
+//!
+//! - `TMEM_FAULT_STALL_SETUP_MS=N`: setup stalls N ms before swapon (a
+//!   signal ends the stall early), as a huge swap area would.
+
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+/// Stalls setup as `TMEM_FAULT_STALL_SETUP_MS` says, until a signal arrives.
+pub fn stall_setup(signalled: &AtomicI32) {
+    let Some(ms) = std::env::var("TMEM_FAULT_STALL_SETUP_MS").ok().and_then(|v| v.parse().ok()) else { return };
+    crate::daemon::log(&format!("fault injection: setup stalls for {ms} ms"));
+    let end = Instant::now() + Duration::from_millis(ms);
+    while Instant::now() < end && signalled.load(Ordering::Acquire) == 0 {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
