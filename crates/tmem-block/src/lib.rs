@@ -10,6 +10,12 @@
 //! write-zeroes free whole pages and zero the covered part of partial pages;
 //! a write the pool refuses (limit, no memory) fails with an error and keeps
 //! the page's previous contents.
+//!
+//! Panic containment: every request to a [`PoolDevice`] runs under
+//! `catch_unwind`. A panic fails that request alone with
+//! [`BlockError::Panicked`] (EIO), is counted in `panics`, and the device
+//! goes on serving; the panic hook (the daemon's) logs the backtrace. Locks
+//! a panic leaves poisoned are taken over by the next request.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -47,6 +53,14 @@ pub enum BlockError {
     /// Stored data is corrupt (EIO).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// Serving the request panicked; the request failed alone (EIO).
+    #[error("{op} panicked: {message}")]
+    Panicked {
+        /// The request: read, write, trim, extents.
+        op: &'static str,
+        /// The panic's message.
+        message: String,
+    },
 }
 
 impl BlockError {
@@ -55,7 +69,7 @@ impl BlockError {
         match self {
             BlockError::OutOfRange { .. } => libc::EINVAL,
             BlockError::NoSpace { .. } => libc::ENOSPC,
-            BlockError::Store(_) => libc::EIO,
+            BlockError::Store(_) | BlockError::Panicked { .. } => libc::EIO,
         }
     }
 }
@@ -190,6 +204,8 @@ struct IoCounters {
     failed_writes: AtomicU64,
     /// Requests outside the device.
     invalid_io: AtomicU64,
+    /// Requests that panicked (failed with EIO).
+    panics: AtomicU64,
 }
 
 /// Snapshot of a device's counters.
@@ -217,6 +233,9 @@ pub struct DeviceStats {
     pub failed_writes: u64,
     /// Requests outside the device.
     pub invalid_io: u64,
+    /// Requests that panicked and failed alone with EIO.
+    #[serde(default)]
+    pub panics: u64,
     /// The device's store.
     pub store: Stats,
 }
@@ -280,6 +299,8 @@ impl PoolDevice {
     }
 
     fn read_page(&self, page: u64, out: &mut [u8; PAGE_SIZE]) -> Result<(), BlockError> {
+        #[cfg(feature = "fault-injection")]
+        fault::on_read(page);
         if self.pool.get(Self::key(page), out)? == GetOutcome::Miss {
             out.fill(0);
         }
@@ -306,6 +327,8 @@ impl PoolDevice {
         if pages.is_empty() {
             return Ok(());
         }
+        #[cfg(feature = "fault-injection")]
+        (first..).take(pages.len()).for_each(fault::on_read);
         let keys: Vec<Key> = (first..).take(pages.len()).map(Self::key).collect();
         let results = self.pool.get_batch(&keys, pages);
         for (r, page) in results.into_iter().zip(pages) {
@@ -317,6 +340,8 @@ impl PoolDevice {
     }
 
     fn put_page(&self, page: u64, data: &[u8; PAGE_SIZE]) -> Result<(), BlockError> {
+        #[cfg(feature = "fault-injection")]
+        fault::on_write(page);
         match self.pool.put(Self::key(page), data)? {
             PutOutcome::Stored => Ok(()),
             PutOutcome::Rejected(reason) => Err(BlockError::NoSpace { page, reason }),
@@ -339,6 +364,19 @@ impl PoolDevice {
         self.put_page(page, &buf)
     }
 
+    /// Runs one request; a panic fails it alone (see the crate docs).
+    fn contained<T>(&self, op: &'static str, f: impl FnOnce() -> Result<T, BlockError>) -> Result<T, BlockError> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+            bump(&self.io.panics, 1);
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".into());
+            Err(BlockError::Panicked { op, message })
+        })
+    }
+
     fn range(&self, offset: u64, len: u64) -> Result<(), BlockError> {
         check_range(offset, len, self.size).inspect_err(|_| bump(&self.io.invalid_io, 1))
     }
@@ -359,6 +397,7 @@ impl PoolDevice {
             failed_reads: io.failed_reads.load(r),
             failed_writes: io.failed_writes.load(r),
             invalid_io: io.invalid_io.load(r),
+            panics: io.panics.load(r),
             store: self.store.stats(),
         }
     }
@@ -370,6 +409,40 @@ impl BlockDevice for PoolDevice {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), BlockError> {
+        self.contained("read", || self.read_at_inner(buf, offset)).inspect_err(|e| {
+            if matches!(e, BlockError::Panicked { .. }) {
+                bump(&self.io.failed_reads, 1);
+            }
+        })
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {
+        self.contained("write", || self.write_at_inner(buf, offset)).inspect_err(|e| {
+            if matches!(e, BlockError::Panicked { .. }) {
+                bump(&self.io.failed_writes, 1);
+            }
+        })
+    }
+
+    fn flush(&self) -> Result<(), BlockError> {
+        self.contained("flush", || self.flush_inner())
+    }
+
+    fn trim(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        self.contained("trim", || self.trim_inner(offset, len))
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        self.contained("write-zeroes", || self.write_zeroes_inner(offset, len))
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, BlockError> {
+        self.contained("extents", || self.extents_inner(offset, len))
+    }
+}
+
+impl PoolDevice {
+    fn read_at_inner(&self, buf: &mut [u8], offset: u64) -> Result<(), BlockError> {
         self.range(offset, buf.len() as u64)?;
         bump(&self.io.read_ios, 1);
         bump(&self.io.read_bytes, buf.len() as u64);
@@ -387,7 +460,7 @@ impl BlockDevice for PoolDevice {
         r.inspect_err(|_| bump(&self.io.failed_reads, 1))
     }
 
-    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {
+    fn write_at_inner(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {
         self.range(offset, buf.len() as u64)?;
         bump(&self.io.write_ios, 1);
         bump(&self.io.write_bytes, buf.len() as u64);
@@ -412,11 +485,11 @@ impl BlockDevice for PoolDevice {
         Ok(())
     }
 
-    fn flush(&self) -> Result<(), BlockError> {
+    fn flush_inner(&self) -> Result<(), BlockError> {
         Ok(())
     }
 
-    fn trim(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+    fn trim_inner(&self, offset: u64, len: u64) -> Result<(), BlockError> {
         self.range(offset, len)?;
         bump(&self.io.discard_ios, 1);
         for (page, in_page, n) in pieces(offset, len) {
@@ -425,11 +498,11 @@ impl BlockDevice for PoolDevice {
         Ok(())
     }
 
-    fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), BlockError> {
-        self.trim(offset, len)
+    fn write_zeroes_inner(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        self.trim_inner(offset, len)
     }
 
-    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, BlockError> {
+    fn extents_inner(&self, offset: u64, len: u64) -> Result<Vec<Extent>, BlockError> {
         self.range(offset, len)?;
         let mut out: Vec<Extent> = Vec::new();
         for (page, _, n) in pieces(offset, len) {
@@ -443,6 +516,8 @@ impl BlockDevice for PoolDevice {
     }
 }
 
+#[cfg(feature = "fault-injection")]
+mod fault;
 mod ram;
 pub use ram::RamDevice;
 

@@ -127,6 +127,12 @@ pub struct Status {
     /// FUSE requests served over io_uring so far.
     #[serde(default)]
     pub fuse_uring_requests: u64,
+    /// Pages the devices' stores hold (their `stored_pages`) when this was taken.
+    #[serde(default)]
+    pub stored_pages: u64,
+    /// When this was taken (seconds since the epoch).
+    #[serde(default)]
+    pub taken_unix: u64,
 }
 
 /// One device's plumbing.

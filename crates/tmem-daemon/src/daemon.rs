@@ -30,12 +30,14 @@ use tmem_ctl::{DeviceStatus, Request, Response, Status};
 use tmem_fuse::{Export, FuseConfig, FuseMount};
 use tmem_sys::swap;
 
-use crate::runtime::RuntimeDir;
+use crate::runtime::{RuntimeDir, STATE_FILE};
 use crate::spec::{store_config, DaemonSpec};
 use crate::{control, human, knobs, DaemonError};
 
 /// Name of the FUSE mount point in the runtime directory.
 pub const MOUNT_DIR: &str = "dev";
+/// How often the state file is refreshed (with the count of stored pages).
+const STATE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// What wakes the main thread once the daemon is up.
 #[derive(Debug)]
@@ -84,6 +86,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         Some(fd) => dir.adopt_lock(fd)?,
         None => dir.lock()?,
     };
+    log_panics();
     let (tx, rx) = mpsc::channel();
     let signalled = Arc::new(AtomicI32::new(0));
     watch_signals(tx.clone(), Arc::clone(&signalled))?;
@@ -92,7 +95,11 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
     match swap::protect_from_oom() {
         Ok(v) => steps.push(format!("oom_score_adj {v}: the OOM killer takes every other process first")),
         Err(e) => {
-            let msg = format!("WARNING: could not set oom_score_adj -1000 ({e}): under memory pressure the OOM killer may pick this daemon, and every process with a page in it would die");
+            let msg = format!(
+                "WARNING: could not set oom_score_adj -1000 ({e}; it needs CAP_SYS_RESOURCE, or a parent such as \
+                 systemd with OOMScoreAdjust=-1000): under memory pressure the OOM killer may pick this daemon, \
+                 and every process with a page in it would die"
+            );
             log(&msg);
             steps.push(msg);
         }
@@ -167,14 +174,19 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
             log(&format!("teardown after failed setup: {t}"));
         }
         let _ = daemon.dir.remove(tmem_ctl::SOCKET);
+        let _ = daemon.dir.remove(STATE_FILE);
         return Err(e);
     }
     log("up");
 
-    while let Ok(event) = rx.recv() {
-        match event {
-            Event::Down => break,
-            Event::Signal(sig) => {
+    loop {
+        match rx.recv_timeout(STATE_INTERVAL) {
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let status = daemon.status();
+                daemon.save_state(&status);
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) | Ok(Event::Down) => break,
+            Ok(Event::Signal(sig)) => {
                 log(&format!("signal {sig}: tearing down"));
                 match daemon.teardown() {
                     Ok(()) => break,
@@ -184,8 +196,18 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         }
     }
     let _ = daemon.dir.remove(tmem_ctl::SOCKET);
+    let _ = daemon.dir.remove(STATE_FILE);
     log("stopped");
     Ok(())
+}
+
+/// Logs every panic with its backtrace. A panic while serving a request
+/// fails that request alone (`tmem_block`), so the log is where it shows.
+fn log_panics() {
+    std::panic::set_hook(Box::new(|info| {
+        let thread = std::thread::current().name().unwrap_or("unnamed").to_owned();
+        log(&format!("panic in thread {thread}: {info}\n{}", std::backtrace::Backtrace::force_capture()));
+    }));
 }
 
 /// A thread that turns SIGTERM, SIGINT and SIGHUP into events. During setup
@@ -212,9 +234,38 @@ impl Daemon {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Records a step: in the log, in the status, and in the state file.
     fn step(&self, s: String) {
         log(&s);
         self.lock().status.steps.push(s);
+        let status = self.status();
+        self.save_state(&status);
+    }
+
+    /// The status now, with the transport and the stored page count.
+    fn status(&self) -> Status {
+        let stored = self.devices.iter().map(|d| d.store().stats().total.stored_pages).sum();
+        let g = self.lock();
+        let mut status = g.status.clone();
+        if let Some(f) = &g.fuse {
+            status.fuse_transport = Some(f.transport().to_string());
+            status.fuse_uring_requests = f.uring_requests();
+        }
+        status.stored_pages = stored;
+        status.taken_unix =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
+        status
+    }
+
+    /// Writes what is set up now into the state file, so that `tmem swap
+    /// down` can remove it should this process die.
+    fn save_state(&self, status: &Status) {
+        let saved = serde_json::to_vec_pretty(status)
+            .map_err(|e| e.to_string())
+            .and_then(|json| self.dir.write_atomic(STATE_FILE, &json).map_err(|e| e.to_string()));
+        if let Err(e) = saved {
+            log(&format!("warning: cannot write the state file: {e}"));
+        }
     }
 
     /// Fails when a signal asked the daemon to stop during setup.
@@ -380,15 +431,7 @@ impl Daemon {
 impl control::Handler for Daemon {
     fn handle(&self, req: Request) -> Response {
         match req {
-            Request::Status => {
-                let g = self.lock();
-                let mut status = g.status.clone();
-                if let Some(f) = &g.fuse {
-                    status.fuse_transport = Some(f.transport().to_string());
-                    status.fuse_uring_requests = f.uring_requests();
-                }
-                json(&status)
-            }
+            Request::Status => json(&self.status()),
             Request::Stat => {
                 let stats: Vec<_> = self.devices.iter().map(|d| d.stats()).collect();
                 json(&stats)

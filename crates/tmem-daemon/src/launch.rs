@@ -100,9 +100,9 @@ fn roll_back(child: &mut Child, dir: &RuntimeDir, waited: Duration) -> DaemonErr
 /// Asks the daemon in `dir` for an orderly teardown and waits until it has
 /// exited (its lock is free); returns the steps it took, and its pid.
 pub fn stop(dir: &Path) -> Result<(Vec<String>, u32), DaemonError> {
-    let rt = RuntimeDir::open(dir)?;
     let status = |v| serde_json::from_value::<Status>(v).map_err(|e| DaemonError::Lifecycle(e.to_string()));
     let before = status(tmem_ctl::call_ok(dir, &Request::Status, Duration::from_secs(5))?)?;
+    let rt = RuntimeDir::open(dir)?;
     // swapoff reads every page back: allow it time.
     let after = status(tmem_ctl::call_ok(dir, &Request::Down, Duration::from_secs(3600))?)?;
     let deadline = Instant::now() + Duration::from_secs(30);

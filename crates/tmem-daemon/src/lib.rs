@@ -7,6 +7,7 @@
 //! - [`daemon`]: the daemon's life: setup, serving, orderly teardown;
 //! - [`control`]: the control socket's server (the protocol is `tmem_ctl`);
 //! - [`launch`]: starting a daemon from the command line and waiting for it;
+//! - [`recover`]: cleaning up after a daemon that died;
 //! - [`knobs`]: run-time changes (`tmem set`);
 //! - [`tiers`]: the `--tier` options;
 //! - `fault` (feature `fault-injection`, test builds only): injected faults.
@@ -17,6 +18,7 @@ pub mod daemon;
 pub mod fault;
 pub mod knobs;
 pub mod launch;
+pub mod recover;
 pub mod runtime;
 pub mod spec;
 pub mod tiers;

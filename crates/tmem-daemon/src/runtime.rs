@@ -25,6 +25,8 @@ use rustix::io::Errno;
 pub const LOCK_FILE: &str = "daemon.lock";
 /// Name of the log file.
 pub const LOG_FILE: &str = "daemon.log";
+/// Name of the state file: what the daemon set up, for recovery after it died.
+pub const STATE_FILE: &str = "state.json";
 
 /// Runtime directory errors.
 #[derive(Debug, thiserror::Error)]
@@ -300,8 +302,10 @@ impl RuntimeDir {
 
 impl DaemonLock {
     fn write_pid(&self, pid: u32) -> std::io::Result<()> {
+        // At offset 0: the open file (and its offset) may be shared with the
+        // command that handed the lock down.
         self.file.set_len(0)?;
-        (&self.file).write_all(format!("{pid}\n").as_bytes())
+        std::os::unix::fs::FileExt::write_all_at(&self.file, format!("{pid}\n").as_bytes(), 0)
     }
 
     /// The descriptor to hand to a child (cleared of close-on-exec): the

@@ -93,6 +93,35 @@ pub fn loops_of(file: &Path) -> Result<Vec<PathBuf>, SwapError> {
     Ok(out.lines().map(str::trim).filter(|l| !l.is_empty()).map(PathBuf::from).collect())
 }
 
+/// Loop devices whose backing file lies under `dir`, with that file, from
+/// `/sys/block/loop*/loop/backing_file` (which names the file even when it
+/// can no longer be opened, as on a dead FUSE mount).
+pub fn loops_under(dir: &Path) -> Result<Vec<(PathBuf, PathBuf)>, SwapError> {
+    let sys = Path::new("/sys/block");
+    let entries =
+        std::fs::read_dir(sys).map_err(|e| SwapError::Proc { path: "/sys/block".into(), reason: e.to_string() })?;
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) else { continue };
+        let backing = PathBuf::from(backing.trim_end_matches('\n').trim_end_matches(" (deleted)"));
+        if backing.starts_with(dir) {
+            out.push((PathBuf::from("/dev").join(&name), backing));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Lazily unmounts `path` (`umount -l`): it goes at once from the namespace,
+/// and for good once nothing uses it (a dead FUSE daemon's mount included).
+pub fn unmount_lazy(path: &Path) -> Result<(), SwapError> {
+    run("umount", &["--lazy", &path.to_string_lossy()]).map(drop)
+}
+
 /// Writes a swap signature.
 pub fn mkswap(dev: &Path, label: &str) -> Result<(), SwapError> {
     run("mkswap", &["--label", label, &dev.to_string_lossy()]).map(drop)

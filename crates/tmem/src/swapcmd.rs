@@ -7,7 +7,7 @@ use std::time::Duration;
 use tmem_block::DeviceStats;
 use tmem_ctl::{self as ctl, Request};
 use tmem_daemon::spec::device_specs;
-use tmem_daemon::{human, launch, DaemonSpec, PoolLimit};
+use tmem_daemon::{human, launch, recover, DaemonError, DaemonSpec, PoolLimit};
 
 /// `/dev/fuse` worker threads of `tmem swap up` (and of the bench's fuse-ram baseline).
 pub const DEFAULT_FUSE_THREADS: usize = 4;
@@ -79,6 +79,14 @@ pub fn up(a: &UpArgs) -> anyhow::Result<()> {
     };
     // Check everything here, where the user sees the error.
     spec.validate(tmem_sys::swap::total_ram_bytes()?)?;
+    if let Some(left) = recover::inspect(&a.runtime_dir)? {
+        println!(
+            "a tmem daemon{} died here and left {}; cleaning up first:",
+            left.pid.map(|p| format!(" (pid {p})")).unwrap_or_default(),
+            left.summary()
+        );
+        print_recovery(&recover::clean(&a.runtime_dir)?);
+    }
     let st = launch::start(spec, &std::env::current_exe()?, Duration::from_secs(a.wait))?;
     for s in &st.steps {
         println!("{s}");
@@ -92,18 +100,62 @@ pub fn up(a: &UpArgs) -> anyhow::Result<()> {
 }
 
 /// `tmem swap down`: orderly teardown, then waits for the daemon to exit.
+///
+/// With no daemon running, it removes whatever a dead one left (swap areas,
+/// loop devices, its mount, its files) and says what was lost; it exits 0
+/// once nothing of tmem is left in the directory.
 pub fn down(a: &DaemonArgs) -> anyhow::Result<()> {
-    let (steps, pid) = launch::stop(&a.runtime_dir)?;
-    for s in steps {
+    match launch::stop(&a.runtime_dir) {
+        Ok((steps, pid)) => {
+            for s in steps {
+                println!("{s}");
+            }
+            println!("tmem swap is down (daemon pid {pid} exited)");
+            Ok(())
+        }
+        Err(DaemonError::Ctl(tmem_ctl::CtlError::NoDaemon { .. })) => match recover::inspect(&a.runtime_dir)? {
+            Some(left) => {
+                println!(
+                    "the tmem daemon{} is dead; it left {}",
+                    left.pid.map(|p| format!(" (pid {p})")).unwrap_or_default(),
+                    left.summary()
+                );
+                let r = recover::clean(&a.runtime_dir)?;
+                print_recovery(&r);
+                println!("tmem swap is down ({} pages were lost with the dead daemon)", r.lost_pages);
+                Ok(())
+            }
+            None => {
+                println!("tmem swap is down (no daemon runs in {}, and none left anything)", a.runtime_dir.display());
+                Ok(())
+            }
+        },
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn print_recovery(r: &recover::Recovery) {
+    for s in &r.steps {
         println!("{s}");
     }
-    println!("tmem swap is down (daemon pid {pid} exited)");
-    Ok(())
 }
 
 /// `tmem stat`: a zramctl-like table, or every counter as JSON.
 pub fn stat(a: &DaemonArgs, json: bool) -> anyhow::Result<()> {
-    let data = ctl::call_ok(&a.runtime_dir, &Request::Stat, Duration::from_secs(10))?;
+    let data = match ctl::call_ok(&a.runtime_dir, &Request::Stat, Duration::from_secs(10)) {
+        Ok(d) => d,
+        Err(e @ ctl::CtlError::NoDaemon { .. }) => match recover::inspect(&a.runtime_dir)? {
+            Some(left) => anyhow::bail!(
+                "the tmem daemon{} is dead and its swap is orphaned: {} ({} pages lost); `tmem swap down --runtime-dir {}` cleans up",
+                left.pid.map(|p| format!(" (pid {p})")).unwrap_or_default(),
+                left.summary(),
+                left.lost_pages(),
+                a.runtime_dir.display()
+            ),
+            None => return Err(e.into()),
+        },
+        Err(e) => return Err(e.into()),
+    };
     if json {
         println!("{}", serde_json::to_string_pretty(&data)?);
         return Ok(());

@@ -1,0 +1,148 @@
+//! Cleaning up after a daemon that died (SIGKILL, OOM, a crash).
+//!
+//! A dead daemon leaves its swap areas active on loop devices whose FUSE
+//! files no longer answer, its FUSE mount, and files in its runtime
+//! directory. What it held is gone: swap content deliberately does not
+//! outlive its daemon, and the kernel gives a process that touches such a
+//! page SIGBUS (swapoff marks the pages it cannot read back as poisoned).
+//! This module finds those pieces — from the state file, and from the
+//! kernel itself (`/sys/block/loop*/loop/backing_file`, `/proc/swaps`, the
+//! mount), so it also works when the state file is missing — and removes
+//! every one: swapoff, loop detach, lazy unmount, files.
+
+use std::path::{Path, PathBuf};
+
+use tmem_ctl::Status;
+use tmem_sys::swap;
+
+use crate::daemon::MOUNT_DIR;
+use crate::runtime::{RuntimeDir, STATE_FILE};
+use crate::{human, DaemonError};
+
+/// What a dead daemon left behind in one runtime directory.
+#[derive(Clone, Debug)]
+pub struct Leftovers {
+    /// The dead daemon's pid, from its state or lock file.
+    pub pid: Option<u32>,
+    /// Loop devices on its FUSE files: (device, backing file).
+    pub loops: Vec<(PathBuf, PathBuf)>,
+    /// Those of them that are active swap areas, with their use.
+    pub swap_areas: Vec<swap::SwapArea>,
+    /// Whether its FUSE mount is still there.
+    pub mounted: bool,
+    /// Its state file, when it left one.
+    pub state: Option<Status>,
+}
+
+impl Leftovers {
+    /// Pages the kernel had in its swap areas (lost with the daemon).
+    pub fn lost_pages(&self) -> u64 {
+        self.swap_areas.iter().map(|a| a.used / 4096).sum()
+    }
+
+    /// One line saying what is left.
+    pub fn summary(&self) -> String {
+        let mut parts: Vec<String> = self
+            .swap_areas
+            .iter()
+            .map(|a| format!("swap on {} ({} in use)", a.path.display(), human(a.used)))
+            .collect();
+        let swapping: Vec<&PathBuf> = self.swap_areas.iter().map(|a| &a.path).collect();
+        parts
+            .extend(self.loops.iter().filter(|(d, _)| !swapping.contains(&d)).map(|(d, _)| format!("{}", d.display())));
+        if self.mounted {
+            parts.push("its FUSE mount".into());
+        }
+        if parts.is_empty() {
+            parts.push("its state file".into());
+        }
+        let mut line = parts.join(", ");
+        if let Some(st) = &self.state {
+            let age = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs()
+                .saturating_sub(st.taken_unix);
+            line.push_str(&format!("; it held {} pages when it last recorded its state, {age} s ago", st.stored_pages));
+        }
+        line
+    }
+}
+
+/// What [`clean`] did.
+#[derive(Clone, Debug, Default)]
+pub struct Recovery {
+    /// Steps, in order, for the command line to print.
+    pub steps: Vec<String>,
+    /// Pages lost with the daemon.
+    pub lost_pages: u64,
+    /// The dead daemon's pid, when known.
+    pub pid: Option<u32>,
+}
+
+/// What a dead daemon left in `dir`; `None` when a live daemon holds the
+/// directory, or nothing is left (or the directory does not exist).
+pub fn inspect(dir: &Path) -> Result<Option<Leftovers>, DaemonError> {
+    if !dir.exists() {
+        return Ok(None);
+    }
+    let rt = RuntimeDir::open(dir)?;
+    if rt.is_locked()? {
+        return Ok(None);
+    }
+    leftovers(&rt, rt.lock_pid())
+}
+
+/// Removes everything a dead daemon left in `dir`. Fails, changing
+/// nothing, if a live daemon holds the directory.
+pub fn clean(dir: &Path) -> Result<Recovery, DaemonError> {
+    let rt = RuntimeDir::open(dir)?;
+    let dead_pid = rt.lock_pid();
+    // Hold the lock while cleaning, so no daemon starts here meanwhile.
+    let _lock = rt.lock()?;
+    let Some(left) = leftovers(&rt, dead_pid)? else { return Ok(Recovery::default()) };
+    let mut r = Recovery { pid: left.pid, lost_pages: left.lost_pages(), ..Recovery::default() };
+    for area in &left.swap_areas {
+        swap::swapoff(&area.path)
+            .map_err(|e| DaemonError::Lifecycle(format!("swapoff {}: {e}", area.path.display())))?;
+        r.steps.push(format!(
+            "swapoff {}: {} pages ({}) that the dead daemon held are lost; processes that had them get SIGBUS when they touch them",
+            area.path.display(),
+            area.used / 4096,
+            human(area.used)
+        ));
+    }
+    for (dev, file) in &left.loops {
+        swap::loop_detach(dev).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
+        r.steps.push(format!("losetup --detach {} (was {})", dev.display(), file.display()));
+    }
+    if left.mounted {
+        let mount = rt.join(MOUNT_DIR);
+        swap::unmount_lazy(&mount).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
+        r.steps.push(format!("umount --lazy {}", mount.display()));
+    }
+    for name in [STATE_FILE, tmem_ctl::SOCKET, "nbd.sock"] {
+        rt.remove(name)?;
+    }
+    let _ = std::fs::remove_dir(rt.join(MOUNT_DIR));
+    r.steps.push(format!("removed the state file and sockets from {}", rt.path().display()));
+    Ok(r)
+}
+
+/// What is left in `rt`, whose daemon is not running; `lock_pid` is the pid
+/// its lock file names.
+fn leftovers(rt: &RuntimeDir, lock_pid: Option<u32>) -> Result<Option<Leftovers>, DaemonError> {
+    let state: Option<Status> = rt.read_file(STATE_FILE, 1 << 20)?.and_then(|text| serde_json::from_str(&text).ok());
+    let lifecycle = |e: swap::SwapError| DaemonError::Lifecycle(e.to_string());
+    let loops = swap::loops_under(&rt.join(MOUNT_DIR)).map_err(lifecycle)?;
+    let swap_areas =
+        swap::swaps().map_err(lifecycle)?.into_iter().filter(|a| loops.iter().any(|(d, _)| *d == a.path)).collect();
+    let left = Leftovers {
+        pid: state.as_ref().map(|s| s.pid).or(lock_pid),
+        loops,
+        swap_areas,
+        mounted: rt.is_mounted(MOUNT_DIR)?,
+        state,
+    };
+    Ok((!left.loops.is_empty() || left.mounted || left.state.is_some()).then_some(left))
+}
