@@ -509,7 +509,21 @@ impl ZsAlloc {
         let span = c.spans[loc.span as usize].ptr.expect("object in an unmapped span");
         // SAFETY: the caller keeps the object alive and unmoved; the slot lies
         // within the span (slot < slots, len <= size); only its owner writes it.
-        unsafe { span.slice(usize::from(loc.slot) * c.geo.size, len) }
+        unsafe { span.slice(&self.arena, usize::from(loc.slot) * c.geo.size, len) }
+    }
+
+    /// Flips bits of byte `at` of the object at `loc` (corruption tests).
+    ///
+    /// # Safety
+    /// `loc` is live, `at` is inside it, and nothing else reads or writes
+    /// the object meanwhile (the store holds the owning shard lock).
+    #[cfg(test)]
+    pub(crate) unsafe fn corrupt_object(&self, loc: Loc, at: usize) {
+        let c = self.lock(usize::from(loc.class));
+        assert!(at < c.geo.size);
+        let span = c.spans[loc.span as usize].ptr.expect("object in an unmapped span");
+        // SAFETY: the caller's contract; the byte lies in the object's slot.
+        unsafe { span.xor_byte(usize::from(loc.slot) * c.geo.size + at, 0x55) };
     }
 
     /// Picks victim spans per class (see the module docs) and stops

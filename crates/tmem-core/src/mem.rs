@@ -68,12 +68,14 @@ impl SpanPtr {
         }
     }
 
-    /// Borrows `len` bytes at `offset`.
+    /// Borrows `len` bytes at `offset`, for no longer than `arena` (the
+    /// arena the span came from, whose mappings it points into) is borrowed.
     ///
     /// # Safety
-    /// No thread writes these bytes while the returned slice lives, and the
-    /// span is not freed during that time.
-    pub unsafe fn slice<'a>(&self, offset: usize, len: usize) -> &'a [u8] {
+    /// The span came from `arena`; no thread writes these bytes while the
+    /// returned slice lives, and the span is not freed during that time.
+    pub unsafe fn slice<'a>(&self, arena: &'a PageArena, offset: usize, len: usize) -> &'a [u8] {
+        let _ = arena;
         self.check(offset, len);
         // SAFETY: bounds checked; the memory is mapped and initialised (mmap
         // zero-fills); the caller guarantees no concurrent writer or free.
@@ -85,9 +87,10 @@ impl SpanPtr {
     /// # Safety
     /// As for [`SpanPtr::slice`].
     pub unsafe fn read_u16(&self, offset: usize) -> u16 {
-        // SAFETY: forwarded contract.
-        let b = unsafe { self.slice(offset, 2) };
-        u16::from_le_bytes([b[0], b[1]])
+        self.check(offset, 2);
+        // SAFETY: bounds checked; mapped and initialised; the caller
+        // guarantees no concurrent writer or free. Read by value: no borrow outlives the call.
+        u16::from_le_bytes(unsafe { std::ptr::read_unaligned(self.base.as_ptr().add(offset).cast::<[u8; 2]>()) })
     }
 
     /// Writes a little-endian u16 at `offset`.
@@ -102,10 +105,28 @@ impl SpanPtr {
     /// Copies `len` bytes from `src_off` in `self` to `dst_off` in `dst`.
     ///
     /// # Safety
-    /// Both ranges satisfy the contracts of `slice` and `write` respectively.
+    /// Both ranges satisfy the contracts of `slice` and `write` respectively,
+    /// and they do not overlap.
     pub unsafe fn copy_to(&self, src_off: usize, dst: &SpanPtr, dst_off: usize, len: usize) {
-        // SAFETY: forwarded contracts; distinct allocated slots never overlap.
-        unsafe { dst.write(dst_off, self.slice(src_off, len)) }
+        self.check(src_off, len);
+        dst.check(dst_off, len);
+        // SAFETY: both ranges are in bounds and mapped; the caller
+        // guarantees exclusive use of both and that they do not overlap
+        // (distinct allocated slots never do).
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.base.as_ptr().add(src_off), dst.base.as_ptr().add(dst_off), len);
+        }
+    }
+
+    /// Flips bits of the byte at `offset` (corruption tests).
+    ///
+    /// # Safety
+    /// As for [`SpanPtr::write`].
+    #[cfg(test)]
+    pub(crate) unsafe fn xor_byte(&self, offset: usize, bits: u8) {
+        self.check(offset, 1);
+        // SAFETY: in bounds; exclusivity and liveness are the caller's contract.
+        unsafe { *self.base.as_ptr().add(offset) ^= bits };
     }
 }
 
@@ -223,9 +244,13 @@ impl PageArena {
         // SAFETY: the range is a whole span we mapped; nobody uses it any more
         // (caller contract). MADV_DONTNEED on private anonymous memory makes
         // later reads return zeros, which is what a fresh span needs.
+        #[cfg(not(miri))]
         let mut rc = unsafe { libc::madvise(addr, span.len, libc::MADV_DONTNEED) };
+        // Miri has no madvise: zero the span by hand below.
+        #[cfg(miri)]
+        let mut rc = -1;
         let mut unlocked = false;
-        if rc != 0 {
+        if rc != 0 && cfg!(not(miri)) {
             // Locked memory (mlockall) refuses DONTNEED: unlock the span first.
             // SAFETY: same exclusive range as above.
             rc = unsafe { libc::munlock(addr, span.len) };
@@ -245,6 +270,13 @@ impl PageArena {
     }
 }
 
+/// Private anonymous memory; no swap reservation (untouched pages cost
+/// nothing). Miri supports only the first two flags.
+#[cfg(not(miri))]
+const MAP_FLAGS: libc::c_int = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+#[cfg(miri)]
+const MAP_FLAGS: libc::c_int = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+
 fn map_chunk() -> Result<NonNull<u8>, MemError> {
     // SAFETY: anonymous private mapping with no address hint; the result is
     // checked for MAP_FAILED before use.
@@ -253,7 +285,7 @@ fn map_chunk() -> Result<NonNull<u8>, MemError> {
             std::ptr::null_mut(),
             CHUNK_BYTES,
             libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            MAP_FLAGS,
             -1,
             0,
         )
@@ -293,7 +325,7 @@ mod tests {
         let t = a.alloc_span(2).unwrap();
         assert_eq!(t, s, "freed span of the same size is reused");
         // SAFETY: fresh span, single thread.
-        assert!(unsafe { t.slice(0, t.len()) }.iter().all(|&b| b == 0));
+        assert!(unsafe { t.slice(&a, 0, t.len()) }.iter().all(|&b| b == 0));
     }
 
     #[test]
@@ -301,7 +333,8 @@ mod tests {
         // nextest runs each test in its own process, so locking is contained.
         // SAFETY: mlockall only changes how our own mappings are locked.
         if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) } != 0 {
-            println!("SKIP: mlockall refused: {}", std::io::Error::last_os_error());
+            let why = format!("mlockall refused: {}", std::io::Error::last_os_error());
+            tmem_testkit::skip(tmem_testkit::Feature::Root, &why);
             return;
         }
         let a = PageArena::new();
@@ -314,7 +347,7 @@ mod tests {
         let t = a.alloc_span(4).unwrap();
         assert_eq!(t, s);
         // SAFETY: fresh span, single thread.
-        assert!(unsafe { t.slice(0, t.len()) }.iter().all(|&b| b == 0));
+        assert!(unsafe { t.slice(&a, 0, t.len()) }.iter().all(|&b| b == 0));
         // SAFETY: undo the test's locking.
         unsafe { libc::munlockall() };
     }

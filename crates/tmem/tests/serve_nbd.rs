@@ -71,3 +71,55 @@ fn serve_nbd_exports_devices_to_real_clients() {
     assert!(!sock.exists(), "socket removed on exit");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An injected panic on one page's read fails that request alone (EIO to
+/// the client); the daemon serves every other page, and counts it.
+#[test]
+fn a_panic_fails_one_nbd_request_and_the_server_goes_on() {
+    if !have("qemu-io") {
+        println!("SKIP: qemu-io is not installed (apt-get install qemu-utils)");
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIP: the daemon calls mlockall, which needs root here");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let child = Command::new(TMEM)
+        .args(["serve", "nbd", "--size", "64M", "--runtime-dir", rd.to_str().unwrap()])
+        .env("TMEM_FAULT_PANIC_READ_PAGE", "3")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _server = Server(child);
+    let sock = rd.join("nbd.sock");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !sock.exists() {
+        assert!(Instant::now() < deadline, "no NBD socket after 20 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let io = |cmds: &[&str]| {
+        let mut c = Command::new("qemu-io");
+        c.args(["-f", "raw"]);
+        for cmd in cmds {
+            c.args(["-c", cmd]);
+        }
+        let out = c.arg(&uri).output().unwrap();
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    };
+    let w = io(&["write -P 0x5a 0 64k"]);
+    assert!(w.contains("wrote 65536/65536"), "{w}");
+    let bad = io(&["read -P 0x5a 12288 4k"]);
+    assert!(bad.contains("Input/output error") && !bad.contains("read 4096/4096"), "{bad}");
+    let good = io(&["read -P 0x5a 0 12k", "read -P 0x5a 16k 48k"]);
+    assert!(good.contains("read 12288/12288") && good.contains("read 49152/49152"), "{good}");
+    assert!(!good.contains("Pattern verification failed"), "{good}");
+    let stat = Command::new(TMEM).args(["stat", "--json", "--runtime-dir", rd.to_str().unwrap()]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&stat.stdout).unwrap();
+    assert_eq!(v[0]["panics"], 1, "{}", v[0]);
+    assert_eq!(v[0]["failed_reads"], 1, "{}", v[0]);
+}
