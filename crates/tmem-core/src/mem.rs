@@ -280,16 +280,8 @@ const MAP_FLAGS: libc::c_int = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
 fn map_chunk() -> Result<NonNull<u8>, MemError> {
     // SAFETY: anonymous private mapping with no address hint; the result is
     // checked for MAP_FAILED before use.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            CHUNK_BYTES,
-            libc::PROT_READ | libc::PROT_WRITE,
-            MAP_FLAGS,
-            -1,
-            0,
-        )
-    };
+    let p =
+        unsafe { libc::mmap(std::ptr::null_mut(), CHUNK_BYTES, libc::PROT_READ | libc::PROT_WRITE, MAP_FLAGS, -1, 0) };
     if p == libc::MAP_FAILED {
         return Err(MemError::Mmap { bytes: CHUNK_BYTES, source: std::io::Error::last_os_error() });
     }
@@ -329,6 +321,8 @@ mod tests {
     }
 
     #[test]
+    // Miri has no mlockall; this checks the kernel's behaviour, not memory safety.
+    #[cfg_attr(miri, ignore)]
     fn spans_are_released_and_zeroed_under_mlockall() {
         // nextest runs each test in its own process, so locking is contained.
         // SAFETY: mlockall only changes how our own mappings are locked.

@@ -1,5 +1,5 @@
-//! Capturing live processes. Skips (with a message) where /proc/PID/mem is
-//! not readable or a program is not installed.
+//! Capturing live processes. Skips (with a message, see tmem-testkit) where
+//! /proc/PID/mem is not readable or a program is not installed.
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, Write};
@@ -7,6 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::process::{Child, ChildStdout, Command, Stdio};
 
 use tmem_corpus::{capture_pid, spawn_and_capture, CorpusError, SpawnKind, PAGE_SIZE};
+use tmem_testkit::{have_tool, skip, Feature};
 
 /// A 16-byte marker; the child fills 64 pages with it.
 const MARKER: &[u8; 16] = b"TMEMCAPTURETEST!";
@@ -29,15 +30,11 @@ impl Drop for Killer {
     }
 }
 
-fn which(p: &str) -> bool {
-    std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(p).is_file()))
-}
-
 fn mem_readable(pid: u32) -> bool {
     match File::open(format!("/proc/{pid}/mem")) {
         Ok(_) => true,
         Err(e) => {
-            println!("SKIPPED: /proc/{pid}/mem is not readable ({e}); run as root");
+            skip(Feature::Root, &format!("/proc/{pid}/mem is not readable ({e}); run as root"));
             false
         }
     }
@@ -69,8 +66,8 @@ fn read_line(r: &mut BufReader<ChildStdout>) -> String {
 
 #[test]
 fn captures_a_python_child() {
-    if !which("python3") {
-        println!("SKIPPED: python3 not installed");
+    if !have_tool("python3") {
+        skip(Feature::Tools, "python3 not installed");
         return;
     }
     let child =
@@ -130,15 +127,15 @@ fn missing_process_is_a_clear_error() {
 }
 
 fn spawn_small(kind: SpawnKind, program: &str) {
-    if !which(program) {
-        println!("SKIPPED: {program} not installed");
+    if !have_tool(program) {
+        skip(Feature::Tools, &format!("{program} not installed"));
         return;
     }
     let max = 8u64 << 20;
     let c = match spawn_and_capture(kind, max) {
         Ok(c) => c,
         Err(CorpusError::PermissionDenied { .. }) => {
-            println!("SKIPPED: not allowed to read process memory; run as root");
+            skip(Feature::Root, "not allowed to read process memory; run as root");
             return;
         }
         Err(e) => panic!("{kind}: {e}"),

@@ -25,6 +25,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
 
+use sd_notify::NotifyState;
 use tmem_block::{BlockDevice, DeviceConfig, PoolDevice};
 use tmem_ctl::{DeviceStatus, Request, Response, Status};
 use tmem_fuse::{Export, FuseConfig, FuseMount};
@@ -178,12 +179,25 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         return Err(e);
     }
     log("up");
+    // Under systemd (Type=notify): ready once swap is on. Without
+    // NOTIFY_SOCKET these are no-ops.
+    let devices = daemon.devices.len();
+    let _ =
+        sd_notify::notify(false, &[NotifyState::Ready, NotifyState::Status(&format!("serving {devices} device(s)"))]);
+    let mut watchdog_usec = 0;
+    let tick = match sd_notify::watchdog_enabled(false, &mut watchdog_usec) {
+        true => STATE_INTERVAL.min(std::time::Duration::from_micros(watchdog_usec / 2)),
+        false => STATE_INTERVAL,
+    };
 
     loop {
-        match rx.recv_timeout(STATE_INTERVAL) {
+        match rx.recv_timeout(tick) {
             Err(mpsc::RecvTimeoutError::Timeout) => {
+                // Taking the status reads every store's counters under its
+                // locks: a store that deadlocked stops the watchdog pings.
                 let status = daemon.status();
                 daemon.save_state(&status);
+                let _ = sd_notify::notify(false, &[NotifyState::Watchdog]);
             }
             Err(mpsc::RecvTimeoutError::Disconnected) | Ok(Event::Down) => break,
             Ok(Event::Signal(sig)) => {
@@ -381,6 +395,7 @@ impl Daemon {
         if self.exited.load(Ordering::Acquire) {
             return Ok(());
         }
+        let _ = sd_notify::notify(false, &[NotifyState::Stopping]);
         self.lock().status.state = "stopping".into();
         let devs = self.lock().status.devices.clone();
         for (i, d) in devs.iter().enumerate() {

@@ -3,6 +3,7 @@
 //! with a control socket for `tmem stat`, `tmem set` and `tmem swap down`.
 //!
 //! - [`spec`]: what a daemon runs, and the checks it passes first;
+//! - [`config`]: the configuration file (`/etc/tmem/tmem.toml`);
 //! - [`runtime`]: the runtime directory, its lifetime lock and safe file access;
 //! - [`daemon`]: the daemon's life: setup, serving, orderly teardown;
 //! - [`control`]: the control socket's server (the protocol is `tmem_ctl`);
@@ -12,6 +13,7 @@
 //! - [`tiers`]: the `--tier` options;
 //! - `fault` (feature `fault-injection`, test builds only): injected faults.
 
+pub mod config;
 pub mod control;
 pub mod daemon;
 #[cfg(feature = "fault-injection")]

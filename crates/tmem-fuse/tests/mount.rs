@@ -7,24 +7,31 @@ use std::sync::Arc;
 
 use tmem_block::{BlockDevice, DeviceConfig};
 use tmem_fuse::{Export, FuseConfig, FuseMount, Transport};
+use tmem_testkit::{skip, Feature};
 
-fn can_mount() -> Result<(), String> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err("needs root to mount FUSE".into());
+/// Whether FUSE can be mounted here; reports the skip when not.
+fn can_mount() -> bool {
+    if !tmem_testkit::is_root() {
+        skip(Feature::Root, "needs root to mount FUSE");
+        return false;
     }
     if !std::path::Path::new("/dev/fuse").exists() {
-        return Err("/dev/fuse is missing".into());
+        skip(Feature::Fuse, "/dev/fuse is missing");
+        return false;
     }
-    Ok(())
+    true
 }
 
-fn can_mount_over_uring() -> Result<(), String> {
-    can_mount()?;
-    if !std::path::Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
-        return Err("this kernel has no FUSE over io_uring (Linux 6.14+)".into());
+/// Whether FUSE can be mounted over io_uring here; reports the skip when not.
+fn can_mount_over_uring() -> bool {
+    if !can_mount() {
+        return false;
     }
-    Ok(())
+    if !std::path::Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
+        skip(Feature::FuseUring, "this kernel has no FUSE over io_uring (Linux 6.14+)");
+        return false;
+    }
+    true
 }
 
 struct TempDir(std::path::PathBuf);
@@ -47,8 +54,7 @@ fn device(name: &str, size: u64) -> Arc<tmem_block::PoolDevice> {
 
 #[test]
 fn files_read_write_punch_and_list() {
-    if let Err(why) = can_mount() {
-        println!("SKIP: {why}");
+    if !can_mount() {
         return;
     }
     let (m, _dir) = read_write_punch_and_list("rw", 0);
@@ -59,8 +65,7 @@ fn files_read_write_punch_and_list() {
 
 #[test]
 fn files_read_write_punch_and_list_over_io_uring() {
-    if let Err(why) = can_mount_over_uring() {
-        println!("SKIP: {why}");
+    if !can_mount_over_uring() {
         return;
     }
     let switch_before = std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring").unwrap();
@@ -155,8 +160,7 @@ fn nix_statfs(path: &std::path::Path) -> u64 {
 
 #[test]
 fn full_pool_gives_enospc_to_the_writer() {
-    if let Err(why) = can_mount() {
-        println!("SKIP: {why}");
+    if !can_mount() {
         return;
     }
     full_pool_enospc("full", 0);
@@ -164,8 +168,7 @@ fn full_pool_gives_enospc_to_the_writer() {
 
 #[test]
 fn full_pool_gives_enospc_to_the_writer_over_io_uring() {
-    if let Err(why) = can_mount_over_uring() {
-        println!("SKIP: {why}");
+    if !can_mount_over_uring() {
         return;
     }
     let served = full_pool_enospc("full-uring", 1);

@@ -1,6 +1,7 @@
 //! The server against real NBD clients from Debian packages: qemu-io and
 //! qemu-img (qemu-utils), nbdinfo and nbdcopy (libnbd-bin). A test whose
-//! client is missing prints `SKIP:` and passes.
+//! client is missing prints `SKIP:` and passes, unless `TMEM_REQUIRE`
+//! requires tools (see `tmem_testkit::skip`).
 
 mod common;
 

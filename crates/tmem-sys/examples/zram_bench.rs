@@ -1,7 +1,7 @@
 //! Benchmarks every zram algorithm on generated mixed pages.
 //!
 //! Usage: `cargo run --release -p tmem-sys --example zram_bench [MiB] [threads]`
-//! (root, idle /dev/zram0).
+//! (root; each run on a zram device hot-added for it).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -12,10 +12,13 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let mib: usize = args.next().map_or(8, |a| a.parse().expect("MiB"));
     let threads: usize = args.next().map_or(2, |a| a.parse().expect("threads"));
-    if let Err(reason) = zram::check_available("zram0") {
-        eprintln!("SKIP: {reason}");
-        return;
-    }
+    let algorithms = match zram::probe() {
+        Ok(a) => a,
+        Err(reason) => {
+            eprintln!("SKIP: {reason}");
+            return;
+        }
+    };
     let g = common::generate(mib * 256, 42);
     println!(
         "{} pages: {} same-filled ({} zero), {} pattern, {} text, {} random; {threads} threads",
@@ -25,16 +28,17 @@ fn main() {
         "{:<8} {:>7} {:>10} {:>10} {:>10} {:>10} {:>6}",
         "algo", "ratio", "put1t MB/s", "get1t MB/s", "putMT MB/s", "getMT MB/s", "huge"
     );
-    for algorithm in zram::algorithms("zram0").expect("algorithms") {
-        match zram::bench("zram0", &g.data, &algorithm, threads) {
+    let mbs = |p: zram::TimedPhase| p.mb_per_sec().unwrap_or(f64::NAN);
+    for algorithm in algorithms {
+        match zram::bench(&g.data, &algorithm, threads) {
             Ok(r) => println!(
                 "{:<8} {:>7.3} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>6}",
                 algorithm,
                 r.ratio(),
-                r.mb_per_sec(r.put_secs_1t),
-                r.mb_per_sec(r.get_secs_1t),
-                r.mb_per_sec(r.put_secs_mt),
-                r.mb_per_sec(r.get_secs_mt),
+                mbs(r.put_1t),
+                mbs(r.get_1t),
+                mbs(r.put_mt),
+                mbs(r.get_mt),
                 r.mm_stat.huge_pages
             ),
             Err(e) => println!("{algorithm:<8} error: {e}"),

@@ -315,8 +315,12 @@ mod tests {
 
     #[test]
     fn real_memory_cgroup_when_root() {
-        if !crate::is_root() || v1_memory_available().is_err() {
-            eprintln!("SKIP: needs root and the cgroup v1 memory controller");
+        if !crate::is_root() {
+            tmem_testkit::skip(tmem_testkit::Feature::Root, "needs root to create a memory cgroup");
+            return;
+        }
+        if let Err(e) = v1_memory_available() {
+            tmem_testkit::skip(tmem_testkit::Feature::Memcg, &format!("no cgroup v1 memory controller: {e}"));
             return;
         }
         let g = MemCgroup::create(&format!("tmem-sys-test-{}", std::process::id())).unwrap();

@@ -1,4 +1,6 @@
-//! `/proc/vmstat` counters: how many pages went to swap and came back.
+//! `/proc/vmstat` counters: how many pages went to swap and came back; and
+//! CPU time: the machine's (`/proc/stat`), a process's (`/proc/PID/stat`,
+//! `getrusage`), and what a timed section used ([`CpuMark`]).
 
 use std::collections::BTreeMap;
 
@@ -110,13 +112,30 @@ mod tests {
     }
 }
 
+/// Clock ticks per second of `/proc/stat` and `/proc/PID/stat` (`USER_HZ`,
+/// `sysconf(_SC_CLK_TCK)`; 100 where that fails).
+#[must_use]
+pub fn clock_ticks_per_sec() -> u64 {
+    // SAFETY: sysconf(3) takes an integer name, touches no memory of ours and
+    // has no preconditions; it returns -1 on error, handled below.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    u64::try_from(hz).ok().filter(|&h| h > 0).unwrap_or(100)
+}
+
+fn ticks_to_secs(ticks: u64) -> f64 {
+    ticks as f64 / clock_ticks_per_sec() as f64
+}
+
 /// All-CPU time from the first line of `/proc/stat`, in clock ticks: how
 /// much of it the hypervisor gave to other guests (steal) tells whether a
-/// timed run on a VM was measured on a quiet host.
+/// timed run on a VM was measured on a quiet host, and how much of it was
+/// busy tells what a run cost the whole machine, kernel work included.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CpuTimes {
     /// user + nice + system + idle + iowait + irq + softirq + steal.
     pub total: u64,
+    /// idle + iowait: time no task wanted the CPU.
+    pub idle: u64,
     /// Time a runnable vCPU waited for the host.
     pub steal: u64,
 }
@@ -126,12 +145,32 @@ impl CpuTimes {
     pub fn parse(stat: &str) -> Option<Self> {
         let line = stat.lines().find(|l| l.starts_with("cpu "))?;
         let v: Vec<u64> = line.split_whitespace().skip(1).take(8).map(|f| f.parse().ok()).collect::<Option<_>>()?;
-        (v.len() == 8).then(|| Self { total: v.iter().sum(), steal: v[7] })
+        (v.len() == 8).then(|| Self { total: v.iter().sum(), idle: v[3] + v[4], steal: v[7] })
     }
 
     /// Reads `/proc/stat` now; `None` where it is missing or unreadable.
     pub fn now() -> Option<Self> {
         Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    /// Busy ticks, all CPUs: total − idle − iowait − steal (user, nice,
+    /// system, irq, softirq). Steal is left out: it is time the host did not
+    /// give us, reported on its own by [`Self::steal_percent_since`].
+    #[must_use]
+    pub fn busy(&self) -> u64 {
+        self.total.saturating_sub(self.idle).saturating_sub(self.steal)
+    }
+
+    /// Busy CPU seconds of all CPUs since `earlier` (see [`Self::busy`]).
+    #[must_use]
+    pub fn busy_secs_since(&self, earlier: &Self) -> f64 {
+        ticks_to_secs(self.busy().saturating_sub(earlier.busy()))
+    }
+
+    /// Busy CPU seconds of all CPUs from `start` until now; `None` where
+    /// `/proc/stat` could not be read at either end.
+    pub fn busy_secs_from(start: Option<Self>) -> Option<f64> {
+        start.zip(Self::now()).map(|(b, a)| a.busy_secs_since(&b))
     }
 
     /// Percent of all CPU time from `start` until now that was stolen; 0
@@ -150,18 +189,143 @@ impl CpuTimes {
     }
 }
 
+/// CPU time one process has used (all its threads, living and exited), seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct ProcessCpu {
+    /// Time in user mode.
+    pub user_secs: f64,
+    /// Time in the kernel on the process's behalf (system calls, page faults,
+    /// the block I/O it submits synchronously: zram compresses there).
+    pub system_secs: f64,
+}
+
+impl ProcessCpu {
+    /// Parses `/proc/PID/stat` text: `utime` and `stime` (fields 14 and 15,
+    /// clock ticks). The command name (field 2) may hold spaces and
+    /// parentheses, so fields are counted after its last `)`.
+    pub fn parse_stat(stat: &str, ticks_per_sec: u64) -> Option<Self> {
+        let rest = &stat[stat.rfind(')')? + 1..];
+        // After ")": field 3 (state) is the first; utime is field 14.
+        let mut f = rest.split_whitespace().skip(11);
+        let user: u64 = f.next()?.parse().ok()?;
+        let system: u64 = f.next()?.parse().ok()?;
+        let hz = ticks_per_sec.max(1) as f64;
+        Some(Self { user_secs: user as f64 / hz, system_secs: system as f64 / hz })
+    }
+
+    /// CPU time of process `pid` from `/proc/PID/stat` (clock-tick
+    /// resolution, 10 ms at the usual 100 Hz); `None` once it is gone.
+    pub fn of_pid(pid: i32) -> Option<Self> {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        Self::parse_stat(&text, clock_ticks_per_sec())
+    }
+
+    /// CPU time of this process, from `getrusage(RUSAGE_SELF)`
+    /// (microsecond resolution); `None` where that fails.
+    pub fn of_self() -> Option<Self> {
+        // SAFETY: an all-zero `rusage` is a valid value of this plain C struct.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `ru` is a live, writable `rusage` for the whole call;
+        // getrusage only writes into it.
+        if unsafe { libc::getrusage(libc::RUSAGE_SELF, &raw mut ru) } != 0 {
+            return None;
+        }
+        let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+        Some(Self { user_secs: secs(ru.ru_utime), system_secs: secs(ru.ru_stime) })
+    }
+
+    /// User + system seconds.
+    #[must_use]
+    pub fn total_secs(&self) -> f64 {
+        self.user_secs + self.system_secs
+    }
+
+    /// `self - earlier` (0 where a figure went backwards).
+    #[must_use]
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            user_secs: (self.user_secs - earlier.user_secs).max(0.0),
+            system_secs: (self.system_secs - earlier.system_secs).max(0.0),
+        }
+    }
+}
+
+/// CPU used over a timed section of this process: its own time and the
+/// whole machine's busy time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct CpuSpent {
+    /// This process, all threads.
+    pub process: ProcessCpu,
+    /// Busy CPU seconds of the whole machine, all CPUs (other load
+    /// included); `None` where `/proc/stat` could not be read.
+    pub machine_busy_secs: Option<f64>,
+}
+
+/// The start of a timed section: [`CpuMark::spent`] gives what it used.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuMark {
+    process: Option<ProcessCpu>,
+    machine: Option<CpuTimes>,
+}
+
+impl CpuMark {
+    /// Marks the start of a section.
+    #[must_use]
+    pub fn now() -> Self {
+        Self { process: ProcessCpu::of_self(), machine: CpuTimes::now() }
+    }
+
+    /// CPU used since the mark.
+    #[must_use]
+    pub fn spent(&self) -> CpuSpent {
+        let process = self.process.zip(ProcessCpu::of_self()).map(|(b, a)| a.since(&b)).unwrap_or_default();
+        CpuSpent { process, machine_busy_secs: CpuTimes::busy_secs_from(self.machine) }
+    }
+}
+
 #[cfg(test)]
 mod cpu_tests {
-    use super::CpuTimes;
+    use super::{CpuMark, CpuTimes, ProcessCpu};
 
     #[test]
     fn steal_is_the_eighth_field_of_the_cpu_line() {
         let a = CpuTimes::parse("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n").unwrap();
-        assert_eq!(a, CpuTimes { total: 1000, steal: 35 });
+        assert_eq!(a, CpuTimes { total: 1000, idle: 810, steal: 35 });
+        assert_eq!(a.busy(), 155);
         let b = CpuTimes::parse("cpu  200 0 100 1500 10 0 5 185 0 0\n").unwrap();
         assert!((b.steal_percent_since(&a) - 15.0).abs() < 1e-9);
         assert_eq!(a.steal_percent_since(&a), 0.0);
+        assert_eq!(b.busy() - a.busy(), 150);
+        let hz = super::clock_ticks_per_sec() as f64;
+        assert!((b.busy_secs_since(&a) - 150.0 / hz).abs() < 1e-9);
+        assert_eq!(a.busy_secs_since(&b), 0.0, "never negative");
         assert_eq!(CpuTimes::parse("cpu  1 2 3\n"), None);
         assert_eq!(CpuTimes::parse("intr 1 2 3\n"), None);
+    }
+
+    #[test]
+    fn process_stat_fields_are_counted_after_the_command_name() {
+        let t = "1234 (tmem (x) y) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 75 3 4 20 0 9 0 1 2 3\n";
+        let p = ProcessCpu::parse_stat(t, 100).unwrap();
+        assert!((p.user_secs - 2.5).abs() < 1e-9 && (p.system_secs - 0.75).abs() < 1e-9, "{p:?}");
+        assert_eq!(ProcessCpu::parse_stat("1234 (x) S 1 2", 100), None);
+        assert_eq!(ProcessCpu::parse_stat("no parenthesis", 100), None);
+        let d = ProcessCpu { user_secs: 1.0, system_secs: 2.0 }.since(&p);
+        assert_eq!(d, ProcessCpu { user_secs: 0.0, system_secs: 1.25 });
+    }
+
+    #[test]
+    fn reads_this_process_and_the_machine() {
+        let own = ProcessCpu::of_pid(i32::try_from(std::process::id()).unwrap()).unwrap();
+        assert!(own.total_secs() >= 0.0);
+        let mark = CpuMark::now();
+        let t = std::time::Instant::now();
+        let mut x = 0_u64;
+        while t.elapsed() < std::time::Duration::from_millis(50) {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+        }
+        let spent = mark.spent();
+        assert!(spent.process.user_secs + spent.process.system_secs > 0.01, "{spent:?}");
+        assert!(spent.machine_busy_secs.unwrap() >= 0.0);
     }
 }

@@ -1,35 +1,34 @@
-//! zram benchmark harness: the kernel side of `tmem bench store`.
+//! zram: fresh devices of our own, and the benchmark harness (the kernel side
+//! of `tmem bench store`).
 //!
-//! [`bench()`] stores a caller-supplied set of 4 KiB pages in a real zram block
-//! device (`/dev/zramN`) with a chosen compression algorithm, reads them back,
-//! verifies every byte, and reports timings plus the device's `mm_stat` memory
-//! figures, so the userspace store can be compared with the kernel on the *same*
-//! pages.
+//! [`ZramDevice::hot_add`] creates a new device through
+//! `/sys/class/zram-control/hot_add` (loading the zram module with
+//! `num_devices=0` first where it is not loaded), so nothing here touches a
+//! zram device someone else set up: a user's `zram0` stays as it is.
+//! Dropping the [`ZramDevice`] (or [`ZramDevice::remove`]) removes it again
+//! through `hot_remove`, which resets it and frees its memory; that happens
+//! on error and on panic too, even in a worker thread. A process killed with
+//! `SIGKILL` cannot run its destructors; then `echo N >
+//! /sys/class/zram-control/hot_remove` removes `zramN` by hand.
 //!
-//! # Safety of the device
-//!
-//! The harness only ever touches a device that is idle (see [`check_available`]):
-//! not initialised (`initstate` 0, `disksize` 0), not used as swap, not mounted and
-//! without holders. Whatever happens during the run (I/O error, verification
-//! failure, panic, even in a worker thread) the device is put back the way it was
-//! found: reset, original `comp_algorithm`, original `mem_limit`, `disksize` 0.
-//! The only state that cannot be restored is `algorithm_params` (write-only in
-//! sysfs, cleared by every reset). A process killed with `SIGKILL` cannot run its
-//! destructors; in that case run `echo 1 > /sys/block/zramN/reset` by hand.
-//!
-//! Concurrent tmem processes are serialised with an advisory `flock(2)` on
-//! `/run/lock/tmem-sys-zramN.lock` (falls back to the temp dir).
+//! [`bench()`] stores a caller-supplied set of 4 KiB pages in such a device
+//! with a chosen compression algorithm, reads them back, verifies every byte,
+//! and reports timings, the CPU time used and the device's `mm_stat` memory
+//! figures, so the userspace store can be compared with the kernel on the
+//! *same* pages.
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::RwLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{OnceLock, RwLock};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use crate::vmstat::{CpuMark, CpuSpent};
 
 /// Page size the harness works in (and zram's logical block size on x86-64).
 pub const PAGE_SIZE: usize = 4096;
@@ -44,16 +43,24 @@ pub const PAGE_SIZE: usize = 4096;
 /// looking like swap traffic. zram handles each bio page by page either way.
 pub const CHUNK_BYTES: usize = 16 * PAGE_SIZE;
 
+/// A timed figure moves at least this much data, or runs at least [`MIN_TIMED`].
+pub const MIN_TIMED_BYTES: u64 = 64 << 20;
+
+/// A timed figure runs at least this long, or moves at least [`MIN_TIMED_BYTES`].
+pub const MIN_TIMED: Duration = Duration::from_millis(200);
+
 /// Extra bytes added to `disksize` beyond the (page-rounded) data size.
 const DISKSIZE_SLACK: u64 = 1 << 20;
 
-/// How long [`bench()`] / [`check_available`] wait for another tmem process that
-/// is benchmarking the same device.
-const LOCK_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long to keep retrying `reset` and `hot_remove` while something briefly
+/// holds the device open (e.g. udev's blkid probe after we close it).
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How long to keep retrying `reset` while something briefly holds the device
-/// open (e.g. udev's blkid probe after we close it).
-const RESET_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a hot-added device may take to show up in sysfs and `/dev`.
+const APPEAR_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The zram control directory (`hot_add`, `hot_remove`).
+const CONTROL_DIR: &str = "/sys/class/zram-control";
 
 /// Memory statistics from `/sys/block/zramN/mm_stat`.
 ///
@@ -116,29 +123,126 @@ impl FromStr for ZramMmStat {
     }
 }
 
+/// How much work a timed figure needs: a section repeats its pages until it
+/// has moved at least [`MIN_TIMED_BYTES`] or lasted at least [`MIN_TIMED`],
+/// whichever comes first, so that no figure is timed over a few microseconds
+/// of work. Threads working in one section share one budget.
+#[derive(Debug, Default)]
+pub struct Budget {
+    start: OnceLock<Instant>,
+    bytes: AtomicU64,
+}
+
+impl Budget {
+    /// A budget whose clock has not started.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Starts the clock; only the first call (of any thread) counts.
+    pub fn begin(&self) {
+        self.start.get_or_init(Instant::now);
+    }
+
+    /// Counts `bytes` more done; `true` once the section has done enough.
+    pub fn add(&self, bytes: u64) -> bool {
+        let total = self.bytes.fetch_add(bytes, Ordering::Relaxed).saturating_add(bytes);
+        total >= MIN_TIMED_BYTES || self.start.get().is_some_and(|s| s.elapsed() >= MIN_TIMED)
+    }
+
+    /// Whether `bytes` moved in `secs` seconds is enough work for a figure.
+    #[must_use]
+    pub fn enough(bytes: u64, secs: f64) -> bool {
+        bytes > 0 && secs > 0.0 && (bytes >= MIN_TIMED_BYTES || secs >= MIN_TIMED.as_secs_f64())
+    }
+
+    /// Copies of `len` bytes that together reach [`MIN_TIMED_BYTES`] (at least 1).
+    #[must_use]
+    pub fn copies_for(len: usize) -> usize {
+        usize::try_from(MIN_TIMED_BYTES).unwrap_or(usize::MAX).div_ceil(len.max(1)).max(1)
+    }
+
+    /// Why a figure is not given, for legends.
+    #[must_use]
+    pub fn reason() -> String {
+        format!("timed over less than {} MiB and {} ms", MIN_TIMED_BYTES >> 20, MIN_TIMED.as_millis())
+    }
+}
+
+/// One timed figure (of a [`bench()`] run, or of the userspace store's
+/// benchmark, which times its figures the same way).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct TimedPhase {
+    /// Pages moved in the timed section (the data, repeated as needed).
+    pub pages: u64,
+    /// Wall seconds of the section.
+    pub secs: f64,
+    /// CPU used over the section: this process's user + system time (zram
+    /// compresses and decompresses in the system time of the threads that
+    /// write and read), and the whole machine's busy time.
+    pub cpu: CpuSpent,
+}
+
+impl TimedPhase {
+    /// Bytes moved.
+    #[must_use]
+    pub fn bytes(&self) -> u64 {
+        self.pages.saturating_mul(u64_from(PAGE_SIZE))
+    }
+
+    fn enough(&self) -> bool {
+        Budget::enough(self.bytes(), self.secs)
+    }
+
+    /// Throughput in MB/s (10^6 bytes per second); `None` where the section
+    /// did too little work for the figure to mean anything ([`Budget::enough`]).
+    #[must_use]
+    pub fn mb_per_sec(&self) -> Option<f64> {
+        self.enough().then(|| self.bytes() as f64 / self.secs / 1e6)
+    }
+
+    /// CPU time of this process (user + system, all threads) per page, µs;
+    /// `None` as for [`Self::mb_per_sec`].
+    #[must_use]
+    pub fn cpu_us_per_page(&self) -> Option<f64> {
+        self.enough().then(|| self.cpu.process.total_secs() * 1e6 / self.pages as f64)
+    }
+
+    /// Busy CPU time of the whole machine per page, µs (other load on the
+    /// machine included); `None` as for [`Self::mb_per_sec`], or where
+    /// `/proc/stat` could not be read.
+    #[must_use]
+    pub fn machine_busy_us_per_page(&self) -> Option<f64> {
+        self.cpu.machine_busy_secs.filter(|_| self.enough()).map(|s| s * 1e6 / self.pages as f64)
+    }
+}
+
 /// Result of one [`bench()`] run.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ZramRun {
+    /// The hot-added device it ran on (removed again since).
+    pub device: String,
     /// Compression algorithm used.
     pub algorithm: String,
-    /// Number of 4 KiB pages stored.
+    /// Number of 4 KiB pages of the data.
     pub pages: u64,
-    /// `mm_stat` right after the single-threaded write (+fsync).
+    /// `mm_stat` right after writing the data once (+fsync).
     pub mm_stat: ZramMmStat,
-    /// Seconds to write all pages (and fsync) from one thread.
-    pub put_secs_1t: f64,
-    /// Seconds to read all pages back from one thread (verification excluded).
-    pub get_secs_1t: f64,
-    /// Seconds to write all pages (and fsync) with `threads` threads.
-    pub put_secs_mt: f64,
-    /// Seconds to read all pages back with `threads` threads (verification excluded).
-    pub get_secs_mt: f64,
+    /// Writing (and fsync) from one thread.
+    pub put_1t: TimedPhase,
+    /// Reading back from one thread (verification excluded).
+    pub get_1t: TimedPhase,
+    /// Writing (and fsync) with `threads` threads on disjoint ranges.
+    pub put_mt: TimedPhase,
+    /// Reading back with `threads` threads (verification excluded).
+    pub get_mt: TimedPhase,
     /// Threads used for the `_mt` figures.
     pub threads: usize,
 }
 
 impl ZramRun {
-    /// Bytes of page data stored (`pages * 4096`).
+    /// Bytes of page data (`pages * 4096`).
     #[must_use]
     pub fn bytes(&self) -> u64 {
         self.pages.saturating_mul(u64_from(PAGE_SIZE))
@@ -149,22 +253,16 @@ impl ZramRun {
     pub fn ratio(&self) -> f64 {
         self.mm_stat.orig_data_size as f64 / self.mm_stat.mem_used_total as f64
     }
-
-    /// Throughput in MB/s (10^6 bytes per second) for a phase that took `secs`.
-    #[must_use]
-    pub fn mb_per_sec(&self, secs: f64) -> f64 {
-        self.bytes() as f64 / secs / 1e6
-    }
 }
 
-/// Everything that can go wrong while benchmarking zram.
+/// Everything that can go wrong with zram.
 #[derive(Debug, thiserror::Error)]
 pub enum ZramError {
     /// The device name is not of the form `zramN`.
     #[error("invalid zram device name {0:?}: expected \"zramN\", e.g. \"zram0\"")]
     InvalidDevice(String),
-    /// [`check_available`] refused the device.
-    #[error("zram device unavailable: {0}")]
+    /// zram cannot be used here (not root, no zram module, ...).
+    #[error("zram unavailable: {0}")]
     Unavailable(String),
     /// Bad arguments to [`bench()`].
     #[error("invalid benchmark input: {0}")]
@@ -196,43 +294,194 @@ pub enum ZramError {
     /// Data read back differs from what was written.
     #[error("verification failed: data read back from zram differs from the data written, first difference at byte offset {offset}")]
     Mismatch { offset: u64 },
-    /// The serialisation lock file could not be created or locked.
-    #[error("cannot lock {} (serialises tmem zram benchmarks): {source}", path.display())]
-    Lock { path: PathBuf, source: io::Error },
-    /// Another tmem process kept the device busy for too long.
-    #[error("timed out after {}s waiting for {}: another tmem process is benchmarking this zram device", waited.as_secs(), path.display())]
-    LockTimeout { path: PathBuf, waited: Duration },
     /// A worker thread could not be spawned.
     #[error("cannot spawn benchmark worker thread: {0}")]
     Spawn(io::Error),
     /// A worker thread panicked.
     #[error("a benchmark worker thread panicked during the {phase} phase")]
     WorkerPanicked { phase: &'static str },
-    /// After restoring, the device state is not what it was before.
-    #[error("device state after restore differs from the original: {0}")]
-    NotRestored(String),
-    /// The device could not be put back the way it was found.
+    /// A hot-added device could not be removed.
     #[error(
-        "{dev} could not be restored to its original state: {source}{}; \
-         restore it by hand: echo 1 > /sys/block/{dev}/reset; echo {algorithm} > /sys/block/{dev}/comp_algorithm",
+        "{dev} could not be removed: {source}{}; remove it by hand: swapoff /dev/{dev}; echo {id} > {CONTROL_DIR}/hot_remove",
         earlier.as_ref().map(|e| format!(" (the benchmark had already failed: {e})")).unwrap_or_default()
     )]
-    Restore { dev: String, algorithm: String, source: Box<ZramError>, earlier: Option<Box<ZramError>> },
+    Remove { dev: String, id: u32, source: Box<ZramError>, earlier: Option<Box<ZramError>> },
 }
 
-/// Checks whether `dev` (e.g. `"zram0"`) can be used by [`bench()`].
-///
-/// Returns `Ok(())` when `/dev/<dev>` exists, we are root and the device is idle
-/// (`initstate` 0, `disksize` 0, not swap, not mounted, no holders). Otherwise
-/// returns a human-readable reason; the caller prints it and skips zram.
-///
-/// If another tmem process is benchmarking the device right now (it holds the
-/// tmem lock), this waits for it to finish (up to 5 minutes) before checking.
-pub fn check_available(dev: &str) -> Result<(), String> {
-    validate_dev(dev).map_err(|e| e.to_string())?;
-    check_present(dev)?;
-    let _lock = lock_device(dev, LOCK_TIMEOUT).map_err(|e| e.to_string())?;
-    check_idle(dev)
+/// Ids of the devices this process removed, for the tests.
+#[cfg(test)]
+static REMOVED: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// A zram device hot-added for its owner alone; reset and removed on drop.
+#[derive(Debug)]
+pub struct ZramDevice {
+    id: u32,
+    name: String,
+    removed: bool,
+}
+
+impl ZramDevice {
+    /// Creates a fresh device (`/sys/class/zram-control/hot_add`), loading
+    /// the zram module with `num_devices=0` first if it is not loaded (so it
+    /// creates no device of its own). Needs root.
+    pub fn hot_add() -> Result<Self, ZramError> {
+        if !crate::is_root() {
+            return Err(ZramError::Unavailable(
+                "creating a zram device requires root (run as root or via sudo)".into(),
+            ));
+        }
+        ensure_module()?;
+        let path = Path::new(CONTROL_DIR).join("hot_add");
+        let text = std::fs::read_to_string(&path).map_err(|source| ZramError::SysfsRead { path, source })?;
+        let id: u32 = text.trim().parse().map_err(|e| ZramError::Parse {
+            what: "hot_add",
+            reason: format!("{e}"),
+            input: text.clone(),
+        })?;
+        // From here on, dropping `dev` removes the device (also when it never shows up).
+        let dev = Self { id, name: format!("zram{id}"), removed: false };
+        let deadline = Instant::now() + APPEAR_TIMEOUT;
+        loop {
+            match check_present(&dev.name) {
+                Ok(()) => return Ok(dev),
+                Err(why) if Instant::now() > deadline => {
+                    return Err(ZramError::Unavailable(format!("hot-added {} did not appear: {why}", dev.name)));
+                }
+                Err(_) => thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+
+    /// The device number N of `zramN`.
+    #[must_use]
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// `zramN`.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `/dev/zramN`.
+    #[must_use]
+    pub fn node(&self) -> PathBuf {
+        dev_node(&self.name)
+    }
+
+    /// The compression algorithms the device offers, and the selected one.
+    pub fn algorithms(&self) -> Result<(Vec<String>, String), ZramError> {
+        read_comp_algorithm(&self.name)
+    }
+
+    /// Resets the device, selects `algorithm` and sets `disksize` (bytes),
+    /// which initialises it. An algorithm it does not offer is refused with
+    /// [`ZramError::UnknownAlgorithm`].
+    pub fn configure(&self, algorithm: &str, disksize: u64) -> Result<(), ZramError> {
+        let (available, _) = self.algorithms()?;
+        if !available.iter().any(|a| a == algorithm) {
+            return Err(ZramError::UnknownAlgorithm {
+                dev: self.name.clone(),
+                algorithm: algorithm.to_owned(),
+                available,
+            });
+        }
+        configure(&self.name, algorithm, disksize)
+    }
+
+    /// Resets the device (frees its pages, `disksize` 0), retrying for a
+    /// while when something holds it open for a moment. It must not be swap.
+    pub fn reset(&self) -> Result<(), ZramError> {
+        reset(&self.name)
+    }
+
+    /// Its `mm_stat`.
+    pub fn mm_stat(&self) -> Result<ZramMmStat, ZramError> {
+        ZramMmStat::parse(&read_attr(&self.name, "mm_stat")?)
+    }
+
+    /// Removes the device now (`hot_remove`, which also resets it),
+    /// reporting failure; dropping it does the same, reporting on stderr.
+    pub fn remove(mut self) -> Result<(), ZramError> {
+        self.remove_now()
+    }
+
+    fn remove_now(&mut self) -> Result<(), ZramError> {
+        if self.removed {
+            return Ok(());
+        }
+        let path = Path::new(CONTROL_DIR).join("hot_remove");
+        let id = self.id.to_string();
+        retry_busy(|| {
+            std::fs::write(&path, &id).map_err(|source| ZramError::SysfsWrite {
+                path: path.clone(),
+                value: id.clone(),
+                source,
+            })
+        })?;
+        self.removed = true;
+        #[cfg(test)]
+        REMOVED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(self.id);
+        Ok(())
+    }
+}
+
+impl Drop for ZramDevice {
+    fn drop(&mut self) {
+        if let Err(e) = self.remove_now() {
+            eprintln!(
+                "tmem-sys: WARNING: could not remove {}: {e}; remove it by hand: \
+                 swapoff /dev/{0}; echo {} > {CONTROL_DIR}/hot_remove",
+                self.name, self.id
+            );
+        }
+    }
+}
+
+/// Loads the zram module without devices of its own where it is not loaded.
+fn ensure_module() -> Result<(), ZramError> {
+    if Path::new(CONTROL_DIR).is_dir() {
+        return Ok(());
+    }
+    let why = match Command::new("modprobe").args(["zram", "num_devices=0"]).stdin(Stdio::null()).output() {
+        Ok(out) if out.status.success() => String::new(),
+        Ok(out) => format!(": modprobe zram num_devices=0 failed: {}", String::from_utf8_lossy(&out.stderr).trim()),
+        Err(e) => format!(": cannot run modprobe: {e}"),
+    };
+    if Path::new(CONTROL_DIR).is_dir() {
+        return Ok(());
+    }
+    Err(ZramError::Unavailable(format!(
+        "{CONTROL_DIR} does not exist (no zram module, or a kernel without hot_add){why}"
+    )))
+}
+
+/// Retries `op` while it fails with `EBUSY`, for up to [`BUSY_TIMEOUT`].
+fn retry_busy(mut op: impl FnMut() -> Result<(), ZramError>) -> Result<(), ZramError> {
+    let deadline = Instant::now() + BUSY_TIMEOUT;
+    let mut pause = Duration::from_millis(5);
+    loop {
+        match op() {
+            Err(ZramError::SysfsWrite { source, .. })
+                if source.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline =>
+            {
+                thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Whether fresh zram devices can be made here: hot-adds one, reads the
+/// algorithms it offers and removes it again. Returns those algorithms, or
+/// the reason why not.
+pub fn probe() -> Result<Vec<String>, String> {
+    let dev = ZramDevice::hot_add().map_err(|e| e.to_string())?;
+    let algorithms = dev.algorithms().map_err(|e| e.to_string());
+    dev.remove().map_err(|e| e.to_string())?;
+    Ok(algorithms?.0)
 }
 
 /// Compression algorithms offered by `dev`, from `comp_algorithm`
@@ -287,39 +536,37 @@ pub fn parse_comp_algorithm(text: &str) -> Result<(Vec<String>, String), ZramErr
     Ok((available, current))
 }
 
-/// Benchmarks zram on `data` (a whole number of 4 KiB pages) with `algorithm`.
+/// Benchmarks zram on `data` (a whole number of 4 KiB pages) with `algorithm`,
+/// on a device hot-added for the run and removed afterwards (also on error
+/// and on panic).
 ///
-/// 1. Reset the device, select `algorithm`, set `disksize` to the data size plus
-///    1 MiB, open `/dev/<dev>` with `O_DIRECT`.
-/// 2. Single thread: write all pages with `pwrite` in [`CHUNK_BYTES`] requests,
-///    `fsync` (timed: `put_secs_1t`); read `mm_stat` (the memory figures); read
-///    everything back with `pread` (timed: `get_secs_1t`), then verify every byte.
-/// 3. Reset and reconfigure; `threads` threads each write a disjoint contiguous
-///    range (timed incl. `fsync`: `put_secs_mt`), then read their ranges back
-///    (timed: `get_secs_mt`), then verify every byte.
-/// 4. Reset the device and restore the original `comp_algorithm` and `mem_limit`.
-///    This also happens on error and on panic (drop guard).
+/// 1. Memory: select `algorithm`, set `disksize`, write the data once with
+///    `pwrite` in [`CHUNK_BYTES`] requests through `O_DIRECT`, `fsync`, read
+///    `mm_stat` (the memory figures).
+/// 2. One thread, on a reset device: write copies of the data one after the
+///    other (`put_1t`) until the section has moved [`MIN_TIMED_BYTES`] or
+///    lasted [`MIN_TIMED`], `fsync`; then read the copies back, round and
+///    round, until the same holds (`get_1t`); verify every byte read.
+/// 3. The same with `threads` threads on disjoint page ranges of each copy
+///    (`put_mt`, `get_mt`).
 ///
-/// The data is copied once, outside the timed regions, into a page-aligned
-/// buffer (`O_DIRECT` needs aligned buffers), so the kernel reads the pages
-/// straight from user memory, as the userspace store does. Read-back lands in
-/// that same buffer after it has been poisoned (every page's bytes set to the
-/// complement of the expected first byte) and is compared against `data` itself.
-pub fn bench(dev: &str, data: &[u8], algorithm: &str, threads: usize) -> Result<ZramRun, ZramError> {
-    bench_with_hook(dev, data, algorithm, threads, &|_| {})
+/// Every figure comes with the CPU time this process used over it (user +
+/// system: zram compresses in the writing threads' system time, and
+/// decompresses in the reading threads') and the machine's busy time.
+///
+/// The data is copied, outside the timed regions, into a page-aligned buffer
+/// (`O_DIRECT` needs aligned buffers), so the kernel reads the pages straight
+/// from user memory, as the userspace store does. Read-back lands in that
+/// same buffer after it has been poisoned (every page's bytes set to the
+/// complement of the expected first byte) and is compared against `data`.
+pub fn bench(data: &[u8], algorithm: &str, threads: usize) -> Result<ZramRun, ZramError> {
+    bench_with_hook(data, algorithm, threads, &|_, _| {})
 }
 
-/// Phase-boundary callback, used by tests to inject failures.
-type Hook<'a> = &'a (dyn Fn(&'static str) + Sync);
+/// Phase-boundary callback (phase, device name), used by tests to inject failures.
+type Hook<'a> = &'a (dyn Fn(&'static str, &str) + Sync);
 
-fn bench_with_hook(
-    dev: &str,
-    data: &[u8],
-    algorithm: &str,
-    threads: usize,
-    hook: Hook<'_>,
-) -> Result<ZramRun, ZramError> {
-    validate_dev(dev)?;
+fn bench_with_hook(data: &[u8], algorithm: &str, threads: usize, hook: Hook<'_>) -> Result<ZramRun, ZramError> {
     if data.is_empty() || !data.len().is_multiple_of(PAGE_SIZE) {
         return Err(ZramError::InvalidInput(format!(
             "data length {} is not a positive multiple of the page size {PAGE_SIZE}",
@@ -329,99 +576,170 @@ fn bench_with_hook(
     if threads == 0 {
         return Err(ZramError::InvalidInput("threads must be at least 1".into()));
     }
-    check_present(dev).map_err(ZramError::Unavailable)?;
-    // Declared before the guard, so it is released only after the guard restored the device.
-    let _lock = lock_device(dev, LOCK_TIMEOUT)?;
-    check_idle(dev).map_err(ZramError::Unavailable)?;
-
-    let (available, original_algorithm) = read_comp_algorithm(dev)?;
-    if !available.iter().any(|a| a == algorithm) {
-        return Err(ZramError::UnknownAlgorithm { dev: dev.to_owned(), algorithm: algorithm.to_owned(), available });
+    let dev = ZramDevice::hot_add()?;
+    let result = run(&dev, data, algorithm, threads, hook);
+    let (name, id) = (dev.name.clone(), dev.id);
+    match dev.remove() {
+        Ok(()) => result,
+        Err(source) => {
+            Err(ZramError::Remove { dev: name, id, source: Box::new(source), earlier: result.err().map(Box::new) })
+        }
     }
-    let original_mem_limit = ZramMmStat::parse(&read_attr(dev, "mm_stat")?)?.mem_limit;
-
-    let guard = RestoreGuard { dev, algorithm: original_algorithm, mem_limit: original_mem_limit, armed: true };
-    let result = run(dev, data, algorithm, threads, hook);
-    guard.finish(result)
 }
 
-/// The benchmark proper; the device is restored by the caller's guard.
-fn run(dev: &str, data: &[u8], algorithm: &str, threads: usize, hook: Hook<'_>) -> Result<ZramRun, ZramError> {
-    let path = dev_node(dev);
-    let size = u64_from(data.len());
-    let disksize = size + DISKSIZE_SLACK;
-    let mut buf = AlignedBuf::new(data.len());
-    buf.as_mut_slice().copy_from_slice(data);
+/// The benchmark proper, on `dev`, which the caller removes.
+fn run(dev: &ZramDevice, data: &[u8], algorithm: &str, threads: usize, hook: Hook<'_>) -> Result<ZramRun, ZramError> {
+    let name = dev.name();
+    let path = dev.node();
+    let len = data.len();
+    let pages = len / PAGE_SIZE;
+    let copies = Budget::copies_for(len);
+    let mut buf = AlignedBuf::new(copies * len);
+    let fill = |buf: &mut AlignedBuf| buf.as_mut_slice().chunks_mut(len).for_each(|c| c.copy_from_slice(data));
+    fill(&mut buf);
 
-    // --- single thread ---
-    configure(dev, algorithm, disksize)?;
-    hook("configured");
+    // --- memory: the data once ---
+    dev.configure(algorithm, u64_from(len) + DISKSIZE_SLACK)?;
+    hook("configured", name);
     let file = open_direct(&path)?;
-    let start = Instant::now();
-    write_range(&file, &path, buf.as_slice(), 0)?;
+    write_range(&file, &path, &buf.as_slice()[..len], 0)?;
     fsync(&file, &path)?;
-    let put_secs_1t = start.elapsed().as_secs_f64();
-    hook("written");
-    let mm_stat = ZramMmStat::parse(&read_attr(dev, "mm_stat")?)?;
+    hook("written", name);
+    let mm_stat = dev.mm_stat()?;
+    drop(file);
 
-    poison(buf.as_mut_slice(), data);
-    let start = Instant::now();
-    read_range(&file, &path, buf.as_mut_slice(), 0)?;
-    let get_secs_1t = start.elapsed().as_secs_f64();
-    verify(data, buf.as_slice())?;
-    hook("verified");
+    // --- one thread ---
+    let disksize = u64_from(copies * len) + DISKSIZE_SLACK;
+    dev.configure(algorithm, disksize)?;
+    let file = open_direct(&path)?;
+    let budget = Budget::new();
+    budget.begin();
+    let (mark, start) = (CpuMark::now(), Instant::now());
+    let mut written = 0;
+    loop {
+        let off = written * len;
+        write_range(&file, &path, &buf.as_slice()[off..off + len], u64_from(off))?;
+        written += 1;
+        if written == copies || budget.add(u64_from(len)) {
+            break;
+        }
+    }
+    fsync(&file, &path)?;
+    let put_1t = phase(written * pages, start, &mark);
+
+    for copy in buf.as_mut_slice()[..written * len].chunks_mut(len) {
+        poison(copy, data);
+    }
+    let budget = Budget::new();
+    budget.begin();
+    let (mark, start) = (CpuMark::now(), Instant::now());
+    let mut reads = 0;
+    loop {
+        let off = (reads % written) * len;
+        read_range(&file, &path, &mut buf.as_mut_slice()[off..off + len], u64_from(off))?;
+        reads += 1;
+        if budget.add(u64_from(len)) {
+            break;
+        }
+    }
+    let get_1t = phase(reads * pages, start, &mark);
+    for (c, copy) in buf.as_slice()[..reads.min(written) * len].chunks(len).enumerate() {
+        verify_at(data, copy, c * len)?;
+    }
+    hook("verified", name);
     drop(file);
 
     // --- multiple threads ---
-    // `buf` holds exactly `data` again (just verified), so it is the write source.
-    configure(dev, algorithm, disksize)?;
+    fill(&mut buf);
+    dev.configure(algorithm, disksize)?;
     let file = open_direct(&path)?;
-    let ranges = split_pages(data.len() / PAGE_SIZE, threads);
+    let ranges = split_pages(pages, threads);
 
     let src = buf.as_slice();
-    let items = ranges.iter().map(|&(first, n)| (first, &src[first * PAGE_SIZE..(first + n) * PAGE_SIZE])).collect();
-    let start = run_parallel("multi-thread write", items, |(first, bytes)| {
-        hook("mt-write");
-        write_range(&file, &path, bytes, u64_from(first * PAGE_SIZE))
+    let budget = Budget::new();
+    let mark = CpuMark::now();
+    let (start, written_by) = run_parallel("multi-thread write", ranges.clone(), |(first, n)| {
+        budget.begin();
+        hook("mt-write", name);
+        let mut done = 0;
+        loop {
+            let off = done * len + first * PAGE_SIZE;
+            write_range(&file, &path, &src[off..off + n * PAGE_SIZE], u64_from(off))?;
+            done += 1;
+            if done == copies || budget.add(u64_from(n * PAGE_SIZE)) {
+                return Ok(done);
+            }
+        }
     })?;
     fsync(&file, &path)?;
-    let put_secs_mt = start.elapsed().as_secs_f64();
+    let put_mt = phase(ranges.iter().zip(&written_by).map(|(&(_, n), w)| n * w).sum(), start, &mark);
 
-    poison(buf.as_mut_slice(), data);
-    let mut items = Vec::with_capacity(ranges.len());
-    let mut rest = buf.as_mut_slice();
-    for &(first, n) in &ranges {
-        let (head, tail) = std::mem::take(&mut rest).split_at_mut(n * PAGE_SIZE);
-        items.push((first, head));
-        rest = tail;
+    buf.as_mut_slice().chunks_mut(len).for_each(|copy| poison(copy, data));
+    // Each thread reads its range of the copies it wrote, into the same place of the buffer.
+    let mut mine: Vec<Vec<&mut [u8]>> = ranges.iter().map(|_| Vec::with_capacity(copies)).collect();
+    for copy in buf.as_mut_slice().chunks_mut(len) {
+        let mut rest = copy;
+        for (slices, &(_, n)) in mine.iter_mut().zip(&ranges) {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(n * PAGE_SIZE);
+            slices.push(head);
+            rest = tail;
+        }
     }
-    let start = run_parallel("multi-thread read", items, |(first, bytes)| {
-        hook("mt-read");
-        read_range(&file, &path, bytes, u64_from(first * PAGE_SIZE))
+    let items: Vec<_> =
+        ranges.iter().zip(&written_by).zip(mine).map(|((&(first, n), &w), s)| (first, n, w, s)).collect();
+    let budget = Budget::new();
+    let mark = CpuMark::now();
+    let (start, reads_by) = run_parallel("multi-thread read", items, |(first, n, w, mut slices)| {
+        budget.begin();
+        hook("mt-read", name);
+        let mut reads = 0;
+        loop {
+            let c = reads % w.max(1);
+            read_range(&file, &path, &mut *slices[c], u64_from(c * len + first * PAGE_SIZE))?;
+            reads += 1;
+            if budget.add(u64_from(n * PAGE_SIZE)) {
+                return Ok(reads);
+            }
+        }
     })?;
-    let get_secs_mt = start.elapsed().as_secs_f64();
-    verify(data, buf.as_slice())?;
+    let get_mt = phase(ranges.iter().zip(&reads_by).map(|(&(_, n), r)| n * r).sum(), start, &mark);
+    let got = buf.as_slice();
+    for ((&(first, n), &w), &r) in ranges.iter().zip(&written_by).zip(&reads_by) {
+        let want = &data[first * PAGE_SIZE..(first + n) * PAGE_SIZE];
+        for c in 0..r.min(w) {
+            let off = c * len + first * PAGE_SIZE;
+            verify_at(want, &got[off..off + n * PAGE_SIZE], off)?;
+        }
+    }
     drop(file);
 
     Ok(ZramRun {
+        device: name.to_owned(),
         algorithm: algorithm.to_owned(),
-        pages: u64_from(data.len() / PAGE_SIZE),
+        pages: u64_from(pages),
         mm_stat,
-        put_secs_1t,
-        get_secs_1t,
-        put_secs_mt,
-        get_secs_mt,
+        put_1t,
+        get_1t,
+        put_mt,
+        get_mt,
         threads,
     })
 }
 
+/// A timed section of `pages` pages that started at `start` and `mark`.
+fn phase(pages: usize, start: Instant, mark: &CpuMark) -> TimedPhase {
+    TimedPhase { pages: u64_from(pages), secs: start.elapsed().as_secs_f64(), cpu: mark.spent() }
+}
+
 /// Runs `work` on every item in its own thread. All threads are released at
-/// once through a gate; returns the instant the gate opened. The caller stops
-/// the clock after this returns (all workers joined).
-fn run_parallel<T, F>(phase: &'static str, items: Vec<T>, work: F) -> Result<Instant, ZramError>
+/// once through a gate; returns the instant the gate opened and every
+/// worker's result, in order. The caller stops the clock after this returns
+/// (all workers joined).
+fn run_parallel<T, R, F>(phase: &'static str, items: Vec<T>, work: F) -> Result<(Instant, Vec<R>), ZramError>
 where
     T: Send,
-    F: Fn(T) -> Result<(), ZramError> + Sync,
+    R: Send,
+    F: Fn(T) -> Result<R, ZramError> + Sync,
 {
     // Workers block on `read()` until the main thread drops its write guard. If
     // the main thread panicked meanwhile the lock is poisoned and workers quit.
@@ -436,9 +754,9 @@ where
             let spawned = thread::Builder::new().name(format!("tmem-zram-{i}")).spawn_scoped(scope, move || {
                 let opened = gate.read().is_ok();
                 if !opened || abort.load(Ordering::Acquire) {
-                    return Ok(());
+                    return None;
                 }
-                work(item)
+                Some(work(item))
             });
             match spawned {
                 Ok(handle) => handles.push(handle),
@@ -460,13 +778,19 @@ where
         let start = Instant::now();
         drop(held);
         let mut first_error = None;
+        let mut results = Vec::with_capacity(handles.len());
         for handle in handles {
-            let result = handle.join().unwrap_or(Err(ZramError::WorkerPanicked { phase }));
-            if let Err(e) = result {
-                first_error.get_or_insert(e);
+            match handle.join() {
+                Ok(Some(Ok(r))) => results.push(r),
+                Ok(Some(Err(e))) => {
+                    first_error.get_or_insert(e);
+                }
+                Ok(None) | Err(_) => {
+                    first_error.get_or_insert(ZramError::WorkerPanicked { phase });
+                }
             }
         }
-        first_error.map_or(Ok(start), Err)
+        first_error.map_or(Ok((start, results)), Err)
     })
 }
 
@@ -485,63 +809,6 @@ fn split_pages(pages: usize, threads: usize) -> Vec<(usize, usize)> {
         first += n;
     }
     ranges
-}
-
-/// Puts the device back the way [`bench()`] found it, also on early return or panic.
-struct RestoreGuard<'a> {
-    dev: &'a str,
-    algorithm: String,
-    mem_limit: u64,
-    armed: bool,
-}
-
-impl RestoreGuard<'_> {
-    fn restore(&self) -> Result<(), ZramError> {
-        reset(self.dev)?;
-        write_attr(self.dev, "comp_algorithm", &self.algorithm)?;
-        if self.mem_limit != 0 {
-            write_attr(self.dev, "mem_limit", &self.mem_limit.to_string())?;
-        }
-        let disksize = read_u64_attr(self.dev, "disksize")?;
-        let (_, algorithm) = read_comp_algorithm(self.dev)?;
-        if disksize != 0 || algorithm != self.algorithm {
-            return Err(ZramError::NotRestored(format!(
-                "expected disksize 0 and comp_algorithm {}, found disksize {disksize} and comp_algorithm {algorithm}",
-                self.algorithm
-            )));
-        }
-        Ok(())
-    }
-
-    /// Restores now (normal path) and combines the outcome with the benchmark result.
-    fn finish<T>(mut self, result: Result<T, ZramError>) -> Result<T, ZramError> {
-        self.armed = false;
-        match (result, self.restore()) {
-            (result, Ok(())) => result,
-            (result, Err(source)) => Err(ZramError::Restore {
-                dev: self.dev.to_owned(),
-                algorithm: self.algorithm.clone(),
-                source: Box::new(source),
-                earlier: result.err().map(Box::new),
-            }),
-        }
-    }
-}
-
-impl Drop for RestoreGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            // Only reached while unwinding from a panic: there is no caller to
-            // return an error to, so report on stderr.
-            if let Err(e) = self.restore() {
-                eprintln!(
-                    "tmem-sys: WARNING: could not restore {} after a panic: {e}; \
-                     run `echo 1 > /sys/block/{}/reset` by hand",
-                    self.dev, self.dev
-                );
-            }
-        }
-    }
 }
 
 /// Page-aligned byte buffer for `O_DIRECT`, without `unsafe`: an over-allocated
@@ -636,6 +903,14 @@ fn open_direct(path: &Path) -> Result<File, ZramError> {
         .map_err(|source| ZramError::Open { path: path.to_owned(), source })
 }
 
+/// [`verify`] of a part that starts at byte `base` of the buffer.
+fn verify_at(want: &[u8], got: &[u8], base: usize) -> Result<(), ZramError> {
+    verify(want, got).map_err(|e| match e {
+        ZramError::Mismatch { offset } => ZramError::Mismatch { offset: offset + u64_from(base) },
+        other => other,
+    })
+}
+
 /// Reset, select `algorithm`, set `disksize` (initialises the device).
 fn configure(dev: &str, algorithm: &str, disksize: u64) -> Result<(), ZramError> {
     reset(dev)?;
@@ -646,105 +921,20 @@ fn configure(dev: &str, algorithm: &str, disksize: u64) -> Result<(), ZramError>
 /// `echo 1 > reset`, retrying for a while on `EBUSY` (something such as a
 /// udev/blkid probe may hold the device open for a moment).
 fn reset(dev: &str) -> Result<(), ZramError> {
-    let deadline = Instant::now() + RESET_TIMEOUT;
-    let mut pause = Duration::from_millis(5);
-    loop {
-        match write_attr(dev, "reset", "1") {
-            Err(ZramError::SysfsWrite { source, .. })
-                if source.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline =>
-            {
-                thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(200));
-            }
-            other => return other,
-        }
-    }
+    retry_busy(|| write_attr(dev, "reset", "1"))
 }
 
-/// Presence and permission checks that do not need the lock.
+/// Presence and permission checks.
 fn check_present(dev: &str) -> Result<(), String> {
     let sys = sysfs_dir(dev);
-    if !sys.is_dir() {
-        return Err(format!("{} does not exist (zram module not loaded? try `modprobe zram`)", sys.display()));
+    if !sys.join("comp_algorithm").is_file() {
+        return Err(format!("{} does not exist", sys.join("comp_algorithm").display()));
     }
     let node = dev_node(dev);
     match std::fs::metadata(&node) {
-        Ok(meta) if meta.file_type().is_block_device() => {}
-        Ok(_) => return Err(format!("{} is not a block device", node.display())),
-        Err(e) => return Err(format!("cannot access {}: {e}", node.display())),
-    }
-    if !crate::is_root() {
-        return Err(format!("configuring {dev} requires root (run as root or via sudo)"));
-    }
-    Ok(())
-}
-
-/// Idle checks; the caller holds the lock.
-fn check_idle(dev: &str) -> Result<(), String> {
-    let text = |e: ZramError| e.to_string();
-    let node = dev_node(dev);
-    let node = node.to_string_lossy();
-    let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
-    if swaps.lines().skip(1).any(|l| l.split_whitespace().next() == Some(&*node)) {
-        return Err(format!("{node} is in use as swap (/proc/swaps); refusing to touch it"));
-    }
-    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    if let Some(line) = mounts.lines().find(|l| l.split_whitespace().next() == Some(&*node)) {
-        let target = line.split_whitespace().nth(1).unwrap_or("?");
-        return Err(format!("{node} is mounted on {target}; refusing to touch it"));
-    }
-    if let Ok(holders) = std::fs::read_dir(sysfs_dir(dev).join("holders")) {
-        let names: Vec<String> =
-            holders.filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
-        if !names.is_empty() {
-            return Err(format!("{dev} is held by {}; refusing to touch it", names.join(", ")));
-        }
-    }
-    let initstate = read_u64_attr(dev, "initstate").map_err(text)?;
-    let disksize = read_u64_attr(dev, "disksize").map_err(text)?;
-    if initstate != 0 || disksize != 0 {
-        return Err(format!(
-            "{dev} is already initialised (initstate {initstate}, disksize {disksize} bytes), \
-             so something else is using it; refusing to touch it"
-        ));
-    }
-    read_comp_algorithm(dev).map_err(text)?;
-    Ok(())
-}
-
-/// Advisory lock serialising tmem processes on one zram device; released on drop.
-struct DeviceLock {
-    _file: File,
-}
-
-fn lock_path(dev: &str) -> PathBuf {
-    let dir = Path::new("/run/lock");
-    let dir = if dir.is_dir() { dir.to_owned() } else { std::env::temp_dir() };
-    dir.join(format!("tmem-sys-{dev}.lock"))
-}
-
-fn lock_device(dev: &str, timeout: Duration) -> Result<DeviceLock, ZramError> {
-    let path = lock_path(dev);
-    let lock_err = |source| ZramError::Lock { path: path.clone(), source };
-    let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(lock_err)?;
-    let start = Instant::now();
-    loop {
-        // SAFETY: `file` is an open file owned by this function and stays alive
-        // for the whole call, so its descriptor is valid; flock(2) takes no
-        // pointers and only changes the advisory lock state of that descriptor.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc == 0 {
-            return Ok(DeviceLock { _file: file });
-        }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EWOULDBLOCK) if start.elapsed() < timeout => {
-                thread::sleep(Duration::from_millis(50));
-            }
-            Some(libc::EWOULDBLOCK) => return Err(ZramError::LockTimeout { path, waited: start.elapsed() }),
-            Some(libc::EINTR) => {}
-            _ => return Err(lock_err(e)),
-        }
+        Ok(meta) if meta.file_type().is_block_device() => Ok(()),
+        Ok(_) => Err(format!("{} is not a block device", node.display())),
+        Err(e) => Err(format!("cannot access {}: {e}", node.display())),
     }
 }
 

@@ -1,16 +1,19 @@
-//! Drives the real zram device when it is available (root, idle zram0);
-//! otherwise prints "SKIP: <reason>" and passes.
+//! Drives real zram devices when it can (root, zram module): each run on a
+//! device hot-added for it and removed afterwards; otherwise prints
+//! "SKIP: <reason>" and passes (fails where `TMEM_REQUIRE` requires root or
+//! zram: see `tmem_testkit::skip`).
 
 mod common;
 
 use tmem_sys::zram::{self, ZramError};
+use tmem_testkit::{skip, Feature};
 
-const DEV: &str = "zram0";
 const PAGES: usize = 2048; // 8 MiB
 const THREADS: usize = 2;
 
-fn state() -> (u64, String, u64) {
-    (zram::disksize(DEV).unwrap(), zram::current_algorithm(DEV).unwrap(), zram::mm_stat(DEV).unwrap().mem_limit)
+/// `disksize` and `comp_algorithm` of the user's zram0, which must stay untouched.
+fn zram0() -> Option<(u64, String)> {
+    Some((zram::disksize("zram0").ok()?, zram::current_algorithm("zram0").ok()?))
 }
 
 #[test]
@@ -24,39 +27,43 @@ fn generator_counts_match_zram_definition() {
 
 #[test]
 fn zram_bench_8mib_mixed_pages() {
-    if let Err(reason) = zram::check_available(DEV) {
-        println!("SKIP: {reason}");
-        return;
-    }
-    let before = state();
-    assert_eq!(before.0, 0);
-    let algorithms = zram::algorithms(DEV).unwrap();
-    assert!(algorithms.contains(&before.1));
+    let algorithms = match zram::probe() {
+        Ok(a) => a,
+        Err(reason) => {
+            let feature = if tmem_sys::is_root() { Feature::Zram } else { Feature::Root };
+            skip(feature, &reason);
+            return;
+        }
+    };
+    let before = zram0();
 
     let g = common::generate(PAGES, 42);
     let same_filled = g.data.chunks(common::PAGE).filter(|p| common::is_same_filled(p)).count();
     let pages = u64::try_from(PAGES).unwrap();
 
-    // Unknown algorithm: clear error, device untouched.
-    match zram::bench(DEV, &g.data, "no-such-algo", THREADS) {
+    // Unknown algorithm: clear error, and the device is removed again.
+    match zram::bench(&g.data, "no-such-algo", THREADS) {
         Err(ZramError::UnknownAlgorithm { available, .. }) => assert_eq!(available, algorithms),
         other => panic!("expected UnknownAlgorithm, got {other:?}"),
     }
-    assert_eq!(state(), before);
 
     for algorithm in ["lz4", "lzo-rle"] {
         if !algorithms.iter().any(|a| a == algorithm) {
             assert_ne!(algorithm, "lz4", "lz4 must be offered by the kernel");
-            println!("SKIP {algorithm}: not offered by {DEV}");
+            skip(Feature::Zram, &format!("{algorithm} is not offered by this kernel's zram"));
             continue;
         }
         // bench verifies every byte read back (single- and multi-thread) and
         // returns ZramError::Mismatch otherwise, so Ok means verification passed.
-        let run = zram::bench(DEV, &g.data, algorithm, THREADS).unwrap_or_else(|e| panic!("bench {algorithm}: {e}"));
+        let run = zram::bench(&g.data, algorithm, THREADS).unwrap_or_else(|e| panic!("bench {algorithm}: {e}"));
         let m = &run.mm_stat;
+        let mbs = |p: zram::TimedPhase| p.mb_per_sec().unwrap_or(f64::NAN);
+        let us = |p: zram::TimedPhase| p.cpu_us_per_page().unwrap_or(f64::NAN);
         println!(
-            "{algorithm}: {} pages ({} same-filled, {} random), orig {} B, compr {} B, mem_used_total {} B, \
-             ratio {:.3}, huge {}; put 1t {:.0} MB/s, get 1t {:.0} MB/s, put {}t {:.0} MB/s, get {}t {:.0} MB/s",
+            "{algorithm} on {}: {} pages ({} same-filled, {} random), orig {} B, compr {} B, mem_used_total {} B, \
+             ratio {:.3}, huge {}; put 1t {:.0} MB/s {:.2} us/page, get 1t {:.0} MB/s {:.2} us/page, \
+             put {}t {:.0} MB/s, get {}t {:.0} MB/s",
+            run.device,
             run.pages,
             same_filled,
             g.random,
@@ -65,25 +72,29 @@ fn zram_bench_8mib_mixed_pages() {
             m.mem_used_total,
             run.ratio(),
             m.huge_pages,
-            run.mb_per_sec(run.put_secs_1t),
-            run.mb_per_sec(run.get_secs_1t),
+            mbs(run.put_1t),
+            us(run.put_1t),
+            mbs(run.get_1t),
+            us(run.get_1t),
             run.threads,
-            run.mb_per_sec(run.put_secs_mt),
+            mbs(run.put_mt),
             run.threads,
-            run.mb_per_sec(run.get_secs_mt),
+            mbs(run.get_mt),
         );
         assert_eq!(run.algorithm, algorithm);
         assert_eq!(run.pages, pages);
         assert_eq!(run.threads, THREADS);
+        assert_ne!(run.device, "zram0", "a fresh device, not the user's zram0");
         assert_eq!(m.orig_data_size, pages * 4096);
         assert_eq!(m.same_pages, u64::try_from(same_filled).unwrap());
         assert!(m.mem_used_total > 0);
         assert!(m.compr_data_size > 0 && m.compr_data_size < m.orig_data_size);
         // Random pages do not compress: zram stores them as huge pages.
         assert!(m.huge_pages >= u64::try_from(g.random).unwrap(), "{m:?}");
-        for secs in [run.put_secs_1t, run.get_secs_1t, run.put_secs_mt, run.get_secs_mt] {
-            assert!(secs.is_finite() && secs > 0.0);
+        for p in [run.put_1t, run.get_1t, run.put_mt, run.get_mt] {
+            assert!(p.secs.is_finite() && p.secs > 0.0 && p.pages >= pages, "{p:?}");
+            assert!(p.mb_per_sec().is_some() && p.cpu_us_per_page().is_some(), "{p:?}");
         }
-        assert_eq!(state(), before, "{DEV} not restored after {algorithm}");
+        assert_eq!(zram0(), before, "zram0 touched by the {algorithm} run");
     }
 }

@@ -482,10 +482,22 @@ fn values_straddling_pages_and_segments_ends() {
     check_invariants(&tier);
 }
 
-/// Needs root and a loop device: `cargo nextest run -p tmem-tier-disk --run-ignored all`.
+/// Needs root, a loop device and losetup; skips (see `tmem_testkit::skip`) without them.
 #[test]
-#[ignore = "needs root and losetup"]
 fn conformance_on_a_loop_block_device() {
+    use tmem_testkit::{skip, Feature};
+    if !tmem_testkit::is_root() {
+        skip(Feature::Root, "attaching a loop device needs root");
+        return;
+    }
+    if !Path::new("/dev/loop-control").exists() {
+        skip(Feature::Loop, "/dev/loop-control is missing");
+        return;
+    }
+    if !tmem_testkit::have_tool("losetup") {
+        skip(Feature::Tools, "losetup is not installed (util-linux)");
+        return;
+    }
     let backing = TempPath::new(disk_dir(), "loop-backing");
     std::fs::File::create(&backing.0).unwrap().set_len(16 << 20).unwrap();
     let out = std::process::Command::new("losetup").args(["--find", "--show"]).arg(&backing.0).output().unwrap();

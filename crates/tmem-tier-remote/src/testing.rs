@@ -103,11 +103,12 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
-    /// Starts a server, or prints `SKIP: redis-server not installed` and
-    /// returns `None` when the binary is missing. Panics if it cannot start.
+    /// Starts a server, or reports a skip (`SKIP: redis-server not installed`,
+    /// a panic where `TMEM_REQUIRE` requires tools: see `tmem_testkit::skip`)
+    /// and returns `None` when the binary is missing. Panics if it cannot start.
     pub fn start_or_skip(opts: &RedisOptions) -> Option<Self> {
         if redis_server_binary().is_none() {
-            eprintln!("SKIP: redis-server not installed");
+            tmem_testkit::skip(tmem_testkit::Feature::Tools, "redis-server not installed");
             return None;
         }
         Some(Self::start(opts).unwrap_or_else(|e| panic!("starting redis-server: {e}")))

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tmem_testkit::{skip, Feature};
 use tmem_tier::conformance::{check, Expect};
 use tmem_tier::seal::{MasterKey, SealError, Sealer};
 use tmem_tier::{Health, Tier, TierError, TierGet, TierKey, TierPut};
@@ -15,7 +16,7 @@ use tmem_tier_remote::{RemoteTier, RemoteTierConfig};
 
 fn servers(n: usize, opts: &RedisOptions) -> Option<Vec<RedisServer>> {
     if redis_server_binary().is_none() {
-        eprintln!("SKIP: redis-server not installed");
+        skip(Feature::Tools, "redis-server not installed");
         return None;
     }
     Some((0..n).map(|_| RedisServer::start(opts).expect("start redis-server")).collect())
@@ -352,7 +353,7 @@ fn full_node_answers_full_not_an_error() {
 #[test]
 fn a_full_node_sends_copies_to_the_next_node() {
     let Some(bin) = redis_server_binary() else {
-        eprintln!("SKIP: redis-server not installed");
+        skip(Feature::Tools, "redis-server not installed");
         return;
     };
     let _ = bin;
@@ -433,14 +434,14 @@ fn auth_password_and_acl_users() {
 #[test]
 fn tls_conformance() {
     if redis_server_binary().is_none() {
-        eprintln!("SKIP: redis-server not installed");
+        skip(Feature::Tools, "redis-server not installed");
         return;
     }
     let dir = TempDir::new("tls").unwrap();
     let files = match make_test_certs(dir.path()) {
         Ok(f) => f,
         Err(e) => {
-            eprintln!("SKIP: cannot make test certificates with openssl: {e}");
+            skip(Feature::Tools, &format!("cannot make test certificates with openssl: {e}"));
             return;
         }
     };
@@ -450,7 +451,7 @@ fn tls_conformance() {
         match RedisServer::start(&opts) {
             Ok(x) => s.push(x),
             Err(e) if e.to_string().to_lowercase().contains("tls") => {
-                eprintln!("SKIP: redis-server has no TLS support: {e}");
+                skip(Feature::Tools, &format!("redis-server has no TLS support: {e}"));
                 return;
             }
             Err(e) => panic!("{e}"),

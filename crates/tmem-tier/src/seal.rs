@@ -177,8 +177,10 @@ pub struct Sealer {
     algorithm: SealAlgorithm,
     key_id: u32,
     salt: [u8; SALT_LEN],
+    /// The versions sealed under this subkey (shared with every sealer of
+    /// the same subkey in the process, a resumed one included).
     #[cfg(any(test, feature = "nonce-audit"))]
-    fingerprint: [u8; 16],
+    audit: std::sync::Arc<audit::Versions>,
 }
 
 impl std::fmt::Debug for Sealer {
@@ -235,7 +237,7 @@ impl Sealer {
             key_id: u32::from_le_bytes(id),
             salt,
             #[cfg(any(test, feature = "nonce-audit"))]
-            fingerprint: derive(&prk, &[b"tmem seal v2 audit ", name]),
+            audit: audit::versions_of(derive(&prk, &[b"tmem seal v2 audit ", name])),
         }
     }
 
@@ -280,7 +282,7 @@ impl Sealer {
     /// `version` must never repeat under one sealer (test builds check it).
     pub fn seal(&self, key: TierKey, version: u64, plain: &[u8], out: &mut Vec<u8>) {
         #[cfg(any(test, feature = "nonce-audit"))]
-        audit::record(self.fingerprint, version, self.key_id);
+        self.audit.record(version, self.key_id);
         out.clear();
         out.extend_from_slice(plain);
         let tag = self
@@ -308,26 +310,42 @@ impl Sealer {
 }
 
 /// Test builds (and builds with the `nonce-audit` feature) record every
-/// (subkey, nonce) pair sealed in this process and panic on a repeat.
+/// (subkey, nonce) pair sealed in this process and panic on a repeat. Each
+/// subkey has its own set, so sealers on different threads do not contend.
 #[cfg(any(test, feature = "nonce-audit"))]
 pub mod audit {
-    use std::collections::HashSet;
-    use std::sync::Mutex;
+    use std::collections::{HashMap, HashSet};
+    use std::sync::{Arc, Mutex, PoisonError};
 
-    /// (subkey fingerprint, version, key id): one nonce under one subkey.
-    type Use = ([u8; 16], u64, u32);
+    /// Stripes of a subkey's set, so threads sealing at once rarely meet.
+    const STRIPES: usize = 64;
 
-    static SEEN: Mutex<Option<HashSet<Use>>> = Mutex::new(None);
+    /// The versions sealed under one subkey, striped by version.
+    #[derive(Debug)]
+    pub struct Versions([Mutex<Option<HashSet<u64>>>; STRIPES]);
 
-    pub(super) fn record(fingerprint: [u8; 16], version: u64, key_id: u32) {
-        let mut g = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let fresh = g.get_or_insert_with(HashSet::new).insert((fingerprint, version, key_id));
-        assert!(fresh, "AEAD nonce reuse: version {version} sealed twice under one subkey (key id {key_id:#x})");
+    impl Default for Versions {
+        fn default() -> Self {
+            Self(std::array::from_fn(|_| Mutex::new(None)))
+        }
     }
 
-    /// Pairs recorded so far.
-    pub fn recorded() -> usize {
-        SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref().map_or(0, HashSet::len)
+    impl Versions {
+        pub(super) fn record(&self, version: u64, key_id: u32) {
+            let stripe = &self.0[usize::try_from(version % STRIPES as u64).expect("< STRIPES")];
+            let mut g = stripe.lock().unwrap_or_else(PoisonError::into_inner);
+            let fresh = g.get_or_insert_with(HashSet::new).insert(version);
+            assert!(fresh, "AEAD nonce reuse: version {version} sealed twice under one subkey (key id {key_id:#x})");
+        }
+    }
+
+    /// Subkey fingerprint -> the versions sealed under it.
+    static SUBKEYS: Mutex<Option<HashMap<[u8; 16], Arc<Versions>>>> = Mutex::new(None);
+
+    /// The set of a subkey, shared by every sealer of it in this process.
+    pub(super) fn versions_of(fingerprint: [u8; 16]) -> Arc<Versions> {
+        let mut g = SUBKEYS.lock().unwrap_or_else(PoisonError::into_inner);
+        Arc::clone(g.get_or_insert_with(HashMap::new).entry(fingerprint).or_default())
     }
 }
 

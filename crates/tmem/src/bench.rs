@@ -4,21 +4,32 @@
 //! every page from one thread, then returns every page to one thread; the same
 //! is repeated with all threads on disjoint key ranges. Every page read back is
 //! compared with the original. Pool memory is the store's `mem_used_total`
-//! (spans plus all metadata) after the single-thread puts, against zram's
+//! (spans plus all metadata) after putting every page once, against zram's
 //! `mem_used_total` for the same pages. Throughput is original bytes per
-//! second (MB = 10^6 bytes), the median of `--rounds` runs.
+//! second (MB = 10^6 bytes), the median of `--rounds` runs; next to it, the
+//! CPU time this process used per page over the same timed section (user +
+//! system, all threads; for zram that is mostly the kernel compressing and
+//! decompressing in the system time of the threads that write and read).
+//!
+//! Every figure is timed over at least 64 MiB of pages or 200 ms
+//! ([`tmem_sys::zram::Budget`]): the corpus is repeated, under fresh keys for
+//! puts, as many times as needed inside the timed section, so that small
+//! corpora do not give figures timed over a few microseconds. zram runs on a
+//! device hot-added for it and removed afterwards.
 //!
 //! Dictionaries ("+dict") are trained on a 1-in-16 sample of the corpus being
 //! measured, as a daemon would train on the first pages it sees; the
 //! dictionary's memory is part of the pool memory.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tmem_core::codec::{train_dictionary, CodecChoice};
 use tmem_core::{GetOutcome, Incompressible, Key, PolicyConfig, PutOutcome, Store, StoreConfig, PAGE_SIZE};
 use tmem_corpus::Corpus;
+use tmem_sys::vmstat::{CpuMark, CpuSpent};
+use tmem_sys::zram::{Budget, TimedPhase};
 
 /// Arguments of `tmem bench store`.
 #[derive(clap::Args, Debug)]
@@ -61,15 +72,56 @@ struct Row {
     compr_data_size: u64,
     mem_used_total: u64,
     ratio: f64,
-    put_mbs_1t: f64,
-    get_mbs_1t: f64,
-    put_mbs_mt: f64,
-    get_mbs_mt: f64,
+    /// MB/s; `None` (null) where a figure was timed over too little work.
+    put_mbs_1t: Option<f64>,
+    get_mbs_1t: Option<f64>,
+    put_mbs_mt: Option<f64>,
+    get_mbs_mt: Option<f64>,
+    /// CPU time of this process (user + system, all threads) per page over
+    /// the same timed sections, µs.
+    put_cpu_us_per_page_1t: Option<f64>,
+    get_cpu_us_per_page_1t: Option<f64>,
+    put_cpu_us_per_page_mt: Option<f64>,
+    get_cpu_us_per_page_mt: Option<f64>,
+    /// Busy CPU time of the whole machine (`/proc/stat`, other load on the
+    /// machine included) per page over the same sections, µs.
+    put_machine_busy_us_per_page_1t: Option<f64>,
+    get_machine_busy_us_per_page_1t: Option<f64>,
+    put_machine_busy_us_per_page_mt: Option<f64>,
+    get_machine_busy_us_per_page_mt: Option<f64>,
+    /// Pages each figure was timed over (put 1T, get 1T, put MT, get MT; first round).
+    timed_pages: [u64; 4],
     threads: usize,
     same_filled_pages: u64,
     incompressible_pages: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     metadata_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    zram_device: Option<String>,
+}
+
+/// The timed figures of a row: put 1T, get 1T, put MT, get MT, per round.
+type Rounds = Vec<[TimedPhase; 4]>;
+
+/// Medians over the rounds that have the figure.
+fn medians(rounds: &[[TimedPhase; 4]], f: impl Fn(&TimedPhase) -> Option<f64>) -> [Option<f64>; 4] {
+    std::array::from_fn(|i| median(rounds.iter().filter_map(|r| f(&r[i])).collect()))
+}
+
+/// Fills the timed figures of `row` from `rounds`.
+fn set_figures(row: &mut Row, rounds: &[[TimedPhase; 4]]) {
+    [row.put_mbs_1t, row.get_mbs_1t, row.put_mbs_mt, row.get_mbs_mt] = medians(rounds, TimedPhase::mb_per_sec);
+    [row.put_cpu_us_per_page_1t, row.get_cpu_us_per_page_1t, row.put_cpu_us_per_page_mt, row.get_cpu_us_per_page_mt] =
+        medians(rounds, TimedPhase::cpu_us_per_page);
+    [
+        row.put_machine_busy_us_per_page_1t,
+        row.get_machine_busy_us_per_page_1t,
+        row.put_machine_busy_us_per_page_mt,
+        row.get_machine_busy_us_per_page_mt,
+    ] = medians(rounds, TimedPhase::machine_busy_us_per_page);
+    if let Some(first) = rounds.first() {
+        row.timed_pages = first.map(|p| p.pages);
+    }
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -111,8 +163,8 @@ pub fn run_store(args: &StoreBenchArgs) -> Result<(), String> {
     if parts.len() > 1 {
         sets.push(("mix".into(), Corpus::mix(&parts)));
     }
-    let zram_state =
-        if args.no_zram { Err("not requested".to_owned()) } else { tmem_sys::zram::check_available("zram0") };
+    // Hot-adds a zram device and removes it again: can zram be measured here?
+    let zram_state = if args.no_zram { Err("not requested".to_owned()) } else { tmem_sys::zram::probe().map(drop) };
     if let Err(why) = &zram_state {
         if !args.json {
             eprintln!("zram comparison skipped: {why}");
@@ -159,13 +211,19 @@ fn build_store(corpus: &Corpus, spec: &CodecSpec, dict_size: usize) -> Result<St
     StoreConfig { policy, codec: Some(codec), ..Default::default() }.build().map_err(|e| e.to_string())
 }
 
-fn key(i: usize) -> Key {
-    Key::new(0, i as u64)
+/// Key of page `i` of copy `copy` of a corpus of `n` pages.
+fn key(copy: usize, n: usize, i: usize) -> Key {
+    Key::new(0, (copy * n + i) as u64)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+fn median(mut v: Vec<f64>) -> Option<f64> {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied()
+}
+
+/// A timed section of `pages` pages that started at `start` and `mark`.
+fn phase(pages: usize, start: Instant, mark: &CpuMark) -> TimedPhase {
+    TimedPhase { pages: pages as u64, secs: start.elapsed().as_secs_f64(), cpu: mark.spent() }
 }
 
 fn bench_tmem(
@@ -179,93 +237,193 @@ fn bench_tmem(
     if n == 0 {
         return Err("corpus has no pages".into());
     }
-    let bytes = (n * PAGE_SIZE) as f64;
-    // Filled so that its pages are faulted in before any timed region.
-    let mut out = vec![1u8; n * PAGE_SIZE];
-    let mut put1 = Vec::new();
-    let mut get1 = Vec::new();
-    let mut putm = Vec::new();
-    let mut getm = Vec::new();
-    let mut stats = None;
-    for _ in 0..rounds {
-        // One thread.
+    // Memory figures: every page once, untimed.
+    let st = {
         let store = build_store(corpus, spec, dict_size)?;
         let pool = store.create_pool(tmem_core::PoolConfig::persistent());
-        let t = Instant::now();
         for (i, p) in corpus.pages().enumerate() {
-            expect_stored(pool.put(key(i), p), i)?;
+            expect_stored(pool.put(key(0, n, i), p), i)?;
         }
-        put1.push(bytes / t.elapsed().as_secs_f64() / 1e6);
-        stats.get_or_insert_with(|| store.stats());
-        let t = Instant::now();
-        for (i, o) in out.as_chunks_mut::<PAGE_SIZE>().0.iter_mut().enumerate() {
-            expect_hit(pool.get(key(i), o), i)?;
-        }
-        get1.push(bytes / t.elapsed().as_secs_f64() / 1e6);
-        verify(corpus, &out)?;
-        drop(pool);
-        drop(store);
-        out.fill(0);
-
-        // All threads, disjoint ranges.
-        let store = build_store(corpus, spec, dict_size)?;
-        let pool = store.create_pool(tmem_core::PoolConfig::persistent());
-        let chunk = n.div_ceil(threads);
-        let (secs, res) = timed_parallel(threads, |t| {
-            let pool = Arc::clone(&pool);
-            move || -> Result<(), String> {
-                for i in (t * chunk)..((t + 1) * chunk).min(n) {
-                    expect_stored(pool.put(key(i), corpus.page(i)), i)?;
-                }
-                Ok(())
-            }
-        });
-        res?;
-        putm.push(bytes / secs / 1e6);
-        let outs: Vec<&mut [u8]> = out.chunks_mut(chunk * PAGE_SIZE).collect();
-        let slots: Vec<std::sync::Mutex<Option<&mut [u8]>>> =
-            outs.into_iter().map(|o| std::sync::Mutex::new(Some(o))).collect();
-        let (secs, res) = timed_parallel(threads, |t| {
-            let pool = Arc::clone(&pool);
-            let mine = slots.get(t).and_then(|m| m.lock().ok()?.take());
-            move || -> Result<(), String> {
-                let Some(mine) = mine else { return Ok(()) };
-                for (j, o) in mine.as_chunks_mut::<PAGE_SIZE>().0.iter_mut().enumerate() {
-                    let i = t * chunk + j;
-                    expect_hit(pool.get(key(i), o), i)?;
-                }
-                Ok(())
-            }
-        });
-        res?;
-        getm.push(bytes / secs / 1e6);
-        verify(corpus, &out)?;
-        out.fill(0);
+        store.stats()
+    };
+    // Room for every copy a timed section may get back; filled so that its
+    // pages are faulted in before any timed region.
+    let mut out = vec![1u8; Budget::copies_for(n * PAGE_SIZE) * n * PAGE_SIZE];
+    let mut all: Rounds = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        all.push(tmem_round(corpus, spec, threads, dict_size, &mut out)?);
     }
-    let st = stats.expect("at least one round");
-    Ok(Row {
+    let mut row = Row {
         backend: format!("tmem {}", spec.label),
         pages: n as u64,
         orig_bytes: st.total.orig_data_size,
         compr_data_size: st.total.compr_data_size,
         mem_used_total: st.mem_used_total,
         ratio: st.ratio,
-        put_mbs_1t: median(put1),
-        get_mbs_1t: median(get1),
-        put_mbs_mt: median(putm),
-        get_mbs_mt: median(getm),
+        put_mbs_1t: None,
+        get_mbs_1t: None,
+        put_mbs_mt: None,
+        get_mbs_mt: None,
+        put_cpu_us_per_page_1t: None,
+        get_cpu_us_per_page_1t: None,
+        put_cpu_us_per_page_mt: None,
+        get_cpu_us_per_page_mt: None,
+        put_machine_busy_us_per_page_1t: None,
+        get_machine_busy_us_per_page_1t: None,
+        put_machine_busy_us_per_page_mt: None,
+        get_machine_busy_us_per_page_mt: None,
+        timed_pages: [0; 4],
         threads,
         same_filled_pages: st.total.same_filled_pages,
         incompressible_pages: st.total.stored_incompressible_pages,
         metadata_bytes: Some(st.metadata_bytes),
-    })
+        zram_device: None,
+    };
+    set_figures(&mut row, &all);
+    Ok(row)
 }
 
-/// Runs `make(t)()` on `threads` threads started together; returns wall seconds.
-fn timed_parallel<'a, F, G>(threads: usize, make: G) -> (f64, Result<(), String>)
+/// One round of the four timed figures on fresh stores. Puts store copies
+/// of the corpus under fresh keys until the section has done enough
+/// ([`Budget`]); gets read those copies back, round and round, into `out`
+/// (room for every copy), verified afterwards.
+fn tmem_round(
+    corpus: &Corpus,
+    spec: &CodecSpec,
+    threads: usize,
+    dict_size: usize,
+    out: &mut [u8],
+) -> Result<[TimedPhase; 4], String> {
+    let n = corpus.page_count();
+    let len = n * PAGE_SIZE;
+    let copies = out.len() / len;
+
+    // One thread.
+    let store = build_store(corpus, spec, dict_size)?;
+    let pool = store.create_pool(tmem_core::PoolConfig::persistent());
+    let budget = Budget::new();
+    budget.begin();
+    let (mark, t) = (CpuMark::now(), Instant::now());
+    let mut written = 0;
+    loop {
+        for (i, p) in corpus.pages().enumerate() {
+            expect_stored(pool.put(key(written, n, i), p), i)?;
+        }
+        written += 1;
+        if written == copies || budget.add(len as u64) {
+            break;
+        }
+    }
+    let put1 = phase(written * n, t, &mark);
+    let budget = Budget::new();
+    budget.begin();
+    let (mark, t) = (CpuMark::now(), Instant::now());
+    let mut reads = 0;
+    loop {
+        let c = reads % written;
+        for (i, o) in out[c * len..(c + 1) * len].as_chunks_mut::<PAGE_SIZE>().0.iter_mut().enumerate() {
+            expect_hit(pool.get(key(c, n, i), o), i)?;
+        }
+        reads += 1;
+        if budget.add(len as u64) {
+            break;
+        }
+    }
+    let get1 = phase(reads * n, t, &mark);
+    for copy in out[..reads.min(written) * len].chunks(len) {
+        verify(corpus.data(), copy, 0)?;
+    }
+    out.fill(0);
+    drop(pool);
+    drop(store);
+
+    // All threads, disjoint page ranges of every copy.
+    let store = build_store(corpus, spec, dict_size)?;
+    let pool = store.create_pool(tmem_core::PoolConfig::persistent());
+    let chunk = n.div_ceil(threads);
+    let range = |t: usize| (t * chunk).min(n)..((t + 1) * chunk).min(n);
+    let budget = Budget::new();
+    let (secs, cpu, res) = timed_parallel(threads, |t| {
+        let (pool, budget, r) = (Arc::clone(&pool), &budget, range(t));
+        move || -> Result<usize, String> {
+            if r.is_empty() {
+                return Ok(0);
+            }
+            budget.begin();
+            let mut done = 0;
+            loop {
+                for i in r.clone() {
+                    expect_stored(pool.put(key(done, n, i), corpus.page(i)), i)?;
+                }
+                done += 1;
+                if done == copies || budget.add((r.len() * PAGE_SIZE) as u64) {
+                    return Ok(done);
+                }
+            }
+        }
+    });
+    let written_by = res?;
+    let putm = timed(written_by.iter().enumerate().map(|(t, w)| range(t).len() * w).sum(), secs, cpu);
+
+    // Thread t gets its range of every copy it put, into the same place of `out`.
+    let mut mine: Vec<Vec<&mut [u8]>> = (0..threads).map(|_| Vec::with_capacity(copies)).collect();
+    for copy in out.chunks_mut(len) {
+        let mut rest = copy;
+        for (t, slices) in mine.iter_mut().enumerate() {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(range(t).len() * PAGE_SIZE);
+            slices.push(head);
+            rest = tail;
+        }
+    }
+    let slots: Vec<Mutex<Option<Vec<&mut [u8]>>>> = mine.into_iter().map(|m| Mutex::new(Some(m))).collect();
+    let budget = Budget::new();
+    let (secs, cpu, res) = timed_parallel(threads, |t| {
+        let (pool, budget, r, w) = (Arc::clone(&pool), &budget, range(t), written_by[t]);
+        let mut mine = slots[t].lock().ok().and_then(|mut m| m.take()).unwrap_or_default();
+        move || -> Result<usize, String> {
+            if r.is_empty() || w == 0 {
+                return Ok(0);
+            }
+            budget.begin();
+            let mut reads = 0;
+            loop {
+                let c = reads % w;
+                for (j, o) in mine[c].as_chunks_mut::<PAGE_SIZE>().0.iter_mut().enumerate() {
+                    expect_hit(pool.get(key(c, n, r.start + j), o), r.start + j)?;
+                }
+                reads += 1;
+                if budget.add((r.len() * PAGE_SIZE) as u64) {
+                    return Ok(reads);
+                }
+            }
+        }
+    });
+    drop(slots);
+    let reads_by = res?;
+    let getm = timed(reads_by.iter().enumerate().map(|(t, r)| range(t).len() * r).sum(), secs, cpu);
+    for (t, (&w, &r)) in written_by.iter().zip(&reads_by).enumerate() {
+        let pages = range(t);
+        let want = &corpus.data()[pages.start * PAGE_SIZE..pages.end * PAGE_SIZE];
+        for c in 0..r.min(w) {
+            let at = c * len + pages.start * PAGE_SIZE;
+            verify(want, &out[at..at + want.len()], pages.start)?;
+        }
+    }
+    out.fill(0);
+    Ok([put1, get1, putm, getm])
+}
+
+fn timed(pages: usize, secs: f64, cpu: CpuSpent) -> TimedPhase {
+    TimedPhase { pages: pages as u64, secs, cpu }
+}
+
+/// Runs `make(t)()` on `threads` threads started together; returns wall
+/// seconds, the CPU used meanwhile and every thread's result, in order.
+fn timed_parallel<'a, F, G, R>(threads: usize, make: G) -> (f64, CpuSpent, Result<Vec<R>, String>)
 where
     G: Fn(usize) -> F,
-    F: FnOnce() -> Result<(), String> + Send + 'a,
+    F: FnOnce() -> Result<R, String> + Send + 'a,
+    R: Send,
 {
     let barrier = std::sync::Barrier::new(threads + 1);
     std::thread::scope(|s| {
@@ -279,14 +437,19 @@ where
                 })
             })
             .collect();
+        // The threads wait at the barrier, using no CPU.
+        let mark = CpuMark::now();
         barrier.wait();
         let start = Instant::now();
-        let mut res = Ok(());
+        let mut res = Ok(Vec::with_capacity(threads));
         for h in handles {
             let r = h.join().unwrap_or_else(|_| Err("benchmark thread panicked".into()));
-            res = res.and(r);
+            res = res.and_then(|mut v: Vec<R>| {
+                v.push(r?);
+                Ok(v)
+            });
         }
-        (start.elapsed().as_secs_f64(), res)
+        (start.elapsed().as_secs_f64(), mark.spent(), res)
     })
 }
 
@@ -306,32 +469,51 @@ fn expect_hit(r: Result<GetOutcome, tmem_core::StoreError>, i: usize) -> Result<
     }
 }
 
-fn verify(corpus: &Corpus, out: &[u8]) -> Result<(), String> {
-    if let Some(pos) = corpus.data().iter().zip(out).position(|(a, b)| a != b) {
-        return Err(format!("page {} came back different (byte {})", pos / PAGE_SIZE, pos % PAGE_SIZE));
+/// Compares pages that came back with the corpus pages `want`, the first of which is page `first`.
+fn verify(want: &[u8], got: &[u8], first: usize) -> Result<(), String> {
+    if let Some(pos) = want.iter().zip(got).position(|(a, b)| a != b) {
+        return Err(format!("page {} came back different (byte {})", first + pos / PAGE_SIZE, pos % PAGE_SIZE));
     }
     Ok(())
 }
 
 fn bench_zram(corpus: &Corpus, alg: &str, threads: usize) -> Result<Row, String> {
-    let r = tmem_sys::zram::bench("zram0", corpus.data(), alg, threads).map_err(|e| format!("zram {alg}: {e}"))?;
-    let bytes = r.bytes() as f64;
-    Ok(Row {
+    let r = tmem_sys::zram::bench(corpus.data(), alg, threads).map_err(|e| format!("zram {alg}: {e}"))?;
+    let mut row = Row {
         backend: format!("zram {alg}"),
         pages: r.pages,
         orig_bytes: r.mm_stat.orig_data_size,
         compr_data_size: r.mm_stat.compr_data_size,
         mem_used_total: r.mm_stat.mem_used_total,
         ratio: r.ratio(),
-        put_mbs_1t: bytes / r.put_secs_1t / 1e6,
-        get_mbs_1t: bytes / r.get_secs_1t / 1e6,
-        put_mbs_mt: bytes / r.put_secs_mt / 1e6,
-        get_mbs_mt: bytes / r.get_secs_mt / 1e6,
+        put_mbs_1t: None,
+        get_mbs_1t: None,
+        put_mbs_mt: None,
+        get_mbs_mt: None,
+        put_cpu_us_per_page_1t: None,
+        get_cpu_us_per_page_1t: None,
+        put_cpu_us_per_page_mt: None,
+        get_cpu_us_per_page_mt: None,
+        put_machine_busy_us_per_page_1t: None,
+        get_machine_busy_us_per_page_1t: None,
+        put_machine_busy_us_per_page_mt: None,
+        get_machine_busy_us_per_page_mt: None,
+        timed_pages: [0; 4],
         threads: r.threads,
         same_filled_pages: r.mm_stat.same_pages,
         incompressible_pages: r.mm_stat.huge_pages,
         metadata_bytes: None,
-    })
+        zram_device: Some(r.device.clone()),
+    };
+    set_figures(&mut row, &[[r.put_1t, r.get_1t, r.put_mt, r.get_mt]]);
+    Ok(row)
+}
+
+/// MB/s and CPU µs per page, or "n/a".
+fn figure(mbs: Option<f64>, us: Option<f64>) -> String {
+    let mbs = mbs.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.0}"));
+    let us = us.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.2}"));
+    format!("{mbs:>8} {us:>6}")
 }
 
 fn print_table(r: &CorpusResult) {
@@ -339,15 +521,19 @@ fn print_table(r: &CorpusResult) {
     println!("corpus {}: {} pages ({:.1} MiB)", r.corpus, r.pages, (r.pages * PAGE_SIZE) as f64 / 1048576.0);
     let threads = r.rows.first().map_or(1, |row| row.threads);
     println!(
-        "{:<18} {:>6} {:>11} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7}",
+        "{:<18} {:>6} {:>11} {:>9} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>7} {:>7}",
         "backend",
         "ratio",
         "mem_used",
         "vs zram",
         "put 1T",
+        "us/pg",
         "get 1T",
+        "us/pg",
         format!("put {threads}T"),
+        "us/pg",
         format!("get {threads}T"),
+        "us/pg",
         "same",
         "huge"
     );
@@ -358,20 +544,29 @@ fn print_table(r: &CorpusResult) {
             |z| format!("{:+.1}%", (row.mem_used_total as f64 / z as f64 - 1.0) * 100.0),
         );
         println!(
-            "{:<18} {:>6.3} {:>7.2} MiB {:>9} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>7} {:>7}",
+            "{:<18} {:>6.3} {:>7.2} MiB {:>9} {} {} {} {} {:>7} {:>7}",
             row.backend,
             row.ratio,
             row.mem_used_total as f64 / 1048576.0,
             vs,
-            row.put_mbs_1t,
-            row.get_mbs_1t,
-            row.put_mbs_mt,
-            row.get_mbs_mt,
+            figure(row.put_mbs_1t, row.put_cpu_us_per_page_1t),
+            figure(row.get_mbs_1t, row.get_cpu_us_per_page_1t),
+            figure(row.put_mbs_mt, row.put_cpu_us_per_page_mt),
+            figure(row.get_mbs_mt, row.get_cpu_us_per_page_mt),
             row.same_filled_pages,
             row.incompressible_pages
         );
     }
-    println!("(throughput in MB/s of original data; \"vs zram\" is pool memory relative to zram lz4's mem_used_total)");
+    println!(
+        "(MB/s of original data; us/pg: CPU time of this process (user + system, all threads) per page over the same \
+         timed section: for tmem the store's work, for zram mostly the kernel's compression and decompression, done \
+         in the system time of the threads writing and reading the device; JSON adds the whole machine's busy time per \
+         page. Each figure timed over at least {} MiB of pages or {} ms, the corpus repeated as needed; n/a: {}. \
+         \"vs zram\" is pool memory relative to zram lz4's mem_used_total)",
+        tmem_sys::zram::MIN_TIMED_BYTES >> 20,
+        tmem_sys::zram::MIN_TIMED.as_millis(),
+        Budget::reason()
+    );
     if let Some(why) = &r.zram_skipped {
         println!("(zram not measured: {why})");
     }

@@ -7,7 +7,7 @@ mod tierbench;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Userspace transcendent memory: a compressed, tiered page store.
 #[derive(Parser, Debug)]
@@ -106,14 +106,17 @@ enum CorpusCommand {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let up_matches =
+        matches.subcommand_matches("swap").and_then(|m| m.subcommand_matches("up")).cloned().unwrap_or_default();
     let result: anyhow::Result<()> = match cli.command {
         Command::Bench { what: BenchCommand::Store(args) } => bench::run_store(&args).map_err(anyhow::Error::msg),
         Command::Bench { what: BenchCommand::Tier(args) } => tierbench::run(&args).map_err(anyhow::Error::msg),
         Command::Bench { what: BenchCommand::Pressure(args) } => pressure::run(&args).map_err(anyhow::Error::msg),
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
-        Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a),
+        Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),
         Command::Swap { what: SwapCommand::Down(a) } => swapcmd::down(&a),
         Command::Stat { daemon, json } => swapcmd::stat(&daemon, json),
         Command::Set { daemon, device, assignments } => swapcmd::set(&daemon, &device, &assignments),

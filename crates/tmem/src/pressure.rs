@@ -8,8 +8,10 @@
 //! level (a cgroup v1 memory limit of 100 = none, 75, 50, 35, 25 % of the
 //! peak), the workload runs `--runs` times in a fresh cgroup with a fresh,
 //! empty swap area of that backend: wall time, correctness against the
-//! reference checksums, OOM kills, pswpin/pswpout and the backend's peak pool
-//! memory (sampled every 100 ms) are recorded.
+//! reference checksums, OOM kills, pswpin/pswpout, the backend's peak pool
+//! memory (sampled every 100 ms), and CPU time (the backend's daemon's, and
+//! the whole machine's busy time, also for the reference run, so that what
+//! swapping cost per page can be given for every backend) are recorded.
 //!
 //! Every kernel setting touched is put back at the end, on error, on panic
 //! and on Ctrl-C/SIGTERM (the signal only sets a flag; the run in progress is
@@ -27,7 +29,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tmem_sys::cgroup::{self, MemCgroup};
-use tmem_sys::vmstat::{CpuTimes, SwapCounters};
+use tmem_sys::vmstat::{CpuTimes, ProcessCpu, SwapCounters};
 use tmem_sys::{swap, zram, zswap};
 
 pub use backend::BackendKind;
@@ -68,10 +70,8 @@ pub struct PressureArgs {
     /// Directory for the disk swap file (the disk and zswap backends).
     #[arg(long, default_value = "/var/tmp")]
     pub swap_dir: PathBuf,
-    /// zram device.
-    #[arg(long, default_value = "zram0")]
-    pub zram_device: String,
-    /// zram compression algorithm.
+    /// zram compression algorithm (zram runs on a device hot-added for the
+    /// bench and removed afterwards; existing zram devices are left alone).
     #[arg(long, default_value = "lz4")]
     pub zram_algorithm: String,
     /// zswap compressor.
@@ -217,6 +217,8 @@ struct Ctx<'a> {
     expected: Vec<String>,
     timeout: Duration,
     progress: Progress,
+    /// Busy CPU seconds of the whole machine in the reference run.
+    reference_busy_secs: Option<f64>,
 }
 
 /// Everything a run measured.
@@ -232,6 +234,10 @@ struct Measured {
     oom_kills: u64,
     /// Share of CPU time the hypervisor gave to other guests during the run.
     steal_percent: f64,
+    /// CPU time of the backend's user-space server (None: it has none).
+    daemon_cpu: Option<ProcessCpu>,
+    /// Busy CPU seconds of the whole machine, all CPUs.
+    machine_busy_secs: Option<f64>,
     jobs: Vec<workload::JobResult>,
     /// Swap areas not ours seen during the run.
     foreign: Vec<String>,
@@ -248,6 +254,8 @@ impl Ctx<'_> {
         }
         cg.set_limit(limit).map_err(|e| e.to_string())?;
         let before = SwapCounters::now().map_err(|e| e.to_string())?;
+        let server = backend.and_then(Backend::server_pid);
+        let server_before = server.and_then(ProcessCpu::of_pid);
         let cpu_before = CpuTimes::now();
         let start = Instant::now();
         let mut running = self.workload.spawn(&cg.procs_file())?;
@@ -295,8 +303,12 @@ impl Ctx<'_> {
             std::thread::sleep(Duration::from_millis(10));
         }
         let wall = start.elapsed();
+        let cpu_after = CpuTimes::now();
+        let daemon_cpu = server_before.zip(server.and_then(ProcessCpu::of_pid)).map(|(b, a)| a.since(&b));
         let vmstat = SwapCounters::now().map_err(|e| e.to_string())?.since(&before);
-        let steal_percent = CpuTimes::steal_percent_from(cpu_before);
+        let cpu = cpu_before.zip(cpu_after);
+        let steal_percent = cpu.map_or(0.0, |(b, a)| a.steal_percent_since(&b));
+        let machine_busy_secs = cpu.map(|(b, a)| a.busy_secs_since(&b));
         if let Some(hw) = backend.and_then(Backend::pool_high_water) {
             peak.pool_bytes = peak.pool_bytes.max(hw);
         }
@@ -311,6 +323,8 @@ impl Ctx<'_> {
             failcnt: cg.failcnt().map_err(|e| e.to_string())?,
             oom_kills: cg.oom_control().map_err(|e| e.to_string())?.oom_kill,
             steal_percent,
+            daemon_cpu,
+            machine_busy_secs,
             jobs: running.results(),
             foreign,
         };
@@ -410,7 +424,7 @@ impl Ctx<'_> {
         let m = measured?;
         down?;
         let (outcome, message) = self.outcome(&m);
-        Ok(RunRecord {
+        let mut r = RunRecord {
             backend: name.to_owned(),
             level,
             limit_bytes: limit,
@@ -426,13 +440,21 @@ impl Ctx<'_> {
             cgroup_failcnt: m.failcnt,
             oom_kills: m.oom_kills,
             cpu_steal_percent: m.steal_percent,
+            daemon_cpu_user_secs: None,
+            daemon_cpu_system_secs: None,
+            machine_busy_cpu_secs: None,
+            swapped_pages: 0,
+            daemon_cpu_us_per_swapped_page: None,
+            machine_cpu_us_per_swapped_page_above_reference: None,
             setup_secs,
             teardown_secs,
             jobs: m.jobs,
             message,
             foreign_swap: m.foreign,
             backend_counters: counters,
-        })
+        };
+        r.set_cpu(m.daemon_cpu, m.machine_busy_secs, self.reference_busy_secs);
+        Ok(r)
     }
 }
 
@@ -534,7 +556,15 @@ fn preflight(a: &PressureArgs) -> Result<(), String> {
     for b in &a.backends {
         match b {
             BackendKind::Zram => {
-                zram::check_available(&a.zram_device).map_err(|e| format!("zram backend: {e}"))?;
+                // Hot-adds a device, reads what it offers, removes it.
+                let algs = zram::probe().map_err(|e| format!("zram backend: {e}"))?;
+                if !algs.contains(&a.zram_algorithm) {
+                    return Err(format!(
+                        "zram backend: zram does not offer {} (it offers {})",
+                        a.zram_algorithm,
+                        algs.join(", ")
+                    ));
+                }
             }
             BackendKind::Zswap if !zswap::available() => return Err("zswap backend: this kernel has no zswap".into()),
             BackendKind::TmemRemote if tmem_tier_remote::testing::redis_server_binary().is_none() => {
@@ -573,6 +603,11 @@ struct JsonOut<'a> {
     mem_total_bytes: u64,
     peak_bytes: u64,
     swap_size_bytes: u64,
+    /// The zram device hot-added for the zram rows (removed since).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    zram_device: Option<String>,
+    /// Runs that swapped fewer pages than this get no per-page CPU figures.
+    min_swapped_pages_for_cpu_per_page: u64,
     reference: &'a RunRecord,
     runs: &'a [RunRecord],
     summary: &'a [report::Summary],
@@ -601,6 +636,7 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
         expected: Vec::new(),
         timeout: Duration::from_secs(if a.timeout > 0 { a.timeout } else { 3600 }),
         progress: Progress::new(total),
+        reference_busy_secs: None,
     };
 
     // Reference run: no limit, no swap of ours; gives the peak and the checksums.
@@ -614,7 +650,7 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
     if a.timeout == 0 {
         ctx.timeout = Duration::from_secs_f64((m.wall.as_secs_f64() * 20.0).max(300.0));
     }
-    let reference = RunRecord {
+    let mut reference = RunRecord {
         backend: "none".into(),
         level: 100,
         limit_bytes: None,
@@ -630,6 +666,12 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
         cgroup_failcnt: m.failcnt,
         oom_kills: 0,
         cpu_steal_percent: m.steal_percent,
+        daemon_cpu_user_secs: None,
+        daemon_cpu_system_secs: None,
+        machine_busy_cpu_secs: None,
+        swapped_pages: 0,
+        daemon_cpu_us_per_swapped_page: None,
+        machine_cpu_us_per_swapped_page_above_reference: None,
         setup_secs: 0.0,
         teardown_secs: 0.0,
         jobs: m.jobs,
@@ -637,6 +679,8 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
         foreign_swap: m.foreign,
         backend_counters: None,
     };
+    reference.set_cpu(None, m.machine_busy_secs, m.machine_busy_secs);
+    ctx.reference_busy_secs = m.machine_busy_secs;
     ctx.progress.step_done();
     let swap_size = round_up_64m(peak);
     ctx.progress.note(&format!(
@@ -651,7 +695,6 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
     let cfg = BackendConfig {
         swap_size,
         swap_file: a.swap_dir.join(format!("tmem-bench-swap-{pid}")),
-        zram_device: a.zram_device.clone(),
         zram_algorithm: a.zram_algorithm.clone(),
         zswap_compressor: a.zswap_compressor.clone(),
         zswap_max_pool_percent: a.zswap_max_pool_percent,
@@ -664,6 +707,7 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
     };
     let mut runs: Vec<RunRecord> = Vec::new();
     let mut errors: Vec<String> = Vec::new();
+    let mut zram_device = None;
     'backends: for &kind in &a.backends {
         if interrupted() {
             break;
@@ -671,7 +715,10 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
         let name = kind.name();
         ctx.progress.show(&format!("{name}: preparing"), None, true);
         let mut backend = match Backend::prepare(kind, &cfg) {
-            Ok(b) => b,
+            Ok(b) => {
+                zram_device = zram_device.or_else(|| b.zram_device());
+                b
+            }
             Err(e) => {
                 ctx.progress.note(&format!("{name}: cannot prepare: {e}"));
                 errors.push(format!("{name}: {e}"));
@@ -725,7 +772,7 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
 
     let names: Vec<&str> = a.backends.iter().map(|b| b.name()).collect();
     let summary = report::summarize(&runs, &names, &a.levels);
-    print_report(a, &reference, peak, &runs, &summary, &names);
+    print_report(a, &reference, peak, &runs, &summary, &names, zram_device.as_deref());
     if let Some(path) = &a.json {
         let out = JsonOut {
             tool: "tmem bench pressure",
@@ -735,6 +782,8 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
             mem_total_bytes: swap::total_ram_bytes().unwrap_or(0),
             peak_bytes: peak,
             swap_size_bytes: swap_size,
+            zram_device,
+            min_swapped_pages_for_cpu_per_page: report::MIN_SWAPPED_PAGES,
             reference: &reference,
             runs: &runs,
             summary: &summary,
@@ -764,6 +813,7 @@ fn print_report(
     runs: &[RunRecord],
     summary: &[report::Summary],
     names: &[&str],
+    zram_device: Option<&str>,
 ) {
     println!(
         "tmem bench pressure: workload {} MiB in {} job(s), {} pass(es); measured peak {} in {:.1} s (no limit, no swap)",
@@ -774,11 +824,12 @@ fn print_report(
         reference.wall_secs
     );
     println!(
-        "backends: disk = swap file in {} (prio {}); zram = /dev/{} {} (prio {}); zswap = {} max_pool_percent {} over the disk file; \
+        "backends: disk = swap file in {} (prio {}); zram = /dev/{} (hot-added for the bench) {} (prio {}); \
+         zswap = {} max_pool_percent {} over the disk file; \
          tmem = tmem swap up --codec {} --pool-limit {} --fuse-uring {} (prio {}). {} run(s) per cell.",
         a.swap_dir.display(),
         backend::DISK_PRIORITY,
-        a.zram_device,
+        zram_device.unwrap_or("zramN"),
         a.zram_algorithm,
         backend::RAM_PRIORITY,
         a.zswap_compressor,
@@ -816,6 +867,8 @@ fn print_report(
     println!(
         "note: pswpout/pswpin are system-wide /proc/vmstat deltas over each run; pages zswap keeps count as zswpout/zswpin."
     );
+    println!();
+    print!("{}", report::render_cpu_runs(reference, runs));
     let steal: Vec<f64> = runs.iter().map(|r| r.cpu_steal_percent).collect();
     if let Some(med) = report::median(steal.clone()) {
         println!(
@@ -866,6 +919,8 @@ mod tests {
             failcnt: 0,
             oom_kills: oom,
             steal_percent: 0.0,
+            daemon_cpu: None,
+            machine_busy_secs: None,
             jobs,
             foreign: vec![],
         }

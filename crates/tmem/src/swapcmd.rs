@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tmem_block::DeviceStats;
 use tmem_ctl::{self as ctl, Request};
+use tmem_daemon::config::Config;
 use tmem_daemon::spec::device_specs;
 use tmem_daemon::{human, launch, recover, DaemonError, DaemonSpec, PoolLimit};
 
@@ -13,7 +14,7 @@ use tmem_daemon::{human, launch, recover, DaemonError, DaemonSpec, PoolLimit};
 pub const DEFAULT_FUSE_THREADS: usize = 4;
 
 /// Arguments of `tmem swap up`.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Clone, Debug)]
 pub struct UpArgs {
     /// Size of each swap device (it is sparse: only stored pages use memory).
     #[arg(long, default_value = "8G", value_parser = tmem_corpus::parse_size)]
@@ -46,8 +47,52 @@ pub struct UpArgs {
     /// Seconds to wait for the daemon to come up; then it is stopped and undoes its setup.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     wait: u64,
+    /// Configuration file (TOML); flags given here override it. Default: /etc/tmem/tmem.toml if it exists.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Run the daemon in this process instead of in the background (for systemd's
+    /// Type=notify: it reports READY once swap is on, and pings the watchdog).
+    #[arg(long)]
+    foreground: bool,
     #[command(flatten)]
     tiers: tmem_daemon::tiers::TierArgs,
+}
+
+impl UpArgs {
+    /// These arguments with the configuration file's values wherever the
+    /// command line did not give the flag.
+    fn with_config(&self, c: &Config, m: &clap::ArgMatches) -> Self {
+        let given = |id: &str| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+        fn pick<T: Clone>(given: bool, flag: &T, file: &Option<T>) -> T {
+            match file {
+                Some(v) if !given => v.clone(),
+                _ => flag.clone(),
+            }
+        }
+        let t = &self.tiers;
+        Self {
+            size: pick(given("size"), &self.size, &c.size),
+            pool_limit: pick(given("pool_limit"), &self.pool_limit, &c.pool_limit),
+            codec: pick(given("codec"), &self.codec, &c.codec),
+            priority: pick(given("priority"), &self.priority, &c.priority),
+            devices: pick(given("devices"), &self.devices, &c.devices),
+            fuse_threads: pick(given("fuse_threads"), &self.fuse_threads, &c.fuse_threads),
+            fuse_uring: pick(given("fuse_uring"), &self.fuse_uring, &c.fuse_uring),
+            discard: pick(given("discard"), &self.discard, &c.discard),
+            runtime_dir: pick(given("runtime_dir"), &self.runtime_dir, &c.runtime_dir),
+            wait: pick(given("wait"), &self.wait, &c.wait),
+            config: self.config.clone(),
+            foreground: self.foreground,
+            tiers: tmem_daemon::tiers::TierArgs {
+                tiers: pick(given("tiers"), &t.tiers, &c.tiers),
+                replicas: pick(given("replicas"), &t.replicas, &c.replicas),
+                key_file: pick(given("key_file"), &t.key_file, &c.key_file.clone().map(Some)),
+                cluster_id: pick(given("cluster_id"), &t.cluster_id, &c.cluster_id),
+                host_id: pick(given("host_id"), &t.host_id, &c.host_id.clone().map(Some)),
+                disk_capacity: pick(given("disk_capacity"), &t.disk_capacity, &c.disk_capacity.map(Some)),
+            },
+        }
+    }
 }
 
 /// Arguments shared by commands that talk to a running daemon.
@@ -59,10 +104,11 @@ pub struct DaemonArgs {
 }
 
 /// `tmem swap up`: starts the daemon and waits until swap is on.
-pub fn up(a: &UpArgs) -> anyhow::Result<()> {
+pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
     if !tmem_sys::is_root() {
         anyhow::bail!("tmem swap up needs root (it mounts FUSE, attaches loop devices and runs swapon)");
     }
+    let a = &a.with_config(&Config::load_default_or(a.config.as_deref())?, m);
     let spec = DaemonSpec {
         runtime_dir: a.runtime_dir.clone(),
         devices: device_specs("swap", a.devices, a.size, &a.codec, a.pool_limit),
@@ -86,6 +132,9 @@ pub fn up(a: &UpArgs) -> anyhow::Result<()> {
             left.summary()
         );
         print_recovery(&recover::clean(&a.runtime_dir)?);
+    }
+    if a.foreground {
+        return Ok(tmem_daemon::run(spec)?);
     }
     let st = launch::start(spec, &std::env::current_exe()?, Duration::from_secs(a.wait))?;
     for s in &st.steps {

@@ -59,6 +59,12 @@ struct TierResult {
     pages: usize,
     value_bytes_avg: f64,
     put_batch_pages_per_s: f64,
+    /// CPU time of this process (user + system, all threads) per page over
+    /// the batched puts, µs (a tier's servers, such as the remote tier's
+    /// redis-servers, are other processes: not included).
+    put_batch_cpu_us_per_page: f64,
+    /// The same over the batched gets.
+    get_batch_cpu_us_per_page: f64,
     /// CPU time the hypervisor gave to other guests during the batched puts and gets, percent.
     cpu_steal_percent: f64,
     get_batch_pages_per_s: f64,
@@ -150,12 +156,14 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
         return Ok(());
     }
     println!(
-        "{:<8} {:>7} {:>8} {:>12} {:>12} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>6}",
+        "{:<8} {:>7} {:>8} {:>12} {:>9} {:>12} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>6}",
         "tier",
         "pages",
         "value B",
         "put pages/s",
+        "put us/pg",
         "get pages/s",
+        "get us/pg",
         "get p50",
         "get p99",
         "put p50",
@@ -166,12 +174,14 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
     );
     for r in &results {
         println!(
-            "{:<8} {:>7} {:>8.0} {:>12.0} {:>12.0} {:>6}us {:>6}us {:>6}us {:>6}us {:>8.0}B {:>8.0}B {:>5.1}%",
+            "{:<8} {:>7} {:>8.0} {:>12.0} {:>9.2} {:>12.0} {:>9.2} {:>6}us {:>6}us {:>6}us {:>6}us {:>8.0}B {:>8.0}B {:>5.1}%",
             r.tier,
             r.pages,
             r.value_bytes_avg,
             r.put_batch_pages_per_s,
+            r.put_batch_cpu_us_per_page,
             r.get_batch_pages_per_s,
+            r.get_batch_cpu_us_per_page,
             r.get_p50_us,
             r.get_p99_us,
             r.put_p50_us,
@@ -182,7 +192,9 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
         );
     }
     println!(
-        "({} batch(es) of {} values in flight; latency of single operations; wire bytes per page from the tier's own counters, 0 where it has none; \
+        "({} batch(es) of {} values in flight; us/pg: CPU time of this process (user + system, all threads) per page \
+         over the batched puts or gets, a tier's server processes (redis-server) not included; latency of single \
+         operations; wire bytes per page from the tier's own counters, 0 where it has none; \
          steal: CPU time the hypervisor gave to other guests during the batched puts and gets)",
         args.inflight.max(1),
         args.batch
@@ -295,7 +307,7 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
             handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|_| Err("a bench thread panicked".into())))
         })
     };
-    let t = Instant::now();
+    let (mark, t) = (tmem_sys::vmstat::CpuMark::now(), Instant::now());
     in_parallel(&|c, chunk| {
         let items: Vec<(TierKey, &[u8])> =
             chunk.iter().enumerate().map(|(j, v)| (key(c * args.batch + j), v.as_slice())).collect();
@@ -309,7 +321,8 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
         Ok(())
     })?;
     let put_s = t.elapsed().as_secs_f64();
-    let t = Instant::now();
+    let put_cpu = mark.spent().process.total_secs();
+    let (mark, t) = (tmem_sys::vmstat::CpuMark::now(), Instant::now());
     in_parallel(&|c, chunk| {
         let keys: Vec<TierKey> = (c * args.batch..c * args.batch + chunk.len()).map(key).collect();
         for (k, r) in keys.iter().zip(tier.get_batch(&keys)) {
@@ -321,6 +334,7 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
         Ok(())
     })?;
     let get_s = t.elapsed().as_secs_f64();
+    let get_cpu = mark.spent().process.total_secs();
     let steal = tmem_sys::vmstat::CpuTimes::steal_percent_from(cpu_before);
     let mid = tier.stats();
     let get_lat = LatencyHistogram::default();
@@ -346,7 +360,9 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
         pages: n,
         value_bytes_avg: vals.iter().map(Vec::len).sum::<usize>() as f64 / n as f64,
         put_batch_pages_per_s: n as f64 / put_s,
+        put_batch_cpu_us_per_page: put_cpu * 1e6 / n as f64,
         get_batch_pages_per_s: n as f64 / get_s,
+        get_batch_cpu_us_per_page: get_cpu * 1e6 / n as f64,
         cpu_steal_percent: steal,
         get_p50_us: get_lat.quantile_us(0.5),
         get_p99_us: get_lat.quantile_us(0.99),

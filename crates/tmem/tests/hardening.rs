@@ -9,14 +9,32 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use tmem_testkit::{have_tool, is_root, skip, Feature};
+
 const TMEM: &str = env!("CARGO_BIN_EXE_tmem");
 
-fn root() -> bool {
-    rustix::process::geteuid().is_root()
-}
-
-fn have(tool: &str) -> bool {
-    Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success())
+/// Whether `tmem swap up` can run here (root, FUSE, loop devices, swap, the
+/// util-linux tools); reports the skip naming what is missing when not.
+fn can_swap_up() -> bool {
+    if !is_root() {
+        skip(Feature::Root, "swap up needs root");
+        return false;
+    }
+    for (path, feature) in
+        [("/dev/fuse", Feature::Fuse), ("/dev/loop-control", Feature::Loop), ("/proc/swaps", Feature::Swap)]
+    {
+        if !Path::new(path).exists() {
+            skip(feature, &format!("{path} is missing"));
+            return false;
+        }
+    }
+    for tool in ["losetup", "mkswap", "swapon", "swapoff"] {
+        if !have_tool(tool) {
+            skip(Feature::Tools, &format!("{tool} is not installed (util-linux)"));
+            return false;
+        }
+    }
+    true
 }
 
 fn tmem(args: &[&str]) -> (Output, String, Duration) {
@@ -83,8 +101,8 @@ impl Drop for Scratch {
 /// that `swap up` refuses.
 #[test]
 fn control_socket_cannot_be_held_or_taken_over() {
-    if !root() {
-        println!("SKIP: the daemon calls mlockall, which needs root here");
+    if !is_root() {
+        skip(Feature::Root, "the daemon calls mlockall, which needs root here");
         return;
     }
     let mut s = Scratch::new();
@@ -120,8 +138,12 @@ fn control_socket_cannot_be_held_or_taken_over() {
 /// must leave disk tier files that share no keystream.
 #[test]
 fn two_devices_with_one_key_file_share_no_keystream() {
-    if !root() || !have("nbdcopy") {
-        println!("SKIP: needs root and nbdcopy (libnbd-bin)");
+    if !is_root() {
+        skip(Feature::Root, "the daemon calls mlockall, which needs root here");
+        return;
+    }
+    if !have_tool("nbdcopy") {
+        skip(Feature::Tools, "nbdcopy is not installed (libnbd-bin)");
         return;
     }
     let mut s = Scratch::new();
@@ -188,8 +210,8 @@ fn two_devices_with_one_key_file_share_no_keystream() {
 /// was read whole.
 #[test]
 fn bad_sizes_and_key_files_are_refused_at_once() {
-    if !root() {
-        println!("SKIP: swap up needs root");
+    if !is_root() {
+        skip(Feature::Root, "swap up needs root");
         return;
     }
     let s = Scratch::new();
@@ -232,9 +254,7 @@ fn bad_sizes_and_key_files_are_refused_at_once() {
 /// and overwrote a root-owned file; a world-writable directory was used.
 #[test]
 fn runtime_dir_is_checked_and_planted_symlinks_are_not_followed() {
-    let need = ["/dev/fuse", "/proc/swaps"];
-    if !root() || need.iter().any(|p| !Path::new(p).exists()) || !have("losetup") {
-        println!("SKIP: needs root, FUSE, losetup");
+    if !can_swap_up() {
         return;
     }
     let s = Scratch::new();
@@ -266,9 +286,7 @@ fn runtime_dir_is_checked_and_planted_symlinks_are_not_followed() {
 /// undoes its setup, and nothing of it is left.
 #[test]
 fn swap_up_that_gives_up_leaves_nothing_behind() {
-    let need = ["/dev/fuse", "/proc/swaps"];
-    if !root() || need.iter().any(|p| !Path::new(p).exists()) || !have("losetup") {
-        println!("SKIP: needs root, FUSE, losetup");
+    if !can_swap_up() {
         return;
     }
     let s = Scratch::new();

@@ -1,6 +1,8 @@
 //! Smoke test of `tmem bench pressure` (root only): a tiny ladder on zram,
 //! tmem and the fuse-ram baseline; every run must be correct, all must swap
-//! at 50 %, and nothing the bench set up may remain afterwards.
+//! at 50 %, every run must carry its CPU figures, and nothing the bench set
+//! up may remain afterwards: its hot-added zram device is gone, and a zram0
+//! that was there before is untouched.
 
 use std::path::Path;
 use std::process::Command;
@@ -35,6 +37,26 @@ fn bench_cgroups() -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// disksize and comp_algorithm of zram0, if there is one (the user's: the bench must leave it alone).
+fn zram0_state() -> Option<(String, String)> {
+    Path::new("/sys/block/zram0")
+        .exists()
+        .then(|| (read("/sys/block/zram0/disksize"), read("/sys/block/zram0/comp_algorithm")))
+}
+
+/// Whether /sys/block/DEV is gone within a few seconds (other tests may
+/// hot-add devices meanwhile, and get the same number for a moment).
+fn gone(dev: &str) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while Path::new("/sys/block").join(dev).exists() {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    true
+}
+
 fn bench_mounts() -> Vec<String> {
     read("/proc/mounts")
         .lines()
@@ -51,14 +73,10 @@ fn missing_feature() -> Option<String> {
     if !Path::new("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() {
         return Some("no cgroup v1 memory controller".into());
     }
-    if !Path::new("/sys/block/zram0").exists() {
-        return Some("no /dev/zram0".into());
-    }
-    if read("/sys/block/zram0/disksize").trim() != "0" {
-        return Some("zram0 is in use".into());
-    }
-    if !read("/sys/block/zram0/comp_algorithm").split_whitespace().any(|a| a.trim_matches(['[', ']']) == "lz4") {
-        return Some("zram0 has no lz4".into());
+    if !Path::new("/sys/class/zram-control").exists()
+        && Command::new("modprobe").args(["--dry-run", "zram"]).status().map_or(true, |s| !s.success())
+    {
+        return Some("no zram module".into());
     }
     if !Path::new("/dev/fuse").exists() {
         return Some("no /dev/fuse".into());
@@ -79,6 +97,7 @@ fn pressure_ladder_smoke() {
         return;
     }
     let cgroups_before = bench_cgroups();
+    let zram0_before = zram0_state();
     let json = std::env::temp_dir().join(format!("tmem-pressure-smoke-{}.json", std::process::id()));
     let start = std::time::Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
@@ -96,12 +115,20 @@ fn pressure_ladder_smoke() {
 
     // Nothing remains, whatever happened. (Other tests on the machine may have
     // swap areas of their own by now: only ours are checked.)
-    let ours: Vec<String> =
-        swap_areas().into_iter().filter(|a| a == "/dev/zram0" || a.contains("tmem-bench")).collect();
+    let v: serde_json::Value = serde_json::from_str(&json_text).unwrap_or_default();
+    let zram_dev = v["zram_device"].as_str().map(str::to_owned);
+    let ours: Vec<String> = swap_areas()
+        .into_iter()
+        .filter(|a| zram_dev.as_ref().is_some_and(|d| *a == format!("/dev/{d}")) || a.contains("tmem-bench"))
+        .collect();
     assert!(ours.is_empty(), "swap areas left: {ours:?}");
     assert!(bench_loops().is_empty(), "loop devices left: {:?}", bench_loops());
     assert_eq!(bench_cgroups(), cgroups_before, "memory cgroups left behind");
-    assert_eq!(read("/sys/block/zram0/disksize").trim(), "0", "zram0 not reset");
+    assert_eq!(zram0_state(), zram0_before, "zram0 was touched");
+    if let Some(d) = &zram_dev {
+        assert_ne!(d, "zram0", "the bench must hot-add a device of its own");
+        assert!(gone(d), "the hot-added {d} was not removed");
+    }
     assert!(bench_mounts().is_empty(), "mounts left: {:?}", bench_mounts());
     assert!(
         !std::fs::read_dir("/run")
@@ -111,13 +138,17 @@ fn pressure_ladder_smoke() {
         "runtime directory left in /run"
     );
 
-    if stderr.contains("is busy") || stderr.contains("locked by another tmem process") {
-        skip("zram0 was taken by another test while the bench ran");
-        return;
-    }
     assert!(out.status.success(), "tmem bench pressure failed");
-    let v: serde_json::Value = serde_json::from_str(&json_text).unwrap();
+    assert!(zram_dev.is_some(), "no zram_device in the JSON");
     assert_eq!(v["reference"]["outcome"], "OK");
+    assert!(v["reference"]["machine_busy_cpu_secs"].as_f64().unwrap() > 0.0, "{}", v["reference"]);
+    assert!(v["reference"]["daemon_cpu_user_secs"].is_null());
+    let min_pages = v["min_swapped_pages_for_cpu_per_page"].as_u64().unwrap();
+    for title in
+        ["CPU per run", "daemon CPU per swapped page, us", "machine CPU per swapped page above the reference run"]
+    {
+        assert!(stdout.contains(title), "no {title:?} in the report");
+    }
     assert!(v["peak_bytes"].as_u64().unwrap() > 100 << 20, "peak {}", v["peak_bytes"]);
     let runs = v["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 6, "{runs:?}");
@@ -129,6 +160,20 @@ fn pressure_ladder_smoke() {
         for (j, want) in jobs.iter().zip(v["reference"]["jobs"].as_array().unwrap()) {
             assert_eq!(j["output"], want["output"], "{what}");
             assert!(j["output"].as_str().unwrap().starts_with("checksum "));
+        }
+        // CPU figures.
+        let vm = &r["vmstat"];
+        let swapped = ["pswpin", "pswpout", "zswpin", "zswpout"].iter().map(|k| vm[k].as_u64().unwrap()).sum::<u64>();
+        assert_eq!(r["swapped_pages"].as_u64(), Some(swapped), "{what}");
+        assert!(r["machine_busy_cpu_secs"].as_f64().unwrap() > 0.0, "{what}: {r}");
+        let has_daemon = r["backend"] != "zram";
+        assert_eq!(r["daemon_cpu_user_secs"].as_f64().is_some(), has_daemon, "{what}: {r}");
+        assert_eq!(r["daemon_cpu_system_secs"].as_f64().is_some(), has_daemon, "{what}: {r}");
+        let per_page = swapped >= min_pages;
+        assert_eq!(r["machine_cpu_us_per_swapped_page_above_reference"].is_f64(), per_page, "{what}: {r}");
+        assert_eq!(r["daemon_cpu_us_per_swapped_page"].is_f64(), per_page && has_daemon, "{what}: {r}");
+        if per_page && has_daemon {
+            assert!(r["daemon_cpu_us_per_swapped_page"].as_f64().unwrap() > 0.0, "{what}: {r}");
         }
         if r["level"] == 50 {
             assert!(r["vmstat"]["pswpout"].as_u64().unwrap() > 0, "{what} did not swap: {r}");

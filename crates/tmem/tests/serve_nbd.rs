@@ -3,10 +3,24 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tmem_testkit::{have_tool, is_root, skip, Feature};
+
 const TMEM: &str = env!("CARGO_BIN_EXE_tmem");
 
-fn have(tool: &str) -> bool {
-    Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success())
+/// Whether the `tools` are installed and the daemon can run (root, for
+/// mlockall); reports the skip naming what is missing when not.
+fn can_serve(tools: &[&str]) -> bool {
+    for tool in tools {
+        if !have_tool(tool) {
+            skip(Feature::Tools, &format!("{tool} is not installed (apt-get install qemu-utils libnbd-bin)"));
+            return false;
+        }
+    }
+    if !is_root() {
+        skip(Feature::Root, "the daemon calls mlockall, which needs root here");
+        return false;
+    }
+    true
 }
 
 /// Stops the server (by its pid) even when an assertion fails.
@@ -21,15 +35,7 @@ impl Drop for Server {
 
 #[test]
 fn serve_nbd_exports_devices_to_real_clients() {
-    for tool in ["qemu-io", "nbdinfo"] {
-        if !have(tool) {
-            println!("SKIP: {tool} is not installed (apt-get install qemu-utils libnbd-bin)");
-            return;
-        }
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("SKIP: the daemon calls mlockall, which needs root here");
+    if !can_serve(&["qemu-io", "nbdinfo"]) {
         return;
     }
     let dir = std::env::temp_dir().join(format!("tmem-serve-nbd-{}", std::process::id()));
@@ -76,13 +82,7 @@ fn serve_nbd_exports_devices_to_real_clients() {
 /// the client); the daemon serves every other page, and counts it.
 #[test]
 fn a_panic_fails_one_nbd_request_and_the_server_goes_on() {
-    if !have("qemu-io") {
-        println!("SKIP: qemu-io is not installed (apt-get install qemu-utils)");
-        return;
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("SKIP: the daemon calls mlockall, which needs root here");
+    if !can_serve(&["qemu-io"]) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -26,23 +26,33 @@ for c in chunks:
 print("OK" if h1.digest() == h2.digest() else "MISMATCH", h1.hexdigest())
 "#;
 
-fn skip_reason() -> Option<String> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("needs root".into());
+/// Whether these tests can run here: root, FUSE, loop devices, swap, the
+/// cgroup v1 memory controller and the tools. When not, reports the skip
+/// naming the feature that is missing (see `tmem_testkit::skip`).
+fn can_run() -> bool {
+    use tmem_testkit::{skip, Feature};
+    if !tmem_testkit::is_root() {
+        skip(Feature::Root, "needs root");
+        return false;
     }
-    for p in ["/dev/fuse", "/sys/fs/cgroup/memory/cgroup.procs", "/proc/swaps"] {
+    for (p, feature) in [
+        ("/dev/fuse", Feature::Fuse),
+        ("/dev/loop-control", Feature::Loop),
+        ("/proc/swaps", Feature::Swap),
+        ("/sys/fs/cgroup/memory/cgroup.procs", Feature::Memcg),
+    ] {
         if !Path::new(p).exists() {
-            return Some(format!("{p} is missing"));
+            skip(feature, &format!("{p} is missing"));
+            return false;
         }
     }
     for tool in ["losetup", "mkswap", "swapon", "swapoff", "python3"] {
-        if Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().map_or(true, |o| !o.status.success())
-        {
-            return Some(format!("{tool} is not installed"));
+        if !tmem_testkit::have_tool(tool) {
+            skip(Feature::Tools, &format!("{tool} is not installed"));
+            return false;
         }
     }
-    None
+    true
 }
 
 /// Whether this process has CAP_SYS_RESOURCE (bit 24 of CapEff), which
@@ -194,8 +204,7 @@ fn assert_clean(s: &Setup) {
 
 #[test]
 fn job_runs_in_half_its_memory_on_tmem_swap() {
-    if let Some(why) = skip_reason() {
-        println!("SKIP: {why}");
+    if !can_run() {
         return;
     }
     let (up, down) = half_memory_job("half", &[]);
@@ -205,12 +214,11 @@ fn job_runs_in_half_its_memory_on_tmem_swap() {
 
 #[test]
 fn job_runs_in_half_its_memory_over_fuse_io_uring() {
-    if let Some(why) = skip_reason() {
-        println!("SKIP: {why}");
+    if !can_run() {
         return;
     }
-    if !std::path::Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
-        println!("SKIP: this kernel has no FUSE over io_uring (Linux 6.14+)");
+    if !Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
+        tmem_testkit::skip(tmem_testkit::Feature::FuseUring, "this kernel has no FUSE over io_uring (Linux 6.14+)");
         return;
     }
     let (up, down) = half_memory_job("half-uring", &["--fuse-uring", "2"]);
@@ -265,8 +273,7 @@ fn half_memory_job(tag: &str, extra: &[&str]) -> (String, String) {
 
 #[test]
 fn full_pool_refuses_pages_without_corrupting_the_job() {
-    if let Some(why) = skip_reason() {
-        println!("SKIP: {why}");
+    if !can_run() {
         return;
     }
     let mut s = Setup::new("full");
@@ -297,8 +304,7 @@ fn full_pool_refuses_pages_without_corrupting_the_job() {
 #[test]
 fn pool_spills_to_remote_ram_and_disk() {
     use tmem_tier_remote::testing::{RedisOptions, RedisServer};
-    if let Some(why) = skip_reason() {
-        println!("SKIP: {why}");
+    if !can_run() {
         return;
     }
     let opts = RedisOptions { maxmemory: Some("24mb".into()), policy: "noeviction".into(), ..Default::default() };
@@ -337,8 +343,7 @@ fn pool_spills_to_remote_ram_and_disk() {
 /// `oom_score_adj` -1000.
 #[test]
 fn a_killed_daemon_is_cleaned_up_by_swap_down() {
-    if let Some(why) = skip_reason() {
-        println!("SKIP: {why}");
+    if !can_run() {
         return;
     }
     let mut s = Setup::new("kill");
@@ -403,8 +408,7 @@ fn a_killed_daemon_is_cleaned_up_by_swap_down() {
 /// data is right.
 #[test]
 fn a_panic_fails_one_request_and_the_daemon_goes_on() {
-    if let Some(why) = skip_reason() {
-        println!("SKIP: {why}");
+    if !can_run() {
         return;
     }
     let mut s = Setup::new("panic");

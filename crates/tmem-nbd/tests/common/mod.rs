@@ -69,18 +69,17 @@ pub fn disk(device: Arc<PoolDevice>) -> Vec<Export> {
     vec![Export::new("disk", device as Arc<dyn BlockDevice>).with_description("test disk")]
 }
 
-/// Is `bin` on PATH?
-pub fn which(bin: &str) -> bool {
-    std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file())).unwrap_or(false)
-}
-
-/// Returns early from the test with `SKIP:` when a client program is missing.
+/// Returns early from the test with `SKIP:` when a client program is missing
+/// (a failure where `TMEM_REQUIRE` requires tools: see `tmem_testkit::skip`).
 #[macro_export]
 macro_rules! require {
     ($($bin:expr),+) => {
         for b in [$($bin),+] {
-            if !common::which(b) {
-                println!("SKIP: {b} is not installed (apt-get install qemu-utils libnbd-bin)");
+            if !tmem_testkit::have_tool(b) {
+                tmem_testkit::skip(
+                    tmem_testkit::Feature::Tools,
+                    &format!("{b} is not installed (apt-get install qemu-utils libnbd-bin)"),
+                );
                 return;
             }
         }

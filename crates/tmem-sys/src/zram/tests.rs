@@ -72,8 +72,36 @@ fn device_names_are_validated() {
     }
     for bad in ["", "zram", "zram0/../sda", "sda", "zramx", "/dev/zram0", "zram 0"] {
         assert!(matches!(validate_dev(bad), Err(ZramError::InvalidDevice(_))), "{bad:?}");
-        assert!(check_available(bad).is_err());
+        assert!(matches!(mm_stat(bad), Err(ZramError::InvalidDevice(_))), "{bad:?}");
     }
+}
+
+#[test]
+fn budget_stops_at_enough_bytes_or_time() {
+    let b = Budget::new();
+    b.begin();
+    assert!(!b.add(1 << 20));
+    assert!(b.add(MIN_TIMED_BYTES), "enough bytes");
+    let b = Budget::new();
+    b.begin();
+    std::thread::sleep(MIN_TIMED);
+    assert!(b.add(4096), "enough time");
+    assert!(!Budget::enough(1 << 20, 0.001));
+    assert!(Budget::enough(MIN_TIMED_BYTES, 0.001));
+    assert!(Budget::enough(4096, 0.2));
+    assert!(!Budget::enough(0, 1.0));
+    assert_eq!(Budget::copies_for(2 << 20), 32);
+    assert_eq!(Budget::copies_for(3 << 20), 22);
+    assert_eq!(Budget::copies_for(1 << 30), 1);
+    let p = TimedPhase { pages: 512, secs: 0.000_4, cpu: CpuSpent::default() };
+    assert_eq!((p.mb_per_sec(), p.cpu_us_per_page(), p.machine_busy_us_per_page()), (None, None, None));
+    let mut cpu = CpuSpent::default();
+    cpu.process.system_secs = 0.032;
+    cpu.machine_busy_secs = Some(0.064);
+    let p = TimedPhase { pages: 16384, secs: 0.05, cpu };
+    assert!((p.mb_per_sec().unwrap() - 16384.0 * 4096.0 / 0.05 / 1e6).abs() < 1e-6);
+    assert!((p.cpu_us_per_page().unwrap() - 32_000.0 / 16384.0).abs() < 1e-9);
+    assert!((p.machine_busy_us_per_page().unwrap() - 64_000.0 / 16384.0).abs() < 1e-9);
 }
 
 #[test]
@@ -128,12 +156,11 @@ fn poison_makes_every_page_differ_and_verify_finds_offset() {
 }
 
 #[test]
-fn bench_rejects_bad_input_before_touching_the_device() {
+fn bench_rejects_bad_input_before_creating_a_device() {
     let data = vec![0_u8; PAGE_SIZE];
-    assert!(matches!(bench("zram0", &data[..100], "lz4", 1), Err(ZramError::InvalidInput(_))));
-    assert!(matches!(bench("zram0", &[], "lz4", 1), Err(ZramError::InvalidInput(_))));
-    assert!(matches!(bench("zram0", &data, "lz4", 0), Err(ZramError::InvalidInput(_))));
-    assert!(matches!(bench("nope", &data, "lz4", 1), Err(ZramError::InvalidDevice(_))));
+    assert!(matches!(bench(&data[..100], "lz4", 1), Err(ZramError::InvalidInput(_))));
+    assert!(matches!(bench(&[], "lz4", 1), Err(ZramError::InvalidInput(_))));
+    assert!(matches!(bench(&data, "lz4", 0), Err(ZramError::InvalidInput(_))));
 }
 
 #[test]
@@ -145,28 +172,50 @@ fn run_parallel_reports_worker_errors_and_panics() {
         Ok(())
     });
     assert!(matches!(r, Err(ZramError::WorkerPanicked { phase: "t" })));
-    assert!(run_parallel("t", vec![(); 4], |()| Ok(())).is_ok());
+    let (_, out) = run_parallel("t", vec![1, 2, 3, 4], |i| Ok(i * 10)).unwrap();
+    assert_eq!(out, [10, 20, 30, 40]);
 }
 
-// ---- tests below drive the real device when available (root, idle zram0) ----
+// ---- tests below create real devices when they can (root, zram module) ----
+// Every device is hot-added by the test or the harness and removed by a drop
+// guard, so a failing assertion (a panic) removes it too. A user's zram0 is
+// never touched.
 
-const DEV: &str = "zram0";
+/// Why the real-device tests cannot run here, if they cannot.
+fn skip_reason() -> Option<String> {
+    if !crate::is_root() {
+        return Some("needs root".into());
+    }
+    ensure_module().err().map(|e| e.to_string())
+}
 
-fn available_or_skip() -> Option<(String, u64)> {
-    match check_available(DEV) {
-        Ok(()) => Some((current_algorithm(DEV).unwrap(), mm_stat(DEV).unwrap().mem_limit)),
-        Err(reason) => {
+fn skip() -> bool {
+    match skip_reason() {
+        Some(reason) => {
             println!("SKIP: {reason}");
-            None
+            true
         }
+        None => false,
     }
 }
 
-fn assert_restored(algorithm: &str, mem_limit: u64) {
-    assert_eq!(disksize(DEV).unwrap(), 0, "disksize not restored");
-    assert_eq!(read_u64_attr(DEV, "initstate").unwrap(), 0, "device still initialised");
-    assert_eq!(current_algorithm(DEV).unwrap(), algorithm, "comp_algorithm not restored");
-    assert_eq!(mm_stat(DEV).unwrap().mem_limit, mem_limit, "mem_limit not restored");
+/// Whether this process removed device `id` after the `since`-th removal.
+/// (Device numbers are reused, but only once the device is gone, so another
+/// device with the same number can only have been removed after ours.)
+fn removed_since(since: usize, id: u32) -> bool {
+    REMOVED.lock().unwrap()[since..].contains(&id)
+}
+
+fn removals() -> usize {
+    REMOVED.lock().unwrap().len()
+}
+
+/// `disksize` and `comp_algorithm` of the user's zram0 unless it is `ours`
+/// (to see that it stays untouched; other tests add and remove devices of
+/// their own meanwhile, so only zram0 is looked at).
+fn zram0_state(ours: &str) -> Option<(String, String)> {
+    let attr = |a: &str| std::fs::read_to_string(sysfs_dir("zram0").join(a)).ok();
+    (ours != "zram0").then(|| attr("disksize").zip(attr("comp_algorithm"))).flatten()
 }
 
 fn small_data() -> Vec<u8> {
@@ -174,54 +223,126 @@ fn small_data() -> Vec<u8> {
 }
 
 #[test]
-fn device_restored_after_panic_in_main_thread() {
-    let Some((alg, limit)) = available_or_skip() else {
+fn hot_add_gives_a_fresh_device_and_remove_takes_it_away() {
+    if skip() {
         return;
-    };
+    }
+    let since = removals();
+    let dev = ZramDevice::hot_add().unwrap();
+    let (name, id) = (dev.name().to_owned(), dev.id());
+    assert_eq!(name, format!("zram{id}"));
+    assert!(dev.node().exists() && sysfs_dir(&name).is_dir());
+    assert_eq!(disksize(&name).unwrap(), 0, "a fresh device is not initialised");
+    let (algs, _) = dev.algorithms().unwrap();
+    assert!(algs.iter().any(|a| a == "lz4"), "{algs:?}");
+    assert!(matches!(dev.configure("no-such-algo", 1 << 20), Err(ZramError::UnknownAlgorithm { .. })));
+    dev.configure("lz4", 4 << 20).unwrap();
+    assert_eq!(disksize(&name).unwrap(), 4 << 20);
+    assert_eq!(current_algorithm(&name).unwrap(), "lz4");
+    dev.remove().unwrap();
+    assert!(removed_since(since, id));
+    assert!(probe().unwrap().iter().any(|a| a == "lz4"));
+}
+
+#[test]
+fn dropping_the_device_removes_it_even_in_a_panic() {
+    if skip() {
+        return;
+    }
+    let since = removals();
+    let id = std::sync::Mutex::new(None);
+    let r = std::panic::catch_unwind(|| {
+        let dev = ZramDevice::hot_add().unwrap();
+        *id.lock().unwrap() = Some(dev.id());
+        dev.configure("lz4", 1 << 20).unwrap();
+        panic!("injected panic while the device is configured");
+    });
+    assert!(r.is_err());
+    let id = id.lock().unwrap().expect("the device was created");
+    assert!(removed_since(since, id), "zram{id} was not removed");
+}
+
+#[test]
+fn bench_runs_on_its_own_device_and_removes_it() {
+    if skip() {
+        return;
+    }
+    let since = removals();
+    let used = std::sync::Mutex::new(String::new());
+    let before = zram0_state("");
+    let data = small_data();
+    let run = bench_with_hook(&data, "lz4", 2, &|phase, dev| {
+        if phase == "configured" {
+            *used.lock().unwrap() = dev.to_owned();
+        }
+    })
+    .unwrap();
+    let used = used.into_inner().unwrap();
+    assert_eq!(run.device, used);
+    let id: u32 = used.trim_start_matches("zram").parse().unwrap();
+    assert!(removed_since(since, id), "{used} was not removed");
+    if used != "zram0" {
+        assert_eq!(zram0_state(&used), before, "zram0 was touched");
+    }
+    assert_eq!((run.pages, run.threads), (64, 2));
+    assert_eq!(run.mm_stat.orig_data_size, 64 * 4096, "memory figures are for the data once");
+    for p in [run.put_1t, run.get_1t, run.put_mt, run.get_mt] {
+        assert!(p.pages >= 64 && p.pages % 32 == 0, "{p:?}");
+        assert!(p.mb_per_sec().is_some() && p.cpu_us_per_page().is_some(), "timed over enough work: {p:?}");
+        assert!(p.cpu.process.total_secs() > 0.0, "{p:?}");
+    }
+}
+
+#[test]
+fn device_removed_after_panic_in_main_thread() {
+    if skip() {
+        return;
+    }
+    let since = removals();
+    let used = std::sync::Mutex::new(String::new());
     let data = small_data();
     let r = std::panic::catch_unwind(|| {
-        bench_with_hook(DEV, &data, "lz4", 2, &|phase| {
+        bench_with_hook(&data, "lz4", 2, &|phase, dev| {
+            *used.lock().unwrap() = dev.to_owned();
             assert!(phase != "written", "injected panic after write");
         })
     });
     assert!(r.is_err(), "panic should propagate");
-    assert_restored(&alg, limit);
+    let used = used.into_inner().unwrap();
+    let id: u32 = used.trim_start_matches("zram").parse().unwrap();
+    assert!(removed_since(since, id), "{used} was not removed");
 }
 
 #[test]
-fn device_restored_after_panic_in_worker_thread() {
-    let Some((alg, limit)) = available_or_skip() else {
+fn device_removed_after_panic_in_worker_thread() {
+    if skip() {
         return;
-    };
+    }
+    let since = removals();
+    let used = std::sync::Mutex::new(String::new());
     let data = small_data();
-    let r = bench_with_hook(DEV, &data, "lz4", 2, &|phase| {
+    let r = bench_with_hook(&data, "lz4", 2, &|phase, dev| {
+        *used.lock().unwrap() = dev.to_owned();
         assert!(phase != "mt-read", "injected worker panic");
     });
     assert!(matches!(r, Err(ZramError::WorkerPanicked { phase: "multi-thread read" })), "{r:?}");
-    assert_restored(&alg, limit);
+    let used = used.into_inner().unwrap();
+    let id: u32 = used.trim_start_matches("zram").parse().unwrap();
+    assert!(removed_since(since, id), "{used} was not removed");
 }
 
 #[test]
-fn mem_limit_is_restored() {
-    let Some((alg, limit)) = available_or_skip() else {
+fn unknown_algorithm_is_refused_and_the_device_removed() {
+    if skip() {
         return;
-    };
-    assert_eq!(limit, 0);
-    // Set a limit on the idle device (allowed while uninitialised) under our lock,
-    // then check bench puts it back. Clear it again whatever happens.
-    struct ClearLimit;
-    impl Drop for ClearLimit {
-        fn drop(&mut self) {
-            let _ = write_attr(DEV, "mem_limit", "0");
+    }
+    let since = removals();
+    match bench(&small_data(), "no-such-algo", 1) {
+        Err(ZramError::UnknownAlgorithm { dev, available, .. }) => {
+            assert!(available.iter().any(|a| a == "lz4"));
+            let id: u32 = dev.trim_start_matches("zram").parse().unwrap();
+            assert!(removed_since(since, id), "{dev} was not removed");
         }
+        other => panic!("expected UnknownAlgorithm, got {other:?}"),
     }
-    let _clear = ClearLimit;
-    {
-        let _lock = lock_device(DEV, LOCK_TIMEOUT).unwrap();
-        check_idle(DEV).unwrap();
-        write_attr(DEV, "mem_limit", "64M").unwrap();
-    }
-    let run = bench(DEV, &small_data(), "lzo", 1).unwrap();
-    assert_eq!(run.mm_stat.mem_limit, 0, "limit is cleared during the run");
-    assert_restored(&alg, 64 << 20);
 }

@@ -9,10 +9,10 @@
 //! after it (swapoff, zram reset, tmem daemon stopped), so every run starts
 //! with an empty swap area. *Finishing* undoes the preparation. Every piece
 //! also undoes itself on drop, so an error or a panic anywhere leaves no swap
-//! area, zram setting, zswap parameter, mount or daemon behind.
+//! area, zram device, zswap parameter, mount or daemon behind. zram runs on
+//! a device hot-added for the bench, so a user's zram devices are never
+//! touched.
 
-use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -76,8 +76,6 @@ pub struct BackendConfig {
     pub swap_size: u64,
     /// Disk swap file (disk and zswap backends).
     pub swap_file: PathBuf,
-    /// zram device name.
-    pub zram_device: String,
     /// zram algorithm.
     pub zram_algorithm: String,
     /// zswap compressor.
@@ -141,7 +139,7 @@ impl Backend {
     pub fn prepare(kind: BackendKind, c: &BackendConfig) -> Result<Self, String> {
         match kind {
             BackendKind::Disk => Ok(Self::Disk(DiskSwap::create(&c.swap_file, c.swap_size)?)),
-            BackendKind::Zram => Ok(Self::Zram(Zram::prepare(&c.zram_device, &c.zram_algorithm, c.swap_size)?)),
+            BackendKind::Zram => Ok(Self::Zram(Zram::prepare(&c.zram_algorithm, c.swap_size)?)),
             BackendKind::Zswap => {
                 let mut settings = zswap::ZswapSettings::save().map_err(|e| e.to_string())?;
                 let set = |s: &mut zswap::ZswapSettings, k: &str, v: &str| {
@@ -171,7 +169,7 @@ impl Backend {
     pub fn swap_paths(&self) -> Vec<PathBuf> {
         match self {
             Self::Disk(d) | Self::Zswap { disk: d, .. } => vec![d.path.clone()],
-            Self::Zram(z) => vec![PathBuf::from(format!("/dev/{}", z.dev))],
+            Self::Zram(z) => z.dev.as_ref().map(zram::ZramDevice::node).into_iter().collect(),
             Self::Tmem(t) => t.loop_devs.clone(),
             Self::FuseRam(f) => f.active.iter().filter_map(|a| a.loop_dev.clone()).collect(),
         }
@@ -201,7 +199,8 @@ impl Backend {
     pub fn sample(&self) -> PoolSample {
         match self {
             Self::Disk(_) => PoolSample::default(),
-            Self::Zram(z) => zram::mm_stat(&z.dev)
+            Self::Zram(z) => z
+                .mm_stat()
                 .map(|m| PoolSample { pool_bytes: m.mem_used_total, stored_bytes: m.orig_data_size, tier_pages: 0 })
                 .unwrap_or_default(),
             Self::Zswap { .. } => {
@@ -217,7 +216,27 @@ impl Backend {
     /// (zram `mem_used_max`).
     pub fn pool_high_water(&self) -> Option<u64> {
         match self {
-            Self::Zram(z) => zram::mm_stat(&z.dev).ok().map(|m| m.mem_used_max),
+            Self::Zram(z) => z.mm_stat().map(|m| m.mem_used_max),
+            _ => None,
+        }
+    }
+
+    /// The process that serves the swap device in user space, whose CPU
+    /// time is the run's daemon CPU: tmem's daemon, or for fuse-ram this
+    /// process (the bench serves its FUSE itself). `None` for the backends
+    /// the kernel serves alone (disk, zram, zswap).
+    pub fn server_pid(&self) -> Option<i32> {
+        match self {
+            Self::Tmem(t) => t.pid,
+            Self::FuseRam(_) => i32::try_from(std::process::id()).ok(),
+            Self::Disk(_) | Self::Zram(_) | Self::Zswap { .. } => None,
+        }
+    }
+
+    /// The zram device the zram backend hot-added.
+    pub fn zram_device(&self) -> Option<String> {
+        match self {
+            Self::Zram(z) => z.dev.as_ref().map(|d| d.name().to_owned()),
             _ => None,
         }
     }
@@ -234,7 +253,7 @@ impl Backend {
     pub fn finish(self) -> Result<(), String> {
         match self {
             Self::Disk(d) => d.remove(),
-            Self::Zram(mut z) => z.deactivate(),
+            Self::Zram(mut z) => z.finish(),
             Self::Zswap { disk, mut settings, debugfs } => {
                 let mut errs = Vec::new();
                 if let Err(e) = disk.remove() {
@@ -320,58 +339,40 @@ impl Drop for DiskSwap {
     }
 }
 
-/// zram used as swap; the device is put back the way it was found after every run.
+/// zram used as swap, on a device hot-added for the bench (so a user's zram
+/// devices are never touched): reset after every run, removed at the end
+/// (on drop too).
 pub struct Zram {
-    dev: String,
+    /// `None` once removed.
+    dev: Option<zram::ZramDevice>,
     algorithm: String,
     disksize: u64,
-    original_algorithm: String,
-    original_mem_limit: u64,
     active: bool,
-    lock: Option<File>,
 }
 
 impl Zram {
-    fn prepare(dev: &str, algorithm: &str, disksize: u64) -> Result<Self, String> {
-        zram::check_available(dev)?;
-        let algs = zram::algorithms(dev).map_err(|e| e.to_string())?;
+    fn prepare(algorithm: &str, disksize: u64) -> Result<Self, String> {
+        let dev = zram::ZramDevice::hot_add().map_err(|e| format!("cannot hot-add a zram device: {e}"))?;
+        let (algs, _) = dev.algorithms().map_err(|e| e.to_string())?;
         if !algs.iter().any(|a| a == algorithm) {
-            return Err(format!("{dev} does not offer {algorithm} (it offers {})", algs.join(", ")));
+            return Err(format!("zram does not offer {algorithm} (it offers {})", algs.join(", ")));
         }
-        Ok(Self {
-            dev: dev.to_owned(),
-            algorithm: algorithm.to_owned(),
-            disksize,
-            original_algorithm: zram::current_algorithm(dev).map_err(|e| e.to_string())?,
-            original_mem_limit: zram::mm_stat(dev).map_err(|e| e.to_string())?.mem_limit,
-            active: false,
-            lock: None,
-        })
+        Ok(Self { dev: Some(dev), algorithm: algorithm.to_owned(), disksize, active: false })
     }
 
-    fn attr(&self, name: &str) -> PathBuf {
-        Path::new("/sys/block").join(&self.dev).join(name)
+    fn dev(&self) -> Result<&zram::ZramDevice, String> {
+        self.dev.as_ref().ok_or_else(|| "the zram device was removed already".to_owned())
     }
 
-    fn write(&self, name: &str, value: &str) -> Result<(), String> {
-        let p = self.attr(name);
-        std::fs::write(&p, value).map_err(|e| format!("cannot write {value:?} to {}: {e}", p.display()))
+    fn mm_stat(&self) -> Option<zram::ZramMmStat> {
+        self.dev.as_ref()?.mm_stat().ok()
     }
 
     fn activate(&mut self) -> Result<(), String> {
-        // Idle now? (This takes and releases the lock of `tmem_sys::zram`.)
-        zram::check_available(&self.dev).map_err(|e| format!("{} is busy: {e}", self.dev))?;
-        // Then hold that lock for the run, serialising with `tmem bench store` and the
-        // zram tests, and check again that nobody took the device in between.
-        self.lock = Some(lock_zram(&self.dev)?);
-        let node = PathBuf::from(format!("/dev/{}", self.dev));
-        if zram::disksize(&self.dev).map_err(|e| e.to_string())? != 0 || swap::is_swap(&node).unwrap_or(true) {
-            self.lock = None;
-            return Err(format!("{} was taken by someone else", self.dev));
-        }
         self.active = true;
-        self.write("comp_algorithm", &self.algorithm)?;
-        self.write("disksize", &self.disksize.to_string())?;
+        let dev = self.dev()?;
+        dev.configure(&self.algorithm, self.disksize).map_err(|e| e.to_string())?;
+        let node = dev.node();
         let node = node.to_string_lossy();
         cmd("mkswap", &["--label", "tmem-bench-zram", &node])?;
         cmd("swapon", &["--discard", "--priority", &RAM_PRIORITY.to_string(), &node]).map(drop)
@@ -381,61 +382,35 @@ impl Zram {
         if !self.active {
             return Ok(());
         }
-        let node = PathBuf::from(format!("/dev/{}", self.dev));
+        let dev = self.dev()?;
+        let node = dev.node();
         if swap::is_swap(&node).map_err(|e| e.to_string())? {
             cmd("swapoff", &[&node.to_string_lossy()])?;
         }
-        // udev may briefly hold the device open after swapoff.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            match self.write("reset", "1") {
-                Ok(()) => break,
-                Err(e) if Instant::now() > deadline => return Err(e),
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
-        self.write("comp_algorithm", &self.original_algorithm)?;
-        if self.original_mem_limit != 0 {
-            self.write("mem_limit", &self.original_mem_limit.to_string())?;
-        }
+        // Frees its memory now; udev may briefly hold the device open after swapoff (retried).
+        dev.reset().map_err(|e| e.to_string())?;
         self.active = false;
-        self.lock = None;
         Ok(())
+    }
+
+    /// swapoff, and remove the device.
+    fn finish(&mut self) -> Result<(), String> {
+        self.deactivate()?;
+        match self.dev.take() {
+            Some(d) => d.remove().map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
     }
 }
 
 impl Drop for Zram {
     fn drop(&mut self) {
-        if let Err(e) = self.deactivate() {
+        if let Err(e) = self.finish() {
+            let (name, id) = self.dev.as_ref().map_or(("zram?".to_owned(), 0), |d| (d.name().to_owned(), d.id()));
             eprintln!(
-                "warning: {} not restored: {e}; do: swapoff /dev/{0}; echo 1 > /sys/block/{0}/reset; echo {} > /sys/block/{0}/comp_algorithm",
-                self.dev, self.original_algorithm
+                "warning: {name} not removed: {e}; do: swapoff /dev/{name}; echo {id} > /sys/class/zram-control/hot_remove"
             );
         }
-    }
-}
-
-/// Takes the advisory lock `tmem_sys::zram` uses for `dev`.
-fn lock_zram(dev: &str) -> Result<File, String> {
-    let dir = if Path::new("/run/lock").is_dir() { PathBuf::from("/run/lock") } else { std::env::temp_dir() };
-    let path = dir.join(format!("tmem-sys-{dev}.lock"));
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        // SAFETY: `f` is an open file for the whole call; flock only changes its advisory lock.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            return Ok(f);
-        }
-        if Instant::now() > deadline {
-            return Err(format!("{dev} has been locked by another tmem process for 5 minutes ({})", path.display()));
-        }
-        std::thread::sleep(Duration::from_millis(200));
     }
 }
 

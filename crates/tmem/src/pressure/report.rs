@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use tmem_sys::vmstat::SwapCounters;
+use tmem_sys::vmstat::{ProcessCpu, SwapCounters};
 
 use super::workload::JobResult;
 
@@ -72,6 +72,28 @@ pub struct RunRecord {
     /// run (`/proc/stat` steal): a noisy host shows here, not in the code.
     #[serde(default)]
     pub cpu_steal_percent: f64,
+    /// CPU time in user mode of the backend's user-space server over the
+    /// run (tmem's daemon; for fuse-ram the bench process, which serves it),
+    /// from `/proc/PID/stat`, seconds; `None` for backends the kernel serves
+    /// alone (disk, zram, zswap) and for the reference run.
+    pub daemon_cpu_user_secs: Option<f64>,
+    /// The same, in the kernel on its behalf.
+    pub daemon_cpu_system_secs: Option<f64>,
+    /// Busy CPU time of the whole machine over the run, all CPUs
+    /// (`/proc/stat`: total − idle − iowait − steal), seconds.
+    pub machine_busy_cpu_secs: Option<f64>,
+    /// Pages moved to and from swap over the run: pswpin + pswpout, plus
+    /// zswpin + zswpout (pages zswap keeps never reach pswp*; 0 for the
+    /// other backends, zswap being off for them).
+    pub swapped_pages: u64,
+    /// Daemon CPU (user + system) per swapped page, µs; `None` without a
+    /// daemon or where fewer than [`MIN_SWAPPED_PAGES`] pages were swapped.
+    pub daemon_cpu_us_per_swapped_page: Option<f64>,
+    /// (Machine busy CPU of this run − of the reference run) per swapped
+    /// page, µs: what swapping cost the machine, kernel work included, so
+    /// it compares fairly with zram, whose work is in the kernel. `None`
+    /// where fewer than [`MIN_SWAPPED_PAGES`] pages were swapped.
+    pub machine_cpu_us_per_swapped_page_above_reference: Option<f64>,
     /// Seconds to set the backend up (swapon ...).
     pub setup_secs: f64,
     /// Seconds to tear it down (swapoff ...).
@@ -87,6 +109,32 @@ pub struct RunRecord {
     /// Backend counters over the run (zswap debugfs deltas).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend_counters: Option<BTreeMap<String, u64>>,
+}
+
+/// Runs that swapped fewer pages than this get no per-page CPU figures: a
+/// few seconds of CPU spread over a handful of pages is noise.
+pub const MIN_SWAPPED_PAGES: u64 = 10_000;
+
+impl RunRecord {
+    /// Fills the CPU figures from the daemon's CPU time, the machine's busy
+    /// seconds and the reference run's.
+    pub fn set_cpu(&mut self, daemon: Option<ProcessCpu>, machine_busy: Option<f64>, reference_busy: Option<f64>) {
+        let v = &self.vmstat;
+        self.swapped_pages = v.pswpin + v.pswpout + v.zswpin + v.zswpout;
+        self.daemon_cpu_user_secs = daemon.map(|d| d.user_secs);
+        self.daemon_cpu_system_secs = daemon.map(|d| d.system_secs);
+        self.machine_busy_cpu_secs = machine_busy;
+        let pages = (self.swapped_pages >= MIN_SWAPPED_PAGES).then_some(self.swapped_pages as f64);
+        self.daemon_cpu_us_per_swapped_page = daemon.zip(pages).map(|(d, p)| d.total_secs() * 1e6 / p);
+        self.machine_cpu_us_per_swapped_page_above_reference =
+            machine_busy.zip(reference_busy).zip(pages).map(|((b, r), p)| (b - r) * 1e6 / p);
+    }
+
+    /// Daemon CPU seconds, user + system.
+    #[must_use]
+    pub fn daemon_cpu_secs(&self) -> Option<f64> {
+        Some(self.daemon_cpu_user_secs? + self.daemon_cpu_system_secs?)
+    }
 }
 
 /// Median (mean of the two middle values for an even count).
@@ -127,6 +175,15 @@ pub struct Summary {
     pub median_zswpout: Option<f64>,
     /// Median zswpin (pages).
     pub median_zswpin: Option<f64>,
+    /// Median daemon CPU seconds (user + system) of the correct runs.
+    pub median_daemon_cpu_secs: Option<f64>,
+    /// Median busy CPU seconds of the whole machine of the correct runs.
+    pub median_machine_busy_cpu_secs: Option<f64>,
+    /// Median daemon CPU µs per swapped page of the correct runs that have the figure.
+    pub median_daemon_cpu_us_per_swapped_page: Option<f64>,
+    /// Median machine CPU µs per swapped page above the reference run, of
+    /// the correct runs that have the figure.
+    pub median_machine_cpu_us_per_swapped_page_above_reference: Option<f64>,
 }
 
 const MIB: f64 = 1_048_576.0;
@@ -142,6 +199,10 @@ pub fn summarize(runs: &[RunRecord], backends: &[&str], levels: &[u32]) -> Vec<S
                 continue;
             }
             let med = |f: &dyn Fn(&RunRecord) -> f64| median(rs.iter().map(|r| f(r)).collect());
+            // CPU figures: correct runs only (a run cut short did less work than the reference).
+            let med_ok = |f: &dyn Fn(&RunRecord) -> Option<f64>| {
+                median(rs.iter().filter(|r| r.outcome == Outcome::Ok).filter_map(|r| f(r)).collect())
+            };
             let ok: Vec<f64> = rs.iter().filter(|r| r.outcome == Outcome::Ok).map(|r| r.wall_secs).collect();
             let ratios: Vec<f64> = rs
                 .iter()
@@ -162,6 +223,12 @@ pub fn summarize(runs: &[RunRecord], backends: &[&str], levels: &[u32]) -> Vec<S
                 median_pswpin: med(&|r| r.vmstat.pswpin as f64),
                 median_zswpout: med(&|r| r.vmstat.zswpout as f64),
                 median_zswpin: med(&|r| r.vmstat.zswpin as f64),
+                median_daemon_cpu_secs: med_ok(&RunRecord::daemon_cpu_secs),
+                median_machine_busy_cpu_secs: med_ok(&|r| r.machine_busy_cpu_secs),
+                median_daemon_cpu_us_per_swapped_page: med_ok(&|r| r.daemon_cpu_us_per_swapped_page),
+                median_machine_cpu_us_per_swapped_page_above_reference: med_ok(&|r| {
+                    r.machine_cpu_us_per_swapped_page_above_reference
+                }),
             });
         }
     }
@@ -194,6 +261,11 @@ pub fn time_cell(s: &Summary) -> String {
         Some(t) => format!("{t:.1} {}", marks.join(",")),
         None => marks.join(","),
     }
+}
+
+/// A CPU figure, or "n/a" where there is none.
+fn or_na(v: Option<f64>, decimals: usize) -> String {
+    v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.decimals$}"))
 }
 
 fn thousands(v: f64) -> String {
@@ -251,6 +323,72 @@ pub fn render_table(sums: &[Summary], backends: &[&str], levels: &[u32]) -> Stri
     if backends.contains(&"zswap") {
         block(&mut t, "zswpout/zswpin (zswap stores/loads), thousands of pages", &[("zswap", zswp)]);
     }
+    let daemon: Fmt<'_> = &|s| Some(or_na(s.median_daemon_cpu_secs, 1));
+    let busy: Fmt<'_> = &|s| Some(or_na(s.median_machine_busy_cpu_secs, 1));
+    let daemon_pp: Fmt<'_> = &|s| Some(or_na(s.median_daemon_cpu_us_per_swapped_page, 1));
+    let machine_pp: Fmt<'_> = &|s| Some(or_na(s.median_machine_cpu_us_per_swapped_page_above_reference, 1));
+    block(&mut t, "daemon CPU, s (user + system; median of correct runs)", &rows(backends, daemon));
+    block(&mut t, "machine busy CPU, s (all CPUs; median of correct runs)", &rows(backends, busy));
+    block(&mut t, "daemon CPU per swapped page, us", &rows(backends, daemon_pp));
+    block(&mut t, "machine CPU per swapped page above the reference run, us", &rows(backends, machine_pp));
+    t
+}
+
+/// The legend of the CPU figures (of both tables).
+#[must_use]
+pub fn cpu_legend(reference: &RunRecord) -> String {
+    format!(
+        "swapped: pswpin + pswpout (+ zswpin + zswpout) pages over the run.\n\
+         daemon: CPU time of the backend's user-space server, /proc/PID/stat (tmem's daemon; for fuse-ram the bench \
+         process, which serves its FUSE); n/a for the backends the kernel serves alone (disk, zram, zswap).\n\
+         busy: busy CPU time of the whole machine, all CPUs (/proc/stat: total - idle - iowait - steal; steal is its \
+         own column); the reference run (no limit, no swap) used {} s.\n\
+         us/page: daemon = daemon CPU (user + system) per swapped page; machine = (busy - the reference run's busy) \
+         per swapped page: all that swapping cost, the kernel's work (reclaim, zram's compression) included, so it \
+         compares across backends. n/a where a run swapped fewer than {} pages.\n",
+        or_na(reference.machine_busy_cpu_secs, 1),
+        MIN_SWAPPED_PAGES
+    )
+}
+
+/// One line per run (the reference run first) with its CPU figures, and the legend.
+#[must_use]
+pub fn render_cpu_runs(reference: &RunRecord, runs: &[RunRecord]) -> String {
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "{:<22} {:>6} {:>3} {:>7} {:>8} {:>13} {:>12} {:>7} {:>14} {:>15} {:>6}",
+        "CPU per run",
+        "limit",
+        "run",
+        "outcome",
+        "swapped",
+        "daemon user s",
+        "daemon sys s",
+        "busy s",
+        "daemon us/page",
+        "machine us/page",
+        "steal"
+    );
+    for r in std::iter::once(reference).chain(runs) {
+        let name = if r.backend == "none" { "reference (no swap)" } else { r.backend.as_str() };
+        let _ = writeln!(
+            t,
+            "  {:<20} {:>6} {:>3} {:>7} {:>8} {:>13} {:>12} {:>7} {:>14} {:>15} {:>5.1}%",
+            name,
+            level_title(r.level),
+            r.run,
+            r.outcome.marker(),
+            r.swapped_pages,
+            or_na(r.daemon_cpu_user_secs, 2),
+            or_na(r.daemon_cpu_system_secs, 2),
+            or_na(r.machine_busy_cpu_secs, 1),
+            or_na(r.daemon_cpu_us_per_swapped_page, 1),
+            or_na(r.machine_cpu_us_per_swapped_page_above_reference, 1),
+            r.cpu_steal_percent
+        );
+    }
+    t.push_str(&cpu_legend(reference));
     t
 }
 
@@ -275,6 +413,12 @@ mod tests {
             cgroup_failcnt: 0,
             oom_kills: 0,
             cpu_steal_percent: 0.0,
+            daemon_cpu_user_secs: None,
+            daemon_cpu_system_secs: None,
+            machine_busy_cpu_secs: None,
+            swapped_pages: 0,
+            daemon_cpu_us_per_swapped_page: None,
+            machine_cpu_us_per_swapped_page_above_reference: None,
             setup_secs: 0.0,
             teardown_secs: 0.0,
             jobs: vec![],
@@ -316,5 +460,51 @@ mod tests {
         assert!(t.contains("WRONG"), "{t}");
         assert!(t.contains("12/0.7"), "{t}");
         assert!(!t.contains("zswpout"), "{t}");
+        assert!(t.contains("daemon CPU per swapped page, us"), "{t}");
+    }
+
+    #[test]
+    fn cpu_figures_per_swapped_page() {
+        let mut r = rec("tmem", 50, Outcome::Ok, 10.0, 1 << 20);
+        r.vmstat = SwapCounters { pswpout: 30_000, pswpin: 10_000, ..Default::default() };
+        r.set_cpu(Some(ProcessCpu { user_secs: 0.3, system_secs: 0.1 }), Some(12.0), Some(10.0));
+        assert_eq!(r.swapped_pages, 40_000);
+        assert_eq!(r.daemon_cpu_secs(), Some(0.4));
+        assert!((r.daemon_cpu_us_per_swapped_page.unwrap() - 10.0).abs() < 1e-9);
+        assert!((r.machine_cpu_us_per_swapped_page_above_reference.unwrap() - 50.0).abs() < 1e-9);
+        // Too few pages: no per-page figures, but the seconds stay.
+        let mut few = rec("zram", 50, Outcome::Ok, 10.0, 1 << 20);
+        few.vmstat = SwapCounters { pswpout: 9_000, pswpin: 999, ..Default::default() };
+        few.set_cpu(None, Some(12.0), Some(10.0));
+        assert_eq!(few.swapped_pages, 9_999);
+        assert_eq!(few.daemon_cpu_us_per_swapped_page, None);
+        assert_eq!(few.machine_cpu_us_per_swapped_page_above_reference, None);
+        assert_eq!(few.machine_busy_cpu_secs, Some(12.0));
+        // zswap's own stores count.
+        let mut z = rec("zswap", 50, Outcome::Ok, 10.0, 1 << 20);
+        z.vmstat = SwapCounters { zswpout: 20_000, zswpin: 5_000, pswpout: 1_000, ..Default::default() };
+        z.set_cpu(None, Some(11.0), Some(10.0));
+        assert_eq!(z.swapped_pages, 26_000);
+        assert!(z.machine_cpu_us_per_swapped_page_above_reference.is_some());
+
+        let s = summarize(&[r.clone(), few.clone()], &["tmem", "zram"], &[50]);
+        assert_eq!(s[0].median_daemon_cpu_us_per_swapped_page, r.daemon_cpu_us_per_swapped_page);
+        assert_eq!(s[1].median_daemon_cpu_us_per_swapped_page, None);
+        assert_eq!(s[1].median_machine_busy_cpu_secs, Some(12.0));
+        let t = render_table(&s, &["tmem", "zram"], &[50]);
+        let line = |title: &str| {
+            let i = t.find(title).unwrap();
+            t[i..].lines().skip(1).take(2).map(str::to_owned).collect::<Vec<_>>()
+        };
+        let pp = line("daemon CPU per swapped page, us");
+        assert!(pp[0].contains("10.0") && pp[1].contains("n/a"), "{t}");
+        let mp = line("machine CPU per swapped page above the reference run, us");
+        assert!(mp[0].contains("50.0") && mp[1].contains("n/a"), "{t}");
+        let mut reference = rec("none", 100, Outcome::Ok, 9.0, 0);
+        reference.set_cpu(None, Some(10.0), Some(10.0));
+        let runs = render_cpu_runs(&reference, &[r, few]);
+        assert!(runs.contains("reference (no swap)") && runs.contains("n/a"), "{runs}");
+        assert!(runs.contains("fewer than 10000 pages") && runs.contains("used 10.0 s"), "{runs}");
+        assert!(!runs.contains("n/as"), "{runs}");
     }
 }

@@ -1,0 +1,336 @@
+//! The configuration file (`/etc/tmem/tmem.toml` by default): what `tmem
+//! swap up` runs, in TOML, with the same names and checks as its flags.
+//!
+//! ```toml
+//! [swap]
+//! devices = 1
+//! size = "8G"
+//! pool-limit = "25%"       # or "2G"
+//! codec = "lz4"            # zstd, zstd:3, lz4+dict, ...
+//! priority = 100
+//! fuse-threads = 4
+//! fuse-uring = 0
+//! discard = "once"         # or "pages"
+//! runtime-dir = "/run/tmem"
+//! wait = 60
+//!
+//! [tiers]
+//! tier = ["remote=redis://10.0.0.2:6379,redis://10.0.0.3:6379", "disk=/var/lib/tmem"]
+//! replicas = 2
+//! key-file = "/etc/tmem/key"
+//! cluster-id = "tmem"
+//! host-id = "web1"
+//! disk-capacity = "16G"
+//! ```
+//!
+//! Flags given on the command line override the file. A bad file gets one
+//! error naming the file, the line and column, and the key; nothing starts.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::spec::PoolLimit;
+use crate::tiers::{parse_tier, TierSpec};
+
+/// Where `tmem swap up` looks for its configuration when `--config` is not given.
+pub const DEFAULT_CONFIG: &str = "/etc/tmem/tmem.toml";
+/// Largest configuration file read.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Configuration errors: one line naming the file, where and what.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The file is not valid, or a value is wrong.
+    #[error("{path}:{line}:{column}: {message}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line.
+        line: usize,
+        /// 1-based column.
+        column: usize,
+        /// What is wrong, naming the key.
+        message: String,
+    },
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    #[serde(default)]
+    swap: RawSwap,
+    #[serde(default)]
+    tiers: RawTiers,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawSwap {
+    devices: Option<Spanned<u64>>,
+    size: Option<Spanned<String>>,
+    pool_limit: Option<Spanned<String>>,
+    codec: Option<Spanned<String>>,
+    priority: Option<Spanned<i64>>,
+    fuse_threads: Option<Spanned<u64>>,
+    fuse_uring: Option<Spanned<u64>>,
+    discard: Option<Spanned<String>>,
+    runtime_dir: Option<Spanned<PathBuf>>,
+    wait: Option<Spanned<u64>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawTiers {
+    tier: Option<Spanned<Vec<String>>>,
+    replicas: Option<Spanned<u64>>,
+    key_file: Option<Spanned<PathBuf>>,
+    cluster_id: Option<Spanned<String>>,
+    host_id: Option<Spanned<String>>,
+    disk_capacity: Option<Spanned<String>>,
+}
+
+/// A checked configuration file; `None` where the file says nothing.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Config {
+    /// The file it came from.
+    pub path: Option<PathBuf>,
+    /// `swap.devices`.
+    pub devices: Option<usize>,
+    /// `swap.size`, bytes.
+    pub size: Option<u64>,
+    /// `swap.pool-limit`.
+    pub pool_limit: Option<PoolLimit>,
+    /// `swap.codec`.
+    pub codec: Option<String>,
+    /// `swap.priority`.
+    pub priority: Option<i32>,
+    /// `swap.fuse-threads`.
+    pub fuse_threads: Option<usize>,
+    /// `swap.fuse-uring`.
+    pub fuse_uring: Option<usize>,
+    /// `swap.discard`.
+    pub discard: Option<tmem_sys::swap::SwapDiscard>,
+    /// `swap.runtime-dir`.
+    pub runtime_dir: Option<PathBuf>,
+    /// `swap.wait`, seconds.
+    pub wait: Option<u64>,
+    /// `tiers.tier`.
+    pub tiers: Option<Vec<TierSpec>>,
+    /// `tiers.replicas`.
+    pub replicas: Option<usize>,
+    /// `tiers.key-file`.
+    pub key_file: Option<PathBuf>,
+    /// `tiers.cluster-id`.
+    pub cluster_id: Option<String>,
+    /// `tiers.host-id`.
+    pub host_id: Option<String>,
+    /// `tiers.disk-capacity`, bytes.
+    pub disk_capacity: Option<u64>,
+}
+
+impl Config {
+    /// Reads `path` (a regular file of at most 1 MiB) and checks every value.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let read = |source| ConfigError::Read { path: path.to_owned(), source };
+        let file = std::fs::File::open(path).map_err(read)?;
+        let meta = file.metadata().map_err(read)?;
+        if !meta.is_file() || meta.len() > MAX_CONFIG_BYTES {
+            return Err(read(std::io::Error::other("not a regular file of at most 1 MiB")));
+        }
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::Read::take(file, MAX_CONFIG_BYTES), &mut text).map_err(read)?;
+        Self::parse(&text, path)
+    }
+
+    /// The file given with `--config`, else the default one if it exists.
+    pub fn load_default_or(path: Option<&Path>) -> Result<Self, ConfigError> {
+        match path {
+            Some(p) => Self::load(p),
+            None if Path::new(DEFAULT_CONFIG).exists() => Self::load(Path::new(DEFAULT_CONFIG)),
+            None => Ok(Self::default()),
+        }
+    }
+
+    /// Parses and checks configuration text (`path` names it in errors).
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let at = |span: Option<std::ops::Range<usize>>, message: String| {
+            let (line, column) = line_column(text, span.map_or(0, |s| s.start));
+            ConfigError::Invalid { path: path.to_owned(), line, column, message }
+        };
+        let raw: RawFile = toml::from_str(text).map_err(|e| at(e.span(), e.message().to_owned()))?;
+        // Checks one value with `check`, naming `key` and pointing at it.
+        macro_rules! checked {
+            ($field:expr, $key:literal, $check:expr) => {
+                match $field {
+                    None => None,
+                    Some(v) => {
+                        let span = v.span();
+                        #[allow(clippy::redundant_closure_call)]
+                        let r: Result<_, String> = ($check)(v.into_inner());
+                        Some(r.map_err(|e| at(Some(span), format!("{}: {e}", $key)))?)
+                    }
+                }
+            };
+        }
+        let count = |n: u64| usize::try_from(n).map_err(|_| "too large".to_owned());
+        let s = raw.swap;
+        let t = raw.tiers;
+        Ok(Self {
+            path: Some(path.to_owned()),
+            devices: checked!(s.devices, "swap.devices", |n: u64| match n {
+                0 => Err("need at least one device".to_owned()),
+                n => count(n),
+            }),
+            size: checked!(s.size, "swap.size", |v: String| tmem_corpus::parse_size(&v)),
+            pool_limit: checked!(s.pool_limit, "swap.pool-limit", |v: String| v
+                .parse::<PoolLimit>()
+                .map_err(|e| e.to_string())),
+            codec: checked!(s.codec, "swap.codec", |v: String| tmem_core::codec::CodecChoice::parse(&v)
+                .map(|_| v)
+                .map_err(|e| e.to_string())),
+            priority: checked!(s.priority, "swap.priority", |p: i64| match i32::try_from(p) {
+                Ok(p @ -1..=32767) => Ok(p),
+                _ => Err(format!("{p} is outside -1..32767 (swapon's range)")),
+            }),
+            fuse_threads: checked!(s.fuse_threads, "swap.fuse-threads", |n: u64| match n {
+                1..=256 => count(n),
+                _ => Err(format!("{n} is outside 1..256")),
+            }),
+            fuse_uring: checked!(s.fuse_uring, "swap.fuse-uring", |n: u64| match n {
+                0..=64 => count(n),
+                _ => Err(format!("{n} is outside 0..64")),
+            }),
+            discard: checked!(s.discard, "swap.discard", |v: String| v.parse::<tmem_sys::swap::SwapDiscard>()),
+            runtime_dir: checked!(s.runtime_dir, "swap.runtime-dir", |p: PathBuf| if p.is_absolute() {
+                Ok(p)
+            } else {
+                Err("must be an absolute path".to_owned())
+            }),
+            wait: checked!(s.wait, "swap.wait", |n: u64| if n == 0 {
+                Err("must be at least 1 second".to_owned())
+            } else {
+                Ok(n)
+            }),
+            tiers: checked!(t.tier, "tiers.tier", |v: Vec<String>| v.iter().map(|s| parse_tier(s)).collect()),
+            replicas: checked!(t.replicas, "tiers.replicas", |n: u64| match n {
+                1..=8 => count(n),
+                _ => Err(format!("{n} is outside 1..8")),
+            }),
+            key_file: checked!(t.key_file, "tiers.key-file", |p: PathBuf| Ok::<_, String>(p)),
+            cluster_id: checked!(t.cluster_id, "tiers.cluster-id", |v: String| Ok::<_, String>(v)),
+            host_id: checked!(t.host_id, "tiers.host-id", |v: String| Ok::<_, String>(v)),
+            disk_capacity: checked!(t.disk_capacity, "tiers.disk-capacity", |v: String| tmem_corpus::parse_size(&v)),
+        })
+    }
+}
+
+/// 1-based line and column of byte `offset` in `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, column)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(text, Path::new("/etc/tmem/tmem.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_full_file_parses() {
+        let c = parse(
+            r#"
+[swap]
+devices = 2
+size = "4G"
+pool-limit = "30%"
+codec = "zstd:3+dict"
+priority = 50
+fuse-threads = 8
+fuse-uring = 1
+discard = "pages"
+runtime-dir = "/run/tmem2"
+wait = 90
+
+[tiers]
+tier = ["disk=/var/lib/tmem"]
+replicas = 2
+key-file = "/etc/tmem/key"
+cluster-id = "c"
+host-id = "h"
+disk-capacity = "16G"
+"#,
+        )
+        .unwrap();
+        assert_eq!(c.devices, Some(2));
+        assert_eq!(c.size, Some(4 << 30));
+        assert_eq!(c.pool_limit, Some(PoolLimit::Percent(30)));
+        assert_eq!(c.codec.as_deref(), Some("zstd:3+dict"));
+        assert_eq!(c.discard, Some(tmem_sys::swap::SwapDiscard::Pages));
+        assert_eq!(c.tiers, Some(vec![TierSpec::Disk("/var/lib/tmem".into())]));
+        assert_eq!(c.disk_capacity, Some(16 << 30));
+        assert_eq!(parse("").unwrap(), Config { path: c.path.clone(), ..Config::default() });
+    }
+
+    #[test]
+    fn errors_name_the_file_line_and_key() {
+        for (text, want) in [
+            (
+                "[swap]\nsize = \"8G\"\npool-limit = \"0%\"\n",
+                "/etc/tmem/tmem.toml:3:14: swap.pool-limit: pool limit \"0%\"",
+            ),
+            ("[swap]\nsise = \"8G\"\n", "/etc/tmem/tmem.toml:2:1: unknown field `sise`"),
+            ("[swap]\ncodec = \"gzip\"\n", "/etc/tmem/tmem.toml:2:9: swap.codec:"),
+            ("[swap]\ndevices = 0\n", "/etc/tmem/tmem.toml:2:11: swap.devices: need at least one device"),
+            ("[swap]\npriority = 99999\n", "swap.priority: 99999 is outside"),
+            ("[swap]\nsize = 8\n", "/etc/tmem/tmem.toml:2:8: invalid type: integer `8`, expected a string"),
+            ("[tiers]\ntier = [\"ssd=/x\"]\n", "/etc/tmem/tmem.toml:2:8: tiers.tier:"),
+            ("[swap\n", "/etc/tmem/tmem.toml:1:"),
+            ("[metrics]\nlisten = \"x\"\n", "unknown field `metrics`"),
+        ] {
+            let e = parse(text).unwrap_err();
+            assert!(e.contains(want), "{text:?}: {e}");
+            assert_eq!(e.lines().count(), 1, "one line: {e}");
+        }
+    }
+
+    #[test]
+    fn missing_and_oversized_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Config::load(&dir.path().join("none.toml")).unwrap_err().to_string();
+        assert!(e.contains("none.toml"), "{e}");
+        assert!(Config::load(dir.path()).unwrap_err().to_string().contains("not a regular file"));
+        let big = dir.path().join("big.toml");
+        std::fs::File::create(&big).unwrap().set_len(MAX_CONFIG_BYTES + 1).unwrap();
+        assert!(Config::load(&big).unwrap_err().to_string().contains("at most 1 MiB"));
+    }
+}
+
+#[cfg(test)]
+mod shipped {
+    use super::*;
+
+    /// The example configuration the Debian package installs parses.
+    #[test]
+    fn the_shipped_example_parses() {
+        let text = include_str!("../../../packaging/tmem.toml");
+        let c = Config::parse(text, Path::new("packaging/tmem.toml")).unwrap();
+        assert_eq!(c.size, Some(8 << 30));
+        assert_eq!(c.pool_limit, Some(PoolLimit::Percent(25)));
+        assert_eq!(c.tiers, None);
+    }
+}

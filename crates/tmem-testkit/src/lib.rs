@@ -1,0 +1,211 @@
+//! Test support for tmem's crates: skips that fail where a feature is required.
+//!
+//! Tests that need root, a kernel feature or an installed program call
+//! [`skip`] and `return` when it is missing. On a developer's machine that
+//! prints `SKIP: ...` and the test passes; where the environment variable
+//! `TMEM_REQUIRE` names the feature (as `scripts/test.sh` does for CI, which
+//! has all of them) the skip panics instead, so a missing feature or a broken
+//! check cannot hide a test.
+
+use std::fmt;
+
+/// The environment variable listing the features that must be present.
+pub const ENV: &str = "TMEM_REQUIRE";
+
+/// Something a test needs from the machine it runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Feature {
+    /// Running as root (mounts, swap, mlockall, other processes' memory).
+    Root,
+    /// `/dev/fuse`.
+    Fuse,
+    /// FUSE over io_uring (Linux 6.14+, `/sys/module/fuse/parameters/enable_uring`).
+    FuseUring,
+    /// Loop devices (`/dev/loop-control`).
+    Loop,
+    /// Kernel swap support (`/proc/swaps`).
+    Swap,
+    /// The zram module (devices hot-added through `/sys/class/zram-control`).
+    Zram,
+    /// The cgroup v1 memory controller (`/sys/fs/cgroup/memory`).
+    Memcg,
+    /// A program the tests drive (qemu-io, nbdinfo, redis-server, python3, losetup, ...).
+    Tools,
+    /// Miri (the nightly toolchain's `miri` component), which `scripts/test.sh`
+    /// runs on tmem-core's unsafe core.
+    Miri,
+}
+
+impl Feature {
+    /// Every feature, in the order `all` stands for.
+    pub const ALL: [Feature; 9] = [
+        Feature::Root,
+        Feature::Fuse,
+        Feature::FuseUring,
+        Feature::Loop,
+        Feature::Swap,
+        Feature::Zram,
+        Feature::Memcg,
+        Feature::Tools,
+        Feature::Miri,
+    ];
+
+    /// The name used in `TMEM_REQUIRE`.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Feature::Root => "root",
+            Feature::Fuse => "fuse",
+            Feature::FuseUring => "fuse-uring",
+            Feature::Loop => "loop",
+            Feature::Swap => "swap",
+            Feature::Zram => "zram",
+            Feature::Memcg => "memcg",
+            Feature::Tools => "tools",
+            Feature::Miri => "miri",
+        }
+    }
+}
+
+impl fmt::Display for Feature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Whether `list` (the value of `TMEM_REQUIRE`: names separated by commas,
+/// or `all`) requires `feature`.
+#[must_use]
+pub fn required(list: &str, feature: Feature) -> bool {
+    names(list).any(|n| n == "all" || n == feature.name())
+}
+
+/// The first name in `list` that is neither a feature nor `all`, if any.
+#[must_use]
+pub fn unknown(list: &str) -> Option<&str> {
+    names(list).find(|n| *n != "all" && !Feature::ALL.iter().any(|f| f.name() == *n))
+}
+
+fn names(list: &str) -> impl Iterator<Item = &str> {
+    list.split(',').map(str::trim).filter(|n| !n.is_empty())
+}
+
+/// Reports that a test cannot run here because `feature` is missing (`why`).
+///
+/// Prints `SKIP: {why}` and returns, so the caller can `return`; but when the
+/// environment variable `TMEM_REQUIRE` lists `feature` (comma-separated, or
+/// `all`), it panics with a message naming the feature and `TMEM_REQUIRE`
+/// instead. It also panics when `TMEM_REQUIRE` names an unknown feature, so a
+/// typo cannot drop a requirement.
+#[track_caller]
+pub fn skip(feature: Feature, why: &str) {
+    let list = std::env::var(ENV).unwrap_or_default();
+    if let Some(bad) = unknown(&list) {
+        let known: Vec<&str> = Feature::ALL.iter().map(|f| f.name()).collect();
+        panic!("{ENV}={list:?} names {bad:?}, which is not one of: all, {}", known.join(", "));
+    }
+    if required(&list, feature) {
+        panic!("{feature} is missing but {ENV}={list:?} requires it: {why}");
+    }
+    println!("SKIP: {why}");
+}
+
+/// Whether this process runs as root (effective uid 0).
+#[must_use]
+pub fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+/// Whether an executable file `name` is in a directory on `PATH`.
+#[must_use]
+pub fn have_tool(name: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(path) = std::env::var_os("PATH") else { return false };
+    std::env::split_paths(&path)
+        .filter_map(|d| d.join(name).metadata().ok())
+        .any(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    #[test]
+    fn names_are_parsed() {
+        assert!(!required("", Feature::Root));
+        assert!(required("root", Feature::Root));
+        assert!(!required("root", Feature::Fuse));
+        assert!(required("root, fuse ,zram", Feature::Fuse));
+        assert!(required("root,,zram,", Feature::Zram));
+        assert!(!required("fuse", Feature::FuseUring), "fuse does not imply fuse-uring");
+        assert!(required("fuse-uring", Feature::FuseUring));
+        for f in Feature::ALL {
+            assert!(required("all", f), "{f}");
+            assert!(required(f.name(), f), "{f}");
+        }
+        assert_eq!(unknown("root,fuse-uring,loop,swap,zram,memcg,tools,all"), None);
+        assert_eq!(unknown(""), None);
+        assert_eq!(unknown("root,tool"), Some("tool"));
+        assert_eq!(unknown("Root"), Some("Root"));
+    }
+
+    #[test]
+    fn names_print_lowercase() {
+        let all: Vec<String> = Feature::ALL.iter().map(ToString::to_string).collect();
+        assert_eq!(all, ["root", "fuse", "fuse-uring", "loop", "swap", "zram", "memcg", "tools", "miri"]);
+    }
+
+    #[test]
+    fn tools_are_found_on_path() {
+        assert!(have_tool("sh"));
+        assert!(!have_tool("no-such-tool-tmem-testkit"));
+    }
+
+    /// Not a test of its own: run by `skip_in_a_child` in a child process
+    /// (marked by `TMEM_TESTKIT_CHILD`) with the `TMEM_REQUIRE` under test.
+    #[test]
+    fn child_skips_tools() {
+        if std::env::var_os("TMEM_TESTKIT_CHILD").is_some() {
+            skip(Feature::Tools, "frobnicate is not installed");
+            println!("after the skip");
+        }
+    }
+
+    /// Runs `child_skips_tools` in a child process of this test binary with
+    /// `TMEM_REQUIRE` set to `require` (unset for `None`): (passed, output).
+    fn child(require: Option<&str>) -> (bool, String) {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", "tests::child_skips_tools", "--nocapture", "--test-threads=1"]);
+        cmd.env("TMEM_TESTKIT_CHILD", "1").env_remove("RUST_BACKTRACE");
+        match require {
+            Some(r) => cmd.env(ENV, r),
+            None => cmd.env_remove(ENV),
+        };
+        let out = cmd.output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains("child_skips_tools"), "the child ran the test: {text}");
+        (out.status.success(), text)
+    }
+
+    #[test]
+    fn skip_in_a_child() {
+        for require in [None, Some(""), Some("root,fuse,zram")] {
+            let (ok, text) = child(require);
+            assert!(ok, "{require:?}: {text}");
+            assert!(text.contains("SKIP: frobnicate is not installed\n"), "{require:?}: {text}");
+            assert!(text.contains("after the skip"), "{require:?}: {text}");
+        }
+        for require in ["tools", "root,tools", "all"] {
+            let (ok, text) = child(Some(require));
+            assert!(!ok, "{require}: {text}");
+            assert!(!text.contains("SKIP:") && !text.contains("after the skip"), "{require}: {text}");
+            assert!(
+                text.contains(&format!("tools is missing but TMEM_REQUIRE={require:?} requires it: frobnicate")),
+                "{require}: {text}"
+            );
+        }
+        let (ok, text) = child(Some("root,tool"));
+        assert!(!ok && text.contains("names \"tool\", which is not one of: all, root,"), "{text}");
+    }
+}
