@@ -72,6 +72,21 @@ struct Row {
     compr_data_size: u64,
     mem_used_total: u64,
     ratio: f64,
+    /// The timed figures.
+    #[serde(flatten)]
+    timings: Timings,
+    threads: usize,
+    same_filled_pages: u64,
+    incompressible_pages: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metadata_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    zram_device: Option<String>,
+}
+
+/// The timed figures of a row.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+struct Timings {
     /// MB/s; `None` (null) where a figure was timed over too little work.
     put_mbs_1t: Option<f64>,
     get_mbs_1t: Option<f64>,
@@ -91,13 +106,6 @@ struct Row {
     get_machine_busy_us_per_page_mt: Option<f64>,
     /// Pages each figure was timed over (put 1T, get 1T, put MT, get MT; first round).
     timed_pages: [u64; 4],
-    threads: usize,
-    same_filled_pages: u64,
-    incompressible_pages: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    metadata_bytes: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    zram_device: Option<String>,
 }
 
 /// The timed figures of a row: put 1T, get 1T, put MT, get MT, per round.
@@ -110,17 +118,22 @@ fn medians(rounds: &[[TimedPhase; 4]], f: impl Fn(&TimedPhase) -> Option<f64>) -
 
 /// Fills the timed figures of `row` from `rounds`.
 fn set_figures(row: &mut Row, rounds: &[[TimedPhase; 4]]) {
-    [row.put_mbs_1t, row.get_mbs_1t, row.put_mbs_mt, row.get_mbs_mt] = medians(rounds, TimedPhase::mb_per_sec);
-    [row.put_cpu_us_per_page_1t, row.get_cpu_us_per_page_1t, row.put_cpu_us_per_page_mt, row.get_cpu_us_per_page_mt] =
-        medians(rounds, TimedPhase::cpu_us_per_page);
+    [row.timings.put_mbs_1t, row.timings.get_mbs_1t, row.timings.put_mbs_mt, row.timings.get_mbs_mt] =
+        medians(rounds, TimedPhase::mb_per_sec);
     [
-        row.put_machine_busy_us_per_page_1t,
-        row.get_machine_busy_us_per_page_1t,
-        row.put_machine_busy_us_per_page_mt,
-        row.get_machine_busy_us_per_page_mt,
+        row.timings.put_cpu_us_per_page_1t,
+        row.timings.get_cpu_us_per_page_1t,
+        row.timings.put_cpu_us_per_page_mt,
+        row.timings.get_cpu_us_per_page_mt,
+    ] = medians(rounds, TimedPhase::cpu_us_per_page);
+    [
+        row.timings.put_machine_busy_us_per_page_1t,
+        row.timings.get_machine_busy_us_per_page_1t,
+        row.timings.put_machine_busy_us_per_page_mt,
+        row.timings.get_machine_busy_us_per_page_mt,
     ] = medians(rounds, TimedPhase::machine_busy_us_per_page);
     if let Some(first) = rounds.first() {
-        row.timed_pages = first.map(|p| p.pages);
+        row.timings.timed_pages = first.map(|p| p.pages);
     }
 }
 
@@ -260,19 +273,7 @@ fn bench_tmem(
         compr_data_size: st.total.compr_data_size,
         mem_used_total: st.mem_used_total,
         ratio: st.ratio,
-        put_mbs_1t: None,
-        get_mbs_1t: None,
-        put_mbs_mt: None,
-        get_mbs_mt: None,
-        put_cpu_us_per_page_1t: None,
-        get_cpu_us_per_page_1t: None,
-        put_cpu_us_per_page_mt: None,
-        get_cpu_us_per_page_mt: None,
-        put_machine_busy_us_per_page_1t: None,
-        get_machine_busy_us_per_page_1t: None,
-        put_machine_busy_us_per_page_mt: None,
-        get_machine_busy_us_per_page_mt: None,
-        timed_pages: [0; 4],
+        timings: Timings::default(),
         threads,
         same_filled_pages: st.total.same_filled_pages,
         incompressible_pages: st.total.stored_incompressible_pages,
@@ -486,19 +487,7 @@ fn bench_zram(corpus: &Corpus, alg: &str, threads: usize) -> Result<Row, String>
         compr_data_size: r.mm_stat.compr_data_size,
         mem_used_total: r.mm_stat.mem_used_total,
         ratio: r.ratio(),
-        put_mbs_1t: None,
-        get_mbs_1t: None,
-        put_mbs_mt: None,
-        get_mbs_mt: None,
-        put_cpu_us_per_page_1t: None,
-        get_cpu_us_per_page_1t: None,
-        put_cpu_us_per_page_mt: None,
-        get_cpu_us_per_page_mt: None,
-        put_machine_busy_us_per_page_1t: None,
-        get_machine_busy_us_per_page_1t: None,
-        put_machine_busy_us_per_page_mt: None,
-        get_machine_busy_us_per_page_mt: None,
-        timed_pages: [0; 4],
+        timings: Timings::default(),
         threads: r.threads,
         same_filled_pages: r.mm_stat.same_pages,
         incompressible_pages: r.mm_stat.huge_pages,
@@ -549,10 +538,10 @@ fn print_table(r: &CorpusResult) {
             row.ratio,
             row.mem_used_total as f64 / 1048576.0,
             vs,
-            figure(row.put_mbs_1t, row.put_cpu_us_per_page_1t),
-            figure(row.get_mbs_1t, row.get_cpu_us_per_page_1t),
-            figure(row.put_mbs_mt, row.put_cpu_us_per_page_mt),
-            figure(row.get_mbs_mt, row.get_cpu_us_per_page_mt),
+            figure(row.timings.put_mbs_1t, row.timings.put_cpu_us_per_page_1t),
+            figure(row.timings.get_mbs_1t, row.timings.get_cpu_us_per_page_1t),
+            figure(row.timings.put_mbs_mt, row.timings.put_cpu_us_per_page_mt),
+            figure(row.timings.get_mbs_mt, row.timings.get_cpu_us_per_page_mt),
             row.same_filled_pages,
             row.incompressible_pages
         );

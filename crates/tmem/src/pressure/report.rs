@@ -36,6 +36,33 @@ impl Outcome {
     }
 }
 
+/// CPU a run cost: the backend's server, the machine, per swapped page.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct RunCpu {
+    /// CPU time in user mode of the backend's user-space server over the
+    /// run (tmem's daemon; for fuse-ram the bench process, which serves it),
+    /// from `/proc/PID/stat`, seconds; `None` for backends the kernel serves
+    /// alone (disk, zram, zswap) and for the reference run.
+    pub daemon_cpu_user_secs: Option<f64>,
+    /// The same, in the kernel on its behalf.
+    pub daemon_cpu_system_secs: Option<f64>,
+    /// Busy CPU time of the whole machine over the run, all CPUs
+    /// (`/proc/stat`: total − idle − iowait − steal), seconds.
+    pub machine_busy_cpu_secs: Option<f64>,
+    /// Pages moved to and from swap over the run: pswpin + pswpout, plus
+    /// zswpin + zswpout (pages zswap keeps never reach pswp*; 0 for the
+    /// other backends, zswap being off for them).
+    pub swapped_pages: u64,
+    /// Daemon CPU (user + system) per swapped page, µs; `None` without a
+    /// daemon or where fewer than [`MIN_SWAPPED_PAGES`] pages were swapped.
+    pub daemon_cpu_us_per_swapped_page: Option<f64>,
+    /// (Machine busy CPU of this run − of the reference run) per swapped
+    /// page, µs: what swapping cost the machine, kernel work included, so
+    /// it compares fairly with zram, whose work is in the kernel. `None`
+    /// where fewer than [`MIN_SWAPPED_PAGES`] pages were swapped.
+    pub machine_cpu_us_per_swapped_page_above_reference: Option<f64>,
+}
+
 /// One run of the workload.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct RunRecord {
@@ -72,28 +99,9 @@ pub struct RunRecord {
     /// run (`/proc/stat` steal): a noisy host shows here, not in the code.
     #[serde(default)]
     pub cpu_steal_percent: f64,
-    /// CPU time in user mode of the backend's user-space server over the
-    /// run (tmem's daemon; for fuse-ram the bench process, which serves it),
-    /// from `/proc/PID/stat`, seconds; `None` for backends the kernel serves
-    /// alone (disk, zram, zswap) and for the reference run.
-    pub daemon_cpu_user_secs: Option<f64>,
-    /// The same, in the kernel on its behalf.
-    pub daemon_cpu_system_secs: Option<f64>,
-    /// Busy CPU time of the whole machine over the run, all CPUs
-    /// (`/proc/stat`: total − idle − iowait − steal), seconds.
-    pub machine_busy_cpu_secs: Option<f64>,
-    /// Pages moved to and from swap over the run: pswpin + pswpout, plus
-    /// zswpin + zswpout (pages zswap keeps never reach pswp*; 0 for the
-    /// other backends, zswap being off for them).
-    pub swapped_pages: u64,
-    /// Daemon CPU (user + system) per swapped page, µs; `None` without a
-    /// daemon or where fewer than [`MIN_SWAPPED_PAGES`] pages were swapped.
-    pub daemon_cpu_us_per_swapped_page: Option<f64>,
-    /// (Machine busy CPU of this run − of the reference run) per swapped
-    /// page, µs: what swapping cost the machine, kernel work included, so
-    /// it compares fairly with zram, whose work is in the kernel. `None`
-    /// where fewer than [`MIN_SWAPPED_PAGES`] pages were swapped.
-    pub machine_cpu_us_per_swapped_page_above_reference: Option<f64>,
+    /// CPU spent over the run, and per swapped page.
+    #[serde(flatten)]
+    pub cpu: RunCpu,
     /// Seconds to set the backend up (swapon ...).
     pub setup_secs: f64,
     /// Seconds to tear it down (swapoff ...).
@@ -120,20 +128,20 @@ impl RunRecord {
     /// seconds and the reference run's.
     pub fn set_cpu(&mut self, daemon: Option<ProcessCpu>, machine_busy: Option<f64>, reference_busy: Option<f64>) {
         let v = &self.vmstat;
-        self.swapped_pages = v.pswpin + v.pswpout + v.zswpin + v.zswpout;
-        self.daemon_cpu_user_secs = daemon.map(|d| d.user_secs);
-        self.daemon_cpu_system_secs = daemon.map(|d| d.system_secs);
-        self.machine_busy_cpu_secs = machine_busy;
-        let pages = (self.swapped_pages >= MIN_SWAPPED_PAGES).then_some(self.swapped_pages as f64);
-        self.daemon_cpu_us_per_swapped_page = daemon.zip(pages).map(|(d, p)| d.total_secs() * 1e6 / p);
-        self.machine_cpu_us_per_swapped_page_above_reference =
+        self.cpu.swapped_pages = v.pswpin + v.pswpout + v.zswpin + v.zswpout;
+        self.cpu.daemon_cpu_user_secs = daemon.map(|d| d.user_secs);
+        self.cpu.daemon_cpu_system_secs = daemon.map(|d| d.system_secs);
+        self.cpu.machine_busy_cpu_secs = machine_busy;
+        let pages = (self.cpu.swapped_pages >= MIN_SWAPPED_PAGES).then_some(self.cpu.swapped_pages as f64);
+        self.cpu.daemon_cpu_us_per_swapped_page = daemon.zip(pages).map(|(d, p)| d.total_secs() * 1e6 / p);
+        self.cpu.machine_cpu_us_per_swapped_page_above_reference =
             machine_busy.zip(reference_busy).zip(pages).map(|((b, r), p)| (b - r) * 1e6 / p);
     }
 
     /// Daemon CPU seconds, user + system.
     #[must_use]
     pub fn daemon_cpu_secs(&self) -> Option<f64> {
-        Some(self.daemon_cpu_user_secs? + self.daemon_cpu_system_secs?)
+        Some(self.cpu.daemon_cpu_user_secs? + self.cpu.daemon_cpu_system_secs?)
     }
 }
 
@@ -224,10 +232,10 @@ pub fn summarize(runs: &[RunRecord], backends: &[&str], levels: &[u32]) -> Vec<S
                 median_zswpout: med(&|r| r.vmstat.zswpout as f64),
                 median_zswpin: med(&|r| r.vmstat.zswpin as f64),
                 median_daemon_cpu_secs: med_ok(&RunRecord::daemon_cpu_secs),
-                median_machine_busy_cpu_secs: med_ok(&|r| r.machine_busy_cpu_secs),
-                median_daemon_cpu_us_per_swapped_page: med_ok(&|r| r.daemon_cpu_us_per_swapped_page),
+                median_machine_busy_cpu_secs: med_ok(&|r| r.cpu.machine_busy_cpu_secs),
+                median_daemon_cpu_us_per_swapped_page: med_ok(&|r| r.cpu.daemon_cpu_us_per_swapped_page),
                 median_machine_cpu_us_per_swapped_page_above_reference: med_ok(&|r| {
-                    r.machine_cpu_us_per_swapped_page_above_reference
+                    r.cpu.machine_cpu_us_per_swapped_page_above_reference
                 }),
             });
         }
@@ -346,7 +354,7 @@ pub fn cpu_legend(reference: &RunRecord) -> String {
          us/page: daemon = daemon CPU (user + system) per swapped page; machine = (busy - the reference run's busy) \
          per swapped page: all that swapping cost, the kernel's work (reclaim, zram's compression) included, so it \
          compares across backends. n/a where a run swapped fewer than {} pages.\n",
-        or_na(reference.machine_busy_cpu_secs, 1),
+        or_na(reference.cpu.machine_busy_cpu_secs, 1),
         MIN_SWAPPED_PAGES
     )
 }
@@ -379,12 +387,12 @@ pub fn render_cpu_runs(reference: &RunRecord, runs: &[RunRecord]) -> String {
             level_title(r.level),
             r.run,
             r.outcome.marker(),
-            r.swapped_pages,
-            or_na(r.daemon_cpu_user_secs, 2),
-            or_na(r.daemon_cpu_system_secs, 2),
-            or_na(r.machine_busy_cpu_secs, 1),
-            or_na(r.daemon_cpu_us_per_swapped_page, 1),
-            or_na(r.machine_cpu_us_per_swapped_page_above_reference, 1),
+            r.cpu.swapped_pages,
+            or_na(r.cpu.daemon_cpu_user_secs, 2),
+            or_na(r.cpu.daemon_cpu_system_secs, 2),
+            or_na(r.cpu.machine_busy_cpu_secs, 1),
+            or_na(r.cpu.daemon_cpu_us_per_swapped_page, 1),
+            or_na(r.cpu.machine_cpu_us_per_swapped_page_above_reference, 1),
             r.cpu_steal_percent
         );
     }
@@ -413,12 +421,7 @@ mod tests {
             cgroup_failcnt: 0,
             oom_kills: 0,
             cpu_steal_percent: 0.0,
-            daemon_cpu_user_secs: None,
-            daemon_cpu_system_secs: None,
-            machine_busy_cpu_secs: None,
-            swapped_pages: 0,
-            daemon_cpu_us_per_swapped_page: None,
-            machine_cpu_us_per_swapped_page_above_reference: None,
+            cpu: RunCpu::default(),
             setup_secs: 0.0,
             teardown_secs: 0.0,
             jobs: vec![],
@@ -468,27 +471,27 @@ mod tests {
         let mut r = rec("tmem", 50, Outcome::Ok, 10.0, 1 << 20);
         r.vmstat = SwapCounters { pswpout: 30_000, pswpin: 10_000, ..Default::default() };
         r.set_cpu(Some(ProcessCpu { user_secs: 0.3, system_secs: 0.1 }), Some(12.0), Some(10.0));
-        assert_eq!(r.swapped_pages, 40_000);
+        assert_eq!(r.cpu.swapped_pages, 40_000);
         assert_eq!(r.daemon_cpu_secs(), Some(0.4));
-        assert!((r.daemon_cpu_us_per_swapped_page.unwrap() - 10.0).abs() < 1e-9);
-        assert!((r.machine_cpu_us_per_swapped_page_above_reference.unwrap() - 50.0).abs() < 1e-9);
+        assert!((r.cpu.daemon_cpu_us_per_swapped_page.unwrap() - 10.0).abs() < 1e-9);
+        assert!((r.cpu.machine_cpu_us_per_swapped_page_above_reference.unwrap() - 50.0).abs() < 1e-9);
         // Too few pages: no per-page figures, but the seconds stay.
         let mut few = rec("zram", 50, Outcome::Ok, 10.0, 1 << 20);
         few.vmstat = SwapCounters { pswpout: 9_000, pswpin: 999, ..Default::default() };
         few.set_cpu(None, Some(12.0), Some(10.0));
-        assert_eq!(few.swapped_pages, 9_999);
-        assert_eq!(few.daemon_cpu_us_per_swapped_page, None);
-        assert_eq!(few.machine_cpu_us_per_swapped_page_above_reference, None);
-        assert_eq!(few.machine_busy_cpu_secs, Some(12.0));
+        assert_eq!(few.cpu.swapped_pages, 9_999);
+        assert_eq!(few.cpu.daemon_cpu_us_per_swapped_page, None);
+        assert_eq!(few.cpu.machine_cpu_us_per_swapped_page_above_reference, None);
+        assert_eq!(few.cpu.machine_busy_cpu_secs, Some(12.0));
         // zswap's own stores count.
         let mut z = rec("zswap", 50, Outcome::Ok, 10.0, 1 << 20);
         z.vmstat = SwapCounters { zswpout: 20_000, zswpin: 5_000, pswpout: 1_000, ..Default::default() };
         z.set_cpu(None, Some(11.0), Some(10.0));
-        assert_eq!(z.swapped_pages, 26_000);
-        assert!(z.machine_cpu_us_per_swapped_page_above_reference.is_some());
+        assert_eq!(z.cpu.swapped_pages, 26_000);
+        assert!(z.cpu.machine_cpu_us_per_swapped_page_above_reference.is_some());
 
         let s = summarize(&[r.clone(), few.clone()], &["tmem", "zram"], &[50]);
-        assert_eq!(s[0].median_daemon_cpu_us_per_swapped_page, r.daemon_cpu_us_per_swapped_page);
+        assert_eq!(s[0].median_daemon_cpu_us_per_swapped_page, r.cpu.daemon_cpu_us_per_swapped_page);
         assert_eq!(s[1].median_daemon_cpu_us_per_swapped_page, None);
         assert_eq!(s[1].median_machine_busy_cpu_secs, Some(12.0));
         let t = render_table(&s, &["tmem", "zram"], &[50]);
