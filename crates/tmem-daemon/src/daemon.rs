@@ -69,10 +69,14 @@ pub struct Daemon {
     exited: AtomicBool,
 }
 
-/// Writes one timestamped line to the daemon's log (its stderr).
+/// Logs one line (a step, a start or stop, a recovered error) at info level.
 pub fn log(msg: &str) {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    eprintln!("[{}.{:03}] {msg}", now.as_secs(), now.subsec_millis());
+    tracing::info!("{msg}");
+}
+
+/// Logs one line at warn level.
+fn warn(msg: &str) {
+    tracing::warn!("{msg}");
 }
 
 fn setup_err(e: impl std::fmt::Display) -> DaemonError {
@@ -82,6 +86,7 @@ fn setup_err(e: impl std::fmt::Display) -> DaemonError {
 /// Runs the daemon until an orderly teardown; returns an error only when
 /// setup fails (after undoing what was set up) or is stopped by a signal.
 pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
+    crate::logging::init();
     let dir = RuntimeDir::create(&spec.runtime_dir)?;
     let _lock = match spec.lock_fd {
         Some(fd) => dir.adopt_lock(fd)?,
@@ -101,7 +106,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
                  systemd with OOMScoreAdjust=-1000): under memory pressure the OOM killer may pick this daemon, \
                  and every process with a page in it would die"
             );
-            log(&msg);
+            warn(&msg);
             steps.push(msg);
         }
     }
@@ -109,7 +114,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         Ok(where_) => {
             steps.push(format!("daemon pid {} moved to the root memory cgroup ({where_})", std::process::id()))
         }
-        Err(e) => log(&format!("warning: could not leave the memory cgroup: {e}")),
+        Err(e) => warn(&format!("could not leave the memory cgroup: {e}")),
     }
     swap::mlockall_onfault().map_err(setup_err)?;
     steps.push("mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT) set".into());
@@ -170,9 +175,9 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
     control::spawn(listener, Arc::clone(&daemon) as Arc<dyn control::Handler>).map_err(setup_err)?;
 
     if let Err(e) = daemon.setup() {
-        log(&format!("setup failed: {e}"));
+        tracing::error!("setup failed: {e}");
         if let Err(t) = daemon.teardown() {
-            log(&format!("teardown after failed setup: {t}"));
+            tracing::error!("teardown after failed setup: {t}");
         }
         let _ = daemon.dir.remove(tmem_ctl::SOCKET);
         let _ = daemon.dir.remove(STATE_FILE);
@@ -204,7 +209,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
                 log(&format!("signal {sig}: tearing down"));
                 match daemon.teardown() {
                     Ok(()) => break,
-                    Err(e) => log(&format!("refusing to exit: {e}")),
+                    Err(e) => warn(&format!("refusing to exit: {e}")),
                 }
             }
         }
@@ -220,7 +225,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
 fn log_panics() {
     std::panic::set_hook(Box::new(|info| {
         let thread = std::thread::current().name().unwrap_or("unnamed").to_owned();
-        log(&format!("panic in thread {thread}: {info}\n{}", std::backtrace::Backtrace::force_capture()));
+        tracing::error!("panic in thread {thread}: {info}\n{}", std::backtrace::Backtrace::force_capture());
     }));
 }
 
@@ -278,7 +283,7 @@ impl Daemon {
             .map_err(|e| e.to_string())
             .and_then(|json| self.dir.write_atomic(STATE_FILE, &json).map_err(|e| e.to_string()));
         if let Err(e) = saved {
-            log(&format!("warning: cannot write the state file: {e}"));
+            warn(&format!("cannot write the state file: {e}"));
         }
     }
 

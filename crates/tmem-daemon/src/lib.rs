@@ -20,6 +20,7 @@ pub mod daemon;
 pub mod fault;
 pub mod knobs;
 pub mod launch;
+pub mod logging;
 pub mod recover;
 pub mod runtime;
 pub mod spec;
