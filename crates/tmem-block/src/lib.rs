@@ -516,6 +516,7 @@ impl PoolDevice {
     }
 }
 
+pub mod conformance;
 #[cfg(feature = "fault-injection")]
 mod fault;
 mod ram;

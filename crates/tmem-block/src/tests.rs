@@ -5,6 +5,7 @@ use proptest::prelude::*;
 use tmem_core::{PolicyConfig, StoreConfig};
 
 use super::*;
+use crate::conformance::{check_ops, pattern, Op};
 
 const SIZE: u64 = 1 << 20;
 
@@ -14,67 +15,14 @@ fn device(policy: PolicyConfig) -> PoolDevice {
         .unwrap()
 }
 
-#[allow(clippy::cast_possible_truncation)] // byte patterns
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    (0..len as u64).map(|i| ((i * 7 + (seed % 1000) * 13) % 97) as u8).collect()
-}
-
-#[derive(Debug, Clone)]
-enum Op {
-    Write(u64, usize, u64),
-    Read(u64, usize),
-    Trim(u64, u64),
-    Zero(u64, u64),
-}
-
 fn op() -> impl Strategy<Value = Op> {
     let off = 0..SIZE - 20_000;
     prop_oneof![
-        4 => (off.clone(), 1usize..20_000, any::<u64>()).prop_map(|(o, l, s)| Op::Write(o, l, s)),
-        4 => (off.clone(), 1usize..20_000).prop_map(|(o, l)| Op::Read(o, l)),
-        1 => (off.clone(), 1u64..20_000).prop_map(|(o, l)| Op::Trim(o, l)),
-        1 => (off, 1u64..20_000).prop_map(|(o, l)| Op::Zero(o, l)),
+        4 => (off.clone(), 1usize..20_000, any::<u64>()).prop_map(|(offset, len, seed)| Op::Write { offset, len, seed }),
+        4 => (off.clone(), 1usize..20_000).prop_map(|(offset, len)| Op::Read { offset, len }),
+        1 => (off.clone(), 1u64..20_000).prop_map(|(offset, len)| Op::Trim { offset, len }),
+        1 => (off, 1u64..20_000).prop_map(|(offset, len)| Op::Zero { offset, len }),
     ]
-}
-
-/// Conformance: any device that stores data behaves like a byte array.
-fn check_against_oracle(dev: &dyn BlockDevice, ops: &[Op]) {
-    let mut oracle = vec![0u8; usize::try_from(dev.size()).unwrap()];
-    for op in ops {
-        match *op {
-            Op::Write(o, l, s) => {
-                let data = pattern(l, s);
-                dev.write_at(&data, o).unwrap();
-                oracle[o as usize..o as usize + l].copy_from_slice(&data);
-            }
-            Op::Read(o, l) => {
-                let mut buf = vec![0xAA; l];
-                dev.read_at(&mut buf, o).unwrap();
-                assert_eq!(buf, &oracle[o as usize..o as usize + l], "read {o}+{l}");
-            }
-            Op::Trim(o, l) | Op::Zero(o, l) => {
-                if matches!(op, Op::Trim(..)) {
-                    dev.trim(o, l).unwrap();
-                } else {
-                    dev.write_zeroes(o, l).unwrap();
-                }
-                oracle[o as usize..(o + l) as usize].fill(0);
-            }
-        }
-    }
-    let mut all = vec![0u8; oracle.len()];
-    dev.read_at(&mut all, 0).unwrap();
-    assert!(all == oracle, "final contents differ");
-    // Extents cover the device, and holes read as zeros.
-    let ext = dev.extents(0, dev.size()).unwrap();
-    assert_eq!(ext.iter().map(|e| e.len).sum::<u64>(), dev.size());
-    let mut pos = 0usize;
-    for e in ext {
-        if e.hole {
-            assert!(oracle[pos..pos + e.len as usize].iter().all(|&b| b == 0));
-        }
-        pos += e.len as usize;
-    }
 }
 
 /// A device whose 64 KiB pool writes back to a memory tier at once, so most
@@ -97,18 +45,25 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     #[test]
     fn pool_device_matches_byte_array(ops in prop::collection::vec(op(), 1..40)) {
-        check_against_oracle(&device(PolicyConfig::default()), &ops);
+        check_ops(&device(PolicyConfig::default()), &ops);
     }
 
     #[test]
     fn ram_device_matches_byte_array(ops in prop::collection::vec(op(), 1..40)) {
-        check_against_oracle(&RamDevice::new(SIZE), &ops);
+        check_ops(&RamDevice::new(SIZE), &ops);
     }
 
     #[test]
     fn tiered_pool_device_matches_byte_array(ops in prop::collection::vec(op(), 1..40)) {
-        check_against_oracle(&tiered_device(), &ops);
+        check_ops(&tiered_device(), &ops);
     }
+}
+
+#[test]
+fn every_storing_device_passes_the_conformance_suite() {
+    conformance::check(&device(PolicyConfig::default()));
+    conformance::check(&RamDevice::new(SIZE));
+    conformance::check(&tiered_device());
 }
 
 #[test]
