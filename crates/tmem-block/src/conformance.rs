@@ -97,7 +97,10 @@ pub fn check_ops(dev: &dyn BlockDevice, ops: &[Op]) {
 /// flush, ranges beyond the end refused with EINVAL, and the oracle replay.
 pub fn check(dev: &dyn BlockDevice) {
     let size = dev.size();
-    assert!(size >= 1 << 20 && size % PAGE_SIZE as u64 == 0, "the suite needs a page-aligned device of at least 1 MiB");
+    assert!(
+        size >= 1 << 20 && size.is_multiple_of(PAGE_SIZE as u64),
+        "the suite needs a page-aligned device of at least 1 MiB"
+    );
     let page = PAGE_SIZE as u64;
     // A fresh device reads as zeros and is one hole.
     let mut head = vec![0xAAu8; 3 * PAGE_SIZE];
