@@ -7,9 +7,7 @@
 use std::path::Path;
 use std::process::Command;
 
-fn skip(reason: &str) {
-    eprintln!("SKIP: {reason}");
-}
+use tmem_testkit::Feature;
 
 fn read(path: &str) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
@@ -65,36 +63,35 @@ fn bench_mounts() -> Vec<String> {
         .collect()
 }
 
-fn missing_feature() -> Option<String> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("needs root".into());
+fn missing_feature() -> Option<(Feature, &'static str)> {
+    if !tmem_testkit::is_root() {
+        return Some((Feature::Root, "needs root"));
     }
     if !Path::new("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() {
-        return Some("no cgroup v1 memory controller".into());
+        return Some((Feature::Memcg, "no cgroup v1 memory controller"));
     }
     if !Path::new("/sys/class/zram-control").exists()
         && Command::new("modprobe").args(["--dry-run", "zram"]).status().map_or(true, |s| !s.success())
     {
-        return Some("no zram module".into());
+        return Some((Feature::Zram, "no zram module"));
     }
     if !Path::new("/dev/fuse").exists() {
-        return Some("no /dev/fuse".into());
+        return Some((Feature::Fuse, "no /dev/fuse"));
     }
+    // The bench measures swap alone: other active swap areas would take pages.
     if !swap_areas().is_empty() {
-        return Some("other swap areas are active".into());
+        return Some((Feature::Swap, "other swap areas are active"));
     }
-    if Command::new("python3").arg("-c").arg("pass").status().map_or(true, |s| !s.success()) {
-        return Some("no python3".into());
+    if !tmem_testkit::have_tool("python3") {
+        return Some((Feature::Tools, "no python3"));
     }
     None
 }
 
 #[test]
 fn pressure_ladder_smoke() {
-    if let Some(reason) = missing_feature() {
-        skip(&reason);
-        return;
+    if let Some((feature, reason)) = missing_feature() {
+        return tmem_testkit::skip(feature, reason);
     }
     let cgroups_before = bench_cgroups();
     let zram0_before = zram0_state();

@@ -182,17 +182,17 @@ fn run_parallel_reports_worker_errors_and_panics() {
 // never touched.
 
 /// Why the real-device tests cannot run here, if they cannot.
-fn skip_reason() -> Option<String> {
+fn skip_reason() -> Option<(tmem_testkit::Feature, String)> {
     if !crate::is_root() {
-        return Some("needs root".into());
+        return Some((tmem_testkit::Feature::Root, "needs root".into()));
     }
-    ensure_module().err().map(|e| e.to_string())
+    ensure_module().err().map(|e| (tmem_testkit::Feature::Zram, e.to_string()))
 }
 
 fn skip() -> bool {
     match skip_reason() {
-        Some(reason) => {
-            println!("SKIP: {reason}");
+        Some((feature, reason)) => {
+            tmem_testkit::skip(feature, &reason);
             true
         }
         None => false,
