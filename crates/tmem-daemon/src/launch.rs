@@ -53,7 +53,7 @@ pub fn start(mut spec: DaemonSpec, exe: &Path, timeout: Duration) -> Result<Stat
         if let Some(status) = child.try_wait().map_err(|e| DaemonError::Lifecycle(e.to_string()))? {
             return Err(DaemonError::Lifecycle(format!(
                 "the daemon exited during setup ({status}); its log:\n{}",
-                log_tail(&dir)
+                dir.log_tail(LOG_TAIL_LINES)
             )));
         }
         if let Ok(r) = tmem_ctl::call_ok(dir.path(), &Request::Status, Duration::from_secs(5)) {
@@ -80,7 +80,7 @@ fn roll_back(child: &mut Child, dir: &RuntimeDir, waited: Duration) -> DaemonErr
             return DaemonError::Lifecycle(format!(
                 "the daemon did not come up within {} s, so it was stopped and undid its setup; its log:\n{}",
                 waited.as_secs(),
-                log_tail(dir)
+                dir.log_tail(LOG_TAIL_LINES)
             ));
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -93,7 +93,7 @@ fn roll_back(child: &mut Child, dir: &RuntimeDir, waited: Duration) -> DaemonErr
         waited.as_secs(),
         ROLLBACK_TIMEOUT.as_secs(),
         dir.path().display(),
-        log_tail(dir)
+        dir.log_tail(LOG_TAIL_LINES)
     ))
 }
 
@@ -115,9 +115,5 @@ pub fn stop(dir: &Path) -> Result<(Vec<String>, u32), DaemonError> {
     Ok((after.steps.into_iter().skip(before.steps.len()).collect(), after.pid))
 }
 
-/// The last 30 lines of the daemon's log.
-pub fn log_tail(dir: &RuntimeDir) -> String {
-    let text = dir.read_file(LOG_FILE, 1 << 20).ok().flatten().unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(30)..].join("\n")
-}
+/// Lines of the daemon's log shown when it fails to come up.
+const LOG_TAIL_LINES: usize = 30;

@@ -164,6 +164,21 @@ impl RuntimeDir {
         Ok(Some(text))
     }
 
+    /// The last `lines` lines of the daemon's log (read from its last 64 KiB).
+    pub fn log_tail(&self, lines: usize) -> String {
+        let Ok(Some(mut f)) = self.open_file(LOG_FILE) else { return String::new() };
+        let len = f.metadata().map_or(0, |m| m.len());
+        let mut text = Vec::new();
+        let read = std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(len.saturating_sub(64 << 10)))
+            .and_then(|_| f.read_to_end(&mut text));
+        if read.is_err() {
+            return String::new();
+        }
+        let text = String::from_utf8_lossy(&text);
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
     /// Replaces `name` atomically with `bytes` (a new file, then rename).
     pub fn write_atomic(&self, name: &str, bytes: &[u8]) -> Result<(), RuntimeError> {
         let tmp = format!(".{name}.tmp");
@@ -220,7 +235,12 @@ impl RuntimeDir {
 
     /// Takes the daemon lock, or says who holds it. Writes our pid into it.
     pub fn lock(&self) -> Result<DaemonLock, RuntimeError> {
-        let file = self.lock_file()?;
+        self.take_lock(self.lock_file()?)
+    }
+
+    /// Locks `file` (this directory's lock file) exclusively without
+    /// waiting, and writes our pid into it.
+    fn take_lock(&self, file: File) -> Result<DaemonLock, RuntimeError> {
         match rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => {}
             Err(Errno::WOULDBLOCK) => return Err(RuntimeError::Held { path: self.path.clone(), pid: self.lock_pid() }),
@@ -271,15 +291,8 @@ impl RuntimeDir {
             }
         }
         drop(ours);
-        match rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive) {
-            Ok(()) => {}
-            Err(Errno::WOULDBLOCK) => return Err(RuntimeError::Held { path: self.path.clone(), pid: self.lock_pid() }),
-            Err(e) => return Err(io(&self.join(LOCK_FILE), e)),
-        }
         rustix::io::fcntl_setfd(&file, rustix::io::FdFlags::CLOEXEC).map_err(|e| io(&self.join(LOCK_FILE), e))?;
-        let lock = DaemonLock { file };
-        lock.write_pid(std::process::id()).map_err(|e| RuntimeError::Io { path: self.join(LOCK_FILE), source: e })?;
-        Ok(lock)
+        self.take_lock(file)
     }
 
     fn lock_file(&self) -> Result<File, RuntimeError> {

@@ -126,6 +126,21 @@ pub fn have_tool(name: &str) -> bool {
         .any(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
+/// Waits up to `within` for `child` to exit: its status, or `None` if it
+/// is still running then (the caller decides whether to kill it).
+pub fn wait_timeout(child: &mut std::process::Child, within: std::time::Duration) -> Option<std::process::ExitStatus> {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        if std::time::Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -144,6 +144,9 @@ struct CorpusResult {
     rows: Vec<Row>,
     #[serde(skip_serializing_if = "Option::is_none")]
     zram_skipped: Option<String>,
+    /// CPU time the hypervisor gave to other guests while this corpus's
+    /// rows were measured, percent of all CPU time.
+    cpu_steal_percent: f64,
 }
 
 struct CodecSpec {
@@ -185,6 +188,7 @@ pub fn run_store(args: &StoreBenchArgs) -> Result<(), String> {
     }
     let mut results = Vec::new();
     for (name, corpus) in &sets {
+        let cpu_before = tmem_sys::vmstat::CpuTimes::now();
         let mut rows = Vec::new();
         for spec in &specs {
             rows.push(bench_tmem(corpus, spec, threads, args.rounds, args.dict_size)?);
@@ -199,6 +203,7 @@ pub fn run_store(args: &StoreBenchArgs) -> Result<(), String> {
             pages: corpus.page_count(),
             rows,
             zram_skipped: zram_state.clone().err(),
+            cpu_steal_percent: tmem_sys::vmstat::CpuTimes::steal_percent_from(cpu_before),
         };
         if !args.json {
             print_table(&r);
@@ -507,7 +512,13 @@ fn figure(mbs: Option<f64>, us: Option<f64>) -> String {
 
 fn print_table(r: &CorpusResult) {
     println!();
-    println!("corpus {}: {} pages ({:.1} MiB)", r.corpus, r.pages, (r.pages * PAGE_SIZE) as f64 / 1048576.0);
+    println!(
+        "corpus {}: {} pages ({:.1} MiB); CPU steal during its rows {:.1}%",
+        r.corpus,
+        r.pages,
+        (r.pages * PAGE_SIZE) as f64 / 1048576.0,
+        r.cpu_steal_percent
+    );
     let threads = r.rows.first().map_or(1, |row| row.threads);
     println!(
         "{:<18} {:>6} {:>11} {:>9} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>7} {:>7}",

@@ -86,10 +86,7 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         for c in &mut self.servers {
             let _ = rustix::process::kill_process(rustix::process::Pid::from_child(c), rustix::process::Signal::TERM);
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            let _ = tmem_testkit::wait_timeout(c, Duration::from_secs(10));
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -173,17 +170,10 @@ fn two_devices_with_one_key_file_share_no_keystream() {
     for dev in ["disk0", "disk1"] {
         let uri = format!("nbd+unix:///{dev}?socket={}", run.join("nbd.sock").display());
         let mut copy = Command::new("nbdcopy").arg(&img).arg(&uri).stderr(Stdio::null()).spawn().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let status = loop {
-            if let Some(st) = copy.try_wait().unwrap() {
-                break st;
-            }
-            if Instant::now() > deadline {
-                let _ = copy.kill();
-                let _ = copy.wait();
-                panic!("nbdcopy to {dev} did not finish within 60 s");
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        let Some(status) = tmem_testkit::wait_timeout(&mut copy, Duration::from_secs(60)) else {
+            let _ = copy.kill();
+            let _ = copy.wait();
+            panic!("nbdcopy to {dev} did not finish within 60 s");
         };
         assert!(status.success(), "nbdcopy to {dev}: {status}");
     }

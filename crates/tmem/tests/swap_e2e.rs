@@ -64,7 +64,12 @@ fn has_cap_sys_resource() -> bool {
 }
 
 fn tmem(args: &[&str]) -> (bool, String) {
-    let out = Command::new(TMEM).args(args).output().expect("run tmem");
+    tmem_env(args, &[])
+}
+
+/// `tmem ARGS` with `env` set (fault injection reaches the daemon it starts).
+fn tmem_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    let out = Command::new(TMEM).args(args).envs(env.iter().copied()).output().expect("run tmem");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     (out.status.success(), text)
 }
@@ -102,11 +107,7 @@ impl Setup {
     fn swap_up_env(&mut self, pool_limit: &str, extra: &[&str], env: &[(&str, &str)]) -> String {
         let mut args = vec!["swap", "up", "--size", "2G", "--pool-limit", pool_limit, "--runtime-dir", self.dir()];
         args.extend_from_slice(extra);
-        let out = Command::new(TMEM).args(&args).envs(env.iter().copied()).output().expect("run tmem");
-        let (ok, out) = (
-            out.status.success(),
-            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
-        );
+        let (ok, out) = tmem_env(&args, env);
         self.up = ok;
         assert!(ok, "tmem swap up failed:\n{out}");
         out
@@ -370,17 +371,10 @@ fn a_killed_daemon_is_cleaned_up_by_swap_down() {
     // SAFETY: kill(2) on the daemon our `swap up` started, by its pid.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
     // The job touches its lost pages and dies of SIGBUS, or finishes on pages it still had.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    let status = loop {
-        if let Some(st) = hog.try_wait().unwrap() {
-            break st;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = hog.kill();
-            break hog.wait().unwrap();
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    };
+    let status = tmem_testkit::wait_timeout(&mut hog, std::time::Duration::from_secs(120)).unwrap_or_else(|| {
+        let _ = hog.kill();
+        hog.wait().unwrap()
+    });
     let mut out = String::new();
     std::io::Read::read_to_string(&mut hog.stdout.take().unwrap(), &mut out).unwrap();
     assert!(!out.contains("MISMATCH"), "never wrong data: {status:?} {out}");

@@ -618,9 +618,7 @@ impl Tmem {
 
     /// The tail of the daemon log (for error messages).
     pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(self.dir.join(tmem_daemon::runtime::LOG_FILE)).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(10)..].join("\n")
+        tmem_daemon::runtime::RuntimeDir::open(&self.dir).map(|d| d.log_tail(10)).unwrap_or_default()
     }
 }
 
