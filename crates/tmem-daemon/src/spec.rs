@@ -9,6 +9,9 @@ use tmem_core::{DictTraining, Incompressible, PolicyConfig, StoreConfig};
 
 use crate::DaemonError;
 
+/// `/dev/fuse` worker threads of `tmem swap up` (and of the bench's fuse-ram baseline).
+pub const DEFAULT_FUSE_THREADS: usize = 4;
+
 /// Smallest pool limit given in bytes.
 pub const MIN_POOL_LIMIT: u64 = 1 << 20;
 /// Smallest device.

@@ -1,8 +1,7 @@
-//! Kernel plumbing for tmem.
-//!
-//! For now this crate holds the kernel side of `tmem bench store`: the [`zram`]
-//! module drives a real `/dev/zramN` device with exactly the same pages that the
-//! userspace page store is benchmarked on, so the two can be compared.
+//! Kernel interfaces for tmem: swap areas and loop devices ([`swap`]), memory
+//! cgroups ([`cgroup`]), CPU and swap counters ([`vmstat`]), and zram and
+//! zswap control ([`zram`], [`zswap`]). The benchmarks that drive them live in
+//! `tmem-bench`.
 
 pub mod zram;
 

@@ -23,8 +23,6 @@ mod engine;
 mod index;
 mod node;
 mod placement;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 use std::fmt;
 use std::future::Future;

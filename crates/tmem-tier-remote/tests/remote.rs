@@ -7,11 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tmem_bench::redis::{redis_server_binary, RedisOptions, RedisServer, TlsFiles};
 use tmem_testkit::{skip, Feature};
 use tmem_tier::conformance::{check, Expect};
 use tmem_tier::seal::{MasterKey, SealError, Sealer};
 use tmem_tier::{Health, Tier, TierError, TierGet, TierKey, TierPut};
-use tmem_tier_remote::testing::{make_test_certs, redis_server_binary, RedisOptions, RedisServer, TempDir};
 use tmem_tier_remote::{RemoteTier, RemoteTierConfig};
 
 fn servers(n: usize, opts: &RedisOptions) -> Option<Vec<RedisServer>> {
@@ -437,14 +437,8 @@ fn tls_conformance() {
         skip(Feature::Tools, "redis-server not installed");
         return;
     }
-    let dir = TempDir::new("tls").unwrap();
-    let files = match make_test_certs(dir.path()) {
-        Ok(f) => f,
-        Err(e) => {
-            skip(Feature::Tools, &format!("cannot make test certificates with openssl: {e}"));
-            return;
-        }
-    };
+    let dir = tempfile::tempdir().unwrap();
+    let files = make_test_certs(dir.path());
     let opts = RedisOptions { tls: Some(files.clone()), ..Default::default() };
     let mut s = Vec::new();
     for _ in 0..2 {
@@ -632,4 +626,29 @@ fn pages_deleted_behind_the_tiers_back() {
         }
         assert_eq!(tier.node_stats().vanished_pages, 1);
     }
+}
+
+/// A throwaway CA and a server certificate for `127.0.0.1` and `localhost`
+/// (P-256 keys, made with rcgen), written as PEM files into `dir`.
+fn make_test_certs(dir: &std::path::Path) -> TlsFiles {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, KeyUsagePurpose, SanType};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.distinguished_name.push(rcgen::DnType::CommonName, "tmem test CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let mut server = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    server.subject_alt_names.push(SanType::IpAddress(std::net::Ipv4Addr::LOCALHOST.into()));
+    server.distinguished_name.push(rcgen::DnType::CommonName, "localhost");
+    server.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    server.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let server_key = KeyPair::generate().unwrap();
+    let issuer = rcgen::Issuer::from_params(&ca, &ca_key);
+    let server_cert = server.signed_by(&server_key, &issuer).unwrap();
+    let files = TlsFiles { ca_cert: dir.join("ca.crt"), cert: dir.join("server.crt"), key: dir.join("server.key") };
+    std::fs::write(&files.ca_cert, ca_cert.pem()).unwrap();
+    std::fs::write(&files.cert, server_cert.pem()).unwrap();
+    std::fs::write(&files.key, server_key.serialize_pem()).unwrap();
+    files
 }

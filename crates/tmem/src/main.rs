@@ -1,9 +1,6 @@
 //! `tmem`: userspace transcendent memory — command-line interface.
 
-mod bench;
-mod pressure;
 mod swapcmd;
-mod tierbench;
 
 use std::process::ExitCode;
 
@@ -85,12 +82,12 @@ enum SwapCommand {
 enum BenchCommand {
     /// Puts every page of a corpus into the store, gets it back, checks it,
     /// and compares ratio and throughput with kernel zram on the same pages.
-    Store(bench::StoreBenchArgs),
+    Store(tmem_bench::store::StoreBenchArgs),
     /// Put/get pages per second, latency and bytes on the wire for each tier (mem, disk, remote) on loopback.
-    Tier(tierbench::TierBenchArgs),
+    Tier(tmem_bench::tier::TierBenchArgs),
     /// The zcache/RAMster memory-pressure ladder: a workload under shrinking
     /// memory limits, swapping to disk, zram, zswap and tmem.
-    Pressure(pressure::PressureArgs),
+    Pressure(tmem_bench::pressure::PressureArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -111,9 +108,13 @@ fn main() -> ExitCode {
     let up_matches =
         matches.subcommand_matches("swap").and_then(|m| m.subcommand_matches("up")).cloned().unwrap_or_default();
     let result: anyhow::Result<()> = match cli.command {
-        Command::Bench { what: BenchCommand::Store(args) } => bench::run_store(&args).map_err(anyhow::Error::msg),
-        Command::Bench { what: BenchCommand::Tier(args) } => tierbench::run(&args).map_err(anyhow::Error::msg),
-        Command::Bench { what: BenchCommand::Pressure(args) } => pressure::run(&args).map_err(anyhow::Error::msg),
+        Command::Bench { what: BenchCommand::Store(args) } => {
+            tmem_bench::store::run_store(&args).map_err(anyhow::Error::msg)
+        }
+        Command::Bench { what: BenchCommand::Tier(args) } => tmem_bench::tier::run(&args).map_err(anyhow::Error::msg),
+        Command::Bench { what: BenchCommand::Pressure(args) } => {
+            tmem_bench::pressure::run(&args).map_err(anyhow::Error::msg)
+        }
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),

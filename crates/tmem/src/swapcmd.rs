@@ -8,10 +8,8 @@ use tmem_block::DeviceStats;
 use tmem_ctl::{self as ctl, Request};
 use tmem_daemon::config::Config;
 use tmem_daemon::spec::device_specs;
+use tmem_daemon::spec::DEFAULT_FUSE_THREADS;
 use tmem_daemon::{human, launch, recover, DaemonError, DaemonSpec, PoolLimit};
-
-/// `/dev/fuse` worker threads of `tmem swap up` (and of the bench's fuse-ram baseline).
-pub const DEFAULT_FUSE_THREADS: usize = 4;
 
 /// Arguments of `tmem swap up`.
 #[derive(clap::Args, Clone, Debug)]

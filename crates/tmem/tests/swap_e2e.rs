@@ -304,12 +304,16 @@ fn full_pool_refuses_pages_without_corrupting_the_job() {
 /// that needs far more than the pool: pages spill to remote RAM, then to disk.
 #[test]
 fn pool_spills_to_remote_ram_and_disk() {
-    use tmem_tier_remote::testing::{RedisOptions, RedisServer};
+    use tmem_bench::redis::{redis_server_binary, RedisOptions, RedisServer};
     if !can_run() {
         return;
     }
+    if redis_server_binary().is_none() {
+        tmem_testkit::skip(tmem_testkit::Feature::Tools, "redis-server not installed");
+        return;
+    }
     let opts = RedisOptions { maxmemory: Some("24mb".into()), policy: "noeviction".into(), ..Default::default() };
-    let Some(r1) = RedisServer::start_or_skip(&opts) else { return };
+    let r1 = RedisServer::start(&opts).unwrap();
     let r2 = RedisServer::start(&opts).unwrap();
     let r3 = RedisServer::start(&opts).unwrap();
     let mut s = Setup::new("tiers");

@@ -1,12 +1,12 @@
 //! Benchmarks every zram algorithm on generated mixed pages.
 //!
-//! Usage: `cargo run --release -p tmem-sys --example zram_bench [MiB] [threads]`
+//! Usage: `cargo run --release -p tmem-bench --example zram_bench [MiB] [threads]`
 //! (root; each run on a zram device hot-added for it).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use tmem_sys::zram;
+use tmem_bench::zram;
 
 fn main() {
     let mut args = std::env::args().skip(1);

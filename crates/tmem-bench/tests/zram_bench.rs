@@ -5,7 +5,7 @@
 
 mod common;
 
-use tmem_sys::zram::{self, ZramError};
+use tmem_bench::zram::{self, ZramError};
 use tmem_testkit::{skip, Feature};
 
 const PAGES: usize = 2048; // 8 MiB

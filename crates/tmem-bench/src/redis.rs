@@ -1,10 +1,10 @@
-//! Test infrastructure (feature `testing`): throwaway `redis-server`
-//! processes on loopback, each killed by its own pid when dropped, and test
-//! certificates made with the `openssl` command.
+//! Throwaway `redis-server` processes on loopback for the remote-tier
+//! benchmarks (and the tests of the remote tier): no persistence, a private
+//! scratch directory, each killed by its own pid when dropped.
 //!
 //! ```no_run
-//! use tmem_tier_remote::testing::{RedisOptions, RedisServer};
-//! let Some(server) = RedisServer::start_or_skip(&RedisOptions::default()) else { return };
+//! use tmem_bench::redis::{RedisOptions, RedisServer};
+//! let server = RedisServer::start(&RedisOptions::default()).expect("redis-server");
 //! let url = server.url();
 //! ```
 
@@ -12,40 +12,9 @@ use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// A directory removed when dropped.
-#[derive(Debug)]
-pub struct TempDir {
-    path: PathBuf,
-}
-
-impl TempDir {
-    /// Creates a fresh directory under the system temp dir.
-    pub fn new(tag: &str) -> io::Result<Self> {
-        static SEQ: AtomicU64 = AtomicU64::new(0);
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-        let path = std::env::temp_dir().join(format!(
-            "tmem-{tag}-{}-{}-{nanos}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&path)?;
-        Ok(Self { path })
-    }
-
-    /// Its path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
-}
+use rustix::process::{kill_process, Pid, Signal};
 
 /// Certificate files for a TLS server (see [`make_test_certs`]).
 #[derive(Clone, Debug)]
@@ -98,22 +67,11 @@ pub struct RedisServer {
     port: u16,
     tls: bool,
     running: bool,
-    dir: TempDir,
+    dir: tempfile::TempDir,
     opts: RedisOptions,
 }
 
 impl RedisServer {
-    /// Starts a server, or reports a skip (`SKIP: redis-server not installed`,
-    /// a panic where `TMEM_REQUIRE` requires tools: see `tmem_testkit::skip`)
-    /// and returns `None` when the binary is missing. Panics if it cannot start.
-    pub fn start_or_skip(opts: &RedisOptions) -> Option<Self> {
-        if redis_server_binary().is_none() {
-            tmem_testkit::skip(tmem_testkit::Feature::Tools, "redis-server not installed");
-            return None;
-        }
-        Some(Self::start(opts).unwrap_or_else(|e| panic!("starting redis-server: {e}")))
-    }
-
     /// Starts a server on a free loopback port (`--bind 127.0.0.1`, no
     /// persistence, not daemonized) and waits until it accepts connections.
     pub fn start(opts: &RedisOptions) -> io::Result<Self> {
@@ -131,7 +89,7 @@ impl RedisServer {
     }
 
     fn try_start(bin: &Path, opts: &RedisOptions) -> io::Result<Self> {
-        let dir = TempDir::new("redis")?;
+        let dir = tempfile::Builder::new().prefix("tmem-redis-").tempdir()?;
         let port = free_port()?;
         let child = spawn(bin, opts, port, dir.path())?;
         let mut server = Self { child, port, tls: opts.tls.is_some(), running: true, dir, opts: opts.clone() };
@@ -215,24 +173,22 @@ impl RedisServer {
 
     /// Stops the server with SIGSTOP (it hangs: connections open, nothing answers).
     pub fn pause(&mut self) -> io::Result<()> {
-        self.signal(libc::SIGSTOP)
+        self.signal(Signal::STOP)
     }
 
     /// Continues a paused server (SIGCONT).
     pub fn resume(&mut self) -> io::Result<()> {
-        self.signal(libc::SIGCONT)
+        self.signal(Signal::CONT)
     }
 
-    fn signal(&mut self, sig: libc::c_int) -> io::Result<()> {
+    fn signal(&mut self, sig: Signal) -> io::Result<()> {
         if !self.is_running() {
             return Err(io::Error::other("server not running"));
         }
-        let pid = libc::pid_t::try_from(self.child.id()).map_err(io::Error::other)?;
-        // SAFETY: kill(2) on our own, unreaped child: the pid cannot have been reused.
-        if unsafe { libc::kill(pid, sig) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        // Our own, unreaped child: its pid cannot have been reused.
+        let pid =
+            i32::try_from(self.child.id()).ok().and_then(Pid::from_raw).ok_or_else(|| io::Error::other("bad pid"))?;
+        Ok(kill_process(pid, sig)?)
     }
 
     /// Whether the process is still alive.
@@ -268,53 +224,4 @@ fn spawn(bin: &Path, opts: &RedisOptions, port: u16, dir: &Path) -> io::Result<C
     }
     cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
     cmd.spawn()
-}
-
-fn openssl(dir: &Path, args: &[&str]) -> io::Result<()> {
-    let out = Command::new("openssl").args(args).current_dir(dir).stdin(Stdio::null()).output()?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(io::Error::other(format!("openssl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr))))
-    }
-}
-
-/// Makes a throwaway CA and a server certificate for `127.0.0.1`/`localhost`
-/// (P-256 keys) in `dir` with the `openssl` command.
-pub fn make_test_certs(dir: &Path) -> io::Result<TlsFiles> {
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
-    let mut ca = vec!["req", "-x509", "-new", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2"];
-    ca.extend(ec);
-    ca.extend(["-subj", "/CN=tmem test CA", "-addext", "basicConstraints=critical,CA:TRUE"]);
-    ca.extend(["-addext", "keyUsage=critical,keyCertSign,cRLSign"]);
-    openssl(dir, &ca)?;
-    let mut csr = vec!["req", "-new", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"];
-    csr.extend(ec);
-    openssl(dir, &csr)?;
-    std::fs::write(
-        dir.join("ext.cnf"),
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
-         keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
-    )?;
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.crt",
-            "-days",
-            "2",
-            "-extfile",
-            "ext.cnf",
-        ],
-    )?;
-    Ok(TlsFiles { ca_cert: dir.join("ca.crt"), cert: dir.join("server.crt"), key: dir.join("server.key") })
 }

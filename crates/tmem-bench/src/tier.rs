@@ -12,10 +12,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::redis::{RedisOptions, RedisServer};
 use tmem_core::codec::{CodecConfig, COMPRESS_BUF_SIZE};
 use tmem_tier::seal::{MasterKey, SealAlgorithm, Sealer};
 use tmem_tier::{LatencyHistogram, MemTier, Tier, TierGet, TierKey, TierPut};
-use tmem_tier_remote::testing::{RedisOptions, RedisServer};
 
 /// Arguments of `tmem bench tier`.
 #[derive(clap::Args, Debug)]

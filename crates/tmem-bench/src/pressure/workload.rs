@@ -1,6 +1,6 @@
 //! The workload of `tmem bench pressure`: `--jobs` Python processes, each
 //! growing a realistic heap of `--workload-mib / --jobs` MiB and making
-//! passes over it (crates/tmem/workload/heap.py, embedded in the binary).
+//! passes over it (crates/tmem-bench/workload/heap.py, embedded in the binary).
 //!
 //! Each job joins the run's memory cgroup before it execs Python (a shell
 //! writes its own pid to `cgroup.procs`, then execs), so every page it ever

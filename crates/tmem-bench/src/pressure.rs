@@ -1,7 +1,7 @@
 //! `tmem bench pressure`: the zcache/RAMster memory-pressure ladder.
 //!
 //! A memory-hungry workload (Python jobs growing a realistic heap and making
-//! passes over it, see `crates/tmem/workload/heap.py`) first runs once in an
+//! passes over it, see `crates/tmem-bench/workload/heap.py`) first runs once in an
 //! unlimited memory cgroup without swap: that reference run gives its peak
 //! (`memory.max_usage_in_bytes`) and its checksums. Then, for every backend
 //! (disk swap file, zram, zswap over the disk file, tmem) and every pressure
@@ -28,9 +28,10 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::zram;
 use tmem_sys::cgroup::{self, MemCgroup};
 use tmem_sys::vmstat::{CpuTimes, ProcessCpu, SwapCounters};
-use tmem_sys::{swap, zram, zswap};
+use tmem_sys::{swap, zswap};
 
 pub use backend::BackendKind;
 use backend::{Backend, BackendConfig, PoolSample};
@@ -562,7 +563,7 @@ fn preflight(a: &PressureArgs) -> Result<(), String> {
                 }
             }
             BackendKind::Zswap if !zswap::available() => return Err("zswap backend: this kernel has no zswap".into()),
-            BackendKind::TmemRemote if tmem_tier_remote::testing::redis_server_binary().is_none() => {
+            BackendKind::TmemRemote if crate::redis::redis_server_binary().is_none() => {
                 return Err("tmem+remote backend: redis-server is not installed (apt install redis-server)".into());
             }
             BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk if !a.swap_dir.is_dir() => {

@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
+use crate::zram;
 use tmem_block::RamDevice;
 use tmem_fuse::{Export, FuseConfig, FuseMount};
-use tmem_sys::{swap, zram, zswap};
+use tmem_sys::{swap, zswap};
 
 use super::cmd;
 use tmem_ctl::{self as ctl, Request};
@@ -450,7 +451,7 @@ pub struct Tmem {
     active: bool,
     pid: Option<i32>,
     loop_devs: Vec<PathBuf>,
-    servers: Vec<tmem_tier_remote::testing::RedisServer>,
+    servers: Vec<crate::redis::RedisServer>,
     tier_dir: Option<PathBuf>,
 }
 
@@ -479,7 +480,7 @@ impl Tmem {
         match tier {
             TmemTier::None => {}
             TmemTier::Remote => {
-                use tmem_tier_remote::testing::{RedisOptions, RedisServer};
+                use crate::redis::{RedisOptions, RedisServer};
                 for _ in 0..REMOTE_NODES {
                     let s = RedisServer::start(&RedisOptions::default())
                         .map_err(|e| format!("tmem+remote: cannot start redis-server: {e}"))?;
@@ -680,7 +681,7 @@ impl FuseRam {
         let mount = FuseMount::mount(FuseConfig {
             mountpoint: self.dir.clone(),
             exports: vec![Export { name: "swap0".into(), device: dev }],
-            threads: crate::swapcmd::DEFAULT_FUSE_THREADS,
+            threads: tmem_daemon::spec::DEFAULT_FUSE_THREADS,
             uring_per_queue: 0,
         })
         .map_err(|e| e.to_string())?;

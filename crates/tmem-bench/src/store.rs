@@ -12,7 +12,7 @@
 //! decompressing in the system time of the threads that write and read).
 //!
 //! Every figure is timed over at least 64 MiB of pages or 200 ms
-//! ([`tmem_sys::zram::Budget`]): the corpus is repeated, under fresh keys for
+//! ([`crate::zram::Budget`]): the corpus is repeated, under fresh keys for
 //! puts, as many times as needed inside the timed section, so that small
 //! corpora do not give figures timed over a few microseconds. zram runs on a
 //! device hot-added for it and removed afterwards.
@@ -25,11 +25,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use crate::zram::{Budget, TimedPhase};
 use tmem_core::codec::{train_dictionary, CodecChoice};
 use tmem_core::{GetOutcome, Incompressible, Key, PolicyConfig, PutOutcome, Store, StoreConfig, PAGE_SIZE};
 use tmem_corpus::Corpus;
 use tmem_sys::vmstat::{CpuMark, CpuSpent};
-use tmem_sys::zram::{Budget, TimedPhase};
 
 /// Arguments of `tmem bench store`.
 #[derive(clap::Args, Debug)]
@@ -180,7 +180,7 @@ pub fn run_store(args: &StoreBenchArgs) -> Result<(), String> {
         sets.push(("mix".into(), Corpus::mix(&parts)));
     }
     // Hot-adds a zram device and removes it again: can zram be measured here?
-    let zram_state = if args.no_zram { Err("not requested".to_owned()) } else { tmem_sys::zram::probe().map(drop) };
+    let zram_state = if args.no_zram { Err("not requested".to_owned()) } else { crate::zram::probe().map(drop) };
     if let Err(why) = &zram_state {
         if !args.json {
             eprintln!("zram comparison skipped: {why}");
@@ -484,7 +484,7 @@ fn verify(want: &[u8], got: &[u8], first: usize) -> Result<(), String> {
 }
 
 fn bench_zram(corpus: &Corpus, alg: &str, threads: usize) -> Result<Row, String> {
-    let r = tmem_sys::zram::bench(corpus.data(), alg, threads).map_err(|e| format!("zram {alg}: {e}"))?;
+    let r = crate::zram::bench(corpus.data(), alg, threads).map_err(|e| format!("zram {alg}: {e}"))?;
     let mut row = Row {
         backend: format!("zram {alg}"),
         pages: r.pages,
@@ -563,8 +563,8 @@ fn print_table(r: &CorpusResult) {
          in the system time of the threads writing and reading the device; JSON adds the whole machine's busy time per \
          page. Each figure timed over at least {} MiB of pages or {} ms, the corpus repeated as needed; n/a: {}. \
          \"vs zram\" is pool memory relative to zram lz4's mem_used_total)",
-        tmem_sys::zram::MIN_TIMED_BYTES >> 20,
-        tmem_sys::zram::MIN_TIMED.as_millis(),
+        crate::zram::MIN_TIMED_BYTES >> 20,
+        crate::zram::MIN_TIMED.as_millis(),
         Budget::reason()
     );
     if let Some(why) = &r.zram_skipped {
