@@ -6,7 +6,32 @@
 //! benchmark and [`redis`] starts the throwaway servers of the remote tier.
 
 pub mod pressure;
+pub mod progress;
 pub mod redis;
 pub mod store;
+pub mod table;
 pub mod tier;
 pub mod zram;
+
+/// Median (mean of the two middle values for an even count).
+#[must_use]
+pub fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(vec![]), None);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(vec![4.0, 1.0]), Some(2.5));
+    }
+}

@@ -21,7 +21,7 @@ mod backend;
 mod report;
 mod workload;
 
-use std::io::{IsTerminal, Write as _};
+use anyhow::anyhow;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -36,6 +36,8 @@ use tmem_sys::{swap, zswap};
 pub use backend::BackendKind;
 use backend::{Backend, BackendConfig, PoolSample};
 use report::{Outcome, RunRecord};
+
+use crate::progress::Progress;
 use workload::Workload;
 
 /// Arguments of `tmem bench pressure`.
@@ -135,78 +137,22 @@ const INTERRUPTED_MSG: &str = "interrupted; everything set up was undone";
 
 /// Runs a helper command in its own process group (a terminal Ctrl-C must
 /// not interrupt a swapoff half way); returns its stdout.
-pub(crate) fn cmd(program: &str, args: &[&str]) -> Result<String, String> {
+pub(crate) fn cmd(program: &str, args: &[&str]) -> anyhow::Result<String> {
     let line = std::iter::once(program).chain(args.iter().copied()).collect::<Vec<_>>().join(" ");
     let out = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
         .process_group(0)
         .output()
-        .map_err(|e| format!("cannot run {line}: {e}"))?;
+        .map_err(|e| anyhow!("cannot run {line}: {e}"))?;
     if !out.status.success() {
         let mut msg = String::from_utf8_lossy(&out.stderr).trim().to_owned();
         if msg.is_empty() {
             msg = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         }
-        return Err(format!("{line} failed ({}): {msg}", out.status));
+        return Err(anyhow!("{line} failed ({}): {msg}", out.status));
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
-}
-
-/// Progress line on stderr.
-struct Progress {
-    total: usize,
-    done: usize,
-    tty: bool,
-    last: Instant,
-}
-
-impl Progress {
-    fn new(total: usize) -> Self {
-        Self { total, done: 0, tty: std::io::stderr().is_terminal(), last: Instant::now() - Duration::from_secs(10) }
-    }
-
-    fn bar(&self) -> String {
-        const W: usize = 20;
-        let filled = (self.done * W).checked_div(self.total).unwrap_or(W);
-        format!("[{}{}] {}/{}", "#".repeat(filled), "-".repeat(W - filled), self.done, self.total)
-    }
-
-    /// Shows the step in progress (throttled to once a second on a terminal).
-    fn show(&mut self, what: &str, elapsed: Option<Duration>, force: bool) {
-        if !force && self.last.elapsed() < Duration::from_secs(1) {
-            return;
-        }
-        self.last = Instant::now();
-        let t = elapsed.map(|e| format!(" {:.0}s", e.as_secs_f64())).unwrap_or_default();
-        let mut err = std::io::stderr().lock();
-        if self.tty {
-            let _ = write!(err, "\r\x1b[K{} {what}{t}", self.bar());
-        } else if force {
-            let _ = writeln!(err, "{} {what}", self.bar());
-        }
-        let _ = err.flush();
-    }
-
-    fn step_done(&mut self) {
-        self.done += 1;
-    }
-
-    /// Prints a message on its own line.
-    fn note(&mut self, msg: &str) {
-        let mut err = std::io::stderr().lock();
-        if self.tty {
-            let _ = write!(err, "\r\x1b[K");
-        }
-        let _ = writeln!(err, "{msg}");
-        self.last = Instant::now() - Duration::from_secs(10);
-    }
-
-    fn finish(&mut self) {
-        if self.tty {
-            let _ = writeln!(std::io::stderr(), "\r\x1b[K{} done", self.bar());
-        }
-    }
 }
 
 /// What a run needs.
@@ -246,15 +192,15 @@ struct Measured {
 
 impl Ctx<'_> {
     /// Runs the workload once in a fresh cgroup limited to `limit`, sampling `backend`'s pool.
-    fn measure(&mut self, backend: Option<&Backend>, limit: Option<u64>, label: &str) -> Result<Measured, String> {
+    fn measure(&mut self, backend: Option<&Backend>, limit: Option<u64>, label: &str) -> anyhow::Result<Measured> {
         let ours = backend.map(Backend::swap_paths).unwrap_or_default();
         let mut foreign = foreign_swap(&ours);
-        let cg = MemCgroup::create(&self.cgroup_name).map_err(|e| e.to_string())?;
+        let cg = MemCgroup::create(&self.cgroup_name)?;
         if let Err(e) = cg.set_swappiness(self.args.swappiness) {
             self.progress.note(&format!("note: {e}"));
         }
-        cg.set_limit(limit).map_err(|e| e.to_string())?;
-        let before = SwapCounters::now().map_err(|e| e.to_string())?;
+        cg.set_limit(limit)?;
+        let before = SwapCounters::now()?;
         let server = backend.and_then(Backend::server_pid);
         let server_before = server.and_then(ProcessCpu::of_pid);
         let cpu_before = CpuTimes::now();
@@ -273,7 +219,7 @@ impl Ctx<'_> {
             }
             if interrupted() {
                 running.kill();
-                return Err(INTERRUPTED_MSG.into());
+                return Err(anyhow!(INTERRUPTED_MSG));
             }
             if start.elapsed() > self.timeout {
                 running.kill();
@@ -291,7 +237,7 @@ impl Ctx<'_> {
                         peak = s;
                     }
                 }
-                self.progress.show(label, Some(start.elapsed()), false);
+                self.progress.show(label, false);
             }
             if now >= next_swap_check {
                 next_swap_check = now + Duration::from_secs(1);
@@ -306,7 +252,7 @@ impl Ctx<'_> {
         let wall = start.elapsed();
         let cpu_after = CpuTimes::now();
         let daemon_cpu = server_before.zip(server.and_then(ProcessCpu::of_pid)).map(|(b, a)| a.since(&b));
-        let vmstat = SwapCounters::now().map_err(|e| e.to_string())?.since(&before);
+        let vmstat = SwapCounters::now()?.since(&before);
         let cpu = cpu_before.zip(cpu_after);
         let steal_percent = cpu.map_or(0.0, |(b, a)| a.steal_percent_since(&b));
         let machine_busy_secs = cpu.map(|(b, a)| a.busy_secs_since(&b));
@@ -320,9 +266,9 @@ impl Ctx<'_> {
             peak,
             tier_peak_pages,
             samples,
-            max_usage: cg.max_usage().map_err(|e| e.to_string())?,
-            failcnt: cg.failcnt().map_err(|e| e.to_string())?,
-            oom_kills: cg.oom_control().map_err(|e| e.to_string())?.oom_kill,
+            max_usage: cg.max_usage()?,
+            failcnt: cg.failcnt()?,
+            oom_kills: cg.oom_control()?.oom_kill,
             steal_percent,
             daemon_cpu,
             machine_busy_secs,
@@ -330,7 +276,7 @@ impl Ctx<'_> {
             foreign,
         };
         drop(running);
-        cg.remove().map_err(|e| e.to_string())?;
+        cg.remove()?;
         Ok(m)
     }
 
@@ -341,7 +287,7 @@ impl Ctx<'_> {
 
     /// Waits (up to 15 minutes) until no swap area other than `ours` is active,
     /// unless other swap is allowed.
-    fn wait_for_other_swap(&mut self, ours: &[PathBuf], label: &str) -> Result<(), String> {
+    fn wait_for_other_swap(&mut self, ours: &[PathBuf], label: &str) -> anyhow::Result<()> {
         if self.args.allow_other_swap {
             return Ok(());
         }
@@ -353,10 +299,10 @@ impl Ctx<'_> {
                 return Ok(());
             }
             if interrupted() {
-                return Err(INTERRUPTED_MSG.into());
+                return Err(anyhow!(INTERRUPTED_MSG));
             }
             if Instant::now() > deadline {
-                return Err(format!("other swap areas stayed active for 15 minutes: {}", foreign.join(", ")));
+                return Err(anyhow!("other swap areas stayed active for 15 minutes: {}", foreign.join(", ")));
             }
             if !said {
                 self.progress.note(&format!(
@@ -365,7 +311,7 @@ impl Ctx<'_> {
                 ));
                 said = true;
             }
-            self.progress.show(&format!("{label}: waiting for other swap to go away"), None, false);
+            self.progress.show(&format!("{label}: waiting for other swap to go away"), false);
             std::thread::sleep(Duration::from_millis(500));
         }
     }
@@ -379,12 +325,12 @@ impl Ctx<'_> {
         level: u32,
         run: u32,
         peak: u64,
-    ) -> Result<RunRecord, String> {
+    ) -> anyhow::Result<RunRecord> {
         let label = format!("{name}@{} run {run}", report::level_title(level));
         let mut attempt = 1;
         loop {
             self.wait_for_other_swap(&backend.swap_paths(), &label)?;
-            self.progress.show(&label, None, true);
+            self.progress.show(&label, true);
             let r = self.attempt(backend, name, level, run, peak, &label)?;
             if r.foreign_swap.is_empty() || self.args.allow_other_swap || attempt == 3 {
                 return Ok(r);
@@ -406,12 +352,12 @@ impl Ctx<'_> {
         run: u32,
         peak: u64,
         label: &str,
-    ) -> Result<RunRecord, String> {
+    ) -> anyhow::Result<RunRecord> {
         let limit = limit_for(level, peak);
         let t = Instant::now();
         if let Err(e) = backend.activate() {
             if let Err(d) = backend.deactivate() {
-                return Err(format!("{e}; then, undoing it: {d}"));
+                return Err(anyhow!("{e}; then, undoing it: {d}"));
             }
             return Err(e);
         }
@@ -518,56 +464,58 @@ fn round_up_64m(b: u64) -> u64 {
     b.div_ceil(M) * M
 }
 
-fn preflight(a: &PressureArgs) -> Result<(), String> {
+fn preflight(a: &PressureArgs) -> anyhow::Result<()> {
     if !tmem_sys::is_root() {
-        return Err("tmem bench pressure needs root (memory cgroups, swapon, zram, zswap)".into());
+        return Err(anyhow!("tmem bench pressure needs root (memory cgroups, swapon, zram, zswap)"));
     }
-    cgroup::v1_memory_available().map_err(|e| e.to_string())?;
+    cgroup::v1_memory_available()?;
     if a.levels.is_empty() || a.levels.iter().any(|l| *l == 0 || *l > 100) {
-        return Err("--levels must be percentages in 1..=100 (100 = no limit)".into());
+        return Err(anyhow!("--levels must be percentages in 1..=100 (100 = no limit)"));
     }
     if a.backends.is_empty() {
-        return Err("--backends is empty".into());
+        return Err(anyhow!("--backends is empty"));
     }
     if a.runs == 0 {
-        return Err("--runs must be at least 1".into());
+        return Err(anyhow!("--runs must be at least 1"));
     }
     let mut seen = a.backends.clone();
     seen.sort();
     seen.dedup();
     if seen.len() != a.backends.len() {
-        return Err("--backends lists a backend twice".into());
+        return Err(anyhow!("--backends lists a backend twice"));
     }
-    let areas = swap::swaps().map_err(|e| e.to_string())?;
+    let areas = swap::swaps()?;
     if !areas.is_empty() && !a.allow_other_swap {
         let list: Vec<String> = areas.iter().map(|s| s.path.display().to_string()).collect();
-        return Err(format!(
+        return Err(anyhow!(
             "other swap areas are active ({}); they would take part in every run. \
              swapoff them first, or pass --allow-other-swap",
             list.join(", ")
         ));
     }
     cmd(&a.python, &["-c", "import sys; assert sys.version_info >= (3, 6)"])
-        .map_err(|e| format!("the workload needs Python 3 ({}): {e}", a.python))?;
+        .map_err(|e| anyhow!("the workload needs Python 3 ({}): {e}", a.python))?;
     for b in &a.backends {
         match b {
             BackendKind::Zram => {
                 // Hot-adds a device, reads what it offers, removes it.
-                let algs = zram::probe().map_err(|e| format!("zram backend: {e}"))?;
+                let algs = zram::probe().map_err(|e| anyhow!("zram backend: {e}"))?;
                 if !algs.contains(&a.zram_algorithm) {
-                    return Err(format!(
+                    return Err(anyhow!(
                         "zram backend: zram does not offer {} (it offers {})",
                         a.zram_algorithm,
                         algs.join(", ")
                     ));
                 }
             }
-            BackendKind::Zswap if !zswap::available() => return Err("zswap backend: this kernel has no zswap".into()),
+            BackendKind::Zswap if !zswap::available() => {
+                return Err(anyhow!("zswap backend: this kernel has no zswap"))
+            }
             BackendKind::TmemRemote if crate::redis::redis_server_binary().is_none() => {
-                return Err("tmem+remote backend: redis-server is not installed (apt install redis-server)".into());
+                return Err(anyhow!("tmem+remote backend: redis-server is not installed (apt install redis-server)"));
             }
             BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk if !a.swap_dir.is_dir() => {
-                return Err(format!("--swap-dir {} is not a directory", a.swap_dir.display()));
+                return Err(anyhow!("--swap-dir {} is not a directory", a.swap_dir.display()));
             }
             _ => {}
         }
@@ -576,16 +524,16 @@ fn preflight(a: &PressureArgs) -> Result<(), String> {
 }
 
 /// Turns zswap off if it is on; the returned guard turns it back on.
-fn zswap_off() -> Result<Option<zswap::ZswapSettings>, String> {
+fn zswap_off() -> anyhow::Result<Option<zswap::ZswapSettings>> {
     if !zswap::available() {
         return Ok(None);
     }
-    let mut s = zswap::ZswapSettings::save().map_err(|e| e.to_string())?;
-    if !zswap::is_on(&s.get("enabled").map_err(|e| e.to_string())?) {
+    let mut s = zswap::ZswapSettings::save()?;
+    if !zswap::is_on(&s.get("enabled")?) {
         return Ok(None);
     }
-    s.set("enabled", "N").map_err(|e| e.to_string())?;
-    eprintln!("note: zswap was enabled; it is disabled during the bench and re-enabled afterwards");
+    s.set("enabled", "N")?;
+    tracing::info!("zswap was enabled; it is disabled during the bench and re-enabled afterwards");
     Ok(Some(s))
 }
 
@@ -611,7 +559,7 @@ struct JsonOut<'a> {
 }
 
 /// `tmem bench pressure`.
-pub fn run(a: &PressureArgs) -> Result<(), String> {
+pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
     preflight(a)?;
     install_signal_handlers();
     // zswap, if on, would sit in front of every backend: off for the bench (restored on drop).
@@ -636,10 +584,10 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
     };
 
     // Reference run: no limit, no swap of ours; gives the peak and the checksums.
-    ctx.progress.show("reference run (no limit, no swap)", None, true);
+    ctx.progress.show("reference run (no limit, no swap)", true);
     let m = ctx.measure(None, None, "reference run")?;
     if m.timed_out || m.oom_kills > 0 || m.jobs.iter().any(|j| j.code != Some(0) || j.output.is_empty()) {
-        return Err(format!("the reference run failed: {:?}", m.jobs));
+        return Err(anyhow!("the reference run failed: {:?}", m.jobs));
     }
     ctx.expected = m.jobs.iter().map(|j| j.output.clone()).collect();
     let peak = m.max_usage;
@@ -672,7 +620,7 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
     };
     reference.set_cpu(None, m.machine_busy_secs, m.machine_busy_secs);
     ctx.reference_busy_secs = m.machine_busy_secs;
-    ctx.progress.step_done();
+    ctx.progress.steps_done(1);
     let swap_size = round_up_64m(peak);
     ctx.progress.note(&format!(
         "reference run: {:.1} s, peak {} (memory.max_usage_in_bytes), {} job(s) of {} MiB; swap areas of {}",
@@ -704,7 +652,7 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
             break;
         }
         let name = kind.name();
-        ctx.progress.show(&format!("{name}: preparing"), None, true);
+        ctx.progress.show(&format!("{name}: preparing"), true);
         let mut backend = match Backend::prepare(kind, &cfg) {
             Ok(b) => {
                 zram_device = zram_device.or_else(|| b.zram_device());
@@ -713,7 +661,7 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
             Err(e) => {
                 ctx.progress.note(&format!("{name}: cannot prepare: {e}"));
                 errors.push(format!("{name}: {e}"));
-                ctx.progress.done += a.levels.len() * usize::try_from(a.runs).unwrap_or(0);
+                ctx.progress.steps_done(a.levels.len() * usize::try_from(a.runs).unwrap_or(0));
                 continue;
             }
         };
@@ -750,10 +698,10 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
                         continue 'backends;
                     }
                 }
-                ctx.progress.step_done();
+                ctx.progress.steps_done(1);
             }
         }
-        ctx.progress.show(&format!("{name}: cleaning up"), None, true);
+        ctx.progress.show(&format!("{name}: cleaning up"), true);
         if let Err(e) = backend.finish() {
             ctx.progress.note(&format!("{name}: cleanup: {e}"));
             errors.push(format!("{name}: cleanup: {e}"));
@@ -780,19 +728,19 @@ pub fn run(a: &PressureArgs) -> Result<(), String> {
             summary: &summary,
             errors: &errors,
         };
-        let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
-        std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
+        let text = serde_json::to_string_pretty(&out)?;
+        std::fs::write(path, text + "\n").map_err(|e| anyhow!("{}: {e}", path.display()))?;
         println!("raw runs written to {}", path.display());
     }
     let wrong = runs.iter().filter(|r| r.outcome == Outcome::Wrong).count();
     if wrong > 0 {
-        return Err(format!("{wrong} run(s) produced WRONG output: data was corrupted under memory pressure"));
+        return Err(anyhow!("{wrong} run(s) produced WRONG output: data was corrupted under memory pressure"));
     }
     if interrupted() {
-        return Err(INTERRUPTED_MSG.into());
+        return Err(anyhow!(INTERRUPTED_MSG));
     }
     if !errors.is_empty() {
-        return Err(format!("{} error(s): {}", errors.len(), errors.join("; ")));
+        return Err(anyhow!("{} error(s): {}", errors.len(), errors.join("; ")));
     }
     Ok(())
 }
@@ -861,7 +809,7 @@ fn print_report(
     println!();
     print!("{}", report::render_cpu_runs(reference, runs));
     let steal: Vec<f64> = runs.iter().map(|r| r.cpu_steal_percent).collect();
-    if let Some(med) = report::median(steal.clone()) {
+    if let Some(med) = crate::median(steal.clone()) {
         println!(
             "note: CPU steal (time the hypervisor gave to other guests) per run: median {med:.1}%, max {:.1}% \
              (reference run {:.1}%); wall times from runs with high steal are not comparable.",

@@ -21,6 +21,10 @@
 //! measured, as a daemon would train on the first pages it sees; the
 //! dictionary's memory is part of the pool memory.
 
+use anyhow::anyhow;
+
+use crate::median;
+use crate::progress::Progress;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -154,21 +158,21 @@ struct CodecSpec {
     choice: CodecChoice,
 }
 
-fn parse_codec(s: &str) -> Result<CodecSpec, String> {
-    Ok(CodecSpec { label: s.to_owned(), choice: CodecChoice::parse(s).map_err(|e| e.to_string())? })
+fn parse_codec(s: &str) -> anyhow::Result<CodecSpec> {
+    Ok(CodecSpec { label: s.to_owned(), choice: CodecChoice::parse(s)? })
 }
 
 /// Runs the benchmark and prints tables or JSON.
-pub fn run_store(args: &StoreBenchArgs) -> Result<(), String> {
+pub fn run_store(args: &StoreBenchArgs) -> anyhow::Result<()> {
     let specs: Vec<CodecSpec> = args.codecs.iter().map(|s| parse_codec(s)).collect::<Result<_, _>>()?;
     if args.rounds == 0 {
-        return Err("--rounds must be at least 1".into());
+        return Err(anyhow!("--rounds must be at least 1"));
     }
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from)).max(1);
     let parts: Vec<Corpus> = if args.corpora.is_empty() {
         Corpus::builtin()
     } else {
-        args.corpora.iter().map(|p| Corpus::read(p).map_err(|e| e.to_string())).collect::<Result<_, _>>()?
+        args.corpora.iter().map(|p| Corpus::read(p)).collect::<Result<_, _>>()?
     };
     let mut sets: Vec<(String, Corpus)> = Vec::new();
     if !args.mix_only || parts.len() == 1 {
@@ -180,23 +184,30 @@ pub fn run_store(args: &StoreBenchArgs) -> Result<(), String> {
         sets.push(("mix".into(), Corpus::mix(&parts)));
     }
     // Hot-adds a zram device and removes it again: can zram be measured here?
-    let zram_state = if args.no_zram { Err("not requested".to_owned()) } else { crate::zram::probe().map(drop) };
+    let zram_state = if args.no_zram {
+        Err("not requested".to_owned())
+    } else {
+        crate::zram::probe().map(drop).map_err(|e| e.to_string())
+    };
     if let Err(why) = &zram_state {
-        if !args.json {
-            eprintln!("zram comparison skipped: {why}");
-        }
+        tracing::warn!("zram comparison skipped: {why}");
     }
+    let zram_algs: &[String] = if zram_state.is_ok() { &args.zram } else { &[] };
+    let steps = sets.len() * (specs.len() + zram_algs.len());
+    let progress = if args.json { Progress::hidden() } else { Progress::new(steps) };
     let mut results = Vec::new();
     for (name, corpus) in &sets {
         let cpu_before = tmem_sys::vmstat::CpuTimes::now();
         let mut rows = Vec::new();
         for spec in &specs {
+            progress.show(&format!("{name}: tmem {}", spec.label), false);
             rows.push(bench_tmem(corpus, spec, threads, args.rounds, args.dict_size)?);
+            progress.steps_done(1);
         }
-        if zram_state.is_ok() {
-            for alg in &args.zram {
-                rows.push(bench_zram(corpus, alg, threads)?);
-            }
+        for alg in zram_algs {
+            progress.show(&format!("{name}: zram {alg}"), false);
+            rows.push(bench_zram(corpus, alg, threads)?);
+            progress.steps_done(1);
         }
         let r = CorpusResult {
             corpus: name.clone(),
@@ -206,37 +217,33 @@ pub fn run_store(args: &StoreBenchArgs) -> Result<(), String> {
             cpu_steal_percent: tmem_sys::vmstat::CpuTimes::steal_percent_from(cpu_before),
         };
         if !args.json {
-            print_table(&r);
+            progress.suspend(|| print_table(&r));
         }
         results.push(r);
     }
+    progress.finish();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&results).map_err(|e| e.to_string())?);
+        println!("{}", serde_json::to_string_pretty(&results)?);
     }
     Ok(())
 }
 
-fn build_store(corpus: &Corpus, spec: &CodecSpec, dict_size: usize) -> Result<Store, String> {
+fn build_store(corpus: &Corpus, spec: &CodecSpec, dict_size: usize) -> anyhow::Result<Store> {
     let codec = if spec.choice.dictionary {
         let sample = corpus.pages().step_by(16);
-        let dict = train_dictionary(sample, dict_size).map_err(|e| e.to_string())?;
+        let dict = train_dictionary(sample, dict_size)?;
         spec.choice.codec.with_dictionary(dict)
     } else {
         spec.choice.codec.clone()
     };
     // Like zram: keep every page, storing poorly compressible ones raw.
     let policy = PolicyConfig { incompressible: Incompressible::StoreRaw, ..Default::default() };
-    StoreConfig { policy, codec: Some(codec), ..Default::default() }.build().map_err(|e| e.to_string())
+    Ok(StoreConfig { policy, codec: Some(codec), ..Default::default() }.build()?)
 }
 
 /// Key of page `i` of copy `copy` of a corpus of `n` pages.
 fn key(copy: usize, n: usize, i: usize) -> Key {
     Key::new(0, (copy * n + i) as u64)
-}
-
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied()
 }
 
 /// A timed section of `pages` pages that started at `start` and `mark`.
@@ -250,10 +257,10 @@ fn bench_tmem(
     threads: usize,
     rounds: usize,
     dict_size: usize,
-) -> Result<Row, String> {
+) -> anyhow::Result<Row> {
     let n = corpus.page_count();
     if n == 0 {
-        return Err("corpus has no pages".into());
+        return Err(anyhow!("corpus has no pages"));
     }
     // Memory figures: every page once, untimed.
     let st = {
@@ -299,7 +306,7 @@ fn tmem_round(
     threads: usize,
     dict_size: usize,
     out: &mut [u8],
-) -> Result<[TimedPhase; 4], String> {
+) -> anyhow::Result<[TimedPhase; 4]> {
     let n = corpus.page_count();
     let len = n * PAGE_SIZE;
     let copies = out.len() / len;
@@ -351,7 +358,7 @@ fn tmem_round(
     let budget = Budget::new();
     let (secs, cpu, res) = timed_parallel(threads, |t| {
         let (pool, budget, r) = (Arc::clone(&pool), &budget, range(t));
-        move || -> Result<usize, String> {
+        move || -> anyhow::Result<usize> {
             if r.is_empty() {
                 return Ok(0);
             }
@@ -386,7 +393,7 @@ fn tmem_round(
     let (secs, cpu, res) = timed_parallel(threads, |t| {
         let (pool, budget, r, w) = (Arc::clone(&pool), &budget, range(t), written_by[t]);
         let mut mine = slots[t].lock().ok().and_then(|mut m| m.take()).unwrap_or_default();
-        move || -> Result<usize, String> {
+        move || -> anyhow::Result<usize> {
             if r.is_empty() || w == 0 {
                 return Ok(0);
             }
@@ -425,10 +432,10 @@ fn timed(pages: usize, secs: f64, cpu: CpuSpent) -> TimedPhase {
 
 /// Runs `make(t)()` on `threads` threads started together; returns wall
 /// seconds, the CPU used meanwhile and every thread's result, in order.
-fn timed_parallel<'a, F, G, R>(threads: usize, make: G) -> (f64, CpuSpent, Result<Vec<R>, String>)
+fn timed_parallel<'a, F, G, R>(threads: usize, make: G) -> (f64, CpuSpent, anyhow::Result<Vec<R>>)
 where
     G: Fn(usize) -> F,
-    F: FnOnce() -> Result<R, String> + Send + 'a,
+    F: FnOnce() -> anyhow::Result<R> + Send + 'a,
     R: Send,
 {
     let barrier = std::sync::Barrier::new(threads + 1);
@@ -449,7 +456,7 @@ where
         let start = Instant::now();
         let mut res = Ok(Vec::with_capacity(threads));
         for h in handles {
-            let r = h.join().unwrap_or_else(|_| Err("benchmark thread panicked".into()));
+            let r = h.join().unwrap_or_else(|_| Err(anyhow!("benchmark thread panicked")));
             res = res.and_then(|mut v: Vec<R>| {
                 v.push(r?);
                 Ok(v)
@@ -459,32 +466,32 @@ where
     })
 }
 
-fn expect_stored(r: Result<PutOutcome, tmem_core::StoreError>, i: usize) -> Result<(), String> {
+fn expect_stored(r: Result<PutOutcome, tmem_core::StoreError>, i: usize) -> anyhow::Result<()> {
     match r {
         Ok(PutOutcome::Stored) => Ok(()),
-        Ok(PutOutcome::Rejected(why)) => Err(format!("page {i} was refused: {why:?}")),
-        Err(e) => Err(format!("page {i}: {e}")),
+        Ok(PutOutcome::Rejected(why)) => Err(anyhow!("page {i} was refused: {why:?}")),
+        Err(e) => Err(anyhow!("page {i}: {e}")),
     }
 }
 
-fn expect_hit(r: Result<GetOutcome, tmem_core::StoreError>, i: usize) -> Result<(), String> {
+fn expect_hit(r: Result<GetOutcome, tmem_core::StoreError>, i: usize) -> anyhow::Result<()> {
     match r {
         Ok(GetOutcome::Hit) => Ok(()),
-        Ok(GetOutcome::Miss) => Err(format!("page {i} is missing")),
-        Err(e) => Err(format!("page {i}: {e}")),
+        Ok(GetOutcome::Miss) => Err(anyhow!("page {i} is missing")),
+        Err(e) => Err(anyhow!("page {i}: {e}")),
     }
 }
 
 /// Compares pages that came back with the corpus pages `want`, the first of which is page `first`.
-fn verify(want: &[u8], got: &[u8], first: usize) -> Result<(), String> {
+fn verify(want: &[u8], got: &[u8], first: usize) -> anyhow::Result<()> {
     if let Some(pos) = want.iter().zip(got).position(|(a, b)| a != b) {
-        return Err(format!("page {} came back different (byte {})", first + pos / PAGE_SIZE, pos % PAGE_SIZE));
+        return Err(anyhow!("page {} came back different (byte {})", first + pos / PAGE_SIZE, pos % PAGE_SIZE));
     }
     Ok(())
 }
 
-fn bench_zram(corpus: &Corpus, alg: &str, threads: usize) -> Result<Row, String> {
-    let r = crate::zram::bench(corpus.data(), alg, threads).map_err(|e| format!("zram {alg}: {e}"))?;
+fn bench_zram(corpus: &Corpus, alg: &str, threads: usize) -> anyhow::Result<Row> {
+    let r = crate::zram::bench(corpus.data(), alg, threads).map_err(|e| anyhow!("zram {alg}: {e}"))?;
     let mut row = Row {
         backend: format!("zram {alg}"),
         pages: r.pages,
@@ -504,10 +511,11 @@ fn bench_zram(corpus: &Corpus, alg: &str, threads: usize) -> Result<Row, String>
 }
 
 /// MB/s and CPU µs per page, or "n/a".
-fn figure(mbs: Option<f64>, us: Option<f64>) -> String {
-    let mbs = mbs.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.0}"));
-    let us = us.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.2}"));
-    format!("{mbs:>8} {us:>6}")
+fn figure(mbs: Option<f64>, us: Option<f64>) -> [String; 2] {
+    [
+        mbs.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.0}")),
+        us.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.2}")),
+    ]
 }
 
 fn print_table(r: &CorpusResult) {
@@ -520,43 +528,47 @@ fn print_table(r: &CorpusResult) {
         r.cpu_steal_percent
     );
     let threads = r.rows.first().map_or(1, |row| row.threads);
-    println!(
-        "{:<18} {:>6} {:>11} {:>9} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>7} {:>7}",
-        "backend",
-        "ratio",
-        "mem_used",
-        "vs zram",
-        "put 1T",
-        "us/pg",
-        "get 1T",
-        "us/pg",
+    let mut t = crate::table::plain([
+        "backend".to_owned(),
+        "ratio".into(),
+        "mem_used".into(),
+        "vs zram".into(),
+        "put 1T".into(),
+        "us/pg".into(),
+        "get 1T".into(),
+        "us/pg".into(),
         format!("put {threads}T"),
-        "us/pg",
+        "us/pg".into(),
         format!("get {threads}T"),
-        "us/pg",
-        "same",
-        "huge"
-    );
+        "us/pg".into(),
+        "same".into(),
+        "huge".into(),
+    ]);
     let zram_lz4 = r.rows.iter().find(|row| row.backend == "zram lz4").map(|row| row.mem_used_total);
     for row in &r.rows {
         let vs = zram_lz4.map_or_else(
             || "-".to_owned(),
             |z| format!("{:+.1}%", (row.mem_used_total as f64 / z as f64 - 1.0) * 100.0),
         );
-        println!(
-            "{:<18} {:>6.3} {:>7.2} MiB {:>9} {} {} {} {} {:>7} {:>7}",
-            row.backend,
-            row.ratio,
-            row.mem_used_total as f64 / 1048576.0,
+        let mut cells = vec![
+            row.backend.clone(),
+            format!("{:.3}", row.ratio),
+            format!("{:.2} MiB", row.mem_used_total as f64 / 1048576.0),
             vs,
-            figure(row.timings.put_mbs_1t, row.timings.put_cpu_us_per_page_1t),
-            figure(row.timings.get_mbs_1t, row.timings.get_cpu_us_per_page_1t),
-            figure(row.timings.put_mbs_mt, row.timings.put_cpu_us_per_page_mt),
-            figure(row.timings.get_mbs_mt, row.timings.get_cpu_us_per_page_mt),
-            row.same_filled_pages,
-            row.incompressible_pages
-        );
+        ];
+        let tm = &row.timings;
+        for (mbs, us) in [
+            (tm.put_mbs_1t, tm.put_cpu_us_per_page_1t),
+            (tm.get_mbs_1t, tm.get_cpu_us_per_page_1t),
+            (tm.put_mbs_mt, tm.put_cpu_us_per_page_mt),
+            (tm.get_mbs_mt, tm.get_cpu_us_per_page_mt),
+        ] {
+            cells.extend(figure(mbs, us));
+        }
+        cells.extend([row.same_filled_pages.to_string(), row.incompressible_pages.to_string()]);
+        t.add_row(cells);
     }
+    println!("{t}");
     println!(
         "(MB/s of original data; us/pg: CPU time of this process (user + system, all threads) per page over the same \
          timed section: for tmem the store's work, for zram mostly the kernel's compression and decompression, done \

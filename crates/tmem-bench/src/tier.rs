@@ -8,6 +8,9 @@
 //! against `--redis` servers, or starts three throwaway `redis-server`s on
 //! loopback (noeviction, no persistence) and stops them afterwards.
 
+use anyhow::anyhow;
+
+use crate::progress::Progress;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -76,21 +79,21 @@ struct TierResult {
     wire_bytes_in_per_page: f64,
 }
 
-fn values(args: &TierBenchArgs) -> Result<Vec<Vec<u8>>, String> {
+fn values(args: &TierBenchArgs) -> anyhow::Result<Vec<Vec<u8>>> {
     let corpus = match &args.corpus {
-        Some(p) => tmem_corpus::Corpus::read(p).map_err(|e| e.to_string())?,
+        Some(p) => tmem_corpus::Corpus::read(p)?,
         None => tmem_corpus::Corpus::mix(&tmem_corpus::Corpus::builtin()),
     };
     if corpus.page_count() == 0 {
-        return Err("corpus has no pages".into());
+        return Err(anyhow!("corpus has no pages"));
     }
-    let codec = CodecConfig::LZ4.build().map_err(|e| e.to_string())?;
-    let sealer = Sealer::random().map_err(|e| e.to_string())?;
+    let codec = CodecConfig::LZ4.build()?;
+    let sealer = Sealer::random()?;
     let mut buf = [0u8; COMPRESS_BUF_SIZE];
     let mut out = Vec::with_capacity(args.pages);
     for i in 0..args.pages {
         let page = corpus.page(i % corpus.page_count());
-        let n = codec.compress(page, &mut buf).map_err(|e| e.to_string())?;
+        let n = codec.compress(page, &mut buf)?;
         let plain = if n < tmem_core::PAGE_SIZE { &buf[..n] } else { &page[..] };
         let mut v = Vec::new();
         sealer.seal(key(i), i as u64 + 1, plain, &mut v);
@@ -104,13 +107,14 @@ fn key(i: usize) -> TierKey {
 }
 
 /// Runs the benchmark.
-pub fn run(args: &TierBenchArgs) -> Result<(), String> {
+pub fn run(args: &TierBenchArgs) -> anyhow::Result<()> {
     if args.pages == 0 || args.batch == 0 {
-        return Err("--pages and --batch must be positive".into());
+        return Err(anyhow!("--pages and --batch must be positive"));
     }
     let vals = values(args)?;
     let mut results = Vec::new();
     let mut servers = Vec::new();
+    let progress = if args.json { Progress::hidden() } else { Progress::new(args.tiers.len() + 1) };
     for name in &args.tiers {
         let tier: Arc<dyn Tier> = match name.as_str() {
             "mem" => Arc::new(MemTier::new(u64::MAX)),
@@ -121,7 +125,7 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
                 let nodes = if args.redis.is_empty() {
                     let opts = RedisOptions { policy: "noeviction".into(), ..Default::default() };
                     for _ in 0..3 {
-                        servers.push(RedisServer::start(&opts).map_err(|e| format!("cannot start redis-server: {e}"))?);
+                        servers.push(RedisServer::start(&opts).map_err(|e| anyhow!("cannot start redis-server: {e}"))?);
                     }
                     servers.iter().map(RedisServer::url).collect()
                 } else {
@@ -129,34 +133,31 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
                 };
                 let mut cfg = tmem_tier_remote::RemoteTierConfig::new(nodes, "tmem-bench", "tier");
                 cfg.replicas = args.replicas.min(cfg.nodes.len()).max(1);
-                Arc::new(cfg.build().map_err(|e| e.to_string())?)
+                Arc::new(cfg.build()?)
             }
-            other => return Err(format!("unknown tier {other:?} (mem, disk, remote)")),
+            other => return Err(anyhow!("unknown tier {other:?} (mem, disk, remote)")),
         };
-        if !args.json {
-            eprintln!("measuring {name} ...");
-        }
+        progress.show(&format!("measuring {name}"), true);
         results.push(measure(name, tier.as_ref(), &vals, args)?);
+        progress.steps_done(1);
         drop(tier);
         if name == "disk" {
             let _ = std::fs::remove_file(&args.disk_path);
         }
     }
     drop(servers);
-    if !args.json {
-        eprintln!("measuring sealing ...");
-    }
+    progress.show("measuring sealing", true);
     let sealing = [SealAlgorithm::Aes256Gcm, SealAlgorithm::ChaCha20Poly1305]
         .into_iter()
         .map(|alg| measure_sealing(alg, &vals))
         .collect::<Result<Vec<_>, _>>()?;
+    progress.finish();
     if args.json {
         let all = serde_json::json!({ "tiers": results, "sealing": sealing });
-        println!("{}", serde_json::to_string_pretty(&all).map_err(|e| e.to_string())?);
+        println!("{}", serde_json::to_string_pretty(&all)?);
         return Ok(());
     }
-    println!(
-        "{:<8} {:>7} {:>8} {:>12} {:>9} {:>12} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>6}",
+    let mut t = crate::table::plain([
         "tier",
         "pages",
         "value B",
@@ -170,27 +171,27 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
         "put p99",
         "wire out",
         "wire in",
-        "steal"
-    );
+        "steal",
+    ]);
     for r in &results {
-        println!(
-            "{:<8} {:>7} {:>8.0} {:>12.0} {:>9.2} {:>12.0} {:>9.2} {:>6}us {:>6}us {:>6}us {:>6}us {:>8.0}B {:>8.0}B {:>5.1}%",
-            r.tier,
-            r.pages,
-            r.value_bytes_avg,
-            r.put_batch_pages_per_s,
-            r.put_batch_cpu_us_per_page,
-            r.get_batch_pages_per_s,
-            r.get_batch_cpu_us_per_page,
-            r.get_p50_us,
-            r.get_p99_us,
-            r.put_p50_us,
-            r.put_p99_us,
-            r.wire_bytes_out_per_page,
-            r.wire_bytes_in_per_page,
-            r.cpu_steal_percent
-        );
+        t.add_row([
+            r.tier.clone(),
+            r.pages.to_string(),
+            format!("{:.0}", r.value_bytes_avg),
+            format!("{:.0}", r.put_batch_pages_per_s),
+            format!("{:.2}", r.put_batch_cpu_us_per_page),
+            format!("{:.0}", r.get_batch_pages_per_s),
+            format!("{:.2}", r.get_batch_cpu_us_per_page),
+            format!("{}us", r.get_p50_us),
+            format!("{}us", r.get_p99_us),
+            format!("{}us", r.put_p50_us),
+            format!("{}us", r.put_p99_us),
+            format!("{:.0}B", r.wire_bytes_out_per_page),
+            format!("{:.0}B", r.wire_bytes_in_per_page),
+            format!("{:.1}%", r.cpu_steal_percent),
+        ]);
     }
+    println!("{t}");
     println!(
         "({} batch(es) of {} values in flight; us/pg: CPU time of this process (user + system, all threads) per page \
          over the batched puts or gets, a tier's server processes (redis-server) not included; latency of single \
@@ -200,22 +201,20 @@ pub fn run(args: &TierBenchArgs) -> Result<(), String> {
         args.batch
     );
     println!();
-    println!(
-        "{:<18} {:>9} {:>12} {:>12} {:>10} {:>10}",
-        "sealing (1 core)", "value B", "seal GB/s", "open GB/s", "seal/page", "open/page"
-    );
+    let mut t =
+        crate::table::plain(["sealing (1 core)", "value B", "seal GB/s", "open GB/s", "seal/page", "open/page", ""]);
     for r in &sealing {
-        println!(
-            "{:<18} {:>9.0} {:>12.2} {:>12.2} {:>8.2}us {:>8.2}us{}",
-            r.algorithm,
-            r.value_bytes_avg,
-            r.seal_gb_per_s,
-            r.open_gb_per_s,
-            r.seal_us_per_page,
-            r.open_us_per_page,
-            if r.algorithm == SealAlgorithm::preferred().name() { "  (used on this CPU)" } else { "" }
-        );
+        t.add_row([
+            r.algorithm.to_owned(),
+            format!("{:.0}", r.value_bytes_avg),
+            format!("{:.2}", r.seal_gb_per_s),
+            format!("{:.2}", r.open_gb_per_s),
+            format!("{:.2}us", r.seal_us_per_page),
+            format!("{:.2}us", r.open_us_per_page),
+            if r.algorithm == SealAlgorithm::preferred().name() { "(used on this CPU)".into() } else { String::new() },
+        ]);
     }
+    println!("{t}");
     println!("(each figure timed over at least {SEAL_MIN_BYTES_MIB} MiB and {SEAL_MIN_MS} ms of the values above)");
     Ok(())
 }
@@ -237,13 +236,12 @@ const SEAL_MIN_MS: u128 = 300;
 /// Seals, then opens, the bench's values (compressed pages) over and over on
 /// this thread, each for at least [`SEAL_MIN_BYTES_MIB`] MiB and
 /// [`SEAL_MIN_MS`] ms, so each figure is timed over enough work.
-fn measure_sealing(alg: SealAlgorithm, vals: &[Vec<u8>]) -> Result<SealResult, String> {
-    let sealer =
-        Sealer::with_algorithm(&MasterKey::random().map_err(|e| e.to_string())?, alg).map_err(|e| e.to_string())?;
+fn measure_sealing(alg: SealAlgorithm, vals: &[Vec<u8>]) -> anyhow::Result<SealResult> {
+    let sealer = Sealer::with_algorithm(&MasterKey::random()?, alg)?;
     let plains: Vec<&[u8]> = vals.iter().map(|v| &v[..v.len() - tmem_tier::seal::SEAL_OVERHEAD]).collect();
     let mut sealed: Vec<Vec<u8>> = plains.iter().map(|p| Vec::with_capacity(p.len() + 16)).collect();
     let mut version = 0u64;
-    let timed = |work: &mut dyn FnMut() -> Result<usize, String>| -> Result<(f64, f64, usize), String> {
+    let timed = |work: &mut dyn FnMut() -> anyhow::Result<usize>| -> anyhow::Result<(f64, f64, usize)> {
         let t = Instant::now();
         let (mut bytes, mut pages) = (0usize, 0usize);
         while bytes < SEAL_MIN_BYTES_MIB << 20 || t.elapsed().as_millis() < SEAL_MIN_MS {
@@ -269,7 +267,7 @@ fn measure_sealing(alg: SealAlgorithm, vals: &[Vec<u8>]) -> Result<SealResult, S
         for (i, v) in sealed.iter().enumerate() {
             buf.clear();
             buf.extend_from_slice(v);
-            sealer.open(key(i), first + i as u64, &mut buf).map_err(|e| format!("{}: {e}", alg.name()))?;
+            sealer.open(key(i), first + i as u64, &mut buf).map_err(|e| anyhow!("{}: {e}", alg.name()))?;
             bytes += buf.len();
         }
         Ok(bytes)
@@ -285,16 +283,16 @@ fn measure_sealing(alg: SealAlgorithm, vals: &[Vec<u8>]) -> Result<SealResult, S
 }
 
 /// Work on one batch: (batch number, its values).
-type BatchWork<'a> = dyn Fn(usize, &[Vec<u8>]) -> Result<(), String> + Sync + 'a;
+type BatchWork<'a> = dyn Fn(usize, &[Vec<u8>]) -> anyhow::Result<()> + Sync + 'a;
 
-fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) -> Result<TierResult, String> {
+fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) -> anyhow::Result<TierResult> {
     let n = vals.len();
     let before = tier.stats();
     let cpu_before = tmem_sys::vmstat::CpuTimes::now();
     let chunks: Vec<&[Vec<u8>]> = vals.chunks(args.batch).collect();
     let inflight = args.inflight.max(1);
     // Thread `t` of `inflight` does every `inflight`-th batch.
-    let in_parallel = |work: &BatchWork<'_>| -> Result<(), String> {
+    let in_parallel = |work: &BatchWork<'_>| -> anyhow::Result<()> {
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..inflight)
                 .map(|t| {
@@ -304,7 +302,7 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
                     })
                 })
                 .collect();
-            handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|_| Err("a bench thread panicked".into())))
+            handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a bench thread panicked"))))
         })
     };
     let (mark, t) = (tmem_sys::vmstat::CpuMark::now(), Instant::now());
@@ -314,8 +312,8 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
         for (j, r) in tier.put_batch(&items).into_iter().enumerate() {
             match r {
                 Ok(TierPut::Stored) => {}
-                Ok(TierPut::Full) => return Err(format!("{name}: full after {} pages", c * args.batch + j)),
-                Err(e) => return Err(format!("{name}: {e}")),
+                Ok(TierPut::Full) => return Err(anyhow!("{name}: full after {} pages", c * args.batch + j)),
+                Err(e) => return Err(anyhow!("{name}: {e}")),
             }
         }
         Ok(())
@@ -326,9 +324,9 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
     in_parallel(&|c, chunk| {
         let keys: Vec<TierKey> = (c * args.batch..c * args.batch + chunk.len()).map(key).collect();
         for (k, r) in keys.iter().zip(tier.get_batch(&keys)) {
-            match r.map_err(|e| format!("{name}: {e}"))? {
+            match r.map_err(|e| anyhow!("{name}: {e}"))? {
                 Some(v) if v == vals[usize::try_from(k.index).unwrap_or(0)] => {}
-                _ => return Err(format!("{name}: page {} came back wrong or missing", k.index)),
+                _ => return Err(anyhow!("{name}: page {} came back wrong or missing", k.index)),
             }
         }
         Ok(())
@@ -343,13 +341,13 @@ fn measure(name: &str, tier: &dyn Tier, vals: &[Vec<u8>], args: &TierBenchArgs) 
     let step = (n / args.latency_samples.max(1)).max(1);
     for i in (0..n).step_by(step) {
         let t = Instant::now();
-        if tier.get(key(i), &mut out).map_err(|e| e.to_string())? != TierGet::Hit || out != vals[i] {
-            return Err(format!("{name}: single get of page {i} failed"));
+        if tier.get(key(i), &mut out)? != TierGet::Hit || out != vals[i] {
+            return Err(anyhow!("{name}: single get of page {i} failed"));
         }
         get_lat.record(t.elapsed());
         let t = Instant::now();
-        if tier.put(key(i), &vals[i]).map_err(|e| e.to_string())? != TierPut::Stored {
-            return Err(format!("{name}: single put of page {i} refused"));
+        if tier.put(key(i), &vals[i])? != TierPut::Stored {
+            return Err(anyhow!("{name}: single put of page {i} refused"));
         }
         put_lat.record(t.elapsed());
     }

@@ -31,7 +31,7 @@ fn zram_bench_8mib_mixed_pages() {
         Ok(a) => a,
         Err(reason) => {
             let feature = if tmem_sys::is_root() { Feature::Zram } else { Feature::Root };
-            skip(feature, &reason);
+            skip(feature, &reason.to_string());
             return;
         }
     };

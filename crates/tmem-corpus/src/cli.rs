@@ -36,6 +36,10 @@ pub struct CaptureArgs {
 /// Parses a byte size: a number with an optional binary suffix
 /// (`K`/`KiB`/`KB`, `M`, `G`, `T`, case-insensitive; `B` alone is allowed),
 /// e.g. `4096`, `64M`, `1G`, `512KiB`.
+///
+/// By hand, not `bytesize`: it reads `K`, `M`, `G` as powers of 1000, where
+/// the swap tools users know (zramctl, losetup, mkswap) read powers of 1024.
+/// A clap value parser, hence the `String` error.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());

@@ -57,16 +57,5 @@ pub enum DaemonError {
 
 /// Formats bytes as B/KiB/MiB/GiB/TiB.
 pub fn human(b: u64) -> String {
-    const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = b as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i < U.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", U[i])
-    }
+    bytesize::ByteSize::b(b).display().iec().to_string()
 }

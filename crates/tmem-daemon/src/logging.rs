@@ -6,7 +6,20 @@
 
 use tracing_subscriber::EnvFilter;
 
-/// Installs the subscriber (once; later calls do nothing).
+/// The command line's log (benchmarks' notes, warnings of cleanup guards):
+/// level and message only, on stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_cli() {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .without_time()
+        .with_target(false)
+        .try_init();
+}
+
+/// Installs the daemon's subscriber (once; later calls do nothing).
 pub fn init() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false);

@@ -126,7 +126,7 @@ impl TierArgs {
                 }
                 TierSpec::Disk(p) => {
                     let path = if p.is_dir() { p.join(format!("{device}.back")) } else { p.clone() };
-                    Arc::new(disk_tier(&path, self.disk_capacity.unwrap_or(2 * size))?)
+                    Arc::new(disk_tier(&path, self.disk_capacity.unwrap_or(2 * size)).map_err(|e| e.to_string())?)
                 }
             });
         }
@@ -135,10 +135,10 @@ impl TierArgs {
 }
 
 /// Opens a disk tier of `capacity` bytes at `path` (a new, empty tier).
-pub fn disk_tier(path: &Path, capacity: u64) -> Result<tmem_tier_disk::DiskTier, String> {
+pub fn disk_tier(path: &Path, capacity: u64) -> Result<tmem_tier_disk::DiskTier, DaemonError> {
     let mut cfg = tmem_tier_disk::DiskTierConfig::new(path);
     cfg.capacity_bytes = capacity;
-    cfg.build().map_err(|e| format!("disk tier {}: {e}", path.display()))
+    cfg.build().map_err(|e| DaemonError::Tier(format!("disk tier {}: {e}", path.display())))
 }
 
 #[cfg(test)]

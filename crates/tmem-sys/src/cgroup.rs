@@ -258,7 +258,7 @@ impl Drop for MemCgroup {
     fn drop(&mut self) {
         if !self.removed {
             if let Err(e) = self.remove_now() {
-                eprintln!("warning: could not remove memory cgroup {}: {e}; remove it by hand", self.path.display());
+                tracing::warn!("could not remove memory cgroup {}: {e}; remove it by hand", self.path.display());
             }
         }
     }

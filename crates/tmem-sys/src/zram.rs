@@ -275,10 +275,11 @@ impl ZramDevice {
 impl Drop for ZramDevice {
     fn drop(&mut self) {
         if let Err(e) = self.remove_now() {
-            eprintln!(
-                "tmem-sys: WARNING: could not remove {}: {e}; remove it by hand: \
+            tracing::warn!(
+                "could not remove {}: {e}; remove it by hand: \
                  swapoff /dev/{0}; echo {} > {CONTROL_DIR}/hot_remove",
-                self.name, self.id
+                self.name,
+                self.id
             );
         }
     }
@@ -322,10 +323,10 @@ fn retry_busy(mut op: impl FnMut() -> Result<(), ZramError>) -> Result<(), ZramE
 /// Whether fresh zram devices can be made here: hot-adds one, reads the
 /// algorithms it offers and removes it again. Returns those algorithms, or
 /// the reason why not.
-pub fn probe() -> Result<Vec<String>, String> {
-    let dev = ZramDevice::hot_add().map_err(|e| e.to_string())?;
-    let algorithms = dev.algorithms().map_err(|e| e.to_string());
-    dev.remove().map_err(|e| e.to_string())?;
+pub fn probe() -> Result<Vec<String>, ZramError> {
+    let dev = ZramDevice::hot_add()?;
+    let algorithms = dev.algorithms();
+    dev.remove()?;
     Ok(algorithms?.0)
 }
 

@@ -210,7 +210,7 @@ impl ZswapSettings {
 impl Drop for ZswapSettings {
     fn drop(&mut self) {
         if let Err(e) = self.restore() {
-            eprintln!("warning: {e}");
+            tracing::warn!("{e}");
         }
     }
 }
@@ -283,7 +283,7 @@ impl DebugfsMount {
 impl Drop for DebugfsMount {
     fn drop(&mut self) {
         if let Err(e) = self.unmount() {
-            eprintln!("warning: {e}");
+            tracing::warn!("{e}");
         }
     }
 }

@@ -105,16 +105,15 @@ enum CorpusCommand {
 fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if !matches!(cli.command, Command::Daemon { .. }) {
+        tmem_daemon::logging::init_cli();
+    }
     let up_matches =
         matches.subcommand_matches("swap").and_then(|m| m.subcommand_matches("up")).cloned().unwrap_or_default();
     let result: anyhow::Result<()> = match cli.command {
-        Command::Bench { what: BenchCommand::Store(args) } => {
-            tmem_bench::store::run_store(&args).map_err(anyhow::Error::msg)
-        }
-        Command::Bench { what: BenchCommand::Tier(args) } => tmem_bench::tier::run(&args).map_err(anyhow::Error::msg),
-        Command::Bench { what: BenchCommand::Pressure(args) } => {
-            tmem_bench::pressure::run(&args).map_err(anyhow::Error::msg)
-        }
+        Command::Bench { what: BenchCommand::Store(args) } => tmem_bench::store::run_store(&args),
+        Command::Bench { what: BenchCommand::Tier(args) } => tmem_bench::tier::run(&args),
+        Command::Bench { what: BenchCommand::Pressure(args) } => tmem_bench::pressure::run(&args),
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),

@@ -214,46 +214,36 @@ pub fn stat(a: &DaemonArgs, json: bool) -> anyhow::Result<()> {
 
 /// Prints a zramctl-like table.
 pub fn print_stat_table(devs: &[DeviceStats]) {
-    println!(
-        "{:<8} {:>9} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7} {:>7} {:>8} {:>9} {:>8} {:>8} {:<8}",
-        "NAME",
-        "DISKSIZE",
-        "DATA",
-        "COMPR",
-        "TOTAL",
-        "RATIO",
-        "PAGES",
-        "SAME",
-        "HUGE",
-        "TIERED",
-        "LIMIT",
-        "REJECTS",
-        "FAILED",
-        "CODEC"
-    );
+    let mut t = tmem_bench::table::plain([
+        "NAME", "DISKSIZE", "DATA", "COMPR", "TOTAL", "RATIO", "PAGES", "SAME", "HUGE", "TIERED", "LIMIT", "REJECTS",
+        "FAILED", "CODEC",
+    ]);
     for d in devs {
-        let t = &d.store.total;
-        let rejects =
-            t.pool_limit_hit + t.reject_compress_poor + t.reject_compress_fail + t.reject_alloc_fail + t.reject_frozen;
+        let t_ = &d.store.total;
+        let rejects = t_.pool_limit_hit
+            + t_.reject_compress_poor
+            + t_.reject_compress_fail
+            + t_.reject_alloc_fail
+            + t_.reject_frozen;
         let limit = if d.store.pool_limit_bytes == u64::MAX { "-".into() } else { human(d.store.pool_limit_bytes) };
-        println!(
-            "{:<8} {:>9} {:>9} {:>9} {:>9} {:>6.2} {:>8} {:>7} {:>7} {:>8} {:>9} {:>8} {:>8} {:<8}",
-            d.name,
+        t.add_row([
+            d.name.clone(),
             human(d.disksize),
-            human(t.orig_data_size),
-            human(t.compr_data_size),
+            human(t_.orig_data_size),
+            human(t_.compr_data_size),
             human(d.store.mem_used_total),
-            d.store.ratio,
-            t.stored_pages,
-            t.same_filled_pages,
-            t.stored_incompressible_pages,
-            t.tier_pages,
+            format!("{:.2}", d.store.ratio),
+            t_.stored_pages.to_string(),
+            t_.same_filled_pages.to_string(),
+            t_.stored_incompressible_pages.to_string(),
+            t_.tier_pages.to_string(),
             limit,
-            rejects,
-            d.failed_reads + d.failed_writes,
-            d.store.codec
-        );
+            rejects.to_string(),
+            (d.failed_reads + d.failed_writes).to_string(),
+            d.store.codec.clone(),
+        ]);
     }
+    println!("{t}");
 }
 
 /// `tmem set DEVICE KEY=VALUE...`.

@@ -13,6 +13,7 @@
 //! a device hot-added for the bench, so a user's zram devices are never
 //! touched.
 
+use anyhow::anyhow;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -137,14 +138,14 @@ pub enum Backend {
 
 impl Backend {
     /// Prepares `kind`.
-    pub fn prepare(kind: BackendKind, c: &BackendConfig) -> Result<Self, String> {
+    pub fn prepare(kind: BackendKind, c: &BackendConfig) -> anyhow::Result<Self> {
         match kind {
             BackendKind::Disk => Ok(Self::Disk(DiskSwap::create(&c.swap_file, c.swap_size)?)),
             BackendKind::Zram => Ok(Self::Zram(Zram::prepare(&c.zram_algorithm, c.swap_size)?)),
             BackendKind::Zswap => {
-                let mut settings = zswap::ZswapSettings::save().map_err(|e| e.to_string())?;
+                let mut settings = zswap::ZswapSettings::save()?;
                 let set = |s: &mut zswap::ZswapSettings, k: &str, v: &str| {
-                    s.set(k, v).map_err(|e| format!("zswap: setting {k}={v}: {e}"))
+                    s.set(k, v).map_err(|e| anyhow!("zswap: setting {k}={v}: {e}"))
                 };
                 set(&mut settings, "compressor", &c.zswap_compressor)?;
                 set(&mut settings, "max_pool_percent", &c.zswap_max_pool_percent.to_string())?;
@@ -152,7 +153,7 @@ impl Backend {
                 let debugfs = match zswap::DebugfsMount::ensure() {
                     Ok(d) => Some(d),
                     Err(e) => {
-                        eprintln!("note: no zswap debugfs counters: {e}");
+                        tracing::info!("no zswap debugfs counters: {e}");
                         None
                     }
                 };
@@ -177,7 +178,7 @@ impl Backend {
     }
 
     /// swapon on an empty area.
-    pub fn activate(&mut self) -> Result<(), String> {
+    pub fn activate(&mut self) -> anyhow::Result<()> {
         match self {
             Self::Disk(d) | Self::Zswap { disk: d, .. } => d.activate(),
             Self::Zram(z) => z.activate(),
@@ -187,7 +188,7 @@ impl Backend {
     }
 
     /// swapoff and empty the area.
-    pub fn deactivate(&mut self) -> Result<(), String> {
+    pub fn deactivate(&mut self) -> anyhow::Result<()> {
         match self {
             Self::Disk(d) | Self::Zswap { disk: d, .. } => d.deactivate(),
             Self::Zram(z) => z.deactivate(),
@@ -251,14 +252,14 @@ impl Backend {
     }
 
     /// Undoes the preparation; reports every failure.
-    pub fn finish(self) -> Result<(), String> {
+    pub fn finish(self) -> anyhow::Result<()> {
         match self {
             Self::Disk(d) => d.remove(),
             Self::Zram(mut z) => z.finish(),
             Self::Zswap { disk, mut settings, debugfs } => {
                 let mut errs = Vec::new();
                 if let Err(e) = disk.remove() {
-                    errs.push(e);
+                    errs.push(e.to_string());
                 }
                 if let Err(e) = settings.restore() {
                     errs.push(e.to_string());
@@ -271,7 +272,7 @@ impl Backend {
                 if errs.is_empty() {
                     Ok(())
                 } else {
-                    Err(errs.join("; "))
+                    Err(anyhow!(errs.join("; ")))
                 }
             }
             Self::Tmem(mut t) => t.finish(),
@@ -289,13 +290,13 @@ pub struct DiskSwap {
 
 impl DiskSwap {
     /// Creates the file (it must not exist), allocates it fully and writes a swap signature.
-    pub fn create(path: &Path, size: u64) -> Result<Self, String> {
+    pub fn create(path: &Path, size: u64) -> anyhow::Result<Self> {
         let f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .open(path)
-            .map_err(|e| format!("cannot create swap file {}: {e}", path.display()))?;
+            .map_err(|e| anyhow!("cannot create swap file {}: {e}", path.display()))?;
         drop(f);
         let d = Self { path: path.to_owned(), created: true, active: false };
         let p = path.to_string_lossy();
@@ -304,13 +305,13 @@ impl DiskSwap {
         Ok(d)
     }
 
-    fn activate(&mut self) -> Result<(), String> {
+    fn activate(&mut self) -> anyhow::Result<()> {
         self.active = true;
         cmd("swapon", &["--priority", &DISK_PRIORITY.to_string(), &self.path.to_string_lossy()]).map(drop)
     }
 
-    fn deactivate(&mut self) -> Result<(), String> {
-        if self.active && swap::is_swap(&self.path).map_err(|e| e.to_string())? {
+    fn deactivate(&mut self) -> anyhow::Result<()> {
+        if self.active && swap::is_swap(&self.path)? {
             cmd("swapoff", &[&self.path.to_string_lossy()])?;
         }
         self.active = false;
@@ -318,15 +319,15 @@ impl DiskSwap {
     }
 
     /// swapoff (if needed) and delete the file.
-    pub fn remove(mut self) -> Result<(), String> {
+    pub fn remove(mut self) -> anyhow::Result<()> {
         self.remove_now()
     }
 
-    fn remove_now(&mut self) -> Result<(), String> {
+    fn remove_now(&mut self) -> anyhow::Result<()> {
         self.active = self.active || swap::is_swap(&self.path).unwrap_or(false);
         self.deactivate()?;
         if std::mem::take(&mut self.created) {
-            std::fs::remove_file(&self.path).map_err(|e| format!("cannot remove {}: {e}", self.path.display()))?;
+            std::fs::remove_file(&self.path).map_err(|e| anyhow!("cannot remove {}: {e}", self.path.display()))?;
         }
         Ok(())
     }
@@ -335,7 +336,7 @@ impl DiskSwap {
 impl Drop for DiskSwap {
     fn drop(&mut self) {
         if let Err(e) = self.remove_now() {
-            eprintln!("warning: swap file {}: {e}; run swapoff and rm by hand", self.path.display());
+            tracing::warn!("swap file {}: {e}; run swapoff and rm by hand", self.path.display());
         }
     }
 }
@@ -352,53 +353,53 @@ pub struct Zram {
 }
 
 impl Zram {
-    fn prepare(algorithm: &str, disksize: u64) -> Result<Self, String> {
-        let dev = zram::ZramDevice::hot_add().map_err(|e| format!("cannot hot-add a zram device: {e}"))?;
-        let (algs, _) = dev.algorithms().map_err(|e| e.to_string())?;
+    fn prepare(algorithm: &str, disksize: u64) -> anyhow::Result<Self> {
+        let dev = zram::ZramDevice::hot_add().map_err(|e| anyhow!("cannot hot-add a zram device: {e}"))?;
+        let (algs, _) = dev.algorithms()?;
         if !algs.iter().any(|a| a == algorithm) {
-            return Err(format!("zram does not offer {algorithm} (it offers {})", algs.join(", ")));
+            return Err(anyhow!("zram does not offer {algorithm} (it offers {})", algs.join(", ")));
         }
         Ok(Self { dev: Some(dev), algorithm: algorithm.to_owned(), disksize, active: false })
     }
 
-    fn dev(&self) -> Result<&zram::ZramDevice, String> {
-        self.dev.as_ref().ok_or_else(|| "the zram device was removed already".to_owned())
+    fn dev(&self) -> anyhow::Result<&zram::ZramDevice> {
+        self.dev.as_ref().ok_or_else(|| anyhow!("the zram device was removed already"))
     }
 
     fn mm_stat(&self) -> Option<zram::ZramMmStat> {
         self.dev.as_ref()?.mm_stat().ok()
     }
 
-    fn activate(&mut self) -> Result<(), String> {
+    fn activate(&mut self) -> anyhow::Result<()> {
         self.active = true;
         let dev = self.dev()?;
-        dev.configure(&self.algorithm, self.disksize).map_err(|e| e.to_string())?;
+        dev.configure(&self.algorithm, self.disksize)?;
         let node = dev.node();
         let node = node.to_string_lossy();
         cmd("mkswap", &["--label", "tmem-bench-zram", &node])?;
         cmd("swapon", &["--discard", "--priority", &RAM_PRIORITY.to_string(), &node]).map(drop)
     }
 
-    fn deactivate(&mut self) -> Result<(), String> {
+    fn deactivate(&mut self) -> anyhow::Result<()> {
         if !self.active {
             return Ok(());
         }
         let dev = self.dev()?;
         let node = dev.node();
-        if swap::is_swap(&node).map_err(|e| e.to_string())? {
+        if swap::is_swap(&node)? {
             cmd("swapoff", &[&node.to_string_lossy()])?;
         }
         // Frees its memory now; udev may briefly hold the device open after swapoff (retried).
-        dev.reset().map_err(|e| e.to_string())?;
+        dev.reset()?;
         self.active = false;
         Ok(())
     }
 
     /// swapoff, and remove the device.
-    fn finish(&mut self) -> Result<(), String> {
+    fn finish(&mut self) -> anyhow::Result<()> {
         self.deactivate()?;
         match self.dev.take() {
-            Some(d) => d.remove().map_err(|e| e.to_string()),
+            Some(d) => Ok(d.remove()?),
             None => Ok(()),
         }
     }
@@ -408,8 +409,8 @@ impl Drop for Zram {
     fn drop(&mut self) {
         if let Err(e) = self.finish() {
             let (name, id) = self.dev.as_ref().map_or(("zram?".to_owned(), 0), |d| (d.name().to_owned(), d.id()));
-            eprintln!(
-                "warning: {name} not removed: {e}; do: swapoff /dev/{name}; echo {id} > /sys/class/zram-control/hot_remove"
+            tracing::warn!(
+                "{name} not removed: {e}; do: swapoff /dev/{name}; echo {id} > /sys/class/zram-control/hot_remove"
             );
         }
     }
@@ -417,8 +418,8 @@ impl Drop for Zram {
 
 /// This binary's path. When it was rebuilt while the bench runs, the kernel
 /// reports the old file as "PATH (deleted)": use PATH, the new build.
-fn current_exe() -> Result<PathBuf, String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+fn current_exe() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
     let s = exe.to_string_lossy();
     Ok(s.strip_suffix(" (deleted)").map_or_else(|| exe.clone(), PathBuf::from))
 }
@@ -456,12 +457,12 @@ pub struct Tmem {
 }
 
 impl Tmem {
-    fn prepare(c: &BackendConfig, tier: TmemTier) -> Result<Self, String> {
+    fn prepare(c: &BackendConfig, tier: TmemTier) -> anyhow::Result<Self> {
         if !Path::new("/dev/fuse").exists() {
-            return Err("/dev/fuse is missing (modprobe fuse)".into());
+            return Err(anyhow!("/dev/fuse is missing (modprobe fuse)"));
         }
         if c.tmem_runtime_dir.exists() {
-            return Err(format!("{} exists already; is another bench running?", c.tmem_runtime_dir.display()));
+            return Err(anyhow!("{} exists already; is another bench running?", c.tmem_runtime_dir.display()));
         }
         let mut t = Self {
             exe: current_exe()?,
@@ -483,7 +484,7 @@ impl Tmem {
                 use crate::redis::{RedisOptions, RedisServer};
                 for _ in 0..REMOTE_NODES {
                     let s = RedisServer::start(&RedisOptions::default())
-                        .map_err(|e| format!("tmem+remote: cannot start redis-server: {e}"))?;
+                        .map_err(|e| anyhow!("tmem+remote: cannot start redis-server: {e}"))?;
                     t.servers.push(s);
                 }
                 let urls: Vec<String> = t.servers.iter().map(RedisServer::url).collect();
@@ -497,7 +498,7 @@ impl Tmem {
             }
             TmemTier::Disk => {
                 std::fs::create_dir(&c.tier_dir)
-                    .map_err(|e| format!("tmem+disk: cannot create {}: {e}", c.tier_dir.display()))?;
+                    .map_err(|e| anyhow!("tmem+disk: cannot create {}: {e}", c.tier_dir.display()))?;
                 t.tier_dir = Some(c.tier_dir.clone());
                 t.tier_args = vec!["--tier".into(), format!("disk={}", c.tier_dir.display())];
                 t.pool_limit = c.tmem_tier_pool_limit.clone();
@@ -506,7 +507,7 @@ impl Tmem {
         Ok(t)
     }
 
-    fn tmem(&self, args: &[&str]) -> Result<String, String> {
+    fn tmem(&self, args: &[&str]) -> anyhow::Result<String> {
         let dir = self.dir.to_string_lossy();
         let mut all: Vec<&str> = args.to_vec();
         all.extend(["--runtime-dir", &dir]);
@@ -515,7 +516,7 @@ impl Tmem {
         cmd(&exe.to_string_lossy(), &all)
     }
 
-    fn activate(&mut self) -> Result<(), String> {
+    fn activate(&mut self) -> anyhow::Result<()> {
         self.active = true;
         let size = self.size.to_string();
         let prio = RAM_PRIORITY.to_string();
@@ -550,7 +551,7 @@ impl Tmem {
         s
     }
 
-    fn deactivate(&mut self) -> Result<(), String> {
+    fn deactivate(&mut self) -> anyhow::Result<()> {
         if !self.active {
             return Ok(());
         }
@@ -568,24 +569,24 @@ impl Tmem {
             let deadline = Instant::now() + Duration::from_secs(600);
             while alive() {
                 if Instant::now() > deadline {
-                    return Err(format!(
+                    return Err(anyhow!(
                         "tmem daemon pid {pid} did not exit ({down:?}); its log:\n{}",
                         self.log_tail()
                     ));
                 }
                 std::thread::sleep(Duration::from_millis(50));
             }
-        } else {
-            down.clone()?;
+        } else if let Err(e) = &down {
+            return Err(anyhow!("{e:#}"));
         }
         if self.loop_devs.iter().any(|d| swap::is_swap(d).unwrap_or(true)) {
-            return Err(format!("tmem swap is still on after tmem swap down ({down:?})"));
+            return Err(anyhow!("tmem swap is still on after tmem swap down ({down:?})"));
         }
         if self.mounted() {
-            return Err(format!("{} is still mounted after tmem swap down ({down:?})", self.dir.display()));
+            return Err(anyhow!("{} is still mounted after tmem swap down ({down:?})", self.dir.display()));
         }
         if let Err(e) = down {
-            eprintln!("note: tmem swap down failed ({e}), but SIGTERM stopped the daemon cleanly");
+            tracing::info!("tmem swap down failed ({e}), but SIGTERM stopped the daemon cleanly");
         }
         self.active = false;
         self.pid = None;
@@ -602,17 +603,17 @@ impl Tmem {
             .any(|l| l.split_whitespace().nth(1).is_some_and(|m| m == dir || m.starts_with(&format!("{dir}/"))))
     }
 
-    fn finish(&mut self) -> Result<(), String> {
+    fn finish(&mut self) -> anyhow::Result<()> {
         self.deactivate()?;
         if self.dir.exists() && !self.mounted() {
-            std::fs::remove_dir_all(&self.dir).map_err(|e| format!("cannot remove {}: {e}", self.dir.display()))?;
+            std::fs::remove_dir_all(&self.dir).map_err(|e| anyhow!("cannot remove {}: {e}", self.dir.display()))?;
         }
         // The daemon is gone, so nothing uses the tiers any more.
         for mut s in self.servers.drain(..) {
             s.kill();
         }
         if let Some(d) = self.tier_dir.take() {
-            std::fs::remove_dir_all(&d).map_err(|e| format!("cannot remove {}: {e}", d.display()))?;
+            std::fs::remove_dir_all(&d).map_err(|e| anyhow!("cannot remove {}: {e}", d.display()))?;
         }
         Ok(())
     }
@@ -626,8 +627,8 @@ impl Tmem {
 impl Drop for Tmem {
     fn drop(&mut self) {
         if let Err(e) = self.finish() {
-            eprintln!(
-                "warning: tmem daemon in {} not stopped: {e}; run tmem swap down --runtime-dir {0}",
+            tracing::warn!(
+                "tmem daemon in {} not stopped: {e}; run tmem swap down --runtime-dir {0}",
                 self.dir.display()
             );
         }
@@ -655,21 +656,21 @@ struct FuseRamSwap {
 }
 
 impl FuseRam {
-    fn prepare(c: &BackendConfig) -> Result<Self, String> {
+    fn prepare(c: &BackendConfig) -> anyhow::Result<Self> {
         if !Path::new("/dev/fuse").exists() {
-            return Err("/dev/fuse is missing (modprobe fuse)".into());
+            return Err(anyhow!("/dev/fuse is missing (modprobe fuse)"));
         }
         let mut dir = c.tmem_runtime_dir.clone().into_os_string();
         dir.push("-fuse-ram");
         let dir = PathBuf::from(dir);
         if dir.exists() {
-            return Err(format!("{} exists already; is another bench running?", dir.display()));
+            return Err(anyhow!("{} exists already; is another bench running?", dir.display()));
         }
         Ok(Self { dir, size: c.swap_size, active: None })
     }
 
-    fn activate(&mut self) -> Result<(), String> {
-        std::fs::create_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
+    fn activate(&mut self) -> anyhow::Result<()> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| anyhow!("{}: {e}", self.dir.display()))?;
         let dev = Arc::new(RamDevice::new(self.size));
         let a = self.active.insert(FuseRamSwap {
             dir: self.dir.clone(),
@@ -683,11 +684,10 @@ impl FuseRam {
             exports: vec![Export { name: "swap0".into(), device: dev }],
             threads: tmem_daemon::spec::DEFAULT_FUSE_THREADS,
             uring_per_queue: 0,
-        })
-        .map_err(|e| e.to_string())?;
+        })?;
         let file = mount.path_of("swap0");
         a.mount = Some(mount);
-        let err = |e: swap::SwapError| format!("fuse-ram: {e}");
+        let err = |e: swap::SwapError| anyhow!("fuse-ram: {e}");
         let l = a.loop_dev.insert(swap::loop_attach(&file).map_err(err)?).clone();
         swap::loop_disable_wbt(&l).map_err(err)?;
         swap::mkswap(&l, "tmem-fuse-ram").map_err(err)?;
@@ -696,7 +696,7 @@ impl FuseRam {
         Ok(())
     }
 
-    fn deactivate(&mut self) -> Result<(), String> {
+    fn deactivate(&mut self) -> anyhow::Result<()> {
         match self.active.take() {
             Some(mut a) => a.teardown(),
             None => Ok(()),
@@ -713,21 +713,21 @@ impl FuseRamSwap {
     /// swapoff (the kernel reads its pages back through FUSE), detach,
     /// unmount, remove the directory. Stops at the first failure; what is
     /// left is retried on drop.
-    fn teardown(&mut self) -> Result<(), String> {
+    fn teardown(&mut self) -> anyhow::Result<()> {
         if let Some(l) = &self.loop_dev {
             if self.swap_on {
-                swap::swapoff(l).map_err(|e| format!("fuse-ram: {e}"))?;
+                swap::swapoff(l).map_err(|e| anyhow!("fuse-ram: {e}"))?;
                 self.swap_on = false;
             }
-            swap::loop_detach(l).map_err(|e| format!("fuse-ram: {e}"))?;
+            swap::loop_detach(l).map_err(|e| anyhow!("fuse-ram: {e}"))?;
             self.loop_dev = None;
         }
         if let Some(m) = self.mount.take() {
-            m.unmount().map_err(|e| format!("fuse-ram: {e}"))?;
+            m.unmount().map_err(|e| anyhow!("fuse-ram: {e}"))?;
         }
         if self.dir.exists() {
             std::fs::remove_dir(&self.dir)
-                .map_err(|e| format!("fuse-ram: cannot remove {}: {e}", self.dir.display()))?;
+                .map_err(|e| anyhow!("fuse-ram: cannot remove {}: {e}", self.dir.display()))?;
         }
         Ok(())
     }
@@ -736,7 +736,7 @@ impl FuseRamSwap {
 impl Drop for FuseRamSwap {
     fn drop(&mut self) {
         if let Err(e) = self.teardown() {
-            eprintln!("warning: fuse-ram baseline not torn down: {e}");
+            tracing::warn!("fuse-ram baseline not torn down: {e}");
         }
     }
 }

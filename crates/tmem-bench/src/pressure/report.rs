@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use tmem_sys::vmstat::{ProcessCpu, SwapCounters};
 
 use super::workload::JobResult;
+use crate::median;
 
 /// How a run ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -143,17 +144,6 @@ impl RunRecord {
     pub fn daemon_cpu_secs(&self) -> Option<f64> {
         Some(self.cpu.daemon_cpu_user_secs? + self.cpu.daemon_cpu_system_secs?)
     }
-}
-
-/// Median (mean of the two middle values for an even count).
-#[must_use]
-pub fn median(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
 }
 
 /// One (backend, level) cell.
@@ -429,13 +419,6 @@ mod tests {
             foreign_swap: vec![],
             backend_counters: None,
         }
-    }
-
-    #[test]
-    fn medians() {
-        assert_eq!(median(vec![]), None);
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
-        assert_eq!(median(vec![4.0, 1.0]), Some(2.5));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! allocates is charged to the cgroup. Jobs run in their own process groups,
 //! so a Ctrl-C on the terminal reaches only the bench, which kills them.
 
+use anyhow::anyhow;
 use std::fs::File;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -30,13 +31,13 @@ pub struct Workload {
 
 impl Workload {
     /// Writes the script to a fresh private directory `dir`.
-    pub fn install(dir: &Path, python: &str, total_mib: u64, jobs: u32, passes: u32) -> Result<Self, String> {
+    pub fn install(dir: &Path, python: &str, total_mib: u64, jobs: u32, passes: u32) -> anyhow::Result<Self> {
         if jobs == 0 || total_mib / u64::from(jobs) < 16 {
-            return Err(format!("--workload-mib {total_mib} over --jobs {jobs}: need at least 16 MiB per job"));
+            return Err(anyhow!("--workload-mib {total_mib} over --jobs {jobs}: need at least 16 MiB per job"));
         }
         std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
             .create(dir)
-            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+            .map_err(|e| anyhow!("cannot create {}: {e}", dir.display()))?;
         let w = Self {
             dir: dir.to_owned(),
             script: dir.join("heap.py"),
@@ -45,7 +46,7 @@ impl Workload {
             jobs,
             passes,
         };
-        std::fs::write(&w.script, SCRIPT).map_err(|e| format!("cannot write {}: {e}", w.script.display()))?;
+        std::fs::write(&w.script, SCRIPT).map_err(|e| anyhow!("cannot write {}: {e}", w.script.display()))?;
         Ok(w)
     }
 
@@ -56,14 +57,14 @@ impl Workload {
     }
 
     /// Starts every job; each joins the cgroup whose `cgroup.procs` is `procs` first.
-    pub fn spawn(&self, procs: &Path) -> Result<Running, String> {
+    pub fn spawn(&self, procs: &Path) -> anyhow::Result<Running> {
         let mut running = Running { jobs: Vec::new() };
         for i in 0..self.jobs {
             let seed = Self::seed(i);
             let out_path = self.dir.join(format!("job{i}.out"));
             let err_path = self.dir.join(format!("job{i}.err"));
-            let out = File::create(&out_path).map_err(|e| format!("{}: {e}", out_path.display()))?;
-            let err = File::create(&err_path).map_err(|e| format!("{}: {e}", err_path.display()))?;
+            let out = File::create(&out_path).map_err(|e| anyhow!("{}: {e}", out_path.display()))?;
+            let err = File::create(&err_path).map_err(|e| anyhow!("{}: {e}", err_path.display()))?;
             let child = Command::new("sh")
                 .arg("-c")
                 .arg("echo $$ > \"$0\" || exit 97; exec \"$@\"")
@@ -79,7 +80,7 @@ impl Workload {
                 .stderr(err)
                 .process_group(0)
                 .spawn()
-                .map_err(|e| format!("cannot start the workload (sh, {}): {e}", self.python))?;
+                .map_err(|e| anyhow!("cannot start the workload (sh, {}): {e}", self.python))?;
             running.jobs.push(Job { seed, child, out_path, err_path, status: None });
         }
         Ok(running)
@@ -123,11 +124,11 @@ pub struct JobResult {
 
 impl Running {
     /// Reaps finished jobs; `Ok(true)` once every job has ended.
-    pub fn poll(&mut self) -> Result<bool, String> {
+    pub fn poll(&mut self) -> anyhow::Result<bool> {
         let mut done = true;
         for j in &mut self.jobs {
             if j.status.is_none() {
-                j.status = j.child.try_wait().map_err(|e| format!("waiting for the workload: {e}"))?;
+                j.status = j.child.try_wait().map_err(|e| anyhow!("waiting for the workload: {e}"))?;
             }
             done &= j.status.is_some();
         }

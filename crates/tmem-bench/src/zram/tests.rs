@@ -109,7 +109,7 @@ fn skip_reason() -> Option<(tmem_testkit::Feature, String)> {
     if !tmem_sys::is_root() {
         return Some((tmem_testkit::Feature::Root, "needs root".into()));
     }
-    tmem_sys::zram::probe().err().map(|e| (tmem_testkit::Feature::Zram, e))
+    tmem_sys::zram::probe().err().map(|e| (tmem_testkit::Feature::Zram, e.to_string()))
 }
 
 fn skip() -> bool {
