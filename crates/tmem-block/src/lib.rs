@@ -19,6 +19,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use tmem_counters::counters;
 
 use tmem_core::{
     GetOutcome, Key, Pool, PoolConfig, PutOutcome, Reject, Stats, Store, StoreConfig, StoreError, TierChain,
@@ -208,36 +209,39 @@ struct IoCounters {
     panics: AtomicU64,
 }
 
-/// Snapshot of a device's counters.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct DeviceStats {
-    /// Device name.
-    pub name: String,
-    /// Size in bytes (zram `disksize`).
-    pub disksize: u64,
-    /// Read requests.
-    pub read_ios: u64,
-    /// Write requests.
-    pub write_ios: u64,
-    /// Bytes read.
-    pub read_bytes: u64,
-    /// Bytes written.
-    pub write_bytes: u64,
-    /// Trim and write-zeroes requests.
-    pub discard_ios: u64,
-    /// Pages written by read-modify-write.
-    pub rmw_pages: u64,
-    /// Failed reads.
-    pub failed_reads: u64,
-    /// Failed writes.
-    pub failed_writes: u64,
-    /// Requests outside the device.
-    pub invalid_io: u64,
-    /// Requests that panicked and failed alone with EIO.
-    #[serde(default)]
-    pub panics: u64,
-    /// The device's store.
-    pub store: Stats,
+counters! {
+    /// Snapshot of a device's counters.
+    #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+    pub struct DeviceStats {
+        extra {
+            /// Device name.
+            pub name: String,
+            /// The device's store.
+            pub store: Stats,
+        }
+        /// Size in bytes (zram `disksize`).
+        disksize: Gauge(Bytes),
+        /// Read requests.
+        read_ios: Counter(Events),
+        /// Write requests.
+        write_ios: Counter(Events),
+        /// Bytes read.
+        read_bytes: Counter(Bytes),
+        /// Bytes written.
+        write_bytes: Counter(Bytes),
+        /// Trim and write-zeroes requests.
+        discard_ios: Counter(Events),
+        /// Pages written by read-modify-write.
+        rmw_pages: Counter(Pages),
+        /// Failed reads.
+        failed_reads: Counter(Events),
+        /// Failed writes.
+        failed_writes: Counter(Events),
+        /// Requests outside the device.
+        invalid_io: Counter(Events),
+        /// Requests that panicked and failed alone with EIO.
+        panics: Counter(Events),
+    }
 }
 
 /// A block device on a persistent pool of its own store.

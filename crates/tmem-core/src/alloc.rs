@@ -54,6 +54,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use tmem_counters::counters;
 
 use crate::mem::{MemError, PageArena, SpanPtr, MAX_SPAN_PAGES};
 use crate::PAGE_SIZE;
@@ -243,23 +244,25 @@ impl Class {
     }
 }
 
-/// Counters of the allocator.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct AllocStats {
-    /// Bytes in spans (what the allocator holds from the kernel).
-    pub span_bytes: u64,
-    /// Bytes in allocated slots (object sizes rounded up to their class).
-    pub slot_bytes: u64,
-    /// Live objects.
-    pub objects: u64,
-    /// Bookkeeping bytes (span tables, lists).
-    pub meta_bytes: u64,
-    /// Pages released by compaction, as zram's `pages_compacted`.
-    pub pages_compacted: u64,
-    /// Objects moved by compaction.
-    pub objects_migrated: u64,
-    /// Completed compaction runs.
-    pub compactions: u64,
+counters! {
+    /// Counters of the allocator.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+    pub struct AllocStats {
+        /// Bytes in spans (what the allocator holds from the kernel).
+        span_bytes: Gauge(Bytes),
+        /// Bytes in allocated slots (object sizes rounded up to their class).
+        slot_bytes: Gauge(Bytes),
+        /// Live objects.
+        objects: Gauge(Objects),
+        /// Bookkeeping bytes (span tables, lists).
+        meta_bytes: Gauge(Bytes),
+        /// Pages released by compaction, as zram's `pages_compacted`.
+        pages_compacted: Counter(Pages),
+        /// Objects moved by compaction.
+        objects_migrated: Counter(Objects),
+        /// Completed compaction runs.
+        compactions: Counter(Events),
+    }
 }
 
 /// Spans chosen for evacuation by [`ZsAlloc::plan_compaction`].

@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::alloc::AllocStats;
 use crate::policy::PolicyConfig;
+use tmem_counters::{counters, Counters as _};
+
 use crate::{PoolKind, PAGE_SIZE};
 
 /// Counters kept per shard, under its lock.
@@ -72,65 +74,69 @@ impl PoolEvents {
     }
 }
 
-/// Snapshot of one pool's counters, or of the sum over pools.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct PoolStats {
-    /// Pool id (absent for totals).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pool_id: Option<u32>,
-    /// Persistent or ephemeral (absent for totals).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kind: Option<PoolKind>,
-    /// Pages held, same-filled and incompressible included.
-    pub stored_pages: u64,
-    /// Pages held as one repeated word (no pool memory).
-    pub same_filled_pages: u64,
-    /// Pages held uncompressed because they compress poorly.
-    pub stored_incompressible_pages: u64,
-    /// Uncompressed bytes of the pages held in the pool (zram `orig_data_size`; lower tiers excluded).
-    pub orig_data_size: u64,
-    /// Bytes of stored objects before class rounding (zram `compr_data_size`).
-    pub compr_data_size: u64,
-    /// Put attempts.
-    pub puts: u64,
-    /// Puts that stored the page.
-    pub succ_puts: u64,
-    /// Gets that returned a page.
-    pub succ_gets: u64,
-    /// Gets that missed.
-    pub failed_gets: u64,
-    /// Pages removed by flushes.
-    pub flushes: u64,
-    /// Ephemeral pages dropped under pressure.
-    pub evicted_pages: u64,
-    /// Puts refused at the pool limit.
-    pub pool_limit_hit: u64,
-    /// Puts refused as poorly compressible.
-    pub reject_compress_poor: u64,
-    /// Puts refused because the compressor failed.
-    pub reject_compress_fail: u64,
-    /// Puts refused for lack of memory.
-    pub reject_alloc_fail: u64,
-    /// Puts refused while frozen.
-    pub reject_frozen: u64,
-    /// Pages compressed.
-    pub compressions: u64,
-    /// Pages decompressed.
-    pub decompressions: u64,
-    /// Gets that found corrupt data.
-    pub decompress_fail: u64,
-    /// Pages held in lower tiers.
-    pub tier_pages: u64,
-    /// Pages written back to lower tiers.
-    pub written_back_pages: u64,
-    /// Gets served from lower tiers.
-    pub tier_gets: u64,
-    /// Gets a lower tier could not serve, or whose value failed authentication.
-    pub tier_get_fail: u64,
-    /// Pages a lower tier refused or failed to take.
-    pub tier_put_fail: u64,
-    /// Incompressible pages sent straight to a lower tier.
-    pub incompressible_to_tier: u64,
+counters! {
+    /// Snapshot of one pool's counters, or of the sum over pools.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+    pub struct PoolStats {
+        extra {
+            /// Pool id (absent for totals).
+            #[serde(skip_serializing_if = "Option::is_none")]
+            pub pool_id: Option<u32>,
+            /// Persistent or ephemeral (absent for totals).
+            #[serde(skip_serializing_if = "Option::is_none")]
+            pub kind: Option<PoolKind>,
+        }
+        /// Pages held, same-filled and incompressible included.
+        stored_pages: Gauge(Pages),
+        /// Pages held as one repeated word (no pool memory).
+        same_filled_pages: Gauge(Pages),
+        /// Pages held uncompressed because they compress poorly.
+        stored_incompressible_pages: Gauge(Pages),
+        /// Uncompressed bytes of the pages held in the pool (zram `orig_data_size`; lower tiers excluded).
+        orig_data_size: Gauge(Bytes),
+        /// Bytes of stored objects before class rounding (zram `compr_data_size`).
+        compr_data_size: Gauge(Bytes),
+        /// Put attempts.
+        puts: Counter(Events),
+        /// Puts that stored the page.
+        succ_puts: Counter(Events),
+        /// Gets that returned a page.
+        succ_gets: Counter(Events),
+        /// Gets that missed.
+        failed_gets: Counter(Events),
+        /// Pages removed by flushes.
+        flushes: Counter(Pages),
+        /// Ephemeral pages dropped under pressure.
+        evicted_pages: Counter(Pages),
+        /// Puts refused at the pool limit.
+        pool_limit_hit: Counter(Events),
+        /// Puts refused as poorly compressible.
+        reject_compress_poor: Counter(Events),
+        /// Puts refused because the compressor failed.
+        reject_compress_fail: Counter(Events),
+        /// Puts refused for lack of memory.
+        reject_alloc_fail: Counter(Events),
+        /// Puts refused while frozen.
+        reject_frozen: Counter(Events),
+        /// Pages compressed.
+        compressions: Counter(Pages),
+        /// Pages decompressed.
+        decompressions: Counter(Pages),
+        /// Gets that found corrupt data.
+        decompress_fail: Counter(Events),
+        /// Pages held in lower tiers.
+        tier_pages: Gauge(Pages),
+        /// Pages written back to lower tiers.
+        written_back_pages: Counter(Pages),
+        /// Gets served from lower tiers.
+        tier_gets: Counter(Events),
+        /// Gets a lower tier could not serve, or whose value failed authentication.
+        tier_get_fail: Counter(Events),
+        /// Pages a lower tier refused or failed to take.
+        tier_put_fail: Counter(Pages),
+        /// Incompressible pages sent straight to a lower tier.
+        incompressible_to_tier: Counter(Pages),
+    }
 }
 
 impl PoolStats {
@@ -176,62 +182,42 @@ impl PoolStats {
     pub fn add(&mut self, o: &PoolStats) {
         self.pool_id = None;
         self.kind = None;
-        self.stored_pages += o.stored_pages;
-        self.same_filled_pages += o.same_filled_pages;
-        self.stored_incompressible_pages += o.stored_incompressible_pages;
-        self.orig_data_size += o.orig_data_size;
-        self.compr_data_size += o.compr_data_size;
-        self.puts += o.puts;
-        self.succ_puts += o.succ_puts;
-        self.succ_gets += o.succ_gets;
-        self.failed_gets += o.failed_gets;
-        self.flushes += o.flushes;
-        self.evicted_pages += o.evicted_pages;
-        self.pool_limit_hit += o.pool_limit_hit;
-        self.reject_compress_poor += o.reject_compress_poor;
-        self.reject_compress_fail += o.reject_compress_fail;
-        self.reject_alloc_fail += o.reject_alloc_fail;
-        self.reject_frozen += o.reject_frozen;
-        self.compressions += o.compressions;
-        self.decompressions += o.decompressions;
-        self.decompress_fail += o.decompress_fail;
-        self.tier_pages += o.tier_pages;
-        self.written_back_pages += o.written_back_pages;
-        self.tier_gets += o.tier_gets;
-        self.tier_get_fail += o.tier_get_fail;
-        self.tier_put_fail += o.tier_put_fail;
-        self.incompressible_to_tier += o.incompressible_to_tier;
+        self.add_counters(o);
     }
 }
 
-/// Snapshot of a whole store.
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Stats {
-    /// All memory the store holds: spans plus every piece of metadata (zram `mem_used_total`).
-    pub mem_used_total: u64,
-    /// Same figure under zswap's name.
-    pub pool_total_size: u64,
-    /// Index, allocator and codec metadata included in `mem_used_total`.
-    pub metadata_bytes: u64,
-    /// Limit now in force (`u64::MAX` when unlimited).
-    pub pool_limit_bytes: u64,
-    /// `orig_data_size / mem_used_total`.
-    pub ratio: f64,
-    /// Codec used for new puts.
-    pub codec: String,
-    /// Automatic dictionary training: `waiting`, `training`, `trained: …` or
-    /// `failed: …`; absent when not configured.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dictionary: Option<String>,
-    /// Sum over pools.
-    pub total: PoolStats,
-    /// Allocator counters (compaction included).
-    pub alloc: AllocStats,
-    /// Policy knobs in force.
-    pub policy: PolicyConfig,
-    /// Counters of the lower tiers of all pools.
-    #[serde(default)]
-    pub tiers: Vec<tmem_tier::TierStats>,
-    /// Per-pool counters.
-    pub pools: Vec<PoolStats>,
+counters! {
+    /// Snapshot of a whole store.
+    #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    pub struct Stats {
+        extra {
+            /// `orig_data_size / mem_used_total`.
+            pub ratio: f64,
+            /// Codec used for new puts.
+            pub codec: String,
+            /// Automatic dictionary training: `waiting`, `training`, `trained: …` or
+            /// `failed: …`; absent when not configured.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub dictionary: Option<String>,
+            /// Sum over pools.
+            pub total: PoolStats,
+            /// Allocator counters (compaction included).
+            pub alloc: AllocStats,
+            /// Policy knobs in force.
+            pub policy: PolicyConfig,
+            /// Counters of the lower tiers of all pools.
+            #[serde(default)]
+            pub tiers: Vec<tmem_tier::TierStats>,
+            /// Per-pool counters.
+            pub pools: Vec<PoolStats>,
+        }
+        /// All memory the store holds: spans plus every piece of metadata (zram `mem_used_total`).
+        mem_used_total: Gauge(Bytes),
+        /// Same figure under zswap's name.
+        pool_total_size: Gauge(Bytes),
+        /// Index, allocator and codec metadata included in `mem_used_total`.
+        metadata_bytes: Gauge(Bytes),
+        /// Limit now in force (`u64::MAX` when unlimited).
+        pool_limit_bytes: Max(Bytes),
+    }
 }

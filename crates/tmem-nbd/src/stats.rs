@@ -1,6 +1,7 @@
 //! Per-export and per-server counters.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use tmem_counters::counters;
 
 use crate::Export;
 
@@ -53,43 +54,47 @@ impl ExportCounters {
     }
 }
 
-/// Snapshot of one export's counters.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ExportStats {
-    /// Export name.
-    pub name: String,
-    /// Device size in bytes.
-    pub size: u64,
-    /// Sessions that entered transmission on this export.
-    pub connections: u64,
-    /// Sessions in transmission now.
-    pub active_connections: u64,
-    /// `NBD_CMD_READ` requests.
-    pub reads: u64,
-    /// `NBD_CMD_WRITE` requests.
-    pub writes: u64,
-    /// `NBD_CMD_FLUSH` requests.
-    pub flushes: u64,
-    /// `NBD_CMD_TRIM` requests.
-    pub trims: u64,
-    /// `NBD_CMD_WRITE_ZEROES` requests.
-    pub write_zeroes: u64,
-    /// `NBD_CMD_BLOCK_STATUS` requests.
-    pub block_status: u64,
-    /// `NBD_CMD_DISC` requests.
-    pub disconnects: u64,
-    /// Unknown or unsupported commands (`NBD_CMD_CACHE`, ...).
-    pub unsupported: u64,
-    /// Bytes returned by successful reads.
-    pub bytes_read: u64,
-    /// Bytes stored by successful writes.
-    pub bytes_written: u64,
-    /// Bytes covered by successful trims.
-    pub bytes_trimmed: u64,
-    /// Bytes covered by successful write-zeroes.
-    pub bytes_zeroed: u64,
-    /// Requests answered with an error.
-    pub errors: u64,
+counters! {
+    /// Snapshot of one export's counters.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+    pub struct ExportStats {
+        extra {
+            /// Export name.
+            pub name: String,
+        }
+        /// Device size in bytes.
+        size: Gauge(Bytes),
+        /// Sessions that entered transmission on this export.
+        connections: Counter(Events),
+        /// Sessions in transmission now.
+        active_connections: Gauge(Events),
+        /// `NBD_CMD_READ` requests.
+        reads: Counter(Events),
+        /// `NBD_CMD_WRITE` requests.
+        writes: Counter(Events),
+        /// `NBD_CMD_FLUSH` requests.
+        flushes: Counter(Events),
+        /// `NBD_CMD_TRIM` requests.
+        trims: Counter(Events),
+        /// `NBD_CMD_WRITE_ZEROES` requests.
+        write_zeroes: Counter(Events),
+        /// `NBD_CMD_BLOCK_STATUS` requests.
+        block_status: Counter(Events),
+        /// `NBD_CMD_DISC` requests.
+        disconnects: Counter(Events),
+        /// Unknown or unsupported commands (`NBD_CMD_CACHE`, ...).
+        unsupported: Counter(Events),
+        /// Bytes returned by successful reads.
+        bytes_read: Counter(Bytes),
+        /// Bytes stored by successful writes.
+        bytes_written: Counter(Bytes),
+        /// Bytes covered by successful trims.
+        bytes_trimmed: Counter(Bytes),
+        /// Bytes covered by successful write-zeroes.
+        bytes_zeroed: Counter(Bytes),
+        /// Requests answered with an error.
+        errors: Counter(Events),
+    }
 }
 
 /// Snapshot of a server's counters.

@@ -17,6 +17,7 @@ pub use mem::MemTier;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+use tmem_counters::counters;
 
 /// Largest value a tier must accept: a raw page plus sealing overhead.
 pub const MAX_VALUE: usize = 4096 + 64;
@@ -121,43 +122,47 @@ pub enum Health {
     Down(String),
 }
 
-/// Counters every tier keeps.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct TierStats {
-    /// Tier name.
-    pub name: String,
-    /// Values held.
-    pub stored_pages: u64,
-    /// Bytes of values held.
-    pub stored_bytes: u64,
-    /// Puts that stored.
-    pub writes: u64,
-    /// Puts answered `Full`.
-    pub full: u64,
-    /// Gets (hits and misses).
-    pub reads: u64,
-    /// Gets that missed.
-    pub misses: u64,
-    /// Removes.
-    pub removes: u64,
-    /// Operations that failed with an error.
-    pub failures: u64,
-    /// Value bytes written.
-    pub bytes_written: u64,
-    /// Value bytes read.
-    pub bytes_read: u64,
-    /// Bytes sent to the backing store, protocol overhead included (0 when not known).
-    pub wire_bytes_out: u64,
-    /// Bytes received from the backing store, protocol overhead included.
-    pub wire_bytes_in: u64,
-    /// Get latency, microseconds.
-    pub get_p50_us: u64,
-    /// Get latency, microseconds.
-    pub get_p99_us: u64,
-    /// Put latency, microseconds.
-    pub put_p50_us: u64,
-    /// Put latency, microseconds.
-    pub put_p99_us: u64,
+counters! {
+    /// Counters every tier keeps.
+    #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+    pub struct TierStats {
+        extra {
+            /// Tier name.
+            pub name: String,
+        }
+        /// Values held.
+        stored_pages: Gauge(Pages),
+        /// Bytes of values held.
+        stored_bytes: Gauge(Bytes),
+        /// Puts that stored.
+        writes: Counter(Events),
+        /// Puts answered `Full`.
+        full: Counter(Events),
+        /// Gets (hits and misses).
+        reads: Counter(Events),
+        /// Gets that missed.
+        misses: Counter(Events),
+        /// Removes.
+        removes: Counter(Events),
+        /// Operations that failed with an error.
+        failures: Counter(Events),
+        /// Value bytes written.
+        bytes_written: Counter(Bytes),
+        /// Value bytes read.
+        bytes_read: Counter(Bytes),
+        /// Bytes sent to the backing store, protocol overhead included (0 when not known).
+        wire_bytes_out: Counter(Bytes),
+        /// Bytes received from the backing store, protocol overhead included.
+        wire_bytes_in: Counter(Bytes),
+        /// Get latency, microseconds.
+        get_p50_us: Max(Micros),
+        /// Get latency, microseconds.
+        get_p99_us: Max(Micros),
+        /// Put latency, microseconds.
+        put_p50_us: Max(Micros),
+        /// Put latency, microseconds.
+        put_p99_us: Max(Micros),
+    }
 }
 
 /// The boundary of a tier. Values are opaque (sealed pages); keys are tmem

@@ -36,8 +36,11 @@ enum Command {
         #[command(flatten)]
         daemon: swapcmd::DaemonArgs,
         /// Every counter, as JSON.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "counters")]
         json: bool,
+        /// Every counter of every device, one per line, with its unit and meaning.
+        #[arg(long)]
+        counters: bool,
     },
     /// Changes knobs of a device at run time: pool-limit=2G|25%, frozen=1, codec=zstd:3 (or lz4+dict: train a dictionary on the stored pages now),
     /// incompressible=reject|store_raw, max_compressed_size=N, accept_threshold_percent=N, compact=now.
@@ -118,7 +121,7 @@ fn main() -> ExitCode {
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),
         Command::Swap { what: SwapCommand::Down(a) } => swapcmd::down(&a),
-        Command::Stat { daemon, json } => swapcmd::stat(&daemon, json),
+        Command::Stat { daemon, json, counters } => swapcmd::stat(&daemon, json, counters),
         Command::Set { daemon, device, assignments } => swapcmd::set(&daemon, &device, &assignments),
         Command::Serve { what: ServeCommand::Nbd(a) } => swapcmd::serve_nbd(&a),
         Command::Daemon { spec } => swapcmd::run_daemon(&spec),

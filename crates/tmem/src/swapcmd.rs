@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use tmem_block::DeviceStats;
+use tmem_counters::Counters;
 use tmem_ctl::{self as ctl, Request};
 use tmem_daemon::config::Config;
 use tmem_daemon::spec::device_specs;
@@ -188,7 +189,7 @@ fn print_recovery(r: &recover::Recovery) {
 }
 
 /// `tmem stat`: a zramctl-like table, or every counter as JSON.
-pub fn stat(a: &DaemonArgs, json: bool) -> anyhow::Result<()> {
+pub fn stat(a: &DaemonArgs, json: bool, counters: bool) -> anyhow::Result<()> {
     let data = match ctl::call_ok(&a.runtime_dir, &Request::Stat, Duration::from_secs(10)) {
         Ok(d) => d,
         Err(e @ ctl::CtlError::NoDaemon { .. }) => match recover::inspect(&a.runtime_dir)? {
@@ -208,8 +209,37 @@ pub fn stat(a: &DaemonArgs, json: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     let devs: Vec<DeviceStats> = serde_json::from_value(data)?;
-    print_stat_table(&devs);
+    if counters {
+        print_counters(&devs);
+    } else {
+        print_stat_table(&devs);
+    }
     Ok(())
+}
+
+/// Prints every counter of every device, from the counters' definitions.
+fn print_counters(devs: &[DeviceStats]) {
+    fn rows<C: Counters>(t: &mut comfy_table::Table, device: &str, group: &str, c: &C) {
+        for (d, v) in c.values() {
+            t.add_row([device, group, d.name, &v.to_string(), d.unit.name(), d.help()]);
+        }
+    }
+    let mut t = tmem_bench::table::plain(["DEVICE", "OF", "COUNTER", "VALUE", "UNIT", "MEANING"]);
+    for d in devs {
+        rows(&mut t, &d.name, "device", d);
+        rows(&mut t, &d.name, "store", &d.store);
+        rows(&mut t, &d.name, "pools", &d.store.total);
+        rows(&mut t, &d.name, "allocator", &d.store.alloc);
+        for tier in &d.store.tiers {
+            rows(&mut t, &d.name, &format!("tier {}", tier.name), tier);
+        }
+    }
+    for i in [1, 2, 4, 5] {
+        if let Some(c) = t.column_mut(i) {
+            c.set_cell_alignment(comfy_table::CellAlignment::Left);
+        }
+    }
+    println!("{t}");
 }
 
 /// Prints a zramctl-like table.

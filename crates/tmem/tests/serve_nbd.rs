@@ -69,6 +69,25 @@ fn serve_nbd_exports_devices_to_real_clients() {
     assert_eq!(v[0]["name"], "disk0");
     assert_eq!(v[0]["write_ios"], 0);
     assert!(v[1]["store"]["total"]["stored_pages"].as_u64().unwrap() >= 50, "{}", v[1]);
+    // The counters table and the JSON come from one definition: every
+    // counter is a line of the table, with the value the JSON has.
+    let table = Command::new(TMEM).args(["stat", "--counters", "--runtime-dir", &rd]).output().unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    let line = |group: &str, name: &str| {
+        table.lines().find(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.first() == Some(&"disk1") && l.contains(&format!(" {group} ")) && f.contains(&name)
+        })
+    };
+    let total = v[1]["store"]["total"].as_object().unwrap();
+    let counted = total.keys().filter(|k| !matches!(k.as_str(), "pool_id" | "kind")).count();
+    assert_eq!(counted, <tmem_core::PoolStats as tmem_counters::Counters>::DEFS.len(), "{total:?}");
+    for (name, value) in total {
+        let l = line("pools", name).unwrap_or_else(|| panic!("no line for {name}:\n{table}"));
+        let want = value.to_string();
+        assert!(l.split_whitespace().any(|w| w == want), "{name}={value}: {l}");
+    }
+    assert!(line("device", "write_ios").is_some() && line("allocator", "span_bytes").is_some(), "{table}");
     // SIGTERM: orderly stop, socket removed.
     // SAFETY: signalling our own child by pid.
     unsafe { libc::kill(libc::pid_t::try_from(server.0.id()).unwrap(), libc::SIGTERM) };
