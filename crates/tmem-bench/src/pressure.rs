@@ -26,6 +26,7 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use crate::zram;
@@ -109,24 +110,14 @@ pub struct PressureArgs {
 }
 
 /// Set by SIGINT/SIGTERM/SIGHUP.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+static INTERRUPTED: LazyLock<Arc<AtomicBool>> = LazyLock::new(Arc::default);
 
-extern "C" fn on_signal(_sig: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-}
-
-fn install_signal_handlers() {
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe;
-        // sigaction is given a zeroed, then filled, struct that lives across the call.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-            sa.sa_flags = libc::SA_RESTART;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(sig, &sa, std::ptr::null_mut());
-        }
+fn install_signal_handlers() -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    for sig in [SIGINT, SIGTERM, SIGHUP] {
+        signal_hook::flag::register(sig, Arc::clone(&INTERRUPTED))?;
     }
+    Ok(())
 }
 
 fn interrupted() -> bool {
@@ -561,7 +552,7 @@ struct JsonOut<'a> {
 /// `tmem bench pressure`.
 pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
     preflight(a)?;
-    install_signal_handlers();
+    install_signal_handlers()?;
     // zswap, if on, would sit in front of every backend: off for the bench (restored on drop).
     let _zswap_off = zswap_off()?;
     let pid = std::process::id();

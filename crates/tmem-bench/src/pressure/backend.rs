@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
+use rustix::process::{Pid, Signal};
+
 use crate::zram;
 use tmem_block::RamDevice;
 use tmem_fuse::{Export, FuseConfig, FuseMount};
@@ -556,15 +558,11 @@ impl Tmem {
             return Ok(());
         }
         let down = self.tmem(&["swap", "down"]).map(drop);
-        if let Some(pid) = self.pid {
-            let alive = || {
-                // SAFETY: signal 0 only checks that the pid exists.
-                unsafe { libc::kill(pid, 0) == 0 }
-            };
+        if let Some(pid) = self.pid.and_then(Pid::from_raw) {
+            let alive = || rustix::process::test_kill_process(pid).is_ok();
             if down.is_err() && alive() {
                 // SIGTERM makes the daemon tear down (swapoff first) and exit.
-                // SAFETY: kill takes plain integers.
-                unsafe { libc::kill(pid, libc::SIGTERM) };
+                let _ = rustix::process::kill_process(pid, Signal::TERM);
             }
             let deadline = Instant::now() + Duration::from_secs(600);
             while alive() {

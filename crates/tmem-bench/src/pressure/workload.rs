@@ -139,9 +139,9 @@ impl Running {
     pub fn kill(&mut self) {
         for j in &mut self.jobs {
             if j.status.is_none() {
-                if let Ok(pid) = i32::try_from(j.child.id()) {
-                    // SAFETY: kill takes plain integers; the group is the job's own (process_group(0)).
-                    unsafe { libc::kill(-pid, libc::SIGKILL) };
+                // The group is the job's own (process_group(0)), led by our unreaped child.
+                if let Some(pid) = i32::try_from(j.child.id()).ok().and_then(rustix::process::Pid::from_raw) {
+                    let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
                 }
                 j.status = j.child.wait().ok();
             }
