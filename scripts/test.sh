@@ -9,8 +9,8 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 # Debian packages: real programs for corpus capture (python3, java, gcc, redis),
-# and the kernel tools the tests drive.
-PKGS=(python3 default-jdk-headless gcc redis-server util-linux qemu-utils libnbd-bin fuse3 openssl systemd)
+# the kernel tools the tests drive, systemd-analyze and promtool.
+PKGS=(python3 default-jdk-headless gcc redis-server util-linux qemu-utils libnbd-bin fuse3 systemd prometheus)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -13,6 +13,7 @@
 //! discard = "once"         # or "pages"
 //! runtime-dir = "/run/tmem"
 //! wait = 60
+//! metrics = "127.0.0.1:9848"  # Prometheus /metrics (off when absent)
 //!
 //! [tiers]
 //! tier = ["remote=redis://10.0.0.2:6379,redis://10.0.0.3:6379", "disk=/var/lib/tmem"]
@@ -86,6 +87,7 @@ struct RawSwap {
     discard: Option<Spanned<String>>,
     runtime_dir: Option<Spanned<PathBuf>>,
     wait: Option<Spanned<u64>>,
+    metrics: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -124,6 +126,8 @@ pub struct Config {
     pub runtime_dir: Option<PathBuf>,
     /// `swap.wait`, seconds.
     pub wait: Option<u64>,
+    /// `swap.metrics`: where to serve Prometheus metrics.
+    pub metrics: Option<std::net::SocketAddr>,
     /// `tiers.tier`.
     pub tiers: Option<Vec<TierSpec>>,
     /// `tiers.replicas`.
@@ -221,6 +225,9 @@ impl Config {
             } else {
                 Ok(n)
             }),
+            metrics: checked!(s.metrics, "swap.metrics", |v: String| v
+                .parse::<std::net::SocketAddr>()
+                .map_err(|e| format!("{v:?} is not an IP address and port: {e}"))),
             tiers: checked!(t.tier, "tiers.tier", |v: Vec<String>| v.iter().map(|s| parse_tier(s)).collect()),
             replicas: checked!(t.replicas, "tiers.replicas", |n: u64| match n {
                 1..=8 => count(n),
@@ -265,6 +272,7 @@ fuse-uring = 1
 discard = "pages"
 runtime-dir = "/run/tmem2"
 wait = 90
+metrics = "127.0.0.1:9848"
 
 [tiers]
 tier = ["disk=/var/lib/tmem"]
@@ -283,6 +291,7 @@ disk-capacity = "16G"
         assert_eq!(c.discard, Some(tmem_sys::swap::SwapDiscard::Pages));
         assert_eq!(c.tiers, Some(vec![TierSpec::Disk("/var/lib/tmem".into())]));
         assert_eq!(c.disk_capacity, Some(16 << 30));
+        assert_eq!(c.metrics, Some("127.0.0.1:9848".parse().unwrap()));
         assert_eq!(parse("").unwrap(), Config { path: c.path.clone(), ..Config::default() });
     }
 
@@ -300,7 +309,11 @@ disk-capacity = "16G"
             ("[swap]\nsize = 8\n", "/etc/tmem/tmem.toml:2:8: invalid type: integer `8`, expected a string"),
             ("[tiers]\ntier = [\"ssd=/x\"]\n", "/etc/tmem/tmem.toml:2:8: tiers.tier:"),
             ("[swap\n", "/etc/tmem/tmem.toml:1:"),
-            ("[metrics]\nlisten = \"x\"\n", "unknown field `metrics`"),
+            ("[prometheus]\nlisten = \"x\"\n", "unknown field `prometheus`"),
+            (
+                "[swap]\nmetrics = \"localhost\"\n",
+                "/etc/tmem/tmem.toml:2:11: swap.metrics: \"localhost\" is not an IP address and port",
+            ),
         ] {
             let e = parse(text).unwrap_err();
             assert!(e.contains(want), "{text:?}: {e}");

@@ -53,6 +53,7 @@ struct State {
     status: Status,
     fuse: Option<FuseMount>,
     nbd: Option<tmem_nbd::ServerHandle>,
+    metrics: Option<crate::metrics::MetricsServer>,
 }
 
 /// A running daemon, shared by the main, signal and control threads.
@@ -160,6 +161,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
             status: Status { state: "starting".into(), pid: std::process::id(), steps, ..Status::default() },
             fuse: None,
             nbd: None,
+            metrics: None,
         }),
         teardown_gate: Mutex::new(()),
         events: Mutex::new(tx),
@@ -302,6 +304,13 @@ impl Daemon {
         if let Some(listen) = &self.spec.nbd {
             self.setup_nbd(listen)?;
         }
+        if let Some(addr) = self.spec.metrics {
+            let devices = self.devices.clone();
+            let source: crate::metrics::Source = Arc::new(move || devices.iter().map(|d| d.stats()).collect());
+            let server = crate::metrics::MetricsServer::start(&addr.to_string(), source)?;
+            self.step(format!("Prometheus metrics at http://{}/metrics", server.addr()));
+            self.lock().metrics = Some(server);
+        }
         self.check_signal()?;
         self.lock().status.state = "up".into();
         Ok(())
@@ -424,6 +433,10 @@ impl Daemon {
             }
             self.lock().status.devices[i].loop_dev = None;
             self.step(format!("{}: losetup --detach {}", d.name, dev.display()));
+        }
+        let metrics = self.lock().metrics.take();
+        if let Some(m) = metrics {
+            m.stop();
         }
         let nbd = self.lock().nbd.take();
         if let Some(server) = nbd {

@@ -21,6 +21,7 @@ pub mod fault;
 pub mod knobs;
 pub mod launch;
 pub mod logging;
+pub mod metrics;
 pub mod recover;
 pub mod runtime;
 pub mod spec;

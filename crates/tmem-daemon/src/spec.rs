@@ -2,6 +2,7 @@
 //! before anything starts: pool limits, device sizes against what their
 //! metadata would cost, codecs.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use tmem_core::codec::CodecChoice;
@@ -98,6 +99,9 @@ pub struct DaemonSpec {
     /// Tiers below each device's pool.
     #[serde(default)]
     pub tiers: crate::tiers::TierArgs,
+    /// Serve Prometheus metrics on this address (`/metrics`), e.g. `127.0.0.1:9848`.
+    #[serde(default)]
+    pub metrics: Option<SocketAddr>,
     /// The runtime directory's lock, inherited from the command that started
     /// the daemon (a descriptor number); `None`: the daemon takes it.
     #[serde(default)]

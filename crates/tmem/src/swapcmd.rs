@@ -46,6 +46,9 @@ pub struct UpArgs {
     /// Seconds to wait for the daemon to come up; then it is stopped and undoes its setup.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     wait: u64,
+    /// Serve Prometheus metrics (OpenMetrics text at /metrics) on this address, e.g. 127.0.0.1:9848.
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
     /// Configuration file (TOML); flags given here override it. Default: /etc/tmem/tmem.toml if it exists.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -80,6 +83,7 @@ impl UpArgs {
             discard: pick(given("discard"), &self.discard, &c.discard),
             runtime_dir: pick(given("runtime_dir"), &self.runtime_dir, &c.runtime_dir),
             wait: pick(given("wait"), &self.wait, &c.wait),
+            metrics: pick(given("metrics"), &self.metrics, &c.metrics.map(Some)),
             config: self.config.clone(),
             foreground: self.foreground,
             tiers: tmem_daemon::tiers::TierArgs {
@@ -120,6 +124,7 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
         fuse_uring: a.fuse_uring,
         discard: a.discard,
         tiers: a.tiers.clone(),
+        metrics: a.metrics,
         lock_fd: None,
     };
     // Check everything here, where the user sees the error.
@@ -315,6 +320,9 @@ pub struct ServeNbdArgs {
     /// Runtime directory (control socket for `tmem stat`/`tmem set`).
     #[arg(long, default_value = ctl::RUNTIME_DIR)]
     runtime_dir: PathBuf,
+    /// Serve Prometheus metrics (OpenMetrics text at /metrics) on this address, e.g. 127.0.0.1:9848.
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
     #[command(flatten)]
     tiers: tmem_daemon::tiers::TierArgs,
 }
@@ -338,6 +346,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
         fuse_uring: 0,
         discard: tmem_sys::swap::SwapDiscard::default(),
         tiers: a.tiers.clone(),
+        metrics: a.metrics,
         lock_fd: None,
     };
     spec.validate(tmem_sys::swap::total_ram_bytes()?)?;

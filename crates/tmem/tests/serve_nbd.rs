@@ -40,8 +40,9 @@ fn serve_nbd_exports_devices_to_real_clients() {
     }
     let dir = std::env::temp_dir().join(format!("tmem-serve-nbd-{}", std::process::id()));
     let rd = dir.to_str().unwrap().to_owned();
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
     let child = Command::new(TMEM)
-        .args(["serve", "nbd", "--size", "256M", "--devices", "2", "--runtime-dir", &rd])
+        .args(["serve", "nbd", "--size", "256M", "--devices", "2", "--runtime-dir", &rd, "--metrics", &metrics])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -88,6 +89,13 @@ fn serve_nbd_exports_devices_to_real_clients() {
         assert!(l.split_whitespace().any(|w| w == want), "{name}={value}: {l}");
     }
     assert!(line("device", "write_ios").is_some() && line("allocator", "span_bytes").is_some(), "{table}");
+    // Prometheus metrics: the same counters, over HTTP.
+    let mut http = std::net::TcpStream::connect(&metrics).unwrap();
+    std::io::Write::write_all(&mut http, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut scrape = String::new();
+    std::io::Read::read_to_string(&mut http, &mut scrape).unwrap();
+    let stored = v[1]["store"]["total"]["stored_pages"].as_u64().unwrap();
+    assert!(scrape.contains(&format!("tmem_pool_stored_pages{{device=\"disk1\"}} {stored}\n")), "{scrape}");
     // SIGTERM: orderly stop, socket removed.
     // SAFETY: signalling our own child by pid.
     unsafe { libc::kill(libc::pid_t::try_from(server.0.id()).unwrap(), libc::SIGTERM) };
