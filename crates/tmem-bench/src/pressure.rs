@@ -30,7 +30,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use crate::zram;
-use tmem_sys::cgroup::{self, MemCgroup};
+use tmem_sys::cgroup::{Layout, MemCgroup, Version};
 use tmem_sys::vmstat::{CpuTimes, ProcessCpu, SwapCounters};
 use tmem_sys::{swap, zswap};
 
@@ -98,7 +98,7 @@ pub struct PressureArgs {
     /// that most pages move down to the tier.
     #[arg(long, default_value = "64M")]
     pub tmem_tier_pool_limit: String,
-    /// memory.swappiness of the workload's cgroup.
+    /// memory.swappiness of the workload's cgroup (cgroup v1; v2 has none, vm.swappiness applies).
     #[arg(long, default_value_t = 60)]
     pub swappiness: u32,
     /// Pool sampling interval, ms.
@@ -151,6 +151,8 @@ struct Ctx<'a> {
     args: &'a PressureArgs,
     workload: Workload,
     cgroup_name: String,
+    /// The machine's cgroup layout; the workload's group is made in its memory hierarchy.
+    layout: Layout,
     /// Reference output of each job.
     expected: Vec<String>,
     timeout: Duration,
@@ -186,9 +188,15 @@ impl Ctx<'_> {
     fn measure(&mut self, backend: Option<&Backend>, limit: Option<u64>, label: &str) -> anyhow::Result<Measured> {
         let ours = backend.map(Backend::swap_paths).unwrap_or_default();
         let mut foreign = foreign_swap(&ours);
-        let cg = MemCgroup::create(&self.cgroup_name)?;
-        if let Err(e) = cg.set_swappiness(self.args.swappiness) {
-            self.progress.note(&format!("note: {e}"));
+        let cg = MemCgroup::create(&self.layout, &self.cgroup_name)?;
+        match cg.version() {
+            Version::V1 => {
+                if let Err(e) = cg.set_swappiness(self.args.swappiness) {
+                    self.progress.note(&format!("note: {e}"));
+                }
+            }
+            // zswap may use as much as it wants (its default), as on v1, where it is not charged at all.
+            Version::V2 => cg.set_zswap_max(None)?,
         }
         cg.set_limit(limit)?;
         let before = SwapCounters::now()?;
@@ -455,11 +463,10 @@ fn round_up_64m(b: u64) -> u64 {
     b.div_ceil(M) * M
 }
 
-fn preflight(a: &PressureArgs) -> anyhow::Result<()> {
+fn preflight(a: &PressureArgs) -> anyhow::Result<Layout> {
     if !tmem_sys::is_root() {
         return Err(anyhow!("tmem bench pressure needs root (memory cgroups, swapon, zram, zswap)"));
     }
-    cgroup::v1_memory_available()?;
     if a.levels.is_empty() || a.levels.iter().any(|l| *l == 0 || *l > 100) {
         return Err(anyhow!("--levels must be percentages in 1..=100 (100 = no limit)"));
     }
@@ -511,7 +518,9 @@ fn preflight(a: &PressureArgs) -> anyhow::Result<()> {
             _ => {}
         }
     }
-    Ok(())
+    let layout = Layout::detect()?;
+    layout.ensure_memory_controller()?;
+    Ok(layout)
 }
 
 /// Turns zswap off if it is on; the returned guard turns it back on.
@@ -534,6 +543,8 @@ struct JsonOut<'a> {
     tool: &'static str,
     args: &'a PressureArgs,
     kernel: String,
+    /// `v2`, `v1` or `hybrid`: the workload's group is made in the memory hierarchy.
+    cgroup_layout: &'static str,
     cpus: usize,
     mem_total_bytes: u64,
     peak_bytes: u64,
@@ -551,7 +562,7 @@ struct JsonOut<'a> {
 
 /// `tmem bench pressure`.
 pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
-    preflight(a)?;
+    let layout = preflight(a)?;
     install_signal_handlers()?;
     // zswap, if on, would sit in front of every backend: off for the bench (restored on drop).
     let _zswap_off = zswap_off()?;
@@ -568,6 +579,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         args: a,
         workload,
         cgroup_name: format!("tmem-bench-{pid}"),
+        layout,
         expected: Vec::new(),
         timeout: Duration::from_secs(if a.timeout > 0 { a.timeout } else { 3600 }),
         progress: Progress::new(total),
@@ -702,12 +714,13 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
 
     let names: Vec<&str> = a.backends.iter().map(|b| b.name()).collect();
     let summary = report::summarize(&runs, &names, &a.levels);
-    print_report(a, &reference, peak, &runs, &summary, &names, zram_device.as_deref());
+    print_report(a, &ctx.layout, &reference, peak, &runs, &summary, &names, zram_device.as_deref());
     if let Some(path) = &a.json {
         let out = JsonOut {
             tool: "tmem bench pressure",
             args: a,
             kernel: cmd("uname", &["-r"]).unwrap_or_default(),
+            cgroup_layout: ctx.layout.name(),
             cpus: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
             mem_total_bytes: swap::total_ram_bytes().unwrap_or(0),
             peak_bytes: peak,
@@ -736,8 +749,10 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn print_report(
     a: &PressureArgs,
+    layout: &Layout,
     reference: &RunRecord,
     peak: u64,
     runs: &[RunRecord],
@@ -780,7 +795,15 @@ fn print_report(
     println!();
     print!("{}", report::render_table(summary, names, &a.levels));
     println!();
-    if names.contains(&"zswap") {
+    let (_, version) = layout.memory_hierarchy();
+    println!("cgroups: {} layout; the workload's group is a cgroup {version:?} memory group.", layout.name());
+    if names.contains(&"zswap") && version == Version::V2 {
+        println!(
+            "note: on cgroup v2 zswap charges its compressed pool to the workload's memory cgroup \
+             (memory.zswap.max = max), so zswap's pool counts against the limit; zram's is uncharged kernel \
+             memory and tmem's belongs to its daemon outside the workload's cgroup."
+        );
+    } else if names.contains(&"zswap") {
         println!(
             "note: zswap charges its compressed pool to the workload's memory cgroup only on cgroup v2 \
              (obj_cgroup_charge_zswap() returns early on v1); with the v1 controller used here no backend's pool \

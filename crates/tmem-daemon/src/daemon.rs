@@ -111,9 +111,15 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
             steps.push(msg);
         }
     }
-    match swap::leave_memory_cgroup() {
-        Ok(where_) => {
-            steps.push(format!("daemon pid {} moved to the root memory cgroup ({where_})", std::process::id()))
+    let placed = tmem_sys::cgroup::Layout::detect().and_then(|l| tmem_sys::cgroup::leave_workload_cgroup(&l));
+    match placed {
+        Ok(tmem_sys::cgroup::Placement::Root(procs)) => steps.push(format!(
+            "daemon pid {} moved to the root memory cgroup ({})",
+            std::process::id(),
+            procs.display()
+        )),
+        Ok(tmem_sys::cgroup::Placement::OwnUnit(unit)) => {
+            steps.push(format!("daemon stays in its own service's cgroup {unit}"))
         }
         Err(e) => warn(&format!("could not leave the memory cgroup: {e}")),
     }

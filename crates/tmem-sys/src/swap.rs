@@ -282,21 +282,6 @@ pub fn protect_from_oom() -> Result<i32, SwapError> {
     v.trim().parse().map_err(|_| err(format!("unexpected contents {v:?}")))
 }
 
-/// Moves this process to the root memory cgroup (v1 and v2), so memory
-/// limits on the workload it serves never apply to it. Returns where it
-/// went, or why it could not.
-pub fn leave_memory_cgroup() -> Result<&'static str, SwapError> {
-    let pid = std::process::id().to_string();
-    for procs in ["/sys/fs/cgroup/memory/cgroup.procs", "/sys/fs/cgroup/cgroup.procs"] {
-        if Path::new(procs).exists() {
-            return std::fs::write(procs, &pid)
-                .map(|()| procs)
-                .map_err(|e| SwapError::Proc { path: procs.into(), reason: e.to_string() });
-        }
-    }
-    Err(SwapError::Proc { path: "/sys/fs/cgroup".into(), reason: "no memory cgroup hierarchy found".into() })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,7 +27,7 @@ pub enum Feature {
     Swap,
     /// The zram module (devices hot-added through `/sys/class/zram-control`).
     Zram,
-    /// The cgroup v1 memory controller (`/sys/fs/cgroup/memory`).
+    /// A memory cgroup controller: cgroup v1 `memory`, or v2 with `memory` in `cgroup.controllers`.
     Memcg,
     /// A program the tests drive (qemu-io, nbdinfo, redis-server, python3, losetup, ...).
     Tools,

@@ -25,7 +25,8 @@ fn bench_loops() -> Vec<String> {
 }
 
 fn bench_cgroups() -> Vec<String> {
-    std::fs::read_dir("/sys/fs/cgroup/memory")
+    let layout = tmem_sys::cgroup::Layout::detect().unwrap();
+    std::fs::read_dir(layout.memory_hierarchy().0)
         .map(|d| {
             d.filter_map(Result::ok)
                 .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -67,8 +68,8 @@ fn missing_feature() -> Option<(Feature, &'static str)> {
     if !tmem_testkit::is_root() {
         return Some((Feature::Root, "needs root"));
     }
-    if !Path::new("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() {
-        return Some((Feature::Memcg, "no cgroup v1 memory controller"));
+    if tmem_sys::cgroup::Layout::detect().and_then(|l| l.ensure_memory_controller()).is_err() {
+        return Some((Feature::Memcg, "no memory cgroup controller"));
     }
     if !Path::new("/sys/class/zram-control").exists()
         && Command::new("modprobe").args(["--dry-run", "zram"]).status().map_or(true, |s| !s.success())

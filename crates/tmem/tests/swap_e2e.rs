@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use tmem_sys::cgroup::{Layout, MemCgroup};
 
 const TMEM: &str = env!("CARGO_BIN_EXE_tmem");
 
@@ -27,7 +28,7 @@ print("OK" if h1.digest() == h2.digest() else "MISMATCH", h1.hexdigest())
 "#;
 
 /// Whether these tests can run here: root, FUSE, loop devices, swap, the
-/// cgroup v1 memory controller and the tools. When not, reports the skip
+/// memory cgroup controller (v1 or v2) and the tools. When not, reports the skip
 /// naming the feature that is missing (see `tmem_testkit::skip`).
 fn can_run() -> bool {
     use tmem_testkit::{skip, Feature};
@@ -35,16 +36,17 @@ fn can_run() -> bool {
         skip(Feature::Root, "needs root");
         return false;
     }
-    for (p, feature) in [
-        ("/dev/fuse", Feature::Fuse),
-        ("/dev/loop-control", Feature::Loop),
-        ("/proc/swaps", Feature::Swap),
-        ("/sys/fs/cgroup/memory/cgroup.procs", Feature::Memcg),
-    ] {
+    for (p, feature) in
+        [("/dev/fuse", Feature::Fuse), ("/dev/loop-control", Feature::Loop), ("/proc/swaps", Feature::Swap)]
+    {
         if !Path::new(p).exists() {
             skip(feature, &format!("{p} is missing"));
             return false;
         }
+    }
+    if let Err(e) = Layout::detect().and_then(|l| l.ensure_memory_controller()) {
+        skip(Feature::Memcg, &e.to_string());
+        return false;
     }
     for tool in ["losetup", "mkswap", "swapon", "swapoff", "python3"] {
         if !tmem_testkit::have_tool(tool) {
@@ -77,7 +79,10 @@ fn tmem_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
 /// Tears down swap, loop, mount and cgroup on drop, whatever happened.
 struct Setup {
     dir: PathBuf,
-    cgroup: PathBuf,
+    cgroup_name: String,
+    /// The hog's memory cgroup (v1 or v2, as the machine has it), made on
+    /// first use; dropped (its tasks killed, the group removed) with the setup.
+    cgroup: std::sync::OnceLock<MemCgroup>,
     up: bool,
 }
 
@@ -86,7 +91,8 @@ impl Setup {
         let id = format!("{tag}-{}", std::process::id());
         Setup {
             dir: PathBuf::from(format!("/run/tmem-test-{id}")),
-            cgroup: PathBuf::from(format!("/sys/fs/cgroup/memory/tmem-test-{id}")),
+            cgroup_name: format!("tmem-test-{id}"),
+            cgroup: std::sync::OnceLock::new(),
             up: false,
         }
     }
@@ -133,9 +139,13 @@ impl Setup {
 
     /// The hog's command, to run in a fresh memory cgroup limited to `limit_mib`.
     fn hog(&self, mib: u32, limit_mib: u32) -> Command {
-        std::fs::create_dir_all(&self.cgroup).unwrap();
-        std::fs::write(self.cgroup.join("memory.limit_in_bytes"), format!("{}", u64::from(limit_mib) << 20)).unwrap();
-        let procs = self.cgroup.join("cgroup.procs");
+        let cgroup = self.cgroup.get_or_init(|| {
+            let layout = Layout::detect().unwrap();
+            layout.ensure_memory_controller().unwrap();
+            MemCgroup::create(&layout, &self.cgroup_name).unwrap()
+        });
+        cgroup.set_limit(Some(u64::from(limit_mib) << 20)).unwrap();
+        let procs = cgroup.procs_file();
         let mut c = Command::new("sh");
         c.arg("-c").arg(format!("echo $$ > {} && exec python3 -c \"$0\" {mib}", procs.display())).arg(HOG);
         c
@@ -187,10 +197,8 @@ impl Drop for Setup {
                 let _ = Command::new("umount").arg("-l").arg(self.dir.join("dev")).status();
             }
         }
-        if self.cgroup.exists() {
-            // Processes left in it (a killed hog) are gone once reaped; rmdir then works.
-            let _ = std::fs::remove_dir(&self.cgroup);
-        }
+        // The hog's cgroup: what still runs in it is killed, then it is removed.
+        drop(self.cgroup.take());
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -251,8 +259,7 @@ fn half_memory_job(tag: &str, extra: &[&str]) -> (String, String) {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let peak: u64 =
-        std::fs::read_to_string(s.cgroup.join("memory.max_usage_in_bytes")).unwrap().trim().parse().unwrap();
+    let peak = s.cgroup.get().unwrap().max_usage().unwrap();
     assert!(peak <= 256 << 20, "cgroup limit held: {peak}");
     let st = s.stat();
     let dev = &st[0];
