@@ -97,16 +97,21 @@ fn pressure_ladder_smoke() {
     let cgroups_before = bench_cgroups();
     let zram0_before = zram0_state();
     let json = std::env::temp_dir().join(format!("tmem-pressure-smoke-{}.json", std::process::id()));
+    let svg = json.with_extension("svg");
     let start = std::time::Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
         .args(["bench", "pressure", "--workload-mib", "192", "--levels", "100,50", "--runs", "1", "--passes", "1"])
         // Other tests may start swap of their own meanwhile: do not wait for it.
         .args(["--backends", "zram,tmem,fuse-ram", "--allow-other-swap", "--json"])
         .arg(&json)
+        .arg("--plot")
+        .arg(&svg)
         .output()
         .unwrap();
     let json_text = std::fs::read_to_string(&json).unwrap_or_default();
     let _ = std::fs::remove_file(&json);
+    let svg_text = std::fs::read_to_string(&svg).unwrap_or_default();
+    let _ = std::fs::remove_file(&svg);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stdout}\n{stderr}\n(took {:.0} s)", start.elapsed().as_secs_f64());
@@ -148,6 +153,15 @@ fn pressure_ladder_smoke() {
         assert!(stdout.contains(title), "no {title:?} in the report");
     }
     assert!(v["peak_bytes"].as_u64().unwrap() > 100 << 20, "peak {}", v["peak_bytes"]);
+    assert!(
+        ["v1", "v2", "hybrid"].contains(&v["cgroup_layout"].as_str().unwrap_or_default()),
+        "{}",
+        v["cgroup_layout"]
+    );
+    assert!(svg_text.starts_with("<svg"), "no figures written");
+    for b in ["zram", "tmem", "fuse-ram", "wall time", "machine CPU per swapped page"] {
+        assert!(svg_text.contains(b), "no {b:?} in the figures");
+    }
     let runs = v["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 6, "{runs:?}");
     for r in runs {
