@@ -859,6 +859,40 @@ fn print_report(
     }
 }
 
+/// The figures of the ladder: a panel per figure, a line per backend, over the levels.
+fn plot(path: &std::path::Path, a: &PressureArgs, summary: &[report::Summary], names: &[&str]) -> anyhow::Result<()> {
+    use crate::plot::{Panel, Series};
+    type Figure = fn(&report::Summary) -> Option<f64>;
+    let panel = |title: &str, y_label: &str, f: Figure| Panel {
+        title: title.into(),
+        x_label: "memory limit, % of the peak".into(),
+        y_label: y_label.into(),
+        series: names
+            .iter()
+            .map(|b| Series {
+                name: (*b).to_owned(),
+                points: a
+                    .levels
+                    .iter()
+                    .map(|&l| {
+                        let y = summary.iter().find(|s| s.backend == *b && s.level == l).and_then(f);
+                        (f64::from(l), y)
+                    })
+                    .collect(),
+            })
+            .collect(),
+    };
+    let panels = [
+        panel("wall time (median of correct runs)", "s", |s| s.median_wall_secs),
+        panel("machine CPU per swapped page, above the reference run", "us", |s| {
+            s.median_machine_cpu_us_per_swapped_page_above_reference
+        }),
+        panel("peak pool memory", "MiB", |s| s.median_pool_peak_mib),
+    ];
+    let caption = format!("tmem bench pressure: {} MiB workload, {} job(s)", a.workload_mib, a.jobs);
+    crate::plot::svg(path, &caption, &panels)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -933,38 +967,4 @@ mod tests {
         assert!(workload::SCRIPT.contains("def main"));
         assert!(workload::SCRIPT.starts_with("#!/usr/bin/env python3"));
     }
-}
-
-/// The figures of the ladder: a panel per figure, a line per backend, over the levels.
-fn plot(path: &std::path::Path, a: &PressureArgs, summary: &[report::Summary], names: &[&str]) -> anyhow::Result<()> {
-    use crate::plot::{Panel, Series};
-    type Figure = fn(&report::Summary) -> Option<f64>;
-    let panel = |title: &str, y_label: &str, f: Figure| Panel {
-        title: title.into(),
-        x_label: "memory limit, % of the peak".into(),
-        y_label: y_label.into(),
-        series: names
-            .iter()
-            .map(|b| Series {
-                name: (*b).to_owned(),
-                points: a
-                    .levels
-                    .iter()
-                    .map(|&l| {
-                        let y = summary.iter().find(|s| s.backend == *b && s.level == l).and_then(f);
-                        (f64::from(l), y)
-                    })
-                    .collect(),
-            })
-            .collect(),
-    };
-    let panels = [
-        panel("wall time (median of correct runs)", "s", |s| s.median_wall_secs),
-        panel("machine CPU per swapped page, above the reference run", "us", |s| {
-            s.median_machine_cpu_us_per_swapped_page_above_reference
-        }),
-        panel("peak pool memory", "MiB", |s| s.median_pool_peak_mib),
-    ];
-    let caption = format!("tmem bench pressure: {} MiB workload, {} job(s)", a.workload_mib, a.jobs);
-    crate::plot::svg(path, &caption, &panels)
 }
