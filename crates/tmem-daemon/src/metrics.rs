@@ -32,6 +32,10 @@ use crate::DaemonError;
 /// The content type of the OpenMetrics text format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// The content type of the classic Prometheus text format (0.0.4), served
+/// to clients that do not ask for OpenMetrics (curl, `promtool check metrics`).
+pub const CLASSIC_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
 /// Where the snapshot of every device comes from (the daemon's devices).
 pub type Source = Arc<dyn Fn() -> Vec<DeviceStats> + Send + Sync>;
 
@@ -81,8 +85,16 @@ fn serve(server: &tiny_http::Server, source: &Source) {
         let resp = if *req.method() != tiny_http::Method::Get {
             tiny_http::Response::from_string("only GET\n").with_status_code(405)
         } else if path == "/metrics" {
+            let openmetrics = req
+                .headers()
+                .iter()
+                .any(|h| h.field.equiv("Accept") && h.value.as_str().contains("application/openmetrics-text"));
             match encode(&source()) {
-                Ok(text) => tiny_http::Response::from_string(text).with_header(header("Content-Type", CONTENT_TYPE)),
+                Ok(text) if openmetrics => {
+                    tiny_http::Response::from_string(text).with_header(header("Content-Type", CONTENT_TYPE))
+                }
+                Ok(text) => tiny_http::Response::from_string(to_classic(&text))
+                    .with_header(header("Content-Type", CLASSIC_CONTENT_TYPE)),
                 Err(e) => tiny_http::Response::from_string(format!("encoding failed: {e}\n")).with_status_code(500),
             }
         } else {
@@ -105,6 +117,38 @@ pub fn encode(devs: &[DeviceStats]) -> Result<String, std::fmt::Error> {
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)?;
     Ok(out)
+}
+
+/// The classic text format (0.0.4) of an OpenMetrics exposition made by
+/// [`encode`]: the samples are the same; a counter family's `# HELP` and
+/// `# TYPE` lines name its `_total` sample, and `# UNIT` and `# EOF` go.
+/// By hand because `prometheus-client` writes OpenMetrics only, and the
+/// classic format is what `promtool check metrics` and older scrapers read.
+#[must_use]
+pub fn to_classic(openmetrics: &str) -> String {
+    let mut counters = std::collections::HashSet::new();
+    for line in openmetrics.lines() {
+        if let Some(name) = line.strip_prefix("# TYPE ").and_then(|l| l.strip_suffix(" counter")) {
+            counters.insert(name.to_owned());
+        }
+    }
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        let header = ["# HELP ", "# TYPE "].into_iter().find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match header {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let suffix = if counters.contains(name) { "_total" } else { "" };
+                out.push_str(&format!("{prefix}{name}{suffix} {tail}"));
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// One scrape's snapshot.

@@ -89,13 +89,46 @@ fn serve_nbd_exports_devices_to_real_clients() {
         assert!(l.split_whitespace().any(|w| w == want), "{name}={value}: {l}");
     }
     assert!(line("device", "write_ios").is_some() && line("allocator", "span_bytes").is_some(), "{table}");
-    // Prometheus metrics: the same counters, over HTTP.
-    let mut http = std::net::TcpStream::connect(&metrics).unwrap();
-    std::io::Write::write_all(&mut http, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut scrape = String::new();
-    std::io::Read::read_to_string(&mut http, &mut scrape).unwrap();
+    // Prometheus metrics: the same counters, over HTTP; promtool accepts
+    // them, and counters rise between two scrapes while pages move.
+    let scrape = || {
+        let mut http = std::net::TcpStream::connect(&metrics).unwrap();
+        std::io::Write::write_all(&mut http, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut r = String::new();
+        std::io::Read::read_to_string(&mut http, &mut r).unwrap();
+        r.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default()
+    };
+    let sample = |text: &str, name: &str| -> u64 {
+        let prefix = format!("{name}{{device=\"disk1\"}} ");
+        let line =
+            text.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or_else(|| panic!("no {prefix}in\n{text}"));
+        line.trim().parse().unwrap()
+    };
+    let first = scrape();
     let stored = v[1]["store"]["total"]["stored_pages"].as_u64().unwrap();
-    assert!(scrape.contains(&format!("tmem_pool_stored_pages{{device=\"disk1\"}} {stored}\n")), "{scrape}");
+    assert_eq!(sample(&first, "tmem_pool_stored_pages"), stored, "{first}");
+    if tmem_testkit::have_tool("promtool") {
+        let mut check = Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut check.stdin.take().unwrap(), first.as_bytes()).unwrap();
+        let out = check.wait_with_output().unwrap();
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && said.trim().is_empty(), "promtool: {said}");
+    } else {
+        tmem_testkit::skip(tmem_testkit::Feature::Tools, "promtool not installed");
+    }
+    let more =
+        Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x3c 4M 1M"]).arg(uri("disk1")).output().unwrap();
+    assert!(more.status.success(), "{}", String::from_utf8_lossy(&more.stderr));
+    let second = scrape();
+    for name in ["tmem_device_write_ios_total", "tmem_device_write_bytes_total", "tmem_pool_succ_puts_total"] {
+        assert!(sample(&second, name) > sample(&first, name), "{name} did not rise");
+    }
     // SIGTERM: orderly stop, socket removed.
     // SAFETY: signalling our own child by pid.
     unsafe { libc::kill(libc::pid_t::try_from(server.0.id()).unwrap(), libc::SIGTERM) };

@@ -99,13 +99,40 @@ fn a_real_prometheus_scrapes_it() {
 }
 
 #[test]
+fn promtool_accepts_the_classic_format() {
+    if !tmem_testkit::have_tool("promtool") {
+        tmem_testkit::skip(tmem_testkit::Feature::Tools, "promtool not installed");
+        return;
+    }
+    let text = to_classic(&encode(&[device("swap0"), device("swap1")]).unwrap());
+    assert!(text.contains("# TYPE tmem_pool_succ_puts_total counter\n"), "{text}");
+    assert!(!text.contains("# EOF") && !text.contains("# UNIT"), "{text}");
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && said.trim().is_empty(), "promtool: {said}\n{text}");
+}
+
+#[test]
 fn serves_metrics_over_http_and_nothing_else() {
     let source: Source = Arc::new(|| vec![device("swap0")]);
     let server = MetricsServer::start("127.0.0.1:0", source).unwrap();
     let get = |path: &str| http_get(server.addr(), path);
     let ok = get("/metrics");
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
-    assert!(ok.contains(CONTENT_TYPE) && ok.contains("tmem_pool_stored_pages{device=\"swap0\"} 16"), "{ok}");
+    assert!(ok.contains(CLASSIC_CONTENT_TYPE) && ok.contains("tmem_pool_stored_pages{device=\"swap0\"} 16"), "{ok}");
+    let mut s = std::net::TcpStream::connect(server.addr()).unwrap();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text;version=1.0.0\r\nConnection: close\r\n\r\n").unwrap();
+    let mut om = String::new();
+    s.read_to_string(&mut om).unwrap();
+    assert!(om.contains(CONTENT_TYPE) && om.ends_with("# EOF\n"), "{om}");
     assert!(get("/").starts_with("HTTP/1.1 404"));
     server.stop();
 }
