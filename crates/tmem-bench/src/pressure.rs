@@ -66,7 +66,7 @@ pub struct PressureArgs {
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Draw the figures (wall time, machine CPU per swapped page and peak
-    /// pool memory against the memory limit, a line per backend) into this SVG file.
+    /// pool memory against the memory limit, a line per backend) into this PNG (or .svg) file.
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// Run even if other swap areas are active (results are then less clean).
@@ -861,26 +861,28 @@ fn print_report(
 
 /// The figures of the ladder: a panel per figure, a line per backend, over the levels.
 fn plot(path: &std::path::Path, a: &PressureArgs, summary: &[report::Summary], names: &[&str]) -> anyhow::Result<()> {
-    use crate::plot::{Panel, Series};
-    type Figure = fn(&report::Summary) -> Option<f64>;
-    let panel = |title: &str, y_label: &str, f: Figure| Panel {
-        title: title.into(),
-        x_label: "memory limit, % of the peak".into(),
-        y_label: y_label.into(),
-        series: names
-            .iter()
-            .map(|b| Series {
-                name: (*b).to_owned(),
-                points: a
-                    .levels
-                    .iter()
-                    .map(|&l| {
-                        let y = summary.iter().find(|s| s.backend == *b && s.level == l).and_then(f);
-                        (f64::from(l), y)
-                    })
-                    .collect(),
-            })
-            .collect(),
+    use crate::plot::{Figure, Panel, Series};
+    type Value = fn(&report::Summary) -> Option<f64>;
+    let panel = |title: &str, y_label: &str, f: Value| {
+        Figure::Lines(Panel {
+            title: title.into(),
+            x_label: "memory limit, % of the peak".into(),
+            y_label: y_label.into(),
+            series: names
+                .iter()
+                .map(|b| Series {
+                    name: (*b).to_owned(),
+                    points: a
+                        .levels
+                        .iter()
+                        .map(|&l| {
+                            let y = summary.iter().find(|s| s.backend == *b && s.level == l).and_then(f);
+                            (f64::from(l), y)
+                        })
+                        .collect(),
+                })
+                .collect(),
+        })
     };
     let panels = [
         panel("wall time (median of correct runs)", "s", |s| s.median_wall_secs),
@@ -890,7 +892,7 @@ fn plot(path: &std::path::Path, a: &PressureArgs, summary: &[report::Summary], n
         panel("peak pool memory", "MiB", |s| s.median_pool_peak_mib),
     ];
     let caption = format!("tmem bench pressure: {} MiB workload, {} job(s)", a.workload_mib, a.jobs);
-    crate::plot::svg(path, &caption, &panels)
+    crate::plot::draw(path, &caption, &panels)
 }
 
 #[cfg(test)]

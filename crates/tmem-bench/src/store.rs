@@ -65,6 +65,10 @@ pub struct StoreBenchArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     json: bool,
+    /// Draw pool ratio and single-thread put/get MB/s per codec, beside zram, for the
+    /// last corpus measured (the mix when there are several) into this PNG (or .svg) file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 /// One row of results.
@@ -222,6 +226,12 @@ pub fn run_store(args: &StoreBenchArgs) -> anyhow::Result<()> {
         results.push(r);
     }
     progress.finish();
+    if let (Some(path), Some(last)) = (&args.plot, results.last()) {
+        plot(path, last)?;
+        if !args.json {
+            println!("figures: {}", path.display());
+        }
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&results)?);
     }
@@ -516,6 +526,25 @@ fn figure(mbs: Option<f64>, us: Option<f64>) -> [String; 2] {
         mbs.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.0}")),
         us.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.2}")),
     ]
+}
+
+/// Ratio and single-thread MB/s of every row of `r`, as bars.
+fn plot(path: &std::path::Path, r: &CorpusResult) -> anyhow::Result<()> {
+    use crate::plot::{Bars, Figure};
+    let bars = |title: &str, y: &str, f: fn(&Row) -> Option<f64>| {
+        Figure::Bars(Bars {
+            title: title.into(),
+            y_label: y.into(),
+            bars: r.rows.iter().filter_map(|row| Some((row.backend.clone(), f(row)?))).collect(),
+        })
+    };
+    let figures = [
+        bars("pool ratio (original / pool memory)", "x", |row| Some(row.ratio)),
+        bars("put, 1 thread", "MB/s", |row| row.timings.put_mbs_1t),
+        bars("get, 1 thread", "MB/s", |row| row.timings.get_mbs_1t),
+    ];
+    let caption = format!("tmem bench store: corpus {} ({} pages)", r.corpus, r.pages);
+    crate::plot::draw(path, &caption, &figures)
 }
 
 fn print_table(r: &CorpusResult) {
