@@ -97,6 +97,12 @@ done
 dpkg --root="$DEBROOT" --force-not-root -r tmem >/dev/null
 test ! -e "$DEBROOT/usr/bin/tmem" || { echo "dpkg -r left /usr/bin/tmem" >&2; exit 1; }
 
+# A stock Debian kernel in QEMU (TCG), cgroup v2 only: tmem under the
+# kernel's NBD client, tmem swap up, and the pressure bench (reuses the
+# release build of the package above).
+echo "== VM test (scripts/vm-test.sh)"
+scripts/vm-test.sh
+
 # The README's main command, on the test build (optimised dependencies) to
 # save a release build; `cargo run --release -p tmem -- bench store` is the real one.
 echo "== smoke: tmem bench store (built-in corpus, 1 round)"

@@ -30,7 +30,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use crate::zram;
-use tmem_sys::cgroup::{Layout, MemCgroup, Version};
+use tmem_sys::cgroup::{CgroupError, Layout, MemCgroup, Version};
 use tmem_sys::vmstat::{CpuTimes, ProcessCpu, SwapCounters};
 use tmem_sys::{swap, zswap};
 
@@ -200,7 +200,10 @@ impl Ctx<'_> {
                 }
             }
             // zswap may use as much as it wants (its default), as on v1, where it is not charged at all.
-            Version::V2 => cg.set_zswap_max(None)?,
+            Version::V2 => match cg.set_zswap_max(None) {
+                Ok(()) | Err(CgroupError::Unsupported { .. }) => {}
+                Err(e) => return Err(e.into()),
+            },
         }
         cg.set_limit(limit)?;
         let before = SwapCounters::now()?;

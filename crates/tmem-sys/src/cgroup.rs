@@ -396,10 +396,15 @@ impl MemCgroup {
         }
     }
 
-    /// Sets `memory.zswap.max` (v2 only; v1 does not charge zswap to groups).
+    /// Sets `memory.zswap.max` (v2 only, and only on kernels with zswap; v1
+    /// does not charge zswap to groups).
     pub fn set_zswap_max(&self, bytes: Option<u64>) -> Result<(), CgroupError> {
         match self.version {
             Version::V1 => Err(CgroupError::Unsupported { version: Version::V1, what: "memory.zswap.max" }),
+            Version::V2 if !self.file("memory.zswap.max").exists() => Err(CgroupError::Unsupported {
+                version: Version::V2,
+                what: "memory.zswap.max (a kernel without zswap)",
+            }),
             Version::V2 => self.write("memory.zswap.max", &bytes.map_or_else(|| "max".to_owned(), |b| b.to_string())),
         }
     }
@@ -682,8 +687,10 @@ cgroup /sys/fs/cgroup/cpu,cpuacct cgroup rw,nosuid,nodev,noexec,relatime,cpuacct
         g.set_limit(Some(150 << 20)).unwrap();
         assert_eq!(g.read("memory.max").unwrap(), (150u64 << 20).to_string());
         assert_eq!(g.read("memory.swap.max").unwrap(), "max", "swap is never limited");
-        g.set_zswap_max(None).unwrap();
-        assert_eq!(g.read("memory.zswap.max").unwrap(), "max");
+        assert!(matches!(g.set_zswap_max(None), Err(CgroupError::Unsupported { .. })), "no zswap in this kernel");
+        put("memory.zswap.max", "max\n");
+        g.set_zswap_max(Some(1 << 20)).unwrap();
+        assert_eq!(g.read("memory.zswap.max").unwrap(), "1048576");
         assert_eq!((g.max_usage().unwrap(), g.usage().unwrap(), g.failcnt().unwrap()), (335_544_320, 8192, 1234));
         assert_eq!(g.oom_control().unwrap().oom_kill, 1);
         assert_eq!(g.stat().unwrap()["zswap"], 512);

@@ -129,7 +129,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tmem: {e:#}");
+            // `{e}`, not `{e:#}`: the library errors already name their cause,
+            // and the chain would repeat it.
+            eprintln!("tmem: {e}");
             ExitCode::FAILURE
         }
     }
