@@ -203,6 +203,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         false => STATE_INTERVAL,
     };
 
+    let mut watch = crate::watch::Watch::default();
     loop {
         match rx.recv_timeout(tick) {
             Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -210,6 +211,14 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
                 // locks: a store that deadlocked stops the watchdog pings.
                 let status = daemon.status();
                 daemon.save_state(&status);
+                let stats: Vec<_> = daemon.devices.iter().map(|d| d.stats()).collect();
+                for line in watch.check(&stats) {
+                    if line.warn {
+                        warn(&line.text);
+                    } else {
+                        log(&line.text);
+                    }
+                }
                 let _ = sd_notify::notify(false, &[NotifyState::Watchdog]);
             }
             Err(mpsc::RecvTimeoutError::Disconnected) | Ok(Event::Down) => break,

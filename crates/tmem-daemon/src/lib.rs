@@ -26,6 +26,7 @@ pub mod recover;
 pub mod runtime;
 pub mod spec;
 pub mod tiers;
+pub mod watch;
 
 pub use daemon::run;
 pub use spec::{DaemonSpec, DeviceSpec, PoolLimit};

@@ -1448,6 +1448,7 @@ impl Tier for DiskTier {
         let c = &self.counters;
         TierStats {
             name: NAME.into(),
+            health: String::new(),
             stored_pages: pages,
             stored_bytes: bytes,
             writes: get(&c.writes),

@@ -488,6 +488,7 @@ impl Tier for RemoteTier {
         let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         TierStats {
             name: TIER.into(),
+            health: String::new(),
             stored_pages: l(&self.inner.index.total.pages),
             stored_bytes: l(&self.inner.index.total.bytes),
             writes: l(&c.writes),

@@ -15,6 +15,7 @@ pub mod seal;
 
 pub use mem::MemTier;
 
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tmem_counters::counters;
@@ -122,6 +123,16 @@ pub enum Health {
     Down(String),
 }
 
+impl fmt::Display for Health {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Healthy => f.write_str("healthy"),
+            Self::Degraded(why) => write!(f, "degraded: {why}"),
+            Self::Down(why) => write!(f, "down: {why}"),
+        }
+    }
+}
+
 counters! {
     /// Counters every tier keeps.
     #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -129,6 +140,9 @@ counters! {
         extra {
             /// Tier name.
             pub name: String,
+            /// `healthy`, `degraded: why` or `down: why` (filled in by the store's chain).
+            #[serde(default, skip_serializing_if = "String::is_empty")]
+            pub health: String,
         }
         /// Values held.
         stored_pages: Gauge(Pages),

@@ -141,6 +141,7 @@ impl Tier for MemTier {
         let r = Ordering::Relaxed;
         TierStats {
             name: "mem".into(),
+            health: String::new(),
             stored_pages: self.lock().len() as u64,
             stored_bytes: self.bytes.load(r),
             writes: self.writes.load(r),

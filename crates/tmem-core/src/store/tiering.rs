@@ -207,7 +207,7 @@ pub(super) fn tier_stats(pools: &[Arc<Pool>]) -> Vec<TierStats> {
             let id = Arc::as_ptr(t).cast::<()>();
             if !seen.contains(&id) {
                 seen.push(id);
-                out.push(t.stats());
+                out.push(TierStats { health: t.health().to_string(), ..t.stats() });
             }
         }
     }
