@@ -18,8 +18,10 @@
 //! a panic leaves poisoned are taken over by the next request.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
+
 use tmem_counters::counters;
+use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use tmem_core::{
     GetOutcome, Key, Pool, PoolConfig, PutOutcome, Reject, Stats, Store, StoreConfig, StoreError, TierChain,
@@ -182,7 +184,7 @@ impl DeviceConfig {
             size: self.size / PAGE * PAGE,
             store,
             pool,
-            stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+            stripes: (0..STRIPES).map(|_| Mutex::new(Rank::BlockStripe, ())).collect(),
             io: IoCounters::default(),
         })
     }
@@ -252,6 +254,8 @@ pub struct PoolDevice {
     size: u64,
     store: Store,
     pool: Arc<Pool>,
+    /// Per-page locks across a read-modify-write and its store call; the store
+    /// does no slow work under them (lock order: docs/ARCHITECTURE.md, `Rank::BlockStripe`).
     stripes: Box<[Mutex<()>]>,
     io: IoCounters,
 }
@@ -297,9 +301,9 @@ impl PoolDevice {
         Key::new(0, page)
     }
 
-    fn stripe(&self, page: u64) -> std::sync::MutexGuard<'_, ()> {
+    fn stripe(&self, page: u64) -> MutexGuard<'_, ()> {
         let i = usize::try_from(page % STRIPES as u64).expect("< STRIPES");
-        self.stripes[i].lock().unwrap_or_else(PoisonError::into_inner)
+        self.stripes[i].lock()
     }
 
     fn read_page(&self, page: u64, out: &mut [u8; PAGE_SIZE]) -> Result<(), BlockError> {
@@ -343,17 +347,36 @@ impl PoolDevice {
         Ok(())
     }
 
+    /// Stores one page; called under its stripe, so the store does none of
+    /// its slow work here (see [`PoolDevice::put_piece`]).
     fn put_page(&self, page: u64, data: &[u8; PAGE_SIZE]) -> Result<(), BlockError> {
         #[cfg(feature = "fault-injection")]
         fault::on_write(page);
-        match self.pool.put(Self::key(page), data)? {
+        match self.pool.put_now(Self::key(page), data)? {
             PutOutcome::Stored => Ok(()),
             PutOutcome::Rejected(reason) => Err(BlockError::NoSpace { page, reason }),
         }
     }
 
+    /// Runs `put` (which takes the page's stripe and stores) and, when the
+    /// pool refused for lack of room, makes room with no stripe held
+    /// (writeback, eviction, compaction) and tries once more. Then the
+    /// store's other due work (compaction, tier removals), also unlocked.
+    fn put_piece(&self, put: impl Fn() -> Result<(), BlockError>) -> Result<(), BlockError> {
+        let mut r = put();
+        if matches!(r, Err(BlockError::NoSpace { reason: Reject::PoolLimit, .. })) && self.pool.maintain() {
+            r = put();
+        }
+        self.pool.maintain();
+        r
+    }
+
     /// Zeroes `[in_page, in_page+n)` of `page`, freeing it when whole.
     fn zero_piece(&self, page: u64, in_page: usize, n: usize) -> Result<(), BlockError> {
+        self.put_piece(|| self.zero_piece_locked(page, in_page, n))
+    }
+
+    fn zero_piece_locked(&self, page: u64, in_page: usize, n: usize) -> Result<(), BlockError> {
         let _g = self.stripe(page);
         if n == PAGE_SIZE {
             self.pool.flush_page(Self::key(page))?;
@@ -469,20 +492,22 @@ impl PoolDevice {
         bump(&self.io.write_ios, 1);
         bump(&self.io.write_bytes, buf.len() as u64);
         let mut done = 0;
-        let mut scratch = [0u8; PAGE_SIZE];
         for (page, in_page, n) in pieces(offset, buf.len() as u64) {
             let src = &buf[done..done + n];
-            let _g = self.stripe(page);
-            let r = match <&[u8; PAGE_SIZE]>::try_from(src) {
-                Ok(whole) => self.put_page(page, whole),
-                Err(_) => {
-                    bump(&self.io.rmw_pages, 1);
-                    self.read_page(page, &mut scratch).and_then(|()| {
-                        scratch[in_page..in_page + n].copy_from_slice(src);
-                        self.put_page(page, &scratch)
-                    })
+            let r = self.put_piece(|| {
+                let _g = self.stripe(page);
+                match <&[u8; PAGE_SIZE]>::try_from(src) {
+                    Ok(whole) => self.put_page(page, whole),
+                    Err(_) => {
+                        bump(&self.io.rmw_pages, 1);
+                        let mut scratch = [0u8; PAGE_SIZE];
+                        self.read_page(page, &mut scratch).and_then(|()| {
+                            scratch[in_page..in_page + n].copy_from_slice(src);
+                            self.put_page(page, &scratch)
+                        })
+                    }
                 }
-            };
+            });
             r.inspect_err(|_| bump(&self.io.failed_writes, 1))?;
             done += n;
         }

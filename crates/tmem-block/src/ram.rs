@@ -1,7 +1,7 @@
 //! [`RamDevice`]: pages kept as they are, in plain RAM.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use tmem_lock::{Mutex, Rank};
 
 use tmem_core::PAGE_SIZE;
 
@@ -32,7 +32,11 @@ impl RamDevice {
     /// is taken as pages are written: 16 bytes per page up front.
     pub fn new(size: u64) -> Self {
         let n = usize::try_from(size / PAGE).unwrap_or(usize::MAX);
-        Self { size: size / PAGE * PAGE, pages: (0..n).map(|_| Mutex::new(None)).collect(), held: AtomicU64::new(0) }
+        Self {
+            size: size / PAGE * PAGE,
+            pages: (0..n).map(|_| Mutex::new(Rank::RamSlot, None)).collect(),
+            held: AtomicU64::new(0),
+        }
     }
 
     /// Pages that hold data.
@@ -65,7 +69,7 @@ impl RamDevice {
     fn clear(&self, offset: u64, len: u64) -> Result<(), BlockError> {
         check_range(offset, len, self.size)?;
         self.for_pages(offset, len, |slot, a, b| {
-            let mut p = slot.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut p = slot.lock();
             if a == 0 && b == PAGE_SIZE {
                 if p.take().is_some() {
                     self.held.fetch_sub(1, Ordering::Relaxed);
@@ -88,7 +92,7 @@ impl BlockDevice for RamDevice {
         let mut at = 0;
         self.for_pages(offset, buf.len() as u64, |slot, a, b| {
             let dst = &mut buf[at..at + (b - a)];
-            match slot.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+            match slot.lock().as_ref() {
                 Some(page) => dst.copy_from_slice(&page[a..b]),
                 None => dst.fill(0),
             }
@@ -101,7 +105,7 @@ impl BlockDevice for RamDevice {
         check_range(offset, buf.len() as u64, self.size)?;
         let mut at = 0;
         self.for_pages(offset, buf.len() as u64, |slot, a, b| {
-            let mut p = slot.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut p = slot.lock();
             let page = p.get_or_insert_with(|| {
                 self.held.fetch_add(1, Ordering::Relaxed);
                 Box::new([0; PAGE_SIZE])
@@ -128,7 +132,7 @@ impl BlockDevice for RamDevice {
         check_range(offset, len, self.size)?;
         let mut out: Vec<Extent> = Vec::new();
         self.for_pages(offset, len, |slot, a, b| {
-            let hole = slot.lock().unwrap_or_else(PoisonError::into_inner).is_none();
+            let hole = slot.lock().is_none();
             let n = (b - a) as u64;
             match out.last_mut() {
                 Some(e) if e.hole == hole => e.len += n,

@@ -49,12 +49,12 @@
 //! # Locking
 //!
 //! One mutex per size class guards that class's spans and their free lists.
-//! Lock order: store shard lock → class lock → arena lock.
+//! Lock order: docs/ARCHITECTURE.md (`Rank::Shard` → `Rank::AllocClass` → `Rank::AllocArena`).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use tmem_counters::counters;
+use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use crate::mem::{MemError, PageArena, SpanPtr, MAX_SPAN_PAGES};
 use crate::PAGE_SIZE;
@@ -320,7 +320,12 @@ impl ZsAlloc {
         let (geos, size_class) = build_classes(cfg);
         let classes = geos
             .into_iter()
-            .map(|geo| Mutex::new(Class { geo, spans: Vec::new(), free_ids: Vec::new(), partial: Vec::new() }))
+            .map(|geo| {
+                Mutex::new(
+                    Rank::AllocClass,
+                    Class { geo, spans: Vec::new(), free_ids: Vec::new(), partial: Vec::new() },
+                )
+            })
             .collect();
         Self {
             arena: PageArena::new(),
@@ -356,7 +361,7 @@ impl ZsAlloc {
     }
 
     fn lock(&self, class: usize) -> MutexGuard<'_, Class> {
-        self.classes[class].lock().unwrap_or_else(PoisonError::into_inner)
+        self.classes[class].lock()
     }
 
     /// Bytes held from the kernel, span memory plus bookkeeping: zram's `mem_used_total`.

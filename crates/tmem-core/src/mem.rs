@@ -10,7 +10,7 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use crate::PAGE_SIZE;
 
@@ -180,11 +180,14 @@ impl PageArena {
     /// Creates an empty arena; no memory is mapped until the first span.
     pub fn new() -> Self {
         Self {
-            inner: Mutex::new(ArenaInner {
-                chunks: Vec::new(),
-                bump: CHUNK_BYTES,
-                free: (0..MAX_SPAN_PAGES).map(|_| Vec::new()).collect(),
-            }),
+            inner: Mutex::new(
+                Rank::AllocArena,
+                ArenaInner {
+                    chunks: Vec::new(),
+                    bump: CHUNK_BYTES,
+                    free: (0..MAX_SPAN_PAGES).map(|_| Vec::new()).collect(),
+                },
+            ),
             used_pages: AtomicU64::new(0),
         }
     }
@@ -201,8 +204,8 @@ impl PageArena {
         (g.chunks.capacity() * std::mem::size_of::<Chunk>() + free) as u64
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, ArenaInner> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, ArenaInner> {
+        self.inner.lock()
     }
 
     /// Returns a zero-filled span of `pages` pages.
@@ -291,7 +294,7 @@ fn map_chunk() -> Result<NonNull<u8>, MemError> {
 
 impl Drop for PageArena {
     fn drop(&mut self) {
-        let g = self.inner.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let g = self.inner.get_mut();
         for c in g.chunks.drain(..) {
             // SAFETY: each chunk was mapped by map_chunk with CHUNK_BYTES and
             // the arena (and so every span in it) is being dropped.

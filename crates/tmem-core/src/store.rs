@@ -4,14 +4,16 @@
 //!
 //! * Each pool has [`default_shards`] (or configured) shard mutexes; a key's shard is fixed by its
 //!   hash. put/get/flush of one key take exactly one shard lock.
-//! * Lock order: `Shared::compaction` → shard lock → allocator class lock →
-//!   arena lock. `Shared::pools` (read) may be taken before any of them and is
-//!   never held while waiting for `compaction`.
+//! * Lock order: docs/ARCHITECTURE.md, "Lock order" (`tmem_lock::Rank`):
+//!   compaction, pools, then per key the tier-put locks, the shard, the
+//!   allocator's class and arena.
 //! * Compression runs before any lock; decompression runs under the shard
 //!   lock, which is what keeps compaction from moving the object meanwhile.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, OnceLock};
+
+use tmem_lock::{Mutex, MutexGuard, Rank, RwLock};
 
 use crate::alloc::{AllocConfig, Loc, ZsAlloc};
 use crate::codec::{fill_page, same_filled, Codec, CodecConfig, CodecError, COMPRESS_BUF_SIZE};
@@ -34,6 +36,14 @@ const AUTO_COMPACT_MIN_BYTES: u64 = 4 << 20;
 const ROOM_RETRY_NS: u64 = 5_000_000;
 /// Pages evicted from one shard per visit when making room.
 const EVICT_BATCH: usize = 32;
+
+/// Whether a put does the slow work it makes due (making room, compaction,
+/// tier removals) itself, or leaves it to [`Pool::maintain`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Work {
+    Inline,
+    Deferred,
+}
 
 /// Kind of pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -195,13 +205,13 @@ impl StoreConfig {
             alloc: ZsAlloc::with_config(self.alloc),
             policy,
             codecs: std::array::from_fn(|_| OnceLock::new()),
-            codec_count: Mutex::new(0),
+            codec_count: Mutex::new(Rank::CodecCount, 0),
             current_codec: AtomicU8::new(RAW_CODEC),
             reached_full: AtomicBool::new(false),
             index_meta: AtomicU64::new(0),
             codec_meta: AtomicU64::new(0),
-            pools: RwLock::new(Vec::new()),
-            compaction: Mutex::new(()),
+            pools: RwLock::new(Rank::StorePools, Vec::new()),
+            compaction: Mutex::new(Rank::StoreCompaction, ()),
             evict_cursor: AtomicUsize::new(0),
             next_version: AtomicU64::new(1),
             clock: std::time::Instant::now(),
@@ -257,7 +267,7 @@ struct Shared {
 impl Shared {
     fn register_codec(&self, cfg: &CodecConfig) -> Result<u8, StoreError> {
         let codec = cfg.build()?;
-        let mut n = lock(&self.codec_count);
+        let mut n = self.codec_count.lock();
         if *n >= MAX_CODECS {
             return Err(StoreError::TooManyCodecs);
         }
@@ -285,19 +295,20 @@ impl Shared {
     }
 
     fn pools_snapshot(&self) -> Vec<Arc<Pool>> {
-        self.pools.read().unwrap_or_else(PoisonError::into_inner).iter().flatten().cloned().collect()
+        self.pools.read().iter().flatten().cloned().collect()
     }
 
     /// zswap's admission: after hitting the limit, refuse until usage falls
     /// below the accept threshold. Ephemeral pages are dropped first.
-    fn admit(&self, pool: &Pool) -> bool {
+    fn admit(&self, pool: &Pool, work: Work) -> bool {
         let limit = self.policy.limit_bytes();
         if limit == u64::MAX {
             return true;
         }
         let accept = self.policy.accept_bytes();
+        let inline = work == Work::Inline;
         if self.reached_full.load(Ordering::Relaxed) {
-            if self.total_bytes() < accept || (self.may_retry_room() && self.make_room(accept)) {
+            if self.total_bytes() < accept || (inline && self.may_retry_room() && self.make_room(accept)) {
                 self.reached_full.store(false, Ordering::Relaxed);
                 return true;
             }
@@ -307,11 +318,26 @@ impl Shared {
         if self.total_bytes() < limit {
             return true;
         }
-        if self.may_retry_room() && self.make_room(accept) {
+        if inline && self.may_retry_room() && self.make_room(accept) {
             return true;
         }
         self.reached_full.store(true, Ordering::Relaxed);
         PoolEvents::bump(&pool.events.pool_limit_hit);
+        false
+    }
+
+    /// Makes room (evicting, writing back, compacting) if the store is at
+    /// its limit and may try now; returns whether puts are admitted again.
+    fn make_room_if_full(&self) -> bool {
+        let limit = self.policy.limit_bytes();
+        if limit == u64::MAX || !self.reached_full.load(Ordering::Relaxed) {
+            return true;
+        }
+        let accept = self.policy.accept_bytes();
+        if self.total_bytes() < accept || (self.may_retry_room() && self.make_room(accept)) {
+            self.reached_full.store(false, Ordering::Relaxed);
+            return true;
+        }
         false
     }
 
@@ -378,14 +404,14 @@ impl Shared {
             && self.alloc.stats().span_bytes >= AUTO_COMPACT_MIN_BYTES
             && self.alloc.fragmentation_percent() >= threshold
         {
-            if let Ok(guard) = self.compaction.try_lock() {
+            if let Some(guard) = self.compaction.try_lock() {
                 self.compact_locked(&guard);
             }
         }
     }
 
     fn compact(&self) -> u64 {
-        let guard = lock(&self.compaction);
+        let guard = self.compaction.lock();
         self.compact_locked(&guard)
     }
 
@@ -396,7 +422,7 @@ impl Shared {
         if !plan.is_empty() {
             'pools: for pool in self.pools_snapshot() {
                 for shard in pool.shards.iter() {
-                    let mut s = lock(&shard.0);
+                    let mut s = shard.0.lock();
                     let handles: Vec<u32> = s.entries.live_handles().collect();
                     for h in handles {
                         let e = s.entries.get_mut(h);
@@ -416,12 +442,6 @@ impl Shared {
         self.alloc.finish_compaction(plan);
         self.alloc.stats().pages_compacted - before
     }
-}
-
-/// Locks `m`, taking it over if a holder panicked (every lock of the store,
-/// the ordering-only ones of the tiers included, is taken this way).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Outcome of the pool part of a get.
@@ -448,6 +468,10 @@ pub struct Pool {
     wb_cursor: AtomicUsize,
     /// Stale tier copies waiting to be removed.
     removals: tiering::TierRemovals,
+    /// A deferred put queued enough removals to send them ([`Pool::maintain`]).
+    removals_due: AtomicBool,
+    /// A deferred put freed an object: compaction may be due ([`Pool::maintain`]).
+    compaction_due: AtomicBool,
     /// Orders writeback and incompressible puts of one key to the tiers.
     tier_puts: tiering::TierPutLocks,
 }
@@ -535,13 +559,44 @@ impl Pool {
 
     /// Stores `page` under `key`, replacing any older copy. A refused put
     /// also flushes the older copy, so a later get never returns stale data.
+    /// At the pool limit it makes room first (writeback, eviction,
+    /// compaction), and it compacts and sends stale tier copies' removals
+    /// when due: callers that hold a lock of their own use [`Pool::put_now`].
     pub fn put(&self, key: Key, page: &[u8; PAGE_SIZE]) -> Result<PutOutcome, StoreError> {
+        self.put_with(key, page, Work::Inline)
+    }
+
+    /// [`Pool::put`] without the slow work: at the limit it refuses
+    /// (`Reject::PoolLimit`) instead of making room, and it leaves
+    /// compaction and tier removals to [`Pool::maintain`], which the caller
+    /// runs once it has dropped its own locks (the block layer's page
+    /// stripes). Compression and, for an incompressible page, its tier put
+    /// still run here: they are the page's own storage.
+    pub fn put_now(&self, key: Key, page: &[u8; PAGE_SIZE]) -> Result<PutOutcome, StoreError> {
+        self.put_with(key, page, Work::Deferred)
+    }
+
+    /// The slow work [`Pool::put_now`] leaves: makes room if the store is at
+    /// its limit, compacts if due, sends queued tier removals. Returns
+    /// whether puts are admitted now (a refused put may be retried).
+    pub fn maintain(&self) -> bool {
+        let admitted = self.shared.make_room_if_full();
+        if self.removals_due.swap(false, Ordering::Relaxed) {
+            self.send_tier_removals();
+        }
+        if self.compaction_due.swap(false, Ordering::Relaxed) {
+            self.shared.maybe_compact();
+        }
+        admitted
+    }
+
+    fn put_with(&self, key: Key, page: &[u8; PAGE_SIZE], work: Work) -> Result<PutOutcome, StoreError> {
         self.check_live()?;
         let sh = &*self.shared;
         if sh.policy.frozen() {
             return Ok(self.refuse(key, Reject::Frozen, &self.events.reject_frozen));
         }
-        if !sh.admit(self) {
+        if !sh.admit(self, work) {
             return Ok(self.refuse(key, Reject::PoolLimit, &self.events.pool_limit_hit_counted()));
         }
         let hash = hash_key(key);
@@ -557,7 +612,7 @@ impl Pool {
             };
             let (data, codec_id, flags): (&[u8], u8, u32) = if n <= sh.policy.max_compressed_size() && n < PAGE_SIZE {
                 (&buf[..n], codec_id, 0)
-            } else if let Some(r) = self.incompressible_to_tier(key, hash, page) {
+            } else if let Some(r) = self.incompressible_to_tier(key, hash, page, work) {
                 // Straight to the next tier, as zswap's writeback does for them.
                 return r;
             } else if sh.policy.store_raw() {
@@ -572,15 +627,15 @@ impl Pool {
             };
             Entry::new(key, loc.pack(), crc32fast::hash(data), data.len(), codec_id, flags)
         };
-        let r = self.insert_entry(key, hash, entry);
+        let r = self.insert_entry(key, hash, entry, work);
         self.shared.maybe_train_dictionary();
         r
     }
 
     /// Inserts a ready entry, replacing an older copy of the key.
-    fn insert_entry(&self, key: Key, hash: u64, entry: Entry) -> Result<PutOutcome, StoreError> {
+    fn insert_entry(&self, key: Key, hash: u64, entry: Entry, work: Work) -> Result<PutOutcome, StoreError> {
         let (old, long) = {
-            let mut s = lock(self.shard_of(hash));
+            let mut s = self.shard_of(hash).lock();
             let old = s.insert(entry, hash);
             let c = &mut s.c;
             if let Some(old) = &old {
@@ -597,14 +652,19 @@ impl Pool {
             });
             (old, long)
         };
-        if long {
-            self.send_tier_removals();
+        match (long, work) {
+            (true, Work::Inline) => self.send_tier_removals(),
+            (true, Work::Deferred) => self.removals_due.store(true, Ordering::Relaxed),
+            (false, _) => {}
         }
         if let Some(loc) = old.and_then(|o| o.alloc_loc()) {
             // Safe outside the shard lock: the entry is unreachable, so
             // neither gets nor compaction can see this object any more.
             self.shared.alloc.free(loc);
-            self.shared.maybe_compact();
+            match work {
+                Work::Inline => self.shared.maybe_compact(),
+                Work::Deferred => self.compaction_due.store(true, Ordering::Relaxed),
+            }
         }
         Ok(PutOutcome::Stored)
     }
@@ -660,7 +720,7 @@ impl Pool {
 
     /// Serves a get from the pool, or says that the page is in a tier.
     fn get_local(&self, key: Key, hash: u64, out: &mut [u8; PAGE_SIZE]) -> LocalGet {
-        let mut s = lock(self.shard_of(hash));
+        let mut s = self.shard_of(hash).lock();
         let Some(h) = s.find(key, hash) else {
             s.c.failed_gets += 1;
             return LocalGet::Done(Ok(GetOutcome::Miss));
@@ -707,7 +767,7 @@ impl Pool {
     pub fn contains(&self, key: Key) -> Result<bool, StoreError> {
         self.check_live()?;
         let hash = hash_key(key);
-        Ok(lock(self.shard_of(hash)).find(key, hash).is_some())
+        Ok(self.shard_of(hash).lock().find(key, hash).is_some())
     }
 
     /// Removes the page under `key`; returns whether there was one.
@@ -718,7 +778,7 @@ impl Pool {
 
     fn remove(&self, key: Key, count: bool) -> bool {
         let hash = hash_key(key);
-        let mut s = lock(self.shard_of(hash));
+        let mut s = self.shard_of(hash).lock();
         let Some(e) = s.remove_key(key, hash) else { return false };
         if count {
             s.c.flushes += 1;
@@ -740,7 +800,7 @@ impl Pool {
         self.check_live()?;
         let mut n = 0;
         for shard in self.shards.iter() {
-            let mut s = lock(&shard.0);
+            let mut s = shard.0.lock();
             let victims: Vec<u32> = s.entries.live_handles().filter(|&h| s.entries.get(h).object == object).collect();
             let mut long = false;
             for h in victims {
@@ -766,7 +826,7 @@ impl Pool {
         if self.destroyed.load(Ordering::Acquire) {
             return (0, 0);
         }
-        let mut s = lock(&self.shards[i].0);
+        let mut s = self.shards[i].0.lock();
         let mut n = 0;
         let mut bytes = 0;
         while n < max {
@@ -787,7 +847,7 @@ impl Pool {
     pub fn stats(&self) -> PoolStats {
         let mut c = ShardCounters::default();
         for shard in self.shards.iter() {
-            let s = lock(&shard.0);
+            let s = shard.0.lock();
             let x = &s.c;
             c.stored_pages += x.stored_pages;
             c.same_filled_pages += x.same_filled_pages;
@@ -812,7 +872,7 @@ impl Pool {
     fn destroy(&self) {
         self.destroyed.store(true, Ordering::Release);
         for shard in self.shards.iter() {
-            let mut s = lock(&shard.0);
+            let mut s = shard.0.lock();
             for e in s.drain() {
                 self.forget(&mut s.c, &e);
             }
@@ -827,7 +887,7 @@ impl Pool {
     #[cfg(test)]
     pub(crate) fn corrupt_for_test(&self, key: Key) -> bool {
         let hash = hash_key(key);
-        let s = lock(self.shard_of(hash));
+        let s = self.shard_of(hash).lock();
         let Some(h) = s.find(key, hash) else { return false };
         let e = *s.entries.get(h);
         let Some(loc) = e.alloc_loc() else { return false };
@@ -860,7 +920,7 @@ impl std::fmt::Debug for Store {
 impl Drop for Store {
     fn drop(&mut self) {
         // Break the Pool -> Shared -> pools cycle.
-        self.shared.pools.write().unwrap_or_else(PoisonError::into_inner).clear();
+        self.shared.pools.write().clear();
     }
 }
 
@@ -877,18 +937,20 @@ impl Store {
     }
 
     fn create_pool_inner(&self, cfg: PoolConfig, chain: Option<TierChain>) -> Arc<Pool> {
-        let mut pools = self.shared.pools.write().unwrap_or_else(PoisonError::into_inner);
+        let mut pools = self.shared.pools.write();
         let id = PoolId::try_from(pools.len()).expect("fewer than 2^32 pools");
         let pool = Arc::new(Pool {
             id,
             cfg,
-            shards: (0..self.shards).map(|_| PaddedShard(Mutex::new(Shard::new()))).collect(),
+            shards: (0..self.shards).map(|_| PaddedShard(Mutex::new(Rank::Shard, Shard::new()))).collect(),
             events: PoolEvents::default(),
             destroyed: AtomicBool::new(false),
             shared: Arc::clone(&self.shared),
             chain,
             wb_cursor: AtomicUsize::new(0),
             removals: tiering::TierRemovals::default(),
+            removals_due: AtomicBool::new(false),
+            compaction_due: AtomicBool::new(false),
             tier_puts: tiering::TierPutLocks::new(self.shards),
         });
         if let Some(c) = &pool.chain {
@@ -901,7 +963,7 @@ impl Store {
 
     /// Looks a pool up by id.
     pub fn pool(&self, id: PoolId) -> Result<Arc<Pool>, StoreError> {
-        let pools = self.shared.pools.read().unwrap_or_else(PoisonError::into_inner);
+        let pools = self.shared.pools.read();
         match pools.get(id as usize) {
             Some(Some(p)) => Ok(Arc::clone(p)),
             Some(None) => Err(StoreError::PoolDestroyed(id)),
@@ -917,7 +979,7 @@ impl Store {
     /// Frees every page of the pool and removes it.
     pub fn destroy_pool(&self, id: PoolId) -> Result<(), StoreError> {
         let pool = {
-            let mut pools = self.shared.pools.write().unwrap_or_else(PoisonError::into_inner);
+            let mut pools = self.shared.pools.write();
             match pools.get_mut(id as usize) {
                 Some(slot @ Some(_)) => slot.take().expect("checked Some"),
                 Some(None) => return Err(StoreError::PoolDestroyed(id)),

@@ -9,7 +9,9 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::capture::capture_pid;
@@ -173,7 +175,7 @@ fn nanos() -> u64 {
 
 /// Appends to a bounded tail buffer.
 fn push_tail(tail: &Mutex<Vec<u8>>, bytes: &[u8]) {
-    let mut t = tail.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut t = tail.lock();
     t.extend_from_slice(bytes);
     if t.len() > OUTPUT_TAIL {
         let cut = t.len() - OUTPUT_TAIL;
@@ -252,7 +254,7 @@ impl Spawned {
         };
         // Give the output readers a moment to collect the last words.
         std::thread::sleep(Duration::from_millis(100));
-        let output = self.output.lock().map(|o| String::from_utf8_lossy(&o).into_owned()).unwrap_or_default();
+        let output = String::from_utf8_lossy(&self.output.lock()).into_owned();
         CorpusError::ChildFailed { program: self.program.clone(), status, output }
     }
 

@@ -16,14 +16,16 @@
 //!
 //! Threads: the main thread (setup, then waits for an [`Event`]), a signal
 //! thread, the control server (a thread per client) and the frontends'
-//! workers. Lock order: `Daemon::teardown_gate` before `Daemon::state`; no
-//! other daemon lock is held while either is (docs/ARCHITECTURE.md).
+//! workers. Lock order: docs/ARCHITECTURE.md, "Lock order" (`Rank::DaemonTeardown`
+//! → `DaemonState` → `DaemonEvents`).
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{mpsc, Arc};
+
+use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use sd_notify::NotifyState;
 use tmem_block::{BlockDevice, DeviceConfig, PoolDevice};
@@ -163,14 +165,17 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         spec,
         dir,
         devices,
-        state: Mutex::new(State {
-            status: Status { state: "starting".into(), pid: std::process::id(), steps, ..Status::default() },
-            fuse: None,
-            nbd: None,
-            metrics: None,
-        }),
-        teardown_gate: Mutex::new(()),
-        events: Mutex::new(tx),
+        state: Mutex::new(
+            Rank::DaemonState,
+            State {
+                status: Status { state: "starting".into(), pid: std::process::id(), steps, ..Status::default() },
+                fuse: None,
+                nbd: None,
+                metrics: None,
+            },
+        ),
+        teardown_gate: Mutex::new(Rank::DaemonTeardown, ()),
+        events: Mutex::new(Rank::DaemonEvents, tx),
         signalled,
         exited: AtomicBool::new(false),
     });
@@ -267,7 +272,7 @@ fn watch_signals(tx: mpsc::Sender<Event>, signalled: Arc<AtomicI32>) -> Result<(
 
 impl Daemon {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.lock()
     }
 
     /// Records a step: in the log, in the status, and in the state file.
@@ -420,7 +425,7 @@ impl Daemon {
     /// swapoff, detach, unmount. Stops at the first swapoff failure and
     /// leaves everything serving.
     fn teardown(&self) -> Result<(), DaemonError> {
-        let _gate = self.teardown_gate.lock().unwrap_or_else(PoisonError::into_inner);
+        let _gate = self.teardown_gate.lock();
         if self.exited.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -503,7 +508,7 @@ impl control::Handler for Daemon {
 
     fn answered(&self, req: &Request) {
         if matches!(req, Request::Down) && self.exited.load(Ordering::Acquire) {
-            let _ = self.events.lock().unwrap_or_else(PoisonError::into_inner).send(Event::Down);
+            let _ = self.events.lock().send(Event::Down);
         }
     }
 }

@@ -30,8 +30,10 @@
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
 use std::thread::JoinHandle;
+use tmem_lock::{Mutex, Rank};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
@@ -349,7 +351,6 @@ fn set_sqe_len(sqe: &mut squeue::Entry128, len: u32) {
 }
 
 /// State the workers of one mount share.
-#[derive(Default)]
 struct Shared {
     /// Requests served.
     served: AtomicU64,
@@ -357,9 +358,15 @@ struct Shared {
     failure: Mutex<Option<String>>,
 }
 
+impl Default for Shared {
+    fn default() -> Self {
+        Self { served: AtomicU64::new(0), failure: Mutex::new(Rank::UringFailure, None) }
+    }
+}
+
 impl Shared {
     fn fail(&self, why: String) {
-        let mut f = self.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut f = self.failure.lock();
         f.get_or_insert(why);
     }
 }
@@ -410,7 +417,7 @@ impl UringWorkers {
     }
 
     pub(crate) fn failure(&self) -> Option<String> {
-        self.shared.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        self.shared.failure.lock().clone()
     }
 
     /// Waits for the workers (they end when the connection does).

@@ -2,8 +2,8 @@
 //! buffers shared by all sessions, and each connection's deadline.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
+use tmem_lock::{Condvar, Mutex, MutexGuard, Rank};
 
 use crate::stats::bump;
 
@@ -31,7 +31,7 @@ impl Budget {
     pub(crate) fn new(limit: usize) -> Self {
         Self {
             limit,
-            used: Mutex::new(0),
+            used: Mutex::new(Rank::NbdBudget, 0),
             freed: Condvar::new(),
             now: AtomicU64::new(0),
             peak: AtomicU64::new(0),
@@ -40,7 +40,7 @@ impl Budget {
     }
 
     fn used(&self) -> MutexGuard<'_, usize> {
-        self.used.lock().unwrap_or_else(PoisonError::into_inner)
+        self.used.lock()
     }
 
     /// Takes `n` bytes, waiting while that would go over the limit. The
@@ -52,7 +52,7 @@ impl Budget {
         if *used + n > self.limit {
             bump(&self.waits, 1);
             while *used + n > self.limit {
-                used = self.freed.wait(used).unwrap_or_else(PoisonError::into_inner);
+                self.freed.wait(&mut used);
             }
         }
         *used += n;

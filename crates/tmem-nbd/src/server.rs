@@ -12,9 +12,11 @@ use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt}
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
+
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use crate::limits::{Budget, Timer, Watch};
 use crate::proto::{MAX_PAYLOAD, PREFERRED_BLOCK_SIZE};
@@ -342,7 +344,7 @@ struct Shared {
 
 impl Shared {
     fn conns(&self) -> MutexGuard<'_, Conns> {
-        self.conns.lock().unwrap_or_else(PoisonError::into_inner)
+        self.conns.lock()
     }
 
     fn stats(&self) -> ServerStats {
@@ -459,7 +461,7 @@ impl NbdServer {
         };
         let shared = Arc::new(Shared {
             exports,
-            conns: Mutex::default(),
+            conns: Mutex::new(Rank::NbdConns, Conns::default()),
             budget: Budget::new(config.max_buffered_bytes),
             accepted: AtomicU64::new(0),
             refused_connection_limit: AtomicU64::new(0),

@@ -149,13 +149,13 @@ pub enum ZramError {
 }
 
 /// Ids of the devices this process removed, in order (see [`removed_ids`]).
-static REMOVED: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+static REMOVED: parking_lot::Mutex<Vec<u32>> = parking_lot::Mutex::new(Vec::new());
 
 /// Ids of the zram devices this process removed, in order: tests check with
 /// it that every device they or a benchmark hot-added is gone again.
 #[must_use]
 pub fn removed_ids() -> Vec<u32> {
-    REMOVED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    REMOVED.lock().clone()
 }
 
 /// A zram device hot-added for its owner alone; reset and removed on drop.
@@ -267,7 +267,7 @@ impl ZramDevice {
             })
         })?;
         self.removed = true;
-        REMOVED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(self.id);
+        REMOVED.lock().push(self.id);
         Ok(())
     }
 }

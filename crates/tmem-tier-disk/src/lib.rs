@@ -98,7 +98,7 @@
 //! in the order they were queued; whoever queues work tries to become the
 //! writer and otherwise leaves it to the current one (who re-checks for work
 //! after unlocking). The GC is serialised by its own lock, which owns its
-//! read buffer. Lock order: `gc` → `writer` → `state`.
+//! read buffer. Lock order: docs/ARCHITECTURE.md (`Rank::DiskGc` → `DiskWriter` → `DiskState`).
 //!
 //! **Why `pread`/`pwrite` and not io_uring.** The callers are synchronous
 //! (a FUSE/swap thread waits for its page anyway), the machine has two cores
@@ -133,8 +133,10 @@ use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::Arc;
+
 use std::time::Instant;
+use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use tmem_tier::{
     check_len, Capacity, Health, LatencyHistogram, Tier, TierError, TierGet, TierKey, TierPut, TierStats, MAX_VALUE,
@@ -743,14 +745,14 @@ impl DiskTier {
             seg_bytes: s,
             nsegs,
             min_gain,
-            state: Mutex::new(state),
+            state: Mutex::new(Rank::DiskState, state),
             gens: (0..nsegs).map(|_| AtomicU64::new(0)).collect(),
-            writer: Mutex::new(Writer { flush_buf: None }),
-            gc: Mutex::new(Gc { buf: None }),
+            writer: Mutex::new(Rank::DiskWriter, Writer { flush_buf: None }),
+            gc: Mutex::new(Rank::DiskGc, Gc { buf: None }),
             work_hint: AtomicBool::new(false),
             discard_ok: AtomicBool::new(discard_ok),
             failed_writes: AtomicUsize::new(0),
-            io_error: Mutex::new(None),
+            io_error: Mutex::new(Rank::DiskIoError, None),
             io_error_set: AtomicBool::new(false),
             counters: Counters::default(),
             get_latency: LatencyHistogram::default(),
@@ -780,7 +782,7 @@ impl DiskTier {
     /// pages (the open segment stays open). Values are readable without a
     /// flush; this bounds what only memory holds. Fails while segment writes fail.
     pub fn flush(&self) -> Result<(), TierError> {
-        let mut w = self.writer.lock().expect("disk tier writer lock poisoned");
+        let mut w = self.writer.lock();
         self.pump_locked(&mut w, true);
         let mut result = Ok(());
         let mut st = self.lock();
@@ -862,7 +864,7 @@ impl DiskTier {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().expect("disk tier state lock poisoned")
+        self.state.lock()
     }
 
     fn seg_off(&self, seg: u32) -> u64 {
@@ -892,12 +894,11 @@ impl DiskTier {
         let mut block = block;
         loop {
             let mut w = if block {
-                self.writer.lock().expect("disk tier writer lock poisoned")
+                self.writer.lock()
             } else {
                 match self.writer.try_lock() {
-                    Ok(w) => w,
-                    Err(TryLockError::WouldBlock) => return,
-                    Err(TryLockError::Poisoned(_)) => panic!("disk tier writer lock poisoned"),
+                    Some(w) => w,
+                    None => return,
                 }
             };
             self.pump_locked(&mut w, block);
@@ -993,19 +994,19 @@ impl DiskTier {
     }
 
     fn io_failed(&self, what: &str, e: &io::Error) {
-        *self.io_error.lock().expect("disk tier error lock poisoned") = Some(format!("{what}: {e}"));
+        *self.io_error.lock() = Some(format!("{what}: {e}"));
         self.io_error_set.store(true, Ordering::SeqCst);
     }
 
     fn io_ok(&self) {
         if self.io_error_set.load(Ordering::Relaxed) && self.failed_writes.load(Ordering::SeqCst) == 0 {
-            *self.io_error.lock().expect("disk tier error lock poisoned") = None;
+            *self.io_error.lock() = None;
             self.io_error_set.store(false, Ordering::SeqCst);
         }
     }
 
     fn io_error_text(&self) -> String {
-        self.io_error.lock().expect("disk tier error lock poisoned").clone().unwrap_or_default()
+        self.io_error.lock().clone().unwrap_or_default()
     }
 
     /// Reads a value of a sealed segment from disk into `out`.
@@ -1215,7 +1216,7 @@ impl DiskTier {
     /// Collects one victim segment: moves its live records to the open
     /// segment, which frees it. Returns whether room was made (or already there).
     fn gc_once(&self) -> Result<bool, TierError> {
-        let mut gc = self.gc.lock().expect("disk tier gc lock poisoned");
+        let mut gc = self.gc.lock();
         let (victim, used, gen) = {
             let st = self.lock();
             if st.free.len() > RESERVE_SEGMENTS || st.discarding > 0 {
@@ -1431,7 +1432,7 @@ impl Tier for DiskTier {
     }
 
     fn health(&self) -> Health {
-        if let Some(e) = self.io_error.lock().expect("disk tier error lock poisoned").clone() {
+        if let Some(e) = self.io_error.lock().clone() {
             return Health::Down(e);
         }
         if self.fallback {

@@ -826,7 +826,7 @@ impl Inner {
             }
             for (n, node) in self.nodes.iter().enumerate() {
                 if !node.is_up() {
-                    let due = crate::index::lock(&node.state).next_attempt <= now;
+                    let due = node.state.lock().next_attempt <= now;
                     if due && !node.connecting.swap(true, Ordering::AcqRel) {
                         let me = Arc::clone(&self);
                         tokio::spawn(async move {

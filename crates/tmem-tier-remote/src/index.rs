@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use tmem_tier::TierKey;
 
@@ -83,7 +83,7 @@ pub(crate) struct Index {
 impl Index {
     pub fn new(nodes: usize) -> Self {
         Self {
-            shards: (0..1 << SHARD_BITS).map(|_| Mutex::new(Shard::default())).collect(),
+            shards: (0..1 << SHARD_BITS).map(|_| Mutex::new(Rank::RemoteIndex, Shard::default())).collect(),
             total: Usage::default(),
             lost: AtomicU64::new(0),
             per_node: (0..nodes).map(|_| Usage::default()).collect(),
@@ -102,12 +102,12 @@ impl Index {
 
     /// Locks the shard holding `k`.
     pub fn shard(&self, k: TierKey) -> MutexGuard<'_, Shard> {
-        lock(&self.shards[Self::shard_of(k)])
+        self.shards[Self::shard_of(k)].lock()
     }
 
     /// All shards, one at a time.
     pub fn shards(&self) -> impl Iterator<Item = MutexGuard<'_, Shard>> {
-        self.shards.iter().map(lock)
+        self.shards.iter().map(Mutex::lock)
     }
 
     /// The entry of `k`.
@@ -166,11 +166,6 @@ impl Index {
             self.account(Some(&old), Some(&new));
         }
     }
-}
-
-/// Locks a mutex, recovering from poisoning (the data are plain records).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -344,7 +344,7 @@ impl RemoteTier {
             .iter()
             .zip(i.index.per_node.iter())
             .map(|(n, u)| {
-                let st = index::lock(&n.state);
+                let st = n.state.lock();
                 NodeStats {
                     node: n.name.clone(),
                     up: n.is_up(),
@@ -445,7 +445,7 @@ impl Tier for RemoteTier {
         let i = &self.inner;
         let used = i.index.per_node.iter().map(|u| u.bytes.load(Ordering::Relaxed)).sum();
         let limits: Vec<Option<u64>> =
-            i.nodes.iter().map(|n| index::lock(&n.state).memory.maxmemory.filter(|m| *m > 0)).collect();
+            i.nodes.iter().map(|n| n.state.lock().memory.maxmemory.filter(|m| *m > 0)).collect();
         let limit_bytes = limits.iter().all(Option::is_some).then(|| limits.iter().flatten().sum());
         Capacity { stored_pages: i.index.total.pages.load(Ordering::Relaxed), used_bytes: used, limit_bytes }
     }

@@ -1,13 +1,11 @@
 //! One Redis/Valkey server: its connection, up/down state and counters.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use tmem_lock::{Mutex, Rank};
 
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, ErrorKind, RedisError, Value};
-
-use crate::index::lock;
 
 /// First reconnect delay after a node goes down; doubles per failed attempt.
 pub(crate) const MIN_BACKOFF: Duration = Duration::from_millis(100);
@@ -108,13 +106,16 @@ impl Node {
             client,
             up: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
-            state: Mutex::new(NodeState {
-                conn: None,
-                next_attempt: Instant::now(),
-                backoff: MIN_BACKOFF,
-                last_error: None,
-                memory: MemoryConfig::default(),
-            }),
+            state: Mutex::new(
+                Rank::RemoteNode,
+                NodeState {
+                    conn: None,
+                    next_attempt: Instant::now(),
+                    backoff: MIN_BACKOFF,
+                    last_error: None,
+                    memory: MemoryConfig::default(),
+                },
+            ),
             errors: AtomicU64::new(0),
             oom: AtomicU64::new(0),
             down_events: AtomicU64::new(0),
@@ -130,7 +131,7 @@ impl Node {
 
     /// The connection and the epoch it belongs to, when up.
     pub fn conn(&self) -> Option<(MultiplexedConnection, u64)> {
-        let st = lock(&self.state);
+        let st = self.state.lock();
         if !self.is_up() {
             return None;
         }
@@ -142,7 +143,7 @@ impl Node {
     /// that writes still in flight on the old connection are over before the
     /// node's keys are wiped on its return.
     pub fn mark_down(&self, epoch: u64, reason: &str, first_retry: Duration) -> bool {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         if !self.is_up() || self.epoch.load(Ordering::Acquire) != epoch {
             return false;
         }
@@ -158,7 +159,7 @@ impl Node {
 
     /// Records a failed connection attempt and schedules the next.
     pub fn attempt_failed(&self, reason: String) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         st.next_attempt = Instant::now() + st.backoff;
         st.backoff = (st.backoff * 2).min(MAX_BACKOFF);
         st.last_error = Some(reason);
@@ -166,7 +167,7 @@ impl Node {
 
     /// Puts a checked connection in service.
     pub fn bring_up(&self, conn: MultiplexedConnection, memory: MemoryConfig) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         st.conn = Some(conn);
         st.backoff = MIN_BACKOFF;
         st.memory = memory;

@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
+use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use crate::{check_len, Capacity, Health, LatencyHistogram, Tier, TierError, TierGet, TierKey, TierPut, TierStats};
 
@@ -34,7 +34,7 @@ impl MemTier {
     pub fn new(limit: u64) -> Self {
         Self {
             limit,
-            map: Mutex::default(),
+            map: Mutex::new(Rank::MemTier, HashMap::new()),
             bytes: AtomicU64::new(0),
             writes: AtomicU64::new(0),
             full: AtomicU64::new(0),
@@ -48,8 +48,8 @@ impl MemTier {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<TierKey, Vec<u8>>> {
-        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, HashMap<TierKey, Vec<u8>>> {
+        self.map.lock()
     }
 
     /// Applies `f` to the stored value of `key` (tamper and replay tests).

@@ -315,7 +315,9 @@ impl Sealer {
 #[cfg(any(test, feature = "nonce-audit"))]
 pub mod audit {
     use std::collections::{HashMap, HashSet};
-    use std::sync::{Arc, Mutex, PoisonError};
+    use std::sync::Arc;
+
+    use tmem_lock::{Mutex, Rank};
 
     /// Stripes of a subkey's set, so threads sealing at once rarely meet.
     const STRIPES: usize = 64;
@@ -326,25 +328,25 @@ pub mod audit {
 
     impl Default for Versions {
         fn default() -> Self {
-            Self(std::array::from_fn(|_| Mutex::new(None)))
+            Self(std::array::from_fn(|_| Mutex::new(Rank::SealAudit, None)))
         }
     }
 
     impl Versions {
         pub(super) fn record(&self, version: u64, key_id: u32) {
             let stripe = &self.0[usize::try_from(version % STRIPES as u64).expect("< STRIPES")];
-            let mut g = stripe.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut g = stripe.lock();
             let fresh = g.get_or_insert_with(HashSet::new).insert(version);
             assert!(fresh, "AEAD nonce reuse: version {version} sealed twice under one subkey (key id {key_id:#x})");
         }
     }
 
     /// Subkey fingerprint -> the versions sealed under it.
-    static SUBKEYS: Mutex<Option<HashMap<[u8; 16], Arc<Versions>>>> = Mutex::new(None);
+    static SUBKEYS: Mutex<Option<HashMap<[u8; 16], Arc<Versions>>>> = Mutex::new(Rank::SealAudit, None);
 
     /// The set of a subkey, shared by every sealer of it in this process.
     pub(super) fn versions_of(fingerprint: [u8; 16]) -> Arc<Versions> {
-        let mut g = SUBKEYS.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut g = SUBKEYS.lock();
         Arc::clone(g.get_or_insert_with(HashMap::new).entry(fingerprint).or_default())
     }
 }

@@ -19,9 +19,11 @@
 //! their codec id, so nothing is recompressed and nothing needs migrating.
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use super::{lock, Pool, Shared, Store, StoreError};
+use tmem_lock::{Mutex, Rank};
+
+use super::{Pool, Shared, Store, StoreError};
 use crate::codec::{train_dictionary, CodecConfig};
 use crate::PAGE_SIZE;
 
@@ -68,11 +70,11 @@ pub(super) struct AutoDictionary {
 
 impl AutoDictionary {
     pub(super) fn new(base: CodecConfig, cfg: DictTraining) -> Self {
-        Self { base, cfg, state: AtomicU8::new(WAITING), status: Mutex::new("waiting".into()) }
+        Self { base, cfg, state: AtomicU8::new(WAITING), status: Mutex::new(Rank::DictionaryStatus, "waiting".into()) }
     }
 
     fn set_status(&self, s: String) {
-        *lock(&self.status) = s;
+        *self.status.lock() = s;
     }
 }
 
@@ -83,7 +85,7 @@ impl Pool {
         let mut seen = 0usize;
         let mut page = [0u8; PAGE_SIZE];
         for shard in self.shards.iter() {
-            let s = lock(&shard.0);
+            let s = shard.0.lock();
             for h in s.entries.live_handles() {
                 if out.len() >= max {
                     return;
@@ -152,7 +154,7 @@ impl Shared {
 
     /// Automatic training status, if configured.
     pub(super) fn dictionary_status(&self) -> Option<String> {
-        self.auto_dictionary.as_ref().map(|a| lock(&a.status).clone())
+        self.auto_dictionary.as_ref().map(|a| a.status.lock().clone())
     }
 }
 

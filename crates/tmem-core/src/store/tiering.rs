@@ -15,14 +15,16 @@
 //! synchronously before it would refuse.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
+
 use std::thread::JoinHandle;
 use std::time::Duration;
+use tmem_lock::{Condvar, Mutex, MutexGuard, Rank};
 
 use tmem_tier::seal::Sealer;
 use tmem_tier::{Tier, TierError, TierGet, TierKey, TierPut, TierStats};
 
-use super::{lock, GetOutcome, Pool, PoolEvents, PutOutcome, Shared, StoreError, RAW_CODEC};
+use super::{GetOutcome, Pool, PoolEvents, PutOutcome, Shared, StoreError, Work, RAW_CODEC};
 use crate::shard::{hash_key, Entry, F_INCOMPRESSIBLE, F_TIER, F_WB, MAX_TIERS};
 use crate::{Key, PAGE_SIZE};
 
@@ -47,7 +49,8 @@ const TIER_PUT_STRIPES: usize = 256;
 ///   marked `F_WB`; an incompressible put holds its key's stripe from its tier
 ///   put to its entry insert.
 ///
-/// Lock order: writeback → stripe(s) → shard lock.
+/// Lock order (docs/ARCHITECTURE.md): `Rank::Writeback` → `Rank::TierPutStripe`
+/// (several, in index order) → `Rank::Shard`.
 pub(super) struct TierPutLocks {
     writeback: Box<[Mutex<()>]>,
     stripes: Box<[Mutex<()>]>,
@@ -56,8 +59,8 @@ pub(super) struct TierPutLocks {
 impl TierPutLocks {
     /// Locks for a pool of `shards` shards.
     pub(super) fn new(shards: usize) -> Self {
-        let locks = |n: usize| (0..n).map(|_| Mutex::new(())).collect();
-        Self { writeback: locks(shards), stripes: locks(TIER_PUT_STRIPES) }
+        let locks = |n: usize, rank| (0..n).map(|_| Mutex::new(rank, ())).collect();
+        Self { writeback: locks(shards, Rank::Writeback), stripes: locks(TIER_PUT_STRIPES, Rank::TierPutStripe) }
     }
 
     fn stripe(hash: u64) -> usize {
@@ -65,16 +68,16 @@ impl TierPutLocks {
     }
 
     /// Locks the stripe of one key.
-    fn lock_one(&self, hash: u64) -> std::sync::MutexGuard<'_, ()> {
-        lock(&self.stripes[Self::stripe(hash)])
+    fn lock_one(&self, hash: u64) -> MutexGuard<'_, ()> {
+        self.stripes[Self::stripe(hash)].lock()
     }
 
     /// Locks the stripes of `hashes`, in order.
-    fn lock_all(&self, hashes: impl Iterator<Item = u64>) -> Vec<std::sync::MutexGuard<'_, ()>> {
+    fn lock_all(&self, hashes: impl Iterator<Item = u64>) -> Vec<MutexGuard<'_, ()>> {
         let mut ids: Vec<usize> = hashes.map(Self::stripe).collect();
         ids.sort_unstable();
         ids.dedup();
-        ids.into_iter().map(|i| lock(&self.stripes[i])).collect()
+        ids.into_iter().map(|i| self.stripes[i].lock()).collect()
     }
 }
 
@@ -93,9 +96,9 @@ impl TierPutLocks {
 ///   everything queued so far and holds `sending` while it does, so a put
 ///   that follows can't overtake it.
 ///
-/// Lock order: shard lock → `queue`; `sending` → `queue`; `sending` is never
-/// taken under a shard lock.
-#[derive(Default)]
+/// Lock order (docs/ARCHITECTURE.md): `Rank::TierRemovalSending` →
+/// `Rank::Shard` → `Rank::TierRemovalQueue`; `sending` is never taken under
+/// a shard lock.
 pub(super) struct TierRemovals {
     /// (tier index, key) of stale copies, in the order they became stale.
     queue: Mutex<Vec<(usize, TierKey)>>,
@@ -103,11 +106,20 @@ pub(super) struct TierRemovals {
     sending: Mutex<()>,
 }
 
+impl Default for TierRemovals {
+    fn default() -> Self {
+        Self {
+            queue: Mutex::new(Rank::TierRemovalQueue, Vec::new()),
+            sending: Mutex::new(Rank::TierRemovalSending, ()),
+        }
+    }
+}
+
 impl TierRemovals {
     /// Queues the removal of `tkey` from tier `t`; returns whether the queue
     /// is long enough to send now.
     fn push(&self, t: usize, tkey: TierKey) -> bool {
-        let mut q = lock(&self.queue);
+        let mut q = self.queue.lock();
         q.push((t, tkey));
         q.len() >= REMOVE_BATCH
     }
@@ -115,8 +127,8 @@ impl TierRemovals {
     /// Sends every queued removal, one batch per tier. A failed removal
     /// leaves an unreachable sealed value behind, cleared with the pool.
     pub(super) fn send(&self, chain: &TierChain) {
-        let _sending = lock(&self.sending);
-        let batch = std::mem::take(&mut *lock(&self.queue));
+        let _sending = self.sending.lock();
+        let batch = std::mem::take(&mut *self.queue.lock());
         if batch.is_empty() {
             return;
         }
@@ -243,6 +255,7 @@ impl Pool {
         key: Key,
         hash: u64,
         page: &[u8; PAGE_SIZE],
+        work: Work,
     ) -> Option<Result<PutOutcome, StoreError>> {
         let chain = self.chain.as_ref()?;
         let _stripe = self.tier_puts.lock_one(hash);
@@ -250,8 +263,8 @@ impl Pool {
         let (tier, version) = chain.put_one(&self.shared, self.tier_key(key), page)?;
         let mut e = Entry::new(key, 0, crc32fast::hash(page), PAGE_SIZE, RAW_CODEC, F_INCOMPRESSIBLE);
         e.set_tier(tier, version);
-        lock(self.shard_of(hash)).c.incompressible_to_tier += 1;
-        Some(self.insert_entry(key, hash, e))
+        self.shard_of(hash).lock().c.incompressible_to_tier += 1;
+        Some(self.insert_entry(key, hash, e, work))
     }
 
     /// Queues the removal of the tier copy of `e`, which has just left its
@@ -334,7 +347,7 @@ impl Pool {
             return Err(err);
         }
         let Some(chain) = &self.chain else { return Ok(GetOutcome::Hit) };
-        let mut s = lock(self.shard_of(hash));
+        let mut s = self.shard_of(hash).lock();
         s.c.succ_gets += 1;
         s.c.tier_gets += 1;
         s.c.decompressions += u64::from(!e.has(F_INCOMPRESSIBLE));
@@ -454,11 +467,11 @@ impl Pool {
 
     fn write_back_shard(&self, chain: &TierChain, i: usize, max: usize) -> WritebackReport {
         let mut report = WritebackReport::default();
-        let _one_writeback = lock(&self.tier_puts.writeback[i]);
+        let _one_writeback = self.tier_puts.writeback[i].lock();
         // 1. Pick victims and copy their bytes out, under the shard lock.
         let mut victims = Vec::new();
         {
-            let mut s = lock(&self.shards[i].0);
+            let mut s = self.shards[i].0.lock();
             let mut skipped = Vec::new();
             while victims.len() < max {
                 let Some(h) = s.lru_victim() else { break };
@@ -489,7 +502,7 @@ impl Pool {
         // TierPutLocks): a victim replaced meanwhile has lost its F_WB mark.
         let _stripes = self.tier_puts.lock_all(victims.iter().map(|v| hash_key(v.key)));
         {
-            let s = lock(&self.shards[i].0);
+            let s = self.shards[i].0.lock();
             victims.retain(|v| s.find(v.key, hash_key(v.key)).is_some_and(|h| s.entries.get(h).has(F_WB)));
         }
         if victims.is_empty() {
@@ -525,7 +538,7 @@ impl Pool {
         // copied to their tier; put the rest back on the LRU.
         let mut stale = Vec::new();
         {
-            let mut s = lock(&self.shards[i].0);
+            let mut s = self.shards[i].0.lock();
             for (j, v) in victims.iter().enumerate() {
                 let hash = hash_key(v.key);
                 let h = s.find(v.key, hash).filter(|&h| s.entries.get(h).has(F_WB));
@@ -641,7 +654,7 @@ impl std::fmt::Debug for WritebackWorker {
 
 impl WritebackWorker {
     pub(super) fn start(shared: Arc<Shared>, period: Duration) -> Self {
-        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let stop = Arc::new((Mutex::new(Rank::WritebackStop, false), Condvar::new()));
         let running = Arc::new(AtomicBool::new(true));
         let (s2, r2) = (Arc::clone(&stop), Arc::clone(&running));
         let thread = std::thread::Builder::new()
@@ -649,8 +662,10 @@ impl WritebackWorker {
             .spawn(move || {
                 let (m, cv) = &*s2;
                 loop {
-                    let g = lock(m);
-                    let (g, _) = cv.wait_timeout(g, period).unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let mut g = m.lock();
+                    if !*g {
+                        cv.wait_for(&mut g, period);
+                    }
                     if *g {
                         break;
                     }
@@ -681,7 +696,7 @@ impl WritebackWorker {
 impl Drop for WritebackWorker {
     fn drop(&mut self) {
         let (m, cv) = &*self.stop;
-        *lock(m) = true;
+        *m.lock() = true;
         cv.notify_all();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
