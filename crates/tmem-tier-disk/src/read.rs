@@ -1,0 +1,161 @@
+//! The read path: single and batched gets, lock-free `pread`s of sealed
+//! segments retried when a segment is freed under them, and reads of
+//! values still in memory.
+
+use super::*;
+
+impl DiskTier {
+    /// Reads a value of a sealed segment from disk into `out`.
+    pub(crate) fn pread_value(&self, loc: Loc, out: &mut Vec<u8>) -> io::Result<()> {
+        if loc.len == 0 {
+            return Ok(());
+        }
+        let (at, start, end) = self.value_span(loc);
+        let len = us(loc.len);
+        if !self.direct {
+            out.resize(len, 0);
+            self.file.read_exact_at(out, at)?;
+            add(&self.counters.wire_in, u64::from(loc.len));
+            return Ok(());
+        }
+        let buf = self.pread_span(start, end)?;
+        let skip = usize::try_from(at - start).expect("within a page");
+        out.extend_from_slice(&buf[skip..skip + len]);
+        Ok(())
+    }
+
+    /// File offset of the value at `loc`, and the page-aligned range that covers it.
+    pub(crate) fn value_span(&self, loc: Loc) -> (u64, u64, u64) {
+        let page = u64::from(PAGE);
+        let at = self.seg_off(loc.seg) + u64::from(loc.off + RECORD_HEADER);
+        (at, at - at % page, (at + u64::from(loc.len)).div_ceil(page) * page)
+    }
+
+    /// Reads the page-aligned range `[start, end)` of the file.
+    pub(crate) fn pread_span(&self, start: u64, end: u64) -> io::Result<AlignedBuf> {
+        let mut buf = AlignedBuf::zeroed(usize::try_from(end - start).expect("a merged read is small"));
+        self.file.read_exact_at(&mut buf, start)?;
+        add(&self.counters.wire_in, end - start);
+        Ok(buf)
+    }
+
+    /// Batched gets: values of sealed segments that lie close together on
+    /// disk (written back together, as swap readahead reads them back) are
+    /// read with one `pread`. A value whose segment was freed while we read
+    /// is fetched again on its own, like a single get.
+    pub(crate) fn get_batch_inner(&self, keys: &[TierKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
+        let mut out: Vec<Option<Result<Option<Vec<u8>>, TierError>>> = keys.iter().map(|_| None).collect();
+        let mut on_disk: Vec<(usize, Loc, u64)> = Vec::new();
+        {
+            let st = self.lock();
+            for (i, k) in keys.iter().enumerate() {
+                let Some(loc) = st.index.get(k).copied() else {
+                    out[i] = Some(Ok(None));
+                    continue;
+                };
+                if loc.len == 0 {
+                    out[i] = Some(Ok(Some(Vec::new())));
+                } else if let Some(mem) = st.mem(loc.seg) {
+                    let at = us(loc.off + RECORD_HEADER);
+                    out[i] = Some(Ok(Some(mem[at..at + us(loc.len)].to_vec())));
+                } else {
+                    on_disk.push((i, loc, self.gens[us(loc.seg)].load(Ordering::SeqCst)));
+                }
+            }
+        }
+        on_disk.sort_unstable_by_key(|&(_, loc, _)| (loc.seg, loc.off));
+        let page = u64::from(PAGE);
+        let mut retry = Vec::new();
+        let mut g = 0;
+        while g < on_disk.len() {
+            // A run: same segment, each value starting within a page of the
+            // last one's end, at most MERGED_READ bytes in all.
+            let (_, first, _) = on_disk[g];
+            let (_, start, mut end) = self.value_span(first);
+            let mut h = g + 1;
+            while h < on_disk.len() {
+                let (_, loc, _) = on_disk[h];
+                let (_, s, e) = self.value_span(loc);
+                if loc.seg != first.seg || s > end + page || e - start > MERGED_READ {
+                    break;
+                }
+                end = end.max(e);
+                h += 1;
+            }
+            match self.pread_span(start, end) {
+                Ok(buf) => {
+                    for &(i, loc, gen) in &on_disk[g..h] {
+                        if self.gens[us(loc.seg)].load(Ordering::SeqCst) != gen {
+                            add(&self.counters.read_retries, 1);
+                            retry.push(i);
+                            continue;
+                        }
+                        let (at, _, _) = self.value_span(loc);
+                        let skip = usize::try_from(at - start).expect("within the read");
+                        out[i] = Some(Ok(Some(buf[skip..skip + us(loc.len)].to_vec())));
+                    }
+                    self.io_ok();
+                }
+                Err(e) => {
+                    self.io_failed("read", &e);
+                    for &(i, _, _) in &on_disk[g..h] {
+                        out[i] = Some(Err(io_err(io::Error::new(e.kind(), e.to_string()))));
+                    }
+                }
+            }
+            g = h;
+        }
+        for i in retry {
+            let mut v = Vec::new();
+            out[i] = Some(match self.get_inner(keys[i], &mut v) {
+                Ok(TierGet::Hit) => Ok(Some(v)),
+                Ok(TierGet::Miss) => Ok(None),
+                Err(e) => Err(e),
+            });
+        }
+        out.into_iter().map(|r| r.unwrap_or(Ok(None))).collect()
+    }
+
+    pub(crate) fn get_inner(&self, key: TierKey, out: &mut Vec<u8>) -> Result<TierGet, TierError> {
+        let mut attempt = 0;
+        loop {
+            let st = self.lock();
+            let Some(loc) = st.index.get(&key).copied() else { return Ok(TierGet::Miss) };
+            if let Some(mem) = st.mem(loc.seg) {
+                let at = us(loc.off + RECORD_HEADER);
+                out.extend_from_slice(&mem[at..at + us(loc.len)]);
+                return Ok(TierGet::Hit);
+            }
+            debug_assert_eq!(st.segs[us(loc.seg)].state, SegState::Sealed);
+            if attempt >= OPTIMISTIC_READS {
+                // Under the lock the segment cannot be freed.
+                let r = self.pread_value(loc, out);
+                drop(st);
+                return self.read_done(r).map(|()| TierGet::Hit);
+            }
+            let gen = self.gens[us(loc.seg)].load(Ordering::SeqCst);
+            drop(st);
+            let r = self.pread_value(loc, out);
+            if self.gens[us(loc.seg)].load(Ordering::SeqCst) == gen {
+                return self.read_done(r).map(|()| TierGet::Hit);
+            }
+            // Freed (and maybe reused) while we read: the value moved or is gone.
+            out.clear();
+            add(&self.counters.read_retries, 1);
+            attempt += 1;
+        }
+    }
+
+    pub(crate) fn read_done(&self, r: io::Result<()>) -> Result<(), TierError> {
+        match r {
+            Ok(()) => {
+                self.io_ok();
+                Ok(())
+            }
+            Err(e) => {
+                self.io_failed("read", &e);
+                Err(io_err(e))
+            }
+        }
+    }
+}
