@@ -1,0 +1,101 @@
+//! How pools and stores are configured.
+
+use super::*;
+
+/// Kind of pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PoolKind {
+    /// frontswap semantics: a stored page stays until flushed or taken.
+    Persistent,
+    /// cleancache semantics: the store may drop pages, oldest first.
+    Ephemeral,
+}
+
+/// How to create a pool.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PoolConfig {
+    /// Persistent or ephemeral.
+    pub kind: PoolKind,
+    /// A successful get removes the page (frontswap's exclusive loads).
+    pub exclusive_gets: bool,
+    /// A refused put leaves an older copy of the key in place. Off for
+    /// frontswap/cleancache, where the caller then stores the page elsewhere
+    /// and a stale copy here would shadow it; on for a block device, which
+    /// is the page's only home and must not lose the rest of a page on a
+    /// failed partial write.
+    #[serde(default)]
+    pub reject_keeps_old: bool,
+}
+
+impl PoolConfig {
+    /// A persistent pool with shared (non-exclusive) gets.
+    pub fn persistent() -> Self {
+        Self { kind: PoolKind::Persistent, exclusive_gets: false, reject_keeps_old: false }
+    }
+
+    /// An ephemeral pool with shared gets.
+    pub fn ephemeral() -> Self {
+        Self { kind: PoolKind::Ephemeral, exclusive_gets: false, reject_keeps_old: false }
+    }
+
+    /// Sets exclusive gets.
+    pub fn exclusive_gets(mut self, on: bool) -> Self {
+        self.exclusive_gets = on;
+        self
+    }
+
+    /// Sets whether a refused put keeps an older copy.
+    pub fn reject_keeps_old(mut self, on: bool) -> Self {
+        self.reject_keeps_old = on;
+        self
+    }
+}
+
+/// How to build a store.
+#[derive(Clone, Debug, Default)]
+pub struct StoreConfig {
+    /// Policy knobs.
+    pub policy: PolicyConfig,
+    /// Codec for new puts; `None` means lz4.
+    pub codec: Option<CodecConfig>,
+    /// Shards per pool, rounded up to a power of two; 0 means [`default_shards`].
+    pub shards: usize,
+    /// Allocator tuning.
+    pub alloc: AllocConfig,
+    /// Train a dictionary for the codec from the pool's own pages once the
+    /// pool is big enough (see [`DictTraining`]).
+    pub dictionary: Option<DictTraining>,
+}
+
+impl StoreConfig {
+    /// Builds the store.
+    pub fn build(self) -> Result<Store, StoreError> {
+        let policy = Policy::new(&self.policy)?;
+        let shared = Arc::new(Shared {
+            alloc: ZsAlloc::with_config(self.alloc),
+            policy,
+            codecs: std::array::from_fn(|_| OnceLock::new()),
+            codec_count: Mutex::new(Rank::CodecCount, 0),
+            current_codec: AtomicU8::new(RAW_CODEC),
+            reached_full: AtomicBool::new(false),
+            index_meta: AtomicU64::new(0),
+            codec_meta: AtomicU64::new(0),
+            pools: RwLock::new(Rank::StorePools, Vec::new()),
+            compaction: Mutex::new(Rank::StoreCompaction, ()),
+            evict_cursor: AtomicUsize::new(0),
+            next_version: AtomicU64::new(1),
+            clock: std::time::Instant::now(),
+            room_failed_at: AtomicU64::new(0),
+            auto_dictionary: self
+                .dictionary
+                .map(|t| dictionary::AutoDictionary::new(self.codec.clone().unwrap_or(CodecConfig::LZ4), t)),
+        });
+        let shards = if self.shards == 0 { default_shards() } else { self.shards.next_power_of_two() };
+        let store = Store { shared, shards };
+        store.register_codec(&CodecConfig::Raw)?;
+        let id = store.register_codec(&self.codec.unwrap_or(CodecConfig::LZ4))?;
+        store.set_codec(id)?;
+        Ok(store)
+    }
+}

@@ -1,0 +1,211 @@
+//! What every pool of a store shares: policy, allocator, codecs, the pool
+//! table, and the admission path (limit, making room, compaction).
+
+use super::*;
+
+pub(super) struct Shared {
+    pub(super) alloc: ZsAlloc,
+    pub(super) policy: Policy,
+    pub(super) codecs: [OnceLock<Arc<dyn Codec>>; MAX_CODECS],
+    pub(super) codec_count: Mutex<usize>,
+    pub(super) current_codec: AtomicU8,
+    /// Set when the limit was hit; cleared once usage is below the accept threshold.
+    pub(super) reached_full: AtomicBool,
+    /// Index metadata (entries, hash tables) over all pools.
+    pub(super) index_meta: AtomicU64,
+    /// Codec metadata (dictionaries).
+    pub(super) codec_meta: AtomicU64,
+    /// Pools by id; destroyed pools leave `None`, ids are not reused.
+    pub(super) pools: RwLock<Vec<Option<Arc<Pool>>>>,
+    /// One compaction at a time.
+    pub(super) compaction: Mutex<()>,
+    pub(super) evict_cursor: AtomicUsize,
+    /// Sealing versions: never reused, so (key, version) nonces are unique.
+    pub(super) next_version: AtomicU64,
+    /// Time base for `room_failed_at`.
+    pub(super) clock: std::time::Instant,
+    /// When making room last failed (ns since `clock`; 0: it did not).
+    pub(super) room_failed_at: AtomicU64,
+    /// Automatic dictionary training, if configured.
+    pub(super) auto_dictionary: Option<dictionary::AutoDictionary>,
+}
+
+impl Shared {
+    pub(super) fn register_codec(&self, cfg: &CodecConfig) -> Result<u8, StoreError> {
+        let codec = cfg.build()?;
+        let mut n = self.codec_count.lock();
+        if *n >= MAX_CODECS {
+            return Err(StoreError::TooManyCodecs);
+        }
+        self.codec_meta.fetch_add(codec.meta_bytes() as u64, Ordering::Relaxed);
+        if self.codecs[*n].set(codec).is_err() {
+            unreachable!("codec slots are filled in order under codec_count");
+        }
+        let id = u8::try_from(*n).expect("fewer than 32 codecs");
+        *n += 1;
+        Ok(id)
+    }
+
+    pub(super) fn set_codec(&self, id: u8) -> Result<(), StoreError> {
+        self.codec(id)?;
+        self.current_codec.store(id, Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub(super) fn total_bytes(&self) -> u64 {
+        self.alloc.total_bytes() + self.index_meta.load(Ordering::Relaxed) + self.codec_meta.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn codec(&self, id: u8) -> Result<&Arc<dyn Codec>, StoreError> {
+        self.codecs.get(usize::from(id)).and_then(OnceLock::get).ok_or(StoreError::NoSuchCodec(id))
+    }
+
+    pub(super) fn pools_snapshot(&self) -> Vec<Arc<Pool>> {
+        self.pools.read().iter().flatten().cloned().collect()
+    }
+
+    /// zswap's admission: after hitting the limit, refuse until usage falls
+    /// below the accept threshold. Ephemeral pages are dropped first.
+    pub(super) fn admit(&self, pool: &Pool, work: Work) -> bool {
+        let limit = self.policy.limit_bytes();
+        if limit == u64::MAX {
+            return true;
+        }
+        let accept = self.policy.accept_bytes();
+        let inline = work == Work::Inline;
+        if self.reached_full.load(Ordering::Relaxed) {
+            if self.total_bytes() < accept || (inline && self.may_retry_room() && self.make_room(accept)) {
+                self.reached_full.store(false, Ordering::Relaxed);
+                return true;
+            }
+            PoolEvents::bump(&pool.events.pool_limit_hit);
+            return false;
+        }
+        if self.total_bytes() < limit {
+            return true;
+        }
+        if inline && self.may_retry_room() && self.make_room(accept) {
+            return true;
+        }
+        self.reached_full.store(true, Ordering::Relaxed);
+        PoolEvents::bump(&pool.events.pool_limit_hit);
+        false
+    }
+
+    /// Makes room (evicting, writing back, compacting) if the store is at
+    /// its limit and may try now; returns whether puts are admitted again.
+    pub(super) fn make_room_if_full(&self) -> bool {
+        let limit = self.policy.limit_bytes();
+        if limit == u64::MAX || !self.reached_full.load(Ordering::Relaxed) {
+            return true;
+        }
+        let accept = self.policy.accept_bytes();
+        if self.total_bytes() < accept || (self.may_retry_room() && self.make_room(accept)) {
+            self.reached_full.store(false, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
+    /// Whether a full store may try to make room now: after a failed try,
+    /// puts are refused for [`ROOM_RETRY_NS`] instead of each repeating the
+    /// same futile eviction/writeback scan.
+    pub(super) fn may_retry_room(&self) -> bool {
+        let now = u64::try_from(self.clock.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let last = self.room_failed_at.load(Ordering::Relaxed);
+        last == 0 || now.saturating_sub(last) >= ROOM_RETRY_NS
+    }
+
+    /// Drops ephemeral pages, oldest first, until usage is below `target`.
+    /// Returns whether it got there.
+    pub(super) fn make_room(&self, target: u64) -> bool {
+        if self.evict_ephemeral(target) || self.write_back_until(target) {
+            self.room_failed_at.store(0, Ordering::Relaxed);
+            return true;
+        }
+        let now = u64::try_from(self.clock.elapsed().as_nanos()).unwrap_or(u64::MAX).max(1);
+        self.room_failed_at.store(now, Ordering::Relaxed);
+        false
+    }
+
+    pub(super) fn evict_ephemeral(&self, target: u64) -> bool {
+        let ephemeral: Vec<Arc<Pool>> =
+            self.pools_snapshot().into_iter().filter(|p| p.cfg.kind == PoolKind::Ephemeral).collect();
+        if ephemeral.is_empty() {
+            return false;
+        }
+        loop {
+            let mut evicted = 0;
+            // Evict about as many bytes of objects as we are over, then compact
+            // so that freed slots become freed spans.
+            let over = self.total_bytes().saturating_sub(target);
+            let mut slot_bytes_freed = 0u64;
+            let mut idle_visits = 0;
+            let shards = ephemeral[0].shards.len();
+            while slot_bytes_freed < over && idle_visits < ephemeral.len() * shards {
+                let cursor = self.evict_cursor.fetch_add(1, Ordering::Relaxed);
+                let pool = &ephemeral[cursor % ephemeral.len()];
+                let (n, bytes) = pool.evict_from_shard((cursor / ephemeral.len()) % shards, EVICT_BATCH);
+                if n == 0 {
+                    idle_visits += 1;
+                } else {
+                    idle_visits = 0;
+                }
+                evicted += n;
+                slot_bytes_freed += bytes;
+            }
+            if evicted == 0 {
+                return false;
+            }
+            self.compact();
+            if self.total_bytes() < target {
+                return true;
+            }
+        }
+    }
+
+    pub(super) fn maybe_compact(&self) {
+        let threshold = self.policy.compact_threshold_percent();
+        if threshold < 100
+            && self.alloc.stats().span_bytes >= AUTO_COMPACT_MIN_BYTES
+            && self.alloc.fragmentation_percent() >= threshold
+        {
+            if let Some(guard) = self.compaction.try_lock() {
+                self.compact_locked(&guard);
+            }
+        }
+    }
+
+    pub(super) fn compact(&self) -> u64 {
+        let guard = self.compaction.lock();
+        self.compact_locked(&guard)
+    }
+
+    /// Moves objects out of sparse spans; returns pages released.
+    pub(super) fn compact_locked(&self, _guard: &MutexGuard<'_, ()>) -> u64 {
+        let before = self.alloc.stats().pages_compacted;
+        let plan = self.alloc.plan_compaction();
+        if !plan.is_empty() {
+            'pools: for pool in self.pools_snapshot() {
+                for shard in pool.shards.iter() {
+                    let mut s = shard.0.lock();
+                    let handles: Vec<u32> = s.entries.live_handles().collect();
+                    for h in handles {
+                        let e = s.entries.get_mut(h);
+                        let Some(loc) = e.alloc_loc() else { continue };
+                        if !plan.contains(loc) {
+                            continue;
+                        }
+                        match self.alloc.migrate(loc, e.len()) {
+                            Ok(new) => e.loc = new.pack(),
+                            // Out of memory while compacting: stop; nothing is lost.
+                            Err(_) => break 'pools,
+                        }
+                    }
+                }
+            }
+        }
+        self.alloc.finish_compaction(plan);
+        self.alloc.stats().pages_compacted - before
+    }
+}

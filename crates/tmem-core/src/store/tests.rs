@@ -1,0 +1,243 @@
+use super::*;
+use crate::policy::Incompressible;
+
+#[allow(clippy::cast_possible_truncation)] // byte extraction
+fn page(seed: u64) -> [u8; PAGE_SIZE] {
+    let mut p = [0u8; PAGE_SIZE];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for (i, b) in p.iter_mut().enumerate() {
+        // Compressible but not same-filled: runs of pseudo-random bytes.
+        if i % 16 == 0 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+        }
+        *b = (x >> ((i % 8) * 8)) as u8 & 0x3f;
+    }
+    p
+}
+
+fn key(i: u64) -> Key {
+    Key { object: 1, index: i }
+}
+
+fn store(policy: PolicyConfig) -> Store {
+    StoreConfig { policy, ..Default::default() }.build().unwrap()
+}
+
+#[test]
+fn put_get_replace_flush() {
+    let s = store(PolicyConfig::default());
+    let p = s.create_pool(PoolConfig::persistent());
+    let mut out = [0u8; PAGE_SIZE];
+    assert_eq!(p.get(key(1), &mut out).unwrap(), GetOutcome::Miss);
+    assert_eq!(p.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.put(key(1), &page(2)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.get(key(1), &mut out).unwrap(), GetOutcome::Hit);
+    assert_eq!(out, page(2));
+    assert_eq!(p.stats().stored_pages, 1);
+    assert!(p.flush_page(key(1)).unwrap());
+    assert!(!p.flush_page(key(1)).unwrap());
+    let st = s.stats();
+    assert_eq!(st.total.stored_pages, 0);
+    assert_eq!(st.total.compr_data_size, 0);
+    assert_eq!(st.alloc.objects, 0);
+    assert_eq!((st.total.succ_gets, st.total.failed_gets, st.total.flushes, st.total.puts), (1, 1, 1, 2));
+}
+
+#[test]
+fn exclusive_gets_free_the_copy() {
+    let s = store(PolicyConfig::default());
+    let p = s.create_pool(PoolConfig::persistent().exclusive_gets(true));
+    let mut out = [0u8; PAGE_SIZE];
+    assert_eq!(p.put(key(3), &page(3)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.get(key(3), &mut out).unwrap(), GetOutcome::Hit);
+    assert_eq!(out, page(3));
+    assert_eq!(p.get(key(3), &mut out).unwrap(), GetOutcome::Miss);
+    assert_eq!(s.stats().alloc.objects, 0);
+}
+
+#[test]
+fn same_filled_pages_use_no_pool_memory() {
+    let s = store(PolicyConfig::default());
+    let p = s.create_pool(PoolConfig::persistent());
+    let mut pg = [0u8; PAGE_SIZE];
+    fill_page(&mut pg, 0x0102_0304_0506_0708);
+    for i in 0..100 {
+        assert_eq!(p.put(key(i), &pg).unwrap(), PutOutcome::Stored);
+    }
+    let st = s.stats();
+    assert_eq!(st.total.same_filled_pages, 100);
+    assert_eq!(st.alloc.span_bytes, 0);
+    let mut out = [1u8; PAGE_SIZE];
+    assert_eq!(p.get(key(42), &mut out).unwrap(), GetOutcome::Hit);
+    assert_eq!(out, pg);
+}
+
+#[allow(clippy::cast_possible_truncation)] // byte extraction
+fn random_page(seed: u64) -> [u8; PAGE_SIZE] {
+    let mut p = [0u8; PAGE_SIZE];
+    let mut x = seed | 1;
+    for b in p.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    p
+}
+
+#[test]
+fn incompressible_pages_by_policy() {
+    let s = store(PolicyConfig::default());
+    let p = s.create_pool(PoolConfig::persistent());
+    assert_eq!(p.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
+    // Default (zswap): reject, and the key's older copy is gone.
+    assert_eq!(p.put(key(2), &page(2)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.put(key(2), &random_page(9)).unwrap(), PutOutcome::Rejected(Reject::CompressPoor));
+    let mut out = [0u8; PAGE_SIZE];
+    assert_eq!(p.get(key(2), &mut out).unwrap(), GetOutcome::Miss, "stale copy must not survive a refused put");
+    assert_eq!(p.stats().reject_compress_poor, 1);
+    s.set_policy("incompressible", "store_raw").unwrap();
+    assert_eq!(p.put(key(2), &random_page(9)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.get(key(2), &mut out).unwrap(), GetOutcome::Hit);
+    assert_eq!(out, random_page(9));
+    assert_eq!(p.stats().stored_incompressible_pages, 1);
+    // A tighter threshold makes ordinary pages incompressible too.
+    s.set_policy("max_compressed_size", "64").unwrap();
+    s.set_policy("incompressible", "reject").unwrap();
+    assert_eq!(p.put(key(3), &page(3)).unwrap(), PutOutcome::Rejected(Reject::CompressPoor));
+}
+
+#[test]
+fn freeze_refuses_puts_but_serves_gets() {
+    let s = store(PolicyConfig::default());
+    let p = s.create_pool(PoolConfig::persistent());
+    assert_eq!(p.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
+    s.set_policy("frozen", "1").unwrap();
+    assert_eq!(p.put(key(2), &page(2)).unwrap(), PutOutcome::Rejected(Reject::Frozen));
+    let mut out = [0u8; PAGE_SIZE];
+    assert_eq!(p.get(key(1), &mut out).unwrap(), GetOutcome::Hit);
+    assert!(p.flush_page(key(1)).unwrap());
+    assert_eq!(p.stats().reject_frozen, 1);
+    s.set_policy("frozen", "0").unwrap();
+    assert_eq!(p.put(key(2), &page(2)).unwrap(), PutOutcome::Stored);
+}
+
+#[test]
+fn pool_limit_rejects_persistent_and_evicts_ephemeral() {
+    let s = store(PolicyConfig { max_pool_bytes: 2 << 20, ..Default::default() });
+    let persistent = s.create_pool(PoolConfig::persistent());
+    let mut stored = 0;
+    let mut rejected = 0;
+    for i in 0..4000 {
+        match persistent.put(key(i), &page(i)).unwrap() {
+            PutOutcome::Stored => stored += 1,
+            PutOutcome::Rejected(Reject::PoolLimit) => rejected += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(stored > 100 && rejected > 0, "stored {stored} rejected {rejected}");
+    assert!(persistent.stats().pool_limit_hit > 0);
+    assert!(s.mem_used_total() <= (2 << 20) + PAGE_SIZE as u64 * 16);
+    // Every stored persistent page is still there.
+    let mut out = [0u8; PAGE_SIZE];
+    let mut hits = 0;
+    for i in 0..4000 {
+        if p_get(&persistent, i, &mut out) {
+            assert_eq!(out, page(i));
+            hits += 1;
+        }
+    }
+    assert_eq!(hits, persistent.stats().stored_pages);
+
+    // Ephemeral pages make way for each other, oldest first.
+    persistent.flush_object(1).unwrap();
+    s.compact();
+    let eph = s.create_pool(PoolConfig::ephemeral());
+    for i in 0..4000 {
+        assert_eq!(eph.put(key(i), &page(i)).unwrap(), PutOutcome::Stored, "ephemeral put {i}");
+    }
+    let st = eph.stats();
+    assert!(st.evicted_pages > 0);
+    assert!(p_get(&eph, 3999, &mut out), "newest page kept");
+    assert!(!p_get(&eph, 0, &mut out), "oldest page dropped");
+}
+
+fn p_get(p: &Pool, i: u64, out: &mut [u8; PAGE_SIZE]) -> bool {
+    p.get(key(i), out).unwrap() == GetOutcome::Hit
+}
+
+#[test]
+fn corrupt_data_is_an_error() {
+    let s = store(PolicyConfig { incompressible: Incompressible::StoreRaw, ..Default::default() });
+    let p = s.create_pool(PoolConfig::persistent());
+    assert_eq!(p.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
+    assert_eq!(p.put(key(2), &random_page(2)).unwrap(), PutOutcome::Stored);
+    for k in [key(1), key(2)] {
+        assert!(p.corrupt_for_test(k));
+        let mut out = [0u8; PAGE_SIZE];
+        match p.get(k, &mut out) {
+            Err(StoreError::Corrupt { reason, .. }) => assert!(reason.contains("checksum")),
+            other => panic!("expected corruption error, got {other:?}"),
+        }
+        assert_eq!(out, [0u8; PAGE_SIZE]);
+    }
+    assert_eq!(p.stats().decompress_fail, 2);
+}
+
+#[test]
+fn codec_switch_keeps_old_pages_readable() {
+    let s = store(PolicyConfig::default());
+    let p = s.create_pool(PoolConfig::persistent());
+    for i in 0..50 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    s.use_codec(&CodecConfig::Zstd { level: 5, dictionary: None }).unwrap();
+    assert_eq!(s.codec_name(), "zstd-5");
+    for i in 50..100 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    let mut out = [0u8; PAGE_SIZE];
+    for i in 0..100 {
+        assert!(p_get(&p, i, &mut out));
+        assert_eq!(out, page(i));
+    }
+}
+
+#[test]
+fn compaction_keeps_pages_and_releases_memory() {
+    let s = store(PolicyConfig { compact_threshold_percent: 100, ..Default::default() });
+    let p = s.create_pool(PoolConfig::persistent());
+    for i in 0..5000 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    for i in 0..5000 {
+        if i % 3 != 0 {
+            p.flush_page(key(i)).unwrap();
+        }
+    }
+    let before = s.stats().alloc.span_bytes;
+    assert!(s.compact() > 0);
+    let after = s.stats().alloc.span_bytes;
+    assert!(after * 2 < before, "{before} -> {after}");
+    let mut out = [0u8; PAGE_SIZE];
+    for i in (0..5000).step_by(3) {
+        assert!(p_get(&p, i, &mut out));
+        assert_eq!(out, page(i));
+    }
+}
+
+#[test]
+fn destroyed_pool_errors_and_frees() {
+    let s = store(PolicyConfig::default());
+    let p = s.create_pool(PoolConfig::ephemeral());
+    for i in 0..100 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    s.destroy_pool(p.id()).unwrap();
+    assert!(matches!(p.put(key(1), &page(1)), Err(StoreError::PoolDestroyed(_))));
+    assert!(matches!(s.pool(p.id()), Err(StoreError::PoolDestroyed(_))));
+    assert!(matches!(s.pool(99), Err(StoreError::NoSuchPool(99))));
+    assert_eq!(s.stats().alloc.objects, 0);
+}
