@@ -6,6 +6,8 @@ use tmem_core::{PolicyConfig, StoreConfig};
 
 use super::*;
 use crate::conformance::{check_ops, pattern, Op};
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 
 const SIZE: u64 = 1 << 20;
 
@@ -116,24 +118,14 @@ fn refused_write_is_enospc_and_keeps_old_contents() {
     let d = device(PolicyConfig::default());
     let old = pattern(PAGE_SIZE, 5);
     d.write_at(&old, 0).unwrap();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(0x1234_5678_9abc_def1);
     let mut noise = vec![0u8; 100];
-    let mut x = 0x1234_5678_9abc_def1u64;
-    for b in &mut noise {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x.to_le_bytes()[0];
-    }
+    rng.fill_bytes(&mut noise);
     // A partial write that leaves the page compressible succeeds...
     d.write_at(&noise, 0).unwrap();
     // ...a whole random page does not, and the previous page survives.
     let mut page = vec![0u8; PAGE_SIZE];
-    for b in &mut page {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x.to_le_bytes()[0];
-    }
+    rng.fill_bytes(&mut page);
     let err = d.write_at(&page, 0).unwrap_err();
     assert_eq!(err.errno(), libc::ENOSPC);
     let mut back = vec![0u8; PAGE_SIZE];

@@ -5,6 +5,8 @@
 //! `cargo bench -p tmem-core --bench store`; a filter such as `-- codec/lz4`
 //! picks a subset. Measurement is kept short (20 samples, 2 s).
 
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,14 +21,15 @@ type Page = [u8; PAGE_SIZE];
 /// Pages used by every benchmark.
 const PAGES: usize = 512;
 
-struct Rng(u64);
+struct Rng(Xoshiro256PlusPlus);
 
 impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(Xoshiro256PlusPlus::seed_from_u64(seed))
+    }
+
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        self.0.next_u64()
     }
 }
 
@@ -44,7 +47,7 @@ fn synthetic_page(i: usize) -> Page {
         b"int ",
         b"return 0;",
     ];
-    let mut r = Rng((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut r = Rng::new(i as u64);
     let mut p = [0u8; PAGE_SIZE];
     match i % 8 {
         0 => {}
@@ -154,7 +157,7 @@ fn bench_alloc(c: &mut Criterion) {
     let data = vec![0x5au8; PAGE_SIZE];
     // Object sizes typical of compressed pages.
     let sizes: Vec<usize> = {
-        let mut r = Rng(7);
+        let mut r = Rng::new(7);
         (0..1024).map(|_| 64 + usize::try_from(r.next() % 3000).expect("small")).collect()
     };
     g.bench_function("alloc_free_steady", |b| {

@@ -189,15 +189,15 @@ pub fn decompress(src: &[u8], dst: &mut [u8], dict: Option<&Dictionary>) -> Opti
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+    use rand_xoshiro::Xoshiro256PlusPlus;
 
     fn text(n: usize, seed: u64) -> Vec<u8> {
         let words = ["alpha ", "beta ", "gamma ", "delta ", "{\"id\": ", "\"name\": ", "0x7f3a", "\n"];
-        let mut x = seed | 1;
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
         let mut v = Vec::with_capacity(n);
         while v.len() < n {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             v.extend_from_slice(words[usize::try_from(x % 8).unwrap()].as_bytes());
         }
         v.truncate(n);

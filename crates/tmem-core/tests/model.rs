@@ -10,6 +10,8 @@
 //! compression counters exactly. Only admission at the pool limit and the
 //! eviction of ephemeral pages are not predicted; they are bounded instead.
 
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
@@ -35,24 +37,21 @@ const POOL_CONFIGS: [(PoolKind, bool, bool); 5] = [
 
 // ---------------------------------------------------------------- pages
 
-struct XorShift(u64);
+struct Rng(Xoshiro256PlusPlus);
 
-impl XorShift {
+impl Rng {
     fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        Self(Xoshiro256PlusPlus::seed_from_u64(seed))
     }
 
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        self.0.next_u64()
     }
 }
 
 #[allow(clippy::cast_possible_truncation)] // truncating random words to bytes is the point
 fn fill_random(dst: &mut [u8], seed: u64) {
-    let mut r = XorShift::new(seed);
+    let mut r = Rng::new(seed);
     for b in dst {
         *b = r.next() as u8;
     }
@@ -74,7 +73,7 @@ fn fill_text(dst: &mut [u8], seed: u64) {
         b"\n    ",
         b"frontswap ",
     ];
-    let mut r = XorShift::new(seed);
+    let mut r = Rng::new(seed);
     let mut i = 0;
     while i < dst.len() {
         let x = r.next();

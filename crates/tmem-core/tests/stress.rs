@@ -8,6 +8,8 @@
 //! pool limit and the incompressible policy. At the end every page is read
 //! back and the pools' counters are compared with the workers' tallies.
 
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -25,18 +27,15 @@ const KEYS_PER_THREAD: u64 = 192;
 const POOLS: usize = 3;
 const BANK: usize = 96;
 
-struct Rng(u64);
+struct Rng(Xoshiro256PlusPlus);
 
 impl Rng {
     fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        Self(Xoshiro256PlusPlus::seed_from_u64(seed))
     }
 
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        self.0.next_u64()
     }
 
     fn below(&mut self, n: u64) -> u64 {

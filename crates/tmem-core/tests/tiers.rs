@@ -1,6 +1,8 @@
 //! The pool with tiers below it: writeback, incompressible pages, gets from
 //! tiers, tamper/replay detection, full tiers, flushes.
 
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,12 +16,11 @@ use tmem_tier::{MemTier, Tier, TierKey};
 #[allow(clippy::cast_possible_truncation)] // byte patterns
 fn page(i: u64) -> [u8; PAGE_SIZE] {
     let mut p = [0u8; PAGE_SIZE];
-    let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(i);
+    let mut x = rng.next_u64();
     for (j, b) in p.iter_mut().enumerate() {
         if j % 16 == 0 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            x = rng.next_u64();
         }
         *b = (x >> ((j % 8) * 8)) as u8 & 0x1f;
     }
@@ -29,11 +30,9 @@ fn page(i: u64) -> [u8; PAGE_SIZE] {
 #[allow(clippy::cast_possible_truncation)]
 fn noise(i: u64) -> [u8; PAGE_SIZE] {
     let mut p = [0u8; PAGE_SIZE];
-    let mut x = i | 1;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(i);
     for b in &mut p {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.next_u64();
         *b = x as u8;
     }
     p
@@ -258,11 +257,9 @@ fn concurrent_overwrites_writeback_and_incompressible_puts_lose_nothing() {
             let (p, refused) = (&p, &refused);
             sc.spawn(move || {
                 let mut latest = std::collections::HashMap::new();
-                let mut x = t + 1;
+                let mut rng = Xoshiro256PlusPlus::seed_from_u64(t + 1);
                 for round in 0..4000u64 {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
+                    let x = rng.next_u64();
                     let k = t * 1000 + x % 48;
                     let v = round * 4 + t;
                     let data = if x % 4 == 0 { noise(v) } else { page(v) };

@@ -1,5 +1,7 @@
 //! Mounts real FUSE exports (root only) and drives them through the kernel.
 
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::fs::OpenOptions;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
@@ -190,14 +192,13 @@ fn full_pool_enospc(tag: &str, uring_per_queue: usize) -> u64 {
     })
     .unwrap();
     let mut f = OpenOptions::new().write(true).open(m.path_of("small")).unwrap();
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(0x9e37_79b9_7f4a_7c15u64);
+    let mut x = rng.next_u64();
     let mut err = None;
     for i in 0..1024u64 {
         let page: Vec<u8> = (0..4096)
             .map(|j| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                x = rng.next_u64();
                 if j % 4 == 0 {
                     x.to_le_bytes()[0]
                 } else {

@@ -3,6 +3,8 @@
 //! Every test starts its own servers on free loopback ports and kills
 //! exactly those processes (by pid) when its guards drop, also on failure.
 
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,12 +44,11 @@ fn key(i: u64) -> TierKey {
 /// 300..4160 bytes that depend on `i`, so a value of another key is never mistaken for this one.
 fn value(i: u64) -> Vec<u8> {
     let len = 300 + usize::try_from(i.wrapping_mul(2654435761) % 3861).unwrap();
-    let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut x = rng.next_u64();
     (0..len)
         .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            x = rng.next_u64();
             x.to_le_bytes()[0]
         })
         .collect()

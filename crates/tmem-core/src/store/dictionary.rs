@@ -174,16 +174,16 @@ mod tests {
 
     use super::*;
     use crate::{Key, PoolConfig, StoreConfig};
+    use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+    use rand_xoshiro::Xoshiro256PlusPlus;
 
     /// JSON-like records: what a dictionary learns (keys, punctuation) recurs
     /// on every page, while the values differ.
     fn record_page(seed: u64) -> [u8; PAGE_SIZE] {
         let mut text = String::new();
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
         while text.len() < PAGE_SIZE {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             text.push_str(&format!(
                 "{{\"user_id\": {}, \"session\": \"{:x}\", \"balance\": {}.{:02}, \"flags\": [\"active\", \"verified\"]}},\n",
                 x % 100_000,

@@ -1,16 +1,17 @@
 use super::*;
 use crate::policy::Incompressible;
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 
 #[allow(clippy::cast_possible_truncation)] // byte extraction
 fn page(seed: u64) -> [u8; PAGE_SIZE] {
     let mut p = [0u8; PAGE_SIZE];
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut x = rng.next_u64();
     for (i, b) in p.iter_mut().enumerate() {
         // Compressible but not same-filled: runs of pseudo-random bytes.
         if i % 16 == 0 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            x = rng.next_u64();
         }
         *b = (x >> ((i % 8) * 8)) as u8 & 0x3f;
     }
@@ -77,11 +78,9 @@ fn same_filled_pages_use_no_pool_memory() {
 #[allow(clippy::cast_possible_truncation)] // byte extraction
 fn random_page(seed: u64) -> [u8; PAGE_SIZE] {
     let mut p = [0u8; PAGE_SIZE];
-    let mut x = seed | 1;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     for b in p.iter_mut() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.next_u64();
         *b = x as u8;
     }
     p

@@ -2,6 +2,8 @@
 //! processes with timeouts, and a raw NBD client.
 #![allow(dead_code)] // each test binary uses a different subset
 
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -189,27 +191,21 @@ pub fn qemu_io(uri: &str, cmds: &[String]) -> String {
     check_ok(&what, out)
 }
 
-/// Deterministic pseudo-random numbers (xorshift64*).
-pub struct Rng(u64);
+/// Deterministic pseudo-random numbers (seeded xoshiro256++).
+pub struct Rng(Xoshiro256PlusPlus);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(seed | 1)
+        Rng(Xoshiro256PlusPlus::seed_from_u64(seed))
     }
     pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        self.0.next_u64()
     }
     pub fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
     pub fn fill(&mut self, buf: &mut [u8]) {
-        for chunk in buf.chunks_mut(8) {
-            let v = self.next().to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
+        self.0.fill_bytes(buf);
     }
 }
 
