@@ -129,48 +129,27 @@ pub(crate) fn rss_anon(pid: i32) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// A uniquely named temporary directory, removed (recursively) on drop.
-struct TempDir {
-    path: PathBuf,
-}
+/// A uniquely named private directory (`tempfile`), removed on drop.
+struct TempDir(tempfile::TempDir);
 
 impl TempDir {
     fn new(tag: &str) -> Result<TempDir, CorpusError> {
-        let base = std::env::temp_dir();
-        let mut rng = SplitMix64::new(crate::unix_now() ^ u64::from(std::process::id()) << 32 ^ nanos());
-        for _ in 0..100 {
-            let path = base.join(format!("tmem-corpus-{tag}-{:016x}", rng.next_u64()));
-            match fs::create_dir(&path) {
-                Ok(()) => return Ok(TempDir { path }),
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                Err(source) => return Err(CorpusError::TempDir { path, source }),
-            }
-        }
-        Err(CorpusError::TempDir {
-            path: base,
-            source: io::Error::new(io::ErrorKind::AlreadyExists, "no unique name found"),
-        })
+        tempfile::Builder::new()
+            .prefix(&format!("tmem-corpus-{tag}-"))
+            .tempdir()
+            .map(TempDir)
+            .map_err(|source| CorpusError::TempDir { path: std::env::temp_dir(), source })
     }
 
     fn path(&self) -> &Path {
-        &self.path
+        self.0.path()
     }
 
     fn write(&self, name: &str, contents: &[u8]) -> Result<PathBuf, CorpusError> {
-        let path = self.path.join(name);
+        let path = self.path().join(name);
         fs::write(&path, contents).map_err(|source| CorpusError::TempDir { path: path.clone(), source })?;
         Ok(path)
     }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.path);
-    }
-}
-
-fn nanos() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| u64::from(d.subsec_nanos()))
 }
 
 /// Appends to a bounded tail buffer.

@@ -36,6 +36,9 @@ fn can_mount_over_uring() -> bool {
     true
 }
 
+/// A mount point, removed with `remove_dir` (never recursively, unlike
+/// `tempfile::TempDir`: should a test fail with the FUSE file system still
+/// mounted there, a recursive removal would delete through the mount).
 struct TempDir(std::path::PathBuf);
 
 impl Drop for TempDir {

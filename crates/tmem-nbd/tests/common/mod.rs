@@ -7,7 +7,6 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,30 +18,17 @@ use tmem_nbd::{Export, Listen, NbdConfig, ServerHandle};
 pub const CHILD_TIMEOUT: Duration = Duration::from_secs(240);
 
 /// A directory removed (with its contents) on drop.
-pub struct TempDir(PathBuf);
+pub struct TempDir(tempfile::TempDir);
 
 impl TempDir {
     pub fn new(tag: &str) -> Self {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "tmem-nbd-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&p).expect("create temp dir");
-        TempDir(p)
+        TempDir(tempfile::Builder::new().prefix(&format!("tmem-nbd-{tag}-")).tempdir().expect("create temp dir"))
     }
     pub fn path(&self) -> &Path {
-        &self.0
+        self.0.path()
     }
     pub fn join(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        self.0.path().join(name)
     }
 }
 
