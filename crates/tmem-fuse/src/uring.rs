@@ -81,23 +81,40 @@ mod op {
     pub const FALLOCATE: u32 = 43;
 }
 
-/// `struct fuse_uring_req_header`: request/answer header, operation header,
-/// and the entry's `fuse_uring_ent_in_out`.
+/// `struct fuse_uring_req_header` (uapi `linux/fuse.h` 7.42): request/answer
+/// header, operation header, and the entry's `fuse_uring_ent_in_out`.
+///
+/// Written by hand: no maintained crate exposes the FUSE-over-io_uring UAPI
+/// structs (checked: io-uring 0.7, libc 0.2.191, linux-raw-sys 0.12.1 whose
+/// `fuse` module stops before them, fuser 0.18). The layout is asserted
+/// below at compile time; the two headers whose contents depend on the
+/// operation stay byte arrays, read with the `fuse_in_header` offsets.
 #[repr(C, align(64))]
 struct RingHeader {
     in_out: [u8; 128],
     op_in: [u8; 128],
-    ent: [u8; 32],
+    ent: EntInOut,
+}
+
+/// `struct fuse_uring_ent_in_out`.
+#[repr(C)]
+struct EntInOut {
+    flags: u64,
+    /// Which entry an answer commits (set by the kernel, echoed back).
+    commit_id: u64,
+    /// Bytes of payload: the request's, then the answer's.
+    payload_sz: u32,
+    padding: u32,
+    reserved: u64,
 }
 
 // The kernel's layout: in_out at 0, op_in at 128, ring_ent_in_out at 256
 // (288 bytes; ours is padded to 320 by the alignment, which the kernel allows).
 const _: () = assert!(std::mem::offset_of!(RingHeader, op_in) == 128);
 const _: () = assert!(std::mem::offset_of!(RingHeader, ent) == 256);
-
-/// Offsets in `fuse_uring_ent_in_out`.
-const ENT_COMMIT_ID: usize = 8;
-const ENT_PAYLOAD_SZ: usize = 16;
+const _: () = assert!(std::mem::size_of::<EntInOut>() == 32);
+const _: () = assert!(std::mem::offset_of!(EntInOut, commit_id) == 8);
+const _: () = assert!(std::mem::offset_of!(EntInOut, payload_sz) == 16);
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
     let mut a = [0u8; 4];
@@ -269,7 +286,11 @@ struct Worker {
 impl Worker {
     fn new(fd: RawFd, qid: u16, payload_bytes: usize) -> io::Result<Self> {
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(2)?;
-        let mut hdr = Box::new(RingHeader { in_out: [0; 128], op_in: [0; 128], ent: [0; 32] });
+        let mut hdr = Box::new(RingHeader {
+            in_out: [0; 128],
+            op_in: [0; 128],
+            ent: EntInOut { flags: 0, commit_id: 0, payload_sz: 0, padding: 0, reserved: 0 },
+        });
         let mut payload = vec![0u8; payload_bytes];
         let iov = Box::new([
             libc::iovec { iov_base: std::ptr::from_mut(hdr.as_mut()).cast(), iov_len: size_of::<RingHeader>() },
@@ -320,8 +341,8 @@ impl Worker {
                 Err(e) => return shared.fail(format!("io_uring: {e}")),
             }
             shared.served.fetch_add(1, Ordering::Relaxed);
-            let commit_id = u64_at(&self.hdr.ent, ENT_COMMIT_ID);
-            let payload_in = u32_at(&self.hdr.ent, ENT_PAYLOAD_SZ) as usize;
+            let commit_id = self.hdr.ent.commit_id;
+            let payload_in = self.hdr.ent.payload_sz as usize;
             let unique = u64_at(&self.hdr.in_out, 8);
             let (error, len) = match dispatch(fs, &self.hdr, payload_in.min(self.payload.len()), &mut self.payload) {
                 Ok(len) => (0i32, len),
@@ -332,7 +353,7 @@ impl Worker {
             out[..4].copy_from_slice(&(16 + len32).to_ne_bytes());
             out[4..8].copy_from_slice(&error.to_ne_bytes());
             out[8..16].copy_from_slice(&unique.to_ne_bytes());
-            self.hdr.ent[ENT_PAYLOAD_SZ..ENT_PAYLOAD_SZ + 4].copy_from_slice(&len32.to_ne_bytes());
+            self.hdr.ent.payload_sz = len32;
             res = self.roundtrip(CMD_COMMIT_AND_FETCH, commit_id);
         }
     }
