@@ -223,6 +223,92 @@ pub enum ProtoError {
     StringTooLong(usize),
 }
 
+/// The fixed-size headers as they are on the wire (big-endian, unaligned),
+/// read and written with `zerocopy`; the variable-length option data is
+/// parsed field by field with [`Reader`].
+mod wire {
+    use zerocopy::byteorder::network_endian::{U16, U32, U64};
+    use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+    /// Option header: `IHAVEOPT`, option, data length (16 bytes).
+    #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+    #[repr(C)]
+    pub struct OptionHeader {
+        pub magic: U64,
+        pub option: U32,
+        pub len: U32,
+    }
+
+    /// Transmission request (28 bytes).
+    #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+    #[repr(C)]
+    pub struct Request {
+        pub magic: U32,
+        pub flags: U16,
+        pub command: U16,
+        pub cookie: U64,
+        pub offset: U64,
+        pub len: U32,
+    }
+
+    /// Simple reply header (16 bytes).
+    #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+    #[repr(C)]
+    pub struct SimpleReply {
+        pub magic: U32,
+        pub error: U32,
+        pub cookie: U64,
+    }
+
+    /// Structured reply chunk header (20 bytes).
+    #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+    #[repr(C)]
+    pub struct StructuredHeader {
+        pub magic: U32,
+        pub flags: U16,
+        pub kind: U16,
+        pub cookie: U64,
+        pub len: U32,
+    }
+
+    /// Server greeting (18 bytes).
+    #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+    #[repr(C)]
+    pub struct Greeting {
+        pub nbdmagic: U64,
+        pub ihaveopt: U64,
+        pub flags: U16,
+    }
+
+    /// `NBD_INFO_EXPORT` payload (12 bytes).
+    #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+    #[repr(C)]
+    pub struct InfoExport {
+        pub kind: U16,
+        pub size: U64,
+        pub flags: U16,
+    }
+
+    /// `NBD_INFO_BLOCK_SIZE` payload (14 bytes).
+    #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+    #[repr(C)]
+    pub struct InfoBlockSize {
+        pub kind: U16,
+        pub min: U32,
+        pub preferred: U32,
+        pub max: U32,
+    }
+
+    /// `T` read from the front of `data`, or how many bytes it needed.
+    pub fn read<T: FromBytes + KnownLayout + Immutable>(data: &[u8]) -> Result<&T, usize> {
+        T::ref_from_prefix(data).map(|(t, _)| t).map_err(|_| size_of::<T>())
+    }
+}
+
+fn truncated(need: usize, data: &[u8]) -> ProtoError {
+    ProtoError::Truncated { need, have: data.len() }
+}
+
 fn take<const N: usize>(data: &[u8], at: usize) -> Result<[u8; N], ProtoError> {
     let need = at.checked_add(N).ok_or(ProtoError::Truncated { need: usize::MAX, have: data.len() })?;
     data.get(at..need).and_then(|s| <[u8; N]>::try_from(s).ok()).ok_or(ProtoError::Truncated { need, have: data.len() })
@@ -234,10 +320,6 @@ fn be16(data: &[u8], at: usize) -> Result<u16, ProtoError> {
 
 fn be32(data: &[u8], at: usize) -> Result<u32, ProtoError> {
     take::<4>(data, at).map(u32::from_be_bytes)
-}
-
-fn be64(data: &[u8], at: usize) -> Result<u64, ProtoError> {
-    take::<8>(data, at).map(u64::from_be_bytes)
 }
 
 /// A cursor over option data that checks every embedded length.
@@ -316,11 +398,11 @@ pub struct OptionHeader {
 
 /// Parses a 16-byte option header.
 pub fn parse_option_header(data: &[u8]) -> Result<OptionHeader, ProtoError> {
-    let magic = be64(data, 0)?;
-    if magic != IHAVEOPT {
-        return Err(ProtoError::BadMagic(magic));
+    let h = wire::read::<wire::OptionHeader>(data).map_err(|need| truncated(need, data))?;
+    if h.magic.get() != IHAVEOPT {
+        return Err(ProtoError::BadMagic(h.magic.get()));
     }
-    Ok(OptionHeader { option: be32(data, 8)?, len: be32(data, 12)? })
+    Ok(OptionHeader { option: h.option.get(), len: h.len.get() })
 }
 
 /// Data of `NBD_OPT_INFO` / `NBD_OPT_GO`.
@@ -404,29 +486,30 @@ pub struct Request {
 
 /// Parses a 28-byte request header.
 pub fn parse_request(data: &[u8]) -> Result<Request, ProtoError> {
-    let magic = be32(data, 0)?;
-    if magic != REQUEST_MAGIC {
-        return Err(ProtoError::BadMagic(u64::from(magic)));
+    let w = wire::read::<wire::Request>(data).map_err(|need| truncated(need, data))?;
+    if w.magic.get() != REQUEST_MAGIC {
+        return Err(ProtoError::BadMagic(u64::from(w.magic.get())));
     }
     Ok(Request {
-        flags: be16(data, 4)?,
-        command: be16(data, 6)?,
-        cookie: be64(data, 8)?,
-        offset: be64(data, 16)?,
-        len: be32(data, 24)?,
+        flags: w.flags.get(),
+        command: w.command.get(),
+        cookie: w.cookie.get(),
+        offset: w.offset.get(),
+        len: w.len.get(),
     })
 }
 
 /// Encodes a request header (for clients and tests).
 pub fn encode_request(r: &Request) -> [u8; REQUEST_SIZE] {
-    let mut b = [0u8; REQUEST_SIZE];
-    b[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
-    b[4..6].copy_from_slice(&r.flags.to_be_bytes());
-    b[6..8].copy_from_slice(&r.command.to_be_bytes());
-    b[8..16].copy_from_slice(&r.cookie.to_be_bytes());
-    b[16..24].copy_from_slice(&r.offset.to_be_bytes());
-    b[24..28].copy_from_slice(&r.len.to_be_bytes());
-    b
+    let w = wire::Request {
+        magic: REQUEST_MAGIC.into(),
+        flags: r.flags.into(),
+        command: r.command.into(),
+        cookie: r.cookie.into(),
+        offset: r.offset.into(),
+        len: r.len.into(),
+    };
+    zerocopy::transmute!(w)
 }
 
 /// Human name of a command, for messages.
@@ -446,11 +529,12 @@ pub fn command_name(command: u16) -> &'static str {
 
 /// The server greeting: `NBDMAGIC`, `IHAVEOPT`, handshake flags.
 pub fn greeting() -> [u8; 18] {
-    let mut b = [0u8; 18];
-    b[0..8].copy_from_slice(&NBDMAGIC.to_be_bytes());
-    b[8..16].copy_from_slice(&IHAVEOPT.to_be_bytes());
-    b[16..18].copy_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    b
+    let g = wire::Greeting {
+        nbdmagic: NBDMAGIC.into(),
+        ihaveopt: IHAVEOPT.into(),
+        flags: (FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).into(),
+    };
+    zerocopy::transmute!(g)
 }
 
 /// Appends an option reply (header and data) to `out`.
@@ -477,22 +561,18 @@ pub fn prefixed(name: &[u8], rest: &[u8]) -> Vec<u8> {
 
 /// Payload of `NBD_INFO_EXPORT`.
 pub fn info_export(size: u64, flags: u16) -> [u8; 12] {
-    let mut b = [0u8; 12];
-    b[0..2].copy_from_slice(&INFO_EXPORT.to_be_bytes());
-    b[2..10].copy_from_slice(&size.to_be_bytes());
-    b[10..12].copy_from_slice(&flags.to_be_bytes());
-    b
+    zerocopy::transmute!(wire::InfoExport { kind: INFO_EXPORT.into(), size: size.into(), flags: flags.into() })
 }
 
 /// Payload of `NBD_INFO_BLOCK_SIZE` with this server's constraints and the
 /// maximum block size `max_block` (at most [`MAX_PAYLOAD`]).
 pub fn info_block_size(max_block: u32) -> [u8; 14] {
-    let mut b = [0u8; 14];
-    b[0..2].copy_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
-    b[2..6].copy_from_slice(&MIN_BLOCK_SIZE.to_be_bytes());
-    b[6..10].copy_from_slice(&PREFERRED_BLOCK_SIZE.to_be_bytes());
-    b[10..14].copy_from_slice(&max_block.to_be_bytes());
-    b
+    zerocopy::transmute!(wire::InfoBlockSize {
+        kind: INFO_BLOCK_SIZE.into(),
+        min: MIN_BLOCK_SIZE.into(),
+        preferred: PREFERRED_BLOCK_SIZE.into(),
+        max: max_block.into(),
+    })
 }
 
 /// Payload of `NBD_INFO_NAME` / `NBD_INFO_DESCRIPTION`.
@@ -525,22 +605,22 @@ pub fn export_name_reply(size: u64, flags: u16, no_zeroes: bool) -> Vec<u8> {
 
 /// A simple reply header.
 pub fn simple_reply(error: u32, cookie: u64) -> [u8; SIMPLE_REPLY_SIZE] {
-    let mut b = [0u8; SIMPLE_REPLY_SIZE];
-    b[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-    b[4..8].copy_from_slice(&error.to_be_bytes());
-    b[8..16].copy_from_slice(&cookie.to_be_bytes());
-    b
+    zerocopy::transmute!(wire::SimpleReply {
+        magic: SIMPLE_REPLY_MAGIC.into(),
+        error: error.into(),
+        cookie: cookie.into()
+    })
 }
 
 /// A structured reply chunk header.
 pub fn structured_header(flags: u16, kind: u16, cookie: u64, len: u32) -> [u8; STRUCTURED_HEADER_SIZE] {
-    let mut b = [0u8; STRUCTURED_HEADER_SIZE];
-    b[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-    b[4..6].copy_from_slice(&flags.to_be_bytes());
-    b[6..8].copy_from_slice(&kind.to_be_bytes());
-    b[8..16].copy_from_slice(&cookie.to_be_bytes());
-    b[16..20].copy_from_slice(&len.to_be_bytes());
-    b
+    zerocopy::transmute!(wire::StructuredHeader {
+        magic: STRUCTURED_REPLY_MAGIC.into(),
+        flags: flags.into(),
+        kind: kind.into(),
+        cookie: cookie.into(),
+        len: len.into(),
+    })
 }
 
 /// Cuts `msg` to at most `max` bytes on a character boundary.
