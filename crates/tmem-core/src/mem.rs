@@ -8,6 +8,8 @@
 //! `free_span`. A freed span is returned to the kernel with `MADV_DONTNEED`
 //! before it is kept for reuse, so resident memory and the count agree.
 
+// The mappings are made with `libc`, not `rustix`: Miri runs this module
+// (scripts/test.sh) and emulates libc's mmap/madvise, not raw syscalls.
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tmem_lock::{Mutex, MutexGuard, Rank};

@@ -429,8 +429,7 @@ impl FuseMount {
                 Err(why) => (false, None, Some(why)),
             },
         };
-        // SAFETY: getuid/getgid have no preconditions and cannot fail.
-        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        let (uid, gid) = (rustix::process::getuid().as_raw(), rustix::process::getgid().as_raw());
         let fs = Arc::new(BlockFs {
             exports: cfg.exports,
             uid,
@@ -493,12 +492,7 @@ impl FuseMount {
                 return;
             }
             // statfs is never cached, so each call is one request to us.
-            // SAFETY: `path` is a NUL-terminated string; `st` is a plain
-            // struct the call fills.
-            unsafe {
-                let mut st: libc::statfs = std::mem::zeroed();
-                libc::statfs(path.as_ptr(), &mut st);
-            }
+            let _ = rustix::fs::statfs(path.as_c_str());
             std::thread::sleep(Duration::from_millis(5));
         }
     }

@@ -295,21 +295,18 @@ fn bind_unix(path: &Path) -> Result<(UnixListener, SocketFile), NbdError> {
 
 /// Waits up to `timeout_ms` for `fd` to become readable.
 fn wait_readable(fd: RawFd, timeout_ms: i32) -> io::Result<bool> {
-    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    // SAFETY: `pfd` is a valid, exclusively borrowed pollfd for the whole
-    // call and the count (1) matches; poll does not retain the pointer.
-    let r = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
-    match r {
-        0 => Ok(false),
-        r if r > 0 => Ok(true),
-        _ => {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                Ok(false)
-            } else {
-                Err(e)
-            }
-        }
+    // SAFETY: the caller's socket `fd` stays open for this call.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let mut pfd = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+    // A negative timeout waits forever, as poll(2)'s does.
+    let timeout = (timeout_ms >= 0).then(|| rustix::event::Timespec {
+        tv_sec: i64::from(timeout_ms / 1000),
+        tv_nsec: i64::from(timeout_ms % 1000) * 1_000_000,
+    });
+    match rustix::event::poll(&mut pfd, timeout.as_ref()) {
+        Ok(n) => Ok(n > 0),
+        Err(rustix::io::Errno::INTR) => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -491,9 +491,9 @@ impl MemCgroup {
             return Ok(pids.len());
         }
         for &pid in &pids {
-            if pid > 0 {
-                // SAFETY: kill(2) takes plain integers and touches no memory of ours.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+            // Tasks of a group we made; a pid gone meanwhile is fine.
+            if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
             }
         }
         Ok(pids.len())

@@ -11,10 +11,7 @@ pub mod zram;
 /// writing) requires root; callers use this to decide early whether to skip.
 #[must_use]
 pub fn is_root() -> bool {
-    // SAFETY: geteuid(2) takes no arguments, touches no memory owned by us,
-    // is async-signal-safe and always succeeds; there are no invariants to uphold.
-    let euid = unsafe { libc::geteuid() };
-    euid == 0
+    rustix::process::geteuid().is_root()
 }
 pub mod swap;
 

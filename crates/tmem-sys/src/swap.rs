@@ -248,26 +248,16 @@ fn parse_meminfo_field(text: &str, name: &str) -> Result<u64, SwapError> {
 /// touched (`MCL_ONFAULT`), so pool memory is locked without being
 /// populated up front.
 pub fn mlockall_onfault() -> Result<(), SwapError> {
-    // SAFETY: mlockall only changes the locking of our own mappings.
-    let rc = unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT) };
-    if rc != 0 {
-        return Err(SwapError::Sys { call: "mlockall", source: std::io::Error::last_os_error() });
-    }
-    Ok(())
+    use rustix::mm::{mlockall, MlockAllFlags};
+    mlockall(MlockAllFlags::CURRENT | MlockAllFlags::FUTURE | MlockAllFlags::ONFAULT)
+        .map_err(|e| SwapError::Sys { call: "mlockall", source: e.into() })
 }
 
 /// Marks the process as an I/O flusher (`PR_SET_IO_FLUSHER`): its memory
 /// allocations do not recurse into I/O it may itself have to serve.
 pub fn set_io_flusher() -> Result<(), SwapError> {
-    const PR_SET_IO_FLUSHER: libc::c_int = 57;
-    // SAFETY: prctl with PR_SET_IO_FLUSHER takes an integer flag and no pointers.
-    let rc = unsafe {
-        libc::prctl(PR_SET_IO_FLUSHER, 1 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong)
-    };
-    if rc != 0 {
-        return Err(SwapError::Sys { call: "prctl(PR_SET_IO_FLUSHER)", source: std::io::Error::last_os_error() });
-    }
-    Ok(())
+    rustix::process::configure_io_flusher_behavior(true)
+        .map_err(|e| SwapError::Sys { call: "prctl(PR_SET_IO_FLUSHER)", source: e.into() })
 }
 
 /// Makes this process the OOM killer's last choice (`oom_score_adj` -1000,

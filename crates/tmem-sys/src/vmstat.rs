@@ -116,10 +116,7 @@ mod tests {
 /// `sysconf(_SC_CLK_TCK)`; 100 where that fails).
 #[must_use]
 pub fn clock_ticks_per_sec() -> u64 {
-    // SAFETY: sysconf(3) takes an integer name, touches no memory of ours and
-    // has no preconditions; it returns -1 on error, handled below.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    u64::try_from(hz).ok().filter(|&h| h > 0).unwrap_or(100)
+    Some(rustix::param::clock_ticks_per_second()).filter(|&h| h > 0).unwrap_or(100)
 }
 
 fn ticks_to_secs(ticks: u64) -> f64 {

@@ -1,5 +1,7 @@
 //! The few Linux calls std does not wrap: hole punching, block device
-//! ioctls, `flock` and toggling `O_DIRECT`.
+//! ioctls, `flock` and toggling `O_DIRECT`. Through `rustix` where it has a
+//! safe wrapper; the block ioctls stay on `libc` (rustix has none for
+//! `BLKGETSIZE64` and `BLKDISCARD`).
 
 use std::fs::File;
 use std::io;
@@ -18,18 +20,10 @@ fn check(r: libc::c_int) -> io::Result<()> {
     }
 }
 
-fn off_t(x: u64) -> io::Result<libc::off_t> {
-    libc::off_t::try_from(x).map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))
-}
-
 /// Deallocates `[off, off + len)` of a regular file, keeping its size.
 pub fn punch_hole(file: &File, off: u64, len: u64) -> io::Result<()> {
-    let (off, len) = (off_t(off)?, off_t(len)?);
-    // SAFETY: the fd is open for the lifetime of `file`; fallocate takes no
-    // pointers, only integers, so it cannot touch our memory.
-    check(unsafe {
-        libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, len)
-    })
+    use rustix::fs::{fallocate, FallocateFlags};
+    Ok(fallocate(file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, off, len)?)
 }
 
 /// Size of a block device in bytes.
@@ -61,23 +55,16 @@ pub fn block_discard(file: &File, off: u64, len: u64) -> io::Result<()> {
 
 /// Takes an exclusive `flock` without waiting (held until the file is closed).
 pub fn lock_exclusive(file: &File) -> io::Result<()> {
-    // SAFETY: the fd is open for the lifetime of `file`; flock takes no pointers.
-    check(unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) })
+    Ok(rustix::fs::flock(file, rustix::fs::FlockOperation::NonBlockingLockExclusive)?)
 }
 
 /// Whether the file's open flags include `O_DIRECT`.
 pub fn is_direct(file: &File) -> io::Result<bool> {
-    // SAFETY: the fd is open for the lifetime of `file`; F_GETFL takes no pointers.
-    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
-    check(flags)?;
-    Ok(flags & libc::O_DIRECT != 0)
+    Ok(rustix::fs::fcntl_getfl(file)?.contains(rustix::fs::OFlags::DIRECT))
 }
 
 /// Turns `O_DIRECT` off on an open file (Linux lets `F_SETFL` change it).
 pub fn clear_direct(file: &File) -> io::Result<()> {
-    // SAFETY: the fd is open for the lifetime of `file`; F_GETFL takes no pointers.
-    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
-    check(flags)?;
-    // SAFETY: as above; F_SETFL takes an int of flags, no pointers.
-    check(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_DIRECT) })
+    let flags = rustix::fs::fcntl_getfl(file)?;
+    Ok(rustix::fs::fcntl_setfl(file, flags - rustix::fs::OFlags::DIRECT)?)
 }
