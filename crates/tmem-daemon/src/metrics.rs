@@ -91,10 +91,11 @@ fn serve(server: &tiny_http::Server, source: &Source) {
                 .any(|h| h.field.equiv("Accept") && h.value.as_str().contains("application/openmetrics-text"));
             match encode(&source()) {
                 Ok(text) if openmetrics => {
-                    tiny_http::Response::from_string(text).with_header(header("Content-Type", CONTENT_TYPE))
+                    tiny_http::Response::from_string(text).with_header(content_type(CONTENT_TYPE))
                 }
-                Ok(text) => tiny_http::Response::from_string(to_classic(&text))
-                    .with_header(header("Content-Type", CLASSIC_CONTENT_TYPE)),
+                Ok(text) => {
+                    tiny_http::Response::from_string(to_classic(&text)).with_header(content_type(CLASSIC_CONTENT_TYPE))
+                }
                 Err(e) => tiny_http::Response::from_string(format!("encoding failed: {e}\n")).with_status_code(500),
             }
         } else {
@@ -104,10 +105,9 @@ fn serve(server: &tiny_http::Server, source: &Source) {
     }
 }
 
-fn header(name: &str, value: &str) -> tiny_http::Header {
-    tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes()).unwrap_or_else(|()| {
-        tiny_http::Header::from_bytes(&b"X-Invalid"[..], &b"1"[..]).unwrap_or_else(|()| unreachable!())
-    })
+/// A `Content-Type` header; `value` is one of this module's constants, which are valid.
+fn content_type(value: &'static str) -> tiny_http::Header {
+    tiny_http::Header::from_bytes(&b"Content-Type"[..], value.as_bytes()).expect("a valid constant header")
 }
 
 /// The OpenMetrics text of `devs`.
