@@ -26,6 +26,16 @@ command -v cargo-nextest >/dev/null || cargo install cargo-nextest --locked
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 command -v cargo-deb >/dev/null || cargo install cargo-deb --locked
 
+# CI builds from a clean checkout on a disk of unknown size: no incremental
+# caches there, and each stage's build directory goes once nothing later
+# needs it (prune), so the peak is one stage's build, not their sum.
+if [ -n "${CI:-}" ]; then export CARGO_INCREMENTAL=0; fi
+disk() { echo "disk: target $(du -sh target 2>/dev/null | cut -f1), free $(df -h --output=avail . | tail -1 | tr -d ' ')"; }
+prune() {
+    disk
+    if [ -n "${CI:-}" ]; then rm -rf "$@"; fi
+}
+
 echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy"
@@ -44,6 +54,13 @@ cargo nextest run --workspace --no-fail-fast 2>&1 | tee "$NEXTEST_LOG"
 echo "== doc tests"
 cargo test --workspace --doc
 
+# The README's main command, on the test build (optimised dependencies) to
+# save a release build; `cargo run --release -p tmem -- bench store` is the real one.
+echo "== smoke: tmem bench store (built-in corpus, 1 round)"
+cargo run -q -p tmem -- bench store --rounds 1 --mix-only
+
+prune target/debug
+
 # Miri checks the unsafe core (spans, allocator, index) for undefined
 # behaviour; it needs the nightly toolchain's miri component.
 echo "== Miri: tmem-core mem, alloc, shard"
@@ -56,6 +73,7 @@ elif [[ ",$TMEM_REQUIRE," == *",miri,"* || ",$TMEM_REQUIRE," == *",all,"* ]]; th
 else
     echo "SKIP: Miri is not available (rustup +nightly component add miri)"
 fi
+prune target/miri
 
 # cargo-fuzz needs nightly flags; use the nightly toolchain where installed,
 # otherwise let stable accept them.
@@ -78,6 +96,7 @@ if [ "${FUZZ_SECONDS:-0}" -gt 0 ]; then
     done
 fi
 unset CARGO_TARGET_DIR
+prune target/fuzz
 
 # The Debian package: built (release), installed into a scratch root with
 # its own dpkg database, run, and removed again.
@@ -102,11 +121,7 @@ test ! -e "$DEBROOT/usr/bin/tmem" || { echo "dpkg -r left /usr/bin/tmem" >&2; ex
 # release build of the package above).
 echo "== VM test (scripts/vm-test.sh)"
 scripts/vm-test.sh
-
-# The README's main command, on the test build (optimised dependencies) to
-# save a release build; `cargo run --release -p tmem -- bench store` is the real one.
-echo "== smoke: tmem bench store (built-in corpus, 1 round)"
-cargo run -q -p tmem -- bench store --rounds 1 --mix-only
+disk
 
 # One closing line for whoever reads the end of the log.
 summary="$(grep -E '^ +Summary .* tests? run:' "$NEXTEST_LOG" | tail -1)"
