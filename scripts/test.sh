@@ -13,7 +13,9 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 PKGS=(python3 default-jdk-headless gcc redis-server util-linux qemu-utils qemu-system-x86 libnbd-bin fuse3 systemd prometheus fonts-dejavu-core busybox-static nbd-client cpio)
 missing=()
 for p in "${PKGS[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+    # "install ok installed": a removed package whose configuration files
+    # remain is known to dpkg -s, but not installed.
+    [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "== apt-get install ${missing[*]}"

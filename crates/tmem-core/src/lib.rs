@@ -22,10 +22,10 @@ mod store;
 
 pub use codec::{CodecConfig, CodecError};
 pub use policy::{Incompressible, PolicyConfig, PolicyError};
-pub use stats::{PoolStats, Stats};
+pub use stats::{CodecUsage, PoolStats, Stats};
 pub use store::{
-    default_shards, DictTraining, GetOutcome, Pool, PoolConfig, PoolKind, PutOutcome, Reject, Store, StoreConfig,
-    StoreError, TierChain, TrainedDictionary, WritebackReport, WritebackWorker, RAW_CODEC,
+    default_shards, DictTraining, GetOutcome, Pool, PoolConfig, PoolKind, PutOutcome, RecompressConfig, Recompression,
+    Recompressor, Reject, Store, StoreConfig, StoreError, TierChain, TrainedDictionary, WritebackReport, WritebackWorker, RAW_CODEC,
 };
 
 /// Size of a page, the unit of every put and get.

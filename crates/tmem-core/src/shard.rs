@@ -32,6 +32,15 @@ pub(crate) const F_WB: u32 = 32 << FLAG_SHIFT;
 /// On the shard's LRU list.
 pub(crate) const F_INLRU: u32 = 64 << FLAG_SHIFT;
 const TIER_SHIFT: u32 = FLAG_SHIFT + 7;
+/// Read since recompression last visited it (recompression's own bit, so
+/// that it does not take the LRU's second chance away).
+pub(crate) const F_HOT: u32 = 1 << (TIER_SHIFT + 3);
+/// Visited by recompression unread: recompressed on the next visit if it
+/// is still unread then.
+pub(crate) const F_SEEN: u32 = 2 << (TIER_SHIFT + 3);
+/// Recompression tried and the other codec was not smaller enough: left
+/// as it is until the page is replaced.
+pub(crate) const F_KEEP: u32 = 4 << (TIER_SHIFT + 3);
 /// Tiers a pool can chain.
 pub const MAX_TIERS: usize = 8;
 
@@ -88,6 +97,17 @@ impl Entry {
     /// Allocator location; only for entries without `F_SAME`.
     pub fn alloc_loc(&self) -> Option<Loc> {
         (!self.has(F_SAME) && !self.has(F_TIER)).then(|| Loc::unpack(self.loc))
+    }
+
+    /// Now holds the same page re-encoded: object `loc` of `len` bytes with
+    /// `codec`, checksum `check`. Flags are kept.
+    pub fn recode(&mut self, loc: u64, check: u32, len: usize, codec: u8) {
+        debug_assert!(len < 1 << LEN_BITS && usize::from(codec) < MAX_CODECS);
+        let len = u32::try_from(len).expect("stored length fits 13 bits");
+        let fields = (1 << FLAG_SHIFT) - 1;
+        self.meta = (self.meta & !fields) | len | (u32::from(codec) << CODEC_SHIFT);
+        self.loc = loc;
+        self.check = check;
     }
 
     /// Index of the tier holding the page (with `F_TIER`).

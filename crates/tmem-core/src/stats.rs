@@ -8,6 +8,7 @@ use crate::alloc::AllocStats;
 use crate::policy::PolicyConfig;
 use tmem_counters::{counters, Counters as _};
 
+use crate::shard::MAX_CODECS;
 use crate::{PoolKind, PAGE_SIZE};
 
 /// Counters kept per shard, under its lock.
@@ -43,6 +44,10 @@ pub(crate) struct ShardCounters {
     pub tier_gets: u64,
     /// Incompressible pages sent straight to a lower tier.
     pub incompressible_to_tier: u64,
+    /// Compressed pages held in the pool, by codec id.
+    pub codec_pages: [u64; MAX_CODECS],
+    /// Bytes of those pages' objects, by codec id.
+    pub codec_bytes: [u64; MAX_CODECS],
 }
 
 /// Rare events, counted pool-wide.
@@ -66,6 +71,14 @@ pub(crate) struct PoolEvents {
     pub tier_get_fail: AtomicU64,
     /// Writeback batches a tier refused or failed.
     pub tier_put_fail: AtomicU64,
+    /// Pages recompressed with the recompression codec.
+    pub recompressed_pages: AtomicU64,
+    /// Object bytes recompression saved, summed when each page was recompressed.
+    pub recompress_saved_bytes: AtomicU64,
+    /// Pages recompression tried and kept as they were (not smaller enough).
+    pub recompress_kept: AtomicU64,
+    /// Recompressions dropped because the page changed meanwhile.
+    pub recompress_raced: AtomicU64,
 }
 
 impl PoolEvents {
@@ -136,7 +149,26 @@ counters! {
         tier_put_fail: Counter(Pages),
         /// Incompressible pages sent straight to a lower tier.
         incompressible_to_tier: Counter(Pages),
+        /// Cold pages recompressed in the background with the recompression codec.
+        recompressed_pages: Counter(Pages),
+        /// Object bytes saved by recompression, summed when each page was recompressed.
+        recompress_saved_bytes: Counter(Bytes),
+        /// Pages recompression tried and kept (the other codec was not smaller enough).
+        recompress_kept: Counter(Pages),
+        /// Recompressions dropped because the page changed meanwhile.
+        recompress_raced: Counter(Events),
     }
+}
+
+/// What one codec holds in the pool.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CodecUsage {
+    /// Codec name, e.g. `lz4`, `zstd-3+dict`.
+    pub codec: String,
+    /// Pages compressed with it.
+    pub pages: u64,
+    /// Bytes of their objects, before class rounding.
+    pub bytes: u64,
 }
 
 impl PoolStats {
@@ -175,6 +207,10 @@ impl PoolStats {
             tier_get_fail: ev.tier_get_fail.load(r),
             tier_put_fail: ev.tier_put_fail.load(r),
             incompressible_to_tier: c.incompressible_to_tier,
+            recompressed_pages: ev.recompressed_pages.load(r),
+            recompress_saved_bytes: ev.recompress_saved_bytes.load(r),
+            recompress_kept: ev.recompress_kept.load(r),
+            recompress_raced: ev.recompress_raced.load(r),
         }
     }
 
@@ -199,6 +235,12 @@ counters! {
             /// `failed: …`; absent when not configured.
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub dictionary: Option<String>,
+            /// Background recompression: its codec and state; absent when off.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub recompression: Option<String>,
+            /// Compressed pages held in the pool and their bytes, by codec.
+            #[serde(default)]
+            pub codecs: Vec<CodecUsage>,
             /// Sum over pools.
             pub total: PoolStats,
             /// Allocator counters (compaction included).

@@ -18,8 +18,10 @@ use tmem_lock::{Mutex, MutexGuard, Rank, RwLock};
 use crate::alloc::{AllocConfig, Loc, ZsAlloc};
 use crate::codec::{fill_page, same_filled, Codec, CodecConfig, CodecError, COMPRESS_BUF_SIZE};
 use crate::policy::{Policy, PolicyConfig, PolicyError};
-use crate::shard::{hash_key, Entry, Shard, F_INCOMPRESSIBLE, F_REFERENCED, F_SAME, F_TIER, MAX_CODECS};
-use crate::stats::{PoolEvents, PoolStats, ShardCounters, Stats};
+use crate::shard::{
+    hash_key, Entry, Shard, F_HOT, F_INCOMPRESSIBLE, F_KEEP, F_REFERENCED, F_SAME, F_SEEN, F_TIER, F_WB, MAX_CODECS,
+};
+use crate::stats::{CodecUsage, PoolEvents, PoolStats, ShardCounters, Stats};
 use crate::{Key, PoolId, PAGE_SIZE};
 
 /// Shards per pool: enough that threads rarely meet on one lock, few enough
@@ -50,10 +52,13 @@ mod dictionary;
 mod outcome;
 mod pool;
 mod shared;
+mod recompress;
 mod tiering;
+mod worker;
 pub use config::{PoolConfig, PoolKind, StoreConfig};
 pub use dictionary::{DictTraining, TrainedDictionary};
 pub use outcome::{GetOutcome, PutOutcome, Reject, StoreError};
+pub use recompress::{RecompressConfig, Recompression, Recompressor};
 use pool::PaddedShard;
 pub use pool::Pool;
 use shared::Shared;
@@ -185,7 +190,8 @@ impl Store {
 
     /// Starts the background writeback thread (stopped when dropped).
     pub fn start_writeback(&self, period: std::time::Duration) -> WritebackWorker {
-        WritebackWorker::start(Arc::clone(&self.shared), period)
+        let shared = Arc::clone(&self.shared);
+        worker::Worker::start("tmem-writeback", period, 0, move |_| tiering::writeback_job(&shared))
     }
 
     /// The live policy.
@@ -230,6 +236,27 @@ impl Store {
         self.shared.total_bytes()
     }
 
+    /// Compressed pages and bytes per codec, over every pool; codecs that
+    /// hold nothing are left out.
+    pub fn codec_usage(&self) -> Vec<CodecUsage> {
+        let (mut pages, mut bytes) = ([0u64; MAX_CODECS], [0u64; MAX_CODECS]);
+        for p in self.shared.pools_snapshot() {
+            let (pp, pb) = p.codec_usage();
+            for i in 0..MAX_CODECS {
+                pages[i] += pp[i];
+                bytes[i] += pb[i];
+            }
+        }
+        (0..MAX_CODECS)
+            .filter(|&i| pages[i] > 0)
+            .filter_map(|i| {
+                let id = u8::try_from(i).ok()?;
+                let codec = self.shared.codec(id).ok()?.name().to_owned();
+                Some(CodecUsage { codec, pages: pages[i], bytes: bytes[i] })
+            })
+            .collect()
+    }
+
     /// Snapshot of every counter.
     pub fn stats(&self) -> Stats {
         let pools: Vec<PoolStats> = self.shared.pools_snapshot().iter().map(|p| p.stats()).collect();
@@ -248,6 +275,8 @@ impl Store {
             ratio: if mem == 0 { 0.0 } else { total.orig_data_size as f64 / mem as f64 },
             codec: self.codec_name(),
             dictionary: self.shared.dictionary_status(),
+            recompression: self.shared.recompress_status(),
+            codecs: self.codec_usage(),
             total,
             alloc,
             policy: self.shared.policy.config(),

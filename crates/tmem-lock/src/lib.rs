@@ -61,8 +61,11 @@ pub enum Rank {
     DictionaryStatus,
     /// The codec registry's count.
     CodecCount,
-    /// The writeback thread's stop flag (with its condition variable).
-    WritebackStop,
+    /// A store background worker's stop flag (writeback, recompression),
+    /// with its condition variable.
+    WorkerStop,
+    /// Recompression: its status line.
+    RecompressStatus,
     /// Disk tier: garbage collection (one pass at a time).
     DiskGc,
     /// Disk tier: the open segment being written.
@@ -403,7 +406,7 @@ mod tests {
 
     #[test]
     fn condvar_waits_with_a_ranked_guard() {
-        let pair = std::sync::Arc::new((Mutex::new(Rank::WritebackStop, false), Condvar::new()));
+        let pair = std::sync::Arc::new((Mutex::new(Rank::WorkerStop, false), Condvar::new()));
         let p2 = std::sync::Arc::clone(&pair);
         let t = std::thread::spawn(move || {
             *p2.0.lock() = true;

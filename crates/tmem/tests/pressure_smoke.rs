@@ -1,6 +1,6 @@
 //! Smoke test of `tmem bench pressure` (root only): a tiny ladder on zram,
 //! tmem and the fuse-ram baseline; every run must be correct, all must swap
-//! at 50 %, every run must carry its CPU figures, and nothing the bench set
+//! at 65 %, every run must carry its CPU figures, and nothing the bench set
 //! up may remain afterwards: its hot-added zram device is gone, and a zram0
 //! that was there before is untouched.
 
@@ -100,7 +100,9 @@ fn pressure_ladder_smoke() {
     let svg = json.with_extension("svg");
     let start = std::time::Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
-        .args(["bench", "pressure", "--workload-mib", "192", "--levels", "100,50", "--runs", "1", "--passes", "1"])
+        // 65 %, not 50: under a v1 memory cgroup a 50 % limit OOM-killed a
+        // job now and then (zram and tmem alike) while other tests loaded the CPU.
+        .args(["bench", "pressure", "--workload-mib", "192", "--levels", "100,65", "--runs", "1", "--passes", "1"])
         // Other tests may start swap of their own meanwhile: do not wait for it.
         .args(["--backends", "zram,tmem,fuse-ram", "--allow-other-swap", "--json"])
         .arg(&json)
@@ -187,7 +189,7 @@ fn pressure_ladder_smoke() {
         if per_page && has_daemon {
             assert!(r["daemon_cpu_us_per_swapped_page"].as_f64().unwrap() > 0.0, "{what}: {r}");
         }
-        if r["level"] == 50 {
+        if r["level"] == 65 {
             assert!(r["vmstat"]["pswpout"].as_u64().unwrap() > 0, "{what} did not swap: {r}");
             assert!(r["pool_peak_bytes"].as_u64().unwrap() > 0, "{what}: no pool memory seen: {r}");
             assert!(r["limit_bytes"].as_u64().is_some());

@@ -90,6 +90,7 @@ impl StoreConfig {
             auto_dictionary: self
                 .dictionary
                 .map(|t| dictionary::AutoDictionary::new(self.codec.clone().unwrap_or(CodecConfig::LZ4), t)),
+            recompress_status: Mutex::new(Rank::RecompressStatus, None),
         });
         let shards = if self.shards == 0 { default_shards() } else { self.shards.next_power_of_two() };
         let store = Store { shared, shards };

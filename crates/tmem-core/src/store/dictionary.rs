@@ -112,17 +112,23 @@ impl Shared {
         base: &CodecConfig,
         cfg: &DictTraining,
     ) -> Result<TrainedDictionary, StoreError> {
+        let (dict, sample_pages) = self.sample_and_train(cfg)?;
+        let bytes = dict.len();
+        let codec_id = self.register_codec(&base.with_dictionary(dict))?;
+        self.set_codec(codec_id)?;
+        Ok(TrainedDictionary { codec_id, bytes, sample_pages })
+    }
+
+    /// Trains a dictionary on an even sample of the pools' pages; returns it
+    /// and how many pages it was trained on.
+    pub(super) fn sample_and_train(&self, cfg: &DictTraining) -> Result<(Arc<[u8]>, usize), StoreError> {
         let objects = usize::try_from(self.alloc.stats().objects).unwrap_or(usize::MAX);
         let every = (objects / cfg.sample_pages.max(1)).max(1);
         let mut sample = Vec::with_capacity(cfg.sample_pages.min(objects));
         for p in self.pools_snapshot() {
             p.sample_pages(every, cfg.sample_pages, &mut sample);
         }
-        let dict = train_dictionary(sample.iter(), cfg.dict_bytes)?;
-        let bytes = dict.len();
-        let codec_id = self.register_codec(&base.with_dictionary(dict))?;
-        self.set_codec(codec_id)?;
-        Ok(TrainedDictionary { codec_id, bytes, sample_pages: sample.len() })
+        Ok((train_dictionary(sample.iter(), cfg.dict_bytes)?, sample.len()))
     }
 
     /// Starts automatic training in the background once the pool is big

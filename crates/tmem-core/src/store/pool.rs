@@ -88,6 +88,8 @@ impl Pool {
             c.same_filled_pages += 1;
         } else {
             c.compr_data_size += e.len() as u64;
+            c.codec_pages[usize::from(e.codec())] += 1;
+            c.codec_bytes[usize::from(e.codec())] += e.len() as u64;
         }
         if e.has(F_INCOMPRESSIBLE) {
             c.stored_incompressible_pages += 1;
@@ -103,6 +105,8 @@ impl Pool {
             c.same_filled_pages -= 1;
         } else {
             c.compr_data_size -= e.len() as u64;
+            c.codec_pages[usize::from(e.codec())] -= 1;
+            c.codec_bytes[usize::from(e.codec())] -= e.len() as u64;
         }
         if e.has(F_INCOMPRESSIBLE) {
             c.stored_incompressible_pages -= 1;
@@ -307,7 +311,7 @@ impl Pool {
             self.forget(&mut s.c, &e);
             self.account(&mut s);
         } else {
-            s.entries.get_mut(h).meta |= F_REFERENCED;
+            s.entries.get_mut(h).meta |= F_REFERENCED | F_HOT;
         }
         LocalGet::Done(Ok(GetOutcome::Hit))
     }
@@ -428,6 +432,19 @@ impl Pool {
             c.incompressible_to_tier += x.incompressible_to_tier;
         }
         PoolStats::from_parts(self.id, self.cfg.kind, &c, &self.events)
+    }
+
+    /// Compressed pages and their bytes in the pool, by codec id.
+    pub(super) fn codec_usage(&self) -> ([u64; MAX_CODECS], [u64; MAX_CODECS]) {
+        let (mut pages, mut bytes) = ([0; MAX_CODECS], [0; MAX_CODECS]);
+        for shard in self.shards.iter() {
+            let s = shard.0.lock();
+            for i in 0..MAX_CODECS {
+                pages[i] += s.c.codec_pages[i];
+                bytes[i] += s.c.codec_bytes[i];
+            }
+        }
+        (pages, bytes)
     }
 
     /// Destroys the pool's pages; later operations fail with `PoolDestroyed`.

@@ -28,6 +28,8 @@ pub(super) struct Shared {
     pub(super) room_failed_at: AtomicU64,
     /// Automatic dictionary training, if configured.
     pub(super) auto_dictionary: Option<dictionary::AutoDictionary>,
+    /// Background recompression's codec and state, once set up.
+    pub(super) recompress_status: Mutex<Option<String>>,
 }
 
 impl Shared {

@@ -14,12 +14,10 @@
 //! stops at `accept - 10%`; a put that finds the store full writes back
 //! synchronously before it would refuse.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use std::thread::JoinHandle;
-use std::time::Duration;
-use tmem_lock::{Condvar, Mutex, MutexGuard, Rank};
+use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use tmem_tier::seal::Sealer;
 use tmem_tier::{Tier, TierError, TierGet, TierKey, TierPut, TierStats};
@@ -640,66 +638,19 @@ impl Shared {
 }
 
 /// Background writeback: keeps usage under the accept threshold.
-pub struct WritebackWorker {
-    stop: Arc<(Mutex<bool>, Condvar)>,
-    running: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
+pub type WritebackWorker = super::worker::Worker;
 
-impl std::fmt::Debug for WritebackWorker {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WritebackWorker").finish_non_exhaustive()
+/// The writeback thread's job: sends queued tier removals, and writes back
+/// once usage nears the accept threshold, down to a little below it.
+pub(super) fn writeback_job(shared: &Shared) {
+    shared.send_tier_removals();
+    let limit = shared.policy.limit_bytes();
+    if limit == u64::MAX {
+        return;
     }
-}
-
-impl WritebackWorker {
-    pub(super) fn start(shared: Arc<Shared>, period: Duration) -> Self {
-        let stop = Arc::new((Mutex::new(Rank::WritebackStop, false), Condvar::new()));
-        let running = Arc::new(AtomicBool::new(true));
-        let (s2, r2) = (Arc::clone(&stop), Arc::clone(&running));
-        let thread = std::thread::Builder::new()
-            .name("tmem-writeback".into())
-            .spawn(move || {
-                let (m, cv) = &*s2;
-                loop {
-                    let mut g = m.lock();
-                    if !*g {
-                        cv.wait_for(&mut g, period);
-                    }
-                    if *g {
-                        break;
-                    }
-                    drop(g);
-                    shared.send_tier_removals();
-                    let limit = shared.policy.limit_bytes();
-                    if limit == u64::MAX {
-                        continue;
-                    }
-                    let accept = shared.policy.accept_bytes();
-                    let high = accept.saturating_sub(limit / 20);
-                    if shared.total_bytes() >= high {
-                        shared.write_back_until(accept.saturating_sub(limit / 10));
-                    }
-                }
-                r2.store(false, Ordering::Release);
-            })
-            .expect("spawn the writeback thread");
-        Self { stop, running, thread: Some(thread) }
-    }
-
-    /// Whether the thread is alive.
-    pub fn is_running(&self) -> bool {
-        self.running.load(Ordering::Acquire)
-    }
-}
-
-impl Drop for WritebackWorker {
-    fn drop(&mut self) {
-        let (m, cv) = &*self.stop;
-        *m.lock() = true;
-        cv.notify_all();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    let accept = shared.policy.accept_bytes();
+    let high = accept.saturating_sub(limit / 20);
+    if shared.total_bytes() >= high {
+        shared.write_back_until(accept.saturating_sub(limit / 10));
     }
 }
