@@ -98,6 +98,12 @@ pub struct PressureArgs {
     /// --fuse-uring`; 0: /dev/fuse).
     #[arg(long, default_value_t = 0)]
     pub tmem_fuse_uring: usize,
+    /// Recompression codec of the tmem+recomp row (as `tmem swap up --recompress`).
+    #[arg(long, default_value = "zstd:3+dict")]
+    pub tmem_recompress: String,
+    /// Seconds unread before the tmem+recomp row recompresses a page.
+    #[arg(long, default_value_t = 1.0, value_parser = tmem_daemon::spec::parse_after)]
+    pub tmem_recompress_after: f64,
     /// Pool limit of the tiered tmem rows (tmem+remote, tmem+disk): small, so
     /// that most pages move down to the tier.
     #[arg(long, default_value = "64M")]
@@ -651,6 +657,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         tmem_pool_limit: a.tmem_pool_limit.clone(),
         tmem_codec: a.tmem_codec.clone(),
         tmem_fuse_uring: a.tmem_fuse_uring,
+        tmem_recompress: (a.tmem_recompress.clone(), a.tmem_recompress_after),
         tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
         tier_dir: a.swap_dir.join(format!("tmem-bench-tier-{pid}")),
     };
@@ -796,6 +803,12 @@ fn print_report(
         backend::RAM_PRIORITY,
         a.runs
     );
+    if names.contains(&"tmem+recomp") {
+        println!(
+            "tmem+recomp = tmem with --recompress {} --recompress-after {}: cold pages recompressed in the background.",
+            a.tmem_recompress, a.tmem_recompress_after
+        );
+    }
     if names.contains(&"fuse-ram") {
         println!(
             "fuse-ram = tmem's FUSE + loop swap path over plain RAM, served by the bench (no compression, no store; \

@@ -24,8 +24,8 @@ use tmem_counters::counters;
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use tmem_core::{
-    GetOutcome, Key, Pool, PoolConfig, PutOutcome, Reject, Stats, Store, StoreConfig, StoreError, TierChain,
-    WritebackWorker, PAGE_SIZE,
+    GetOutcome, Key, Pool, PoolConfig, PutOutcome, RecompressConfig, Recompression, Recompressor, Reject, Stats, Store,
+    StoreConfig, StoreError, TierChain, WritebackWorker, PAGE_SIZE,
 };
 
 const PAGE: u64 = PAGE_SIZE as u64;
@@ -163,6 +163,8 @@ pub struct DeviceConfig {
     /// Tiers below the pool (writeback, incompressible pages). Without them
     /// a page the pool refuses fails the write with ENOSPC.
     pub tiers: Option<TierChain>,
+    /// Background recompression of cold pages, if wanted.
+    pub recompress: Option<RecompressConfig>,
 }
 
 impl DeviceConfig {
@@ -178,8 +180,10 @@ impl DeviceConfig {
             }
             None => (store.create_pool(cfg), None),
         };
+        let recompressor = self.recompress.map(|r| store.recompression(r)).transpose()?.map(Recompression::spawn);
         Ok(PoolDevice {
             _writeback: writeback,
+            _recompressor: recompressor,
             name: self.name,
             size: self.size / PAGE * PAGE,
             store,
@@ -250,6 +254,8 @@ counters! {
 pub struct PoolDevice {
     /// Background writeback to the tiers (declared first: stops before the store drops).
     _writeback: Option<WritebackWorker>,
+    /// Background recompression (also stops before the store drops).
+    _recompressor: Option<Recompressor>,
     name: String,
     size: u64,
     store: Store,

@@ -12,9 +12,15 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 const SIZE: u64 = 1 << 20;
 
 fn device(policy: PolicyConfig) -> PoolDevice {
-    DeviceConfig { name: "t0".into(), size: SIZE, store: StoreConfig { policy, ..Default::default() }, tiers: None }
-        .build()
-        .unwrap()
+    DeviceConfig {
+        name: "t0".into(),
+        size: SIZE,
+        store: StoreConfig { policy, ..Default::default() },
+        tiers: None,
+        recompress: None,
+    }
+    .build()
+    .unwrap()
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -38,6 +44,7 @@ fn tiered_device() -> PoolDevice {
         size: SIZE,
         store: StoreConfig { policy, ..Default::default() },
         tiers: Some(chain),
+        recompress: None,
     }
     .build()
     .unwrap()

@@ -25,7 +25,8 @@ pub use policy::{Incompressible, PolicyConfig, PolicyError};
 pub use stats::{CodecUsage, PoolStats, Stats};
 pub use store::{
     default_shards, DictTraining, GetOutcome, Pool, PoolConfig, PoolKind, PutOutcome, RecompressConfig, Recompression,
-    Recompressor, Reject, Store, StoreConfig, StoreError, TierChain, TrainedDictionary, WritebackReport, WritebackWorker, RAW_CODEC,
+    Recompressor, Reject, Store, StoreConfig, StoreError, TierChain, TrainedDictionary, WritebackReport,
+    WritebackWorker, RAW_CODEC,
 };
 
 /// Size of a page, the unit of every put and get.

@@ -51,16 +51,16 @@ mod config;
 mod dictionary;
 mod outcome;
 mod pool;
-mod shared;
 mod recompress;
+mod shared;
 mod tiering;
 mod worker;
 pub use config::{PoolConfig, PoolKind, StoreConfig};
 pub use dictionary::{DictTraining, TrainedDictionary};
 pub use outcome::{GetOutcome, PutOutcome, Reject, StoreError};
-pub use recompress::{RecompressConfig, Recompression, Recompressor};
 use pool::PaddedShard;
 pub use pool::Pool;
+pub use recompress::{RecompressConfig, Recompression, Recompressor};
 use shared::Shared;
 pub use tiering::{TierChain, WritebackReport, WritebackWorker};
 

@@ -21,8 +21,18 @@ type Page = [u8; PAGE_SIZE];
 
 /// Log-like text: lz4 gets about 2x, zstd noticeably more.
 fn page(seed: u64) -> Page {
-    const WORDS: [&str; 10] =
-        ["GET /api/v1/items ", "200 ", "user=", "session=", "latency_ms=", "INFO ", "WARN ", "\n", "cache miss ", "ok "];
+    const WORDS: [&str; 10] = [
+        "GET /api/v1/items ",
+        "200 ",
+        "user=",
+        "session=",
+        "latency_ms=",
+        "INFO ",
+        "WARN ",
+        "\n",
+        "cache miss ",
+        "ok ",
+    ];
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut p = [0u8; PAGE_SIZE];
     let mut i = 0;
@@ -104,7 +114,7 @@ fn pages_that_do_not_shrink_are_kept_and_not_tried_again() {
     let store = StoreConfig::default().build().unwrap();
     let pool = store.create_pool(PoolConfig::persistent());
     for i in 0..200 {
-        pool.put(key(i), &page(i)).unwrap();
+        assert_eq!(pool.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
     }
     // lz4 again: never an eighth smaller than lz4.
     let mut rec = store.recompression(RecompressConfig::parse("lz4").unwrap()).unwrap();
@@ -124,11 +134,11 @@ fn dictionary_is_trained_before_recompression_starts() {
     let mut cfg = RecompressConfig::parse("zstd:3+dict").unwrap();
     cfg.dictionary = Some(DictTraining { after_bytes: 512 << 10, sample_pages: 256, dict_bytes: 16 << 10 });
     let mut rec = store.recompression(cfg).unwrap();
-    pool.put(key(0), &page(0)).unwrap();
+    assert_eq!(pool.put(key(0), &page(0)).unwrap(), PutOutcome::Stored);
     rec.pass();
     assert!(store.stats().recompression.unwrap().contains("waiting"), "{:?}", store.stats().recompression);
     for i in 1..1000 {
-        pool.put(key(i), &page(i)).unwrap();
+        assert_eq!(pool.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
     }
     rec.pass();
     rec.pass();
@@ -177,8 +187,21 @@ fn race(writers: Vec<Vec<Op>>, with_tier: bool) {
     } else {
         store.create_pool(PoolConfig::persistent().reject_keeps_old(true))
     };
-    let done = Arc::new(AtomicBool::new(false));
+    // Every key starts with a page that two passes recompress, so the race
+    // always has recompressed pages in it.
+    let mut oracles: Vec<HashMap<u64, Page>> = vec![HashMap::new(); writers.len()];
+    for (w, oracle) in oracles.iter_mut().enumerate() {
+        for k in 1000 * w as u64..1000 * w as u64 + 48 {
+            if pool.put(key(k), &page(k)).unwrap() == PutOutcome::Stored {
+                oracle.insert(k, page(k));
+            }
+        }
+    }
     let mut rec = store.recompression(zstd3()).unwrap();
+    rec.pass();
+    rec.pass();
+    assert!(store.stats().total.recompressed_pages > 0, "{:?}", store.stats().total);
+    let done = Arc::new(AtomicBool::new(false));
     let _writeback = with_tier.then(|| store.start_writeback(Duration::from_millis(1)));
     std::thread::scope(|s| {
         s.spawn(|| {
@@ -194,12 +217,12 @@ fn race(writers: Vec<Vec<Op>>, with_tier: bool) {
         });
         let handles: Vec<_> = writers
             .iter()
+            .zip(oracles)
             .enumerate()
-            .map(|(w, ops)| {
+            .map(|(w, (ops, mut oracle))| {
                 let pool = &pool;
                 s.spawn(move || {
                     let base = 1000 * w as u64;
-                    let mut oracle: HashMap<u64, Page> = HashMap::new();
                     for op in ops {
                         match *op {
                             Op::Put(k, seed) => {
@@ -262,7 +285,7 @@ fn the_worker_thread_recompresses_on_its_own() {
     let store = StoreConfig::default().build().unwrap();
     let pool = store.create_pool(PoolConfig::persistent());
     for i in 0..500 {
-        pool.put(key(i), &page(i)).unwrap();
+        assert_eq!(pool.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
     }
     let mut cfg = zstd3();
     cfg.after = Duration::from_millis(20);

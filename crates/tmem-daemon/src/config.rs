@@ -8,9 +8,11 @@
 //! pool-limit = "25%"       # or "2G"
 //! codec = "lz4"            # zstd, zstd:3, lz4+dict, ...
 //! priority = 100
-//! fuse-threads = 4
+//! fuse-threads = 16       # default: one per online CPU, at least 4
 //! fuse-uring = 0
 //! discard = "once"         # or "pages"
+//! recompress = "zstd:3+dict"  # cold pages, in the background (off when absent)
+//! recompress-after = 2     # seconds unread before a page is recompressed
 //! runtime-dir = "/run/tmem"
 //! wait = 60
 //! metrics = "127.0.0.1:9848"  # Prometheus /metrics (off when absent)
@@ -85,6 +87,8 @@ struct RawSwap {
     fuse_threads: Option<Spanned<u64>>,
     fuse_uring: Option<Spanned<u64>>,
     discard: Option<Spanned<String>>,
+    recompress: Option<Spanned<String>>,
+    recompress_after: Option<Spanned<f64>>,
     runtime_dir: Option<Spanned<PathBuf>>,
     wait: Option<Spanned<u64>>,
     metrics: Option<Spanned<String>>,
@@ -122,6 +126,10 @@ pub struct Config {
     pub fuse_uring: Option<usize>,
     /// `swap.discard`.
     pub discard: Option<tmem_sys::swap::SwapDiscard>,
+    /// `swap.recompress`: the recompression codec.
+    pub recompress: Option<String>,
+    /// `swap.recompress-after`, seconds.
+    pub recompress_after: Option<f64>,
     /// `swap.runtime-dir`.
     pub runtime_dir: Option<PathBuf>,
     /// `swap.wait`, seconds.
@@ -215,6 +223,13 @@ impl Config {
                 _ => Err(format!("{n} is outside 0..64")),
             }),
             discard: checked!(s.discard, "swap.discard", |v: String| v.parse::<tmem_sys::swap::SwapDiscard>()),
+            recompress: checked!(s.recompress, "swap.recompress", |v: String| {
+                let args = crate::spec::RecompressArgs { recompress: Some(v.clone()), ..Default::default() };
+                args.config().map(|_| v).map_err(|e| e.to_string())
+            }),
+            recompress_after: checked!(s.recompress_after, "swap.recompress-after", |v: f64| {
+                crate::spec::parse_after(&v.to_string())
+            }),
             runtime_dir: checked!(s.runtime_dir, "swap.runtime-dir", |p: PathBuf| if p.is_absolute() {
                 Ok(p)
             } else {
@@ -270,6 +285,8 @@ priority = 50
 fuse-threads = 8
 fuse-uring = 1
 discard = "pages"
+recompress = "zstd:3+dict"
+recompress-after = 0.5
 runtime-dir = "/run/tmem2"
 wait = 90
 metrics = "127.0.0.1:9848"
@@ -289,6 +306,7 @@ disk-capacity = "16G"
         assert_eq!(c.pool_limit, Some(PoolLimit::Percent(30)));
         assert_eq!(c.codec.as_deref(), Some("zstd:3+dict"));
         assert_eq!(c.discard, Some(tmem_sys::swap::SwapDiscard::Pages));
+        assert_eq!((c.recompress.as_deref(), c.recompress_after), (Some("zstd:3+dict"), Some(0.5)));
         assert_eq!(c.tiers, Some(vec![TierSpec::Disk("/var/lib/tmem".into())]));
         assert_eq!(c.disk_capacity, Some(16 << 30));
         assert_eq!(c.metrics, Some("127.0.0.1:9848".parse().unwrap()));
@@ -310,6 +328,14 @@ disk-capacity = "16G"
             ("[tiers]\ntier = [\"ssd=/x\"]\n", "/etc/tmem/tmem.toml:2:8: tiers.tier:"),
             ("[swap\n", "/etc/tmem/tmem.toml:1:"),
             ("[prometheus]\nlisten = \"x\"\n", "unknown field `prometheus`"),
+            (
+                "[swap]\nrecompress = \"raw\"\n",
+                "/etc/tmem/tmem.toml:2:14: swap.recompress: recompression codec \"raw\"",
+            ),
+            (
+                "[swap]\nrecompress-after = 0.0\n",
+                "/etc/tmem/tmem.toml:2:20: swap.recompress-after: \"0\" is not a number",
+            ),
             (
                 "[swap]\nmetrics = \"localhost\"\n",
                 "/etc/tmem/tmem.toml:2:11: swap.metrics: \"localhost\" is not an IP address and port",

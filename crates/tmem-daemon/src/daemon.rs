@@ -142,8 +142,15 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
             .as_ref()
             .map(|c| c.tiers().iter().map(|t| t.name().to_owned()).collect::<Vec<_>>().join(" -> "))
             .unwrap_or_default();
-        let dev =
-            DeviceConfig { name: d.name.clone(), size: d.size, store, tiers: chain }.build().map_err(setup_err)?;
+        let dev = DeviceConfig {
+            name: d.name.clone(),
+            size: d.size,
+            store,
+            tiers: chain,
+            recompress: d.recompress.config()?,
+        }
+        .build()
+        .map_err(setup_err)?;
         if !tier_names.is_empty() {
             steps.push(format!(
                 "{}: pool -> {tier_names} (pages sealed with {} under a subkey of this device and run)",

@@ -65,9 +65,10 @@ mod tests {
             size: 64 << 20,
             codec: "lz4".into(),
             pool_limit: PoolLimit::Percent(25),
+            recompress: Default::default(),
         };
         let store = store_config(&spec, 8 << 30).unwrap();
-        DeviceConfig { name: spec.name, size: spec.size, store, tiers: None }.build().unwrap()
+        DeviceConfig { name: spec.name, size: spec.size, store, tiers: None, recompress: None }.build().unwrap()
     }
 
     /// Finding: `pool-limit=0%`, `pool-limit=1` and `compact=garbage` were accepted.

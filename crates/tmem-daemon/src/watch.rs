@@ -84,9 +84,15 @@ mod tests {
     use super::*;
 
     fn device() -> DeviceStats {
-        let dev = DeviceConfig { name: "swap0".into(), size: 1 << 20, store: StoreConfig::default(), tiers: None }
-            .build()
-            .unwrap();
+        let dev = DeviceConfig {
+            name: "swap0".into(),
+            size: 1 << 20,
+            store: StoreConfig::default(),
+            tiers: None,
+            recompress: None,
+        }
+        .build()
+        .unwrap();
         dev.write_at(&[7; 4096], 0).unwrap();
         dev.stats()
     }

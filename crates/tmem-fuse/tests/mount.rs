@@ -54,7 +54,11 @@ fn tempdir(tag: &str) -> TempDir {
 }
 
 fn device(name: &str, size: u64) -> Arc<tmem_block::PoolDevice> {
-    Arc::new(DeviceConfig { name: name.into(), size, store: Default::default(), tiers: None }.build().unwrap())
+    Arc::new(
+        DeviceConfig { name: name.into(), size, store: Default::default(), tiers: None, recompress: None }
+            .build()
+            .unwrap(),
+    )
 }
 
 #[test]
@@ -186,7 +190,9 @@ fn full_pool_enospc(tag: &str, uring_per_queue: usize) -> u64 {
     let dir = tempdir(tag);
     let mut store = tmem_core::StoreConfig::default();
     store.policy.max_pool_bytes = 1 << 20;
-    let dev = Arc::new(DeviceConfig { name: "small".into(), size: 64 << 20, store, tiers: None }.build().unwrap());
+    let dev = Arc::new(
+        DeviceConfig { name: "small".into(), size: 64 << 20, store, tiers: None, recompress: None }.build().unwrap(),
+    );
     let m = FuseMount::mount(FuseConfig {
         mountpoint: dir.0.clone(),
         exports: vec![Export { name: "small".into(), device: dev.clone() }],

@@ -19,7 +19,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut store = tmem_core::StoreConfig::default();
     // A block device must take every page: keep incompressible ones raw.
     store.policy.incompressible = tmem_core::Incompressible::StoreRaw;
-    let device = tmem_block::DeviceConfig { name: "disk".into(), size, store, tiers: None }.build()?;
+    let device =
+        tmem_block::DeviceConfig { name: "disk".into(), size, store, tiers: None, recompress: None }.build()?;
     let export = Export::new("disk", Arc::new(device)).with_description("tmem compressed memory");
     let handle = ServerHandle::start(NbdConfig::new(vec![export], listen))?;
     eprintln!("serving {} (close stdin to stop)", handle.uri(""));

@@ -90,7 +90,7 @@ enum BenchCommand {
     Tier(tmem_bench::tier::TierBenchArgs),
     /// The zcache/RAMster memory-pressure ladder: a workload under shrinking
     /// memory limits, swapping to disk, zram, zswap and tmem.
-    Pressure(tmem_bench::pressure::PressureArgs),
+    Pressure(Box<tmem_bench::pressure::PressureArgs>),
 }
 
 #[derive(Subcommand, Debug)]

@@ -8,8 +8,8 @@ use tmem_block::DeviceStats;
 use tmem_counters::Counters;
 use tmem_ctl::{self as ctl, Request};
 use tmem_daemon::config::Config;
+use tmem_daemon::spec::default_fuse_threads;
 use tmem_daemon::spec::device_specs;
-use tmem_daemon::spec::DEFAULT_FUSE_THREADS;
 use tmem_daemon::{human, launch, recover, DaemonError, DaemonSpec, PoolLimit};
 
 /// Arguments of `tmem swap up`.
@@ -30,8 +30,8 @@ pub struct UpArgs {
     /// Number of devices (swap0, swap1, ...); the kernel spreads pages over equal priorities.
     #[arg(long, default_value_t = 1)]
     devices: usize,
-    /// FUSE worker threads.
-    #[arg(long, default_value_t = DEFAULT_FUSE_THREADS)]
+    /// FUSE worker threads (default: one per online CPU, at least 4).
+    #[arg(long, default_value_t = default_fuse_threads())]
     fuse_threads: usize,
     /// FUSE over io_uring workers per CPU; 0 serves requests on /dev/fuse only.
     /// Falls back to /dev/fuse (and says so) where the kernel lacks it.
@@ -56,6 +56,8 @@ pub struct UpArgs {
     /// Type=notify: it reports READY once swap is on, and pings the watchdog).
     #[arg(long)]
     foreground: bool,
+    #[command(flatten)]
+    recompress: tmem_daemon::spec::RecompressArgs,
     #[command(flatten)]
     tiers: tmem_daemon::tiers::TierArgs,
 }
@@ -86,6 +88,14 @@ impl UpArgs {
             metrics: pick(given("metrics"), &self.metrics, &c.metrics.map(Some)),
             config: self.config.clone(),
             foreground: self.foreground,
+            recompress: tmem_daemon::spec::RecompressArgs {
+                recompress: pick(given("recompress"), &self.recompress.recompress, &c.recompress.clone().map(Some)),
+                recompress_after: pick(
+                    given("recompress_after"),
+                    &self.recompress.recompress_after,
+                    &c.recompress_after,
+                ),
+            },
             tiers: tmem_daemon::tiers::TierArgs {
                 tiers: pick(given("tiers"), &t.tiers, &c.tiers),
                 replicas: pick(given("replicas"), &t.replicas, &c.replicas),
@@ -114,7 +124,7 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
     let a = &a.with_config(&Config::load_default_or(a.config.as_deref())?, m);
     let spec = DaemonSpec {
         runtime_dir: a.runtime_dir.clone(),
-        devices: device_specs("swap", a.devices, a.size, &a.codec, a.pool_limit),
+        devices: device_specs("swap", a.devices, a.size, &a.codec, a.pool_limit, &a.recompress),
         fuse: true,
         swap: true,
         nbd: None,
@@ -279,6 +289,38 @@ pub fn print_stat_table(devs: &[DeviceStats]) {
         ]);
     }
     println!("{t}");
+    print_codec_table(devs);
+}
+
+/// What each codec holds, and what recompression saved, where a device
+/// holds pages of more than one codec or recompresses.
+fn print_codec_table(devs: &[DeviceStats]) {
+    let shown: Vec<&DeviceStats> =
+        devs.iter().filter(|d| d.store.codecs.len() > 1 || d.store.recompression.is_some()).collect();
+    if shown.is_empty() {
+        return;
+    }
+    let mut t = tmem_bench::table::plain(["NAME", "CODEC", "PAGES", "COMPR", "RATIO"]);
+    for d in &shown {
+        for c in &d.store.codecs {
+            let ratio = if c.bytes == 0 { 0.0 } else { (c.pages * 4096) as f64 / c.bytes as f64 };
+            t.add_row([d.name.clone(), c.codec.clone(), c.pages.to_string(), human(c.bytes), format!("{ratio:.2}")]);
+        }
+    }
+    println!("\n{t}");
+    for d in shown {
+        if let Some(r) = &d.store.recompression {
+            let p = &d.store.total;
+            println!(
+                "{}: recompression {r}: {} pages recompressed, {} saved, {} kept as they were, {} raced",
+                d.name,
+                p.recompressed_pages,
+                human(p.recompress_saved_bytes),
+                p.recompress_kept,
+                p.recompress_raced
+            );
+        }
+    }
 }
 
 /// `tmem set DEVICE KEY=VALUE...`.
@@ -324,6 +366,8 @@ pub struct ServeNbdArgs {
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
     #[command(flatten)]
+    recompress: tmem_daemon::spec::RecompressArgs,
+    #[command(flatten)]
     tiers: tmem_daemon::tiers::TierArgs,
 }
 
@@ -336,7 +380,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
     };
     let spec = DaemonSpec {
         runtime_dir: a.runtime_dir.clone(),
-        devices: device_specs("disk", a.devices, a.size, &a.codec, a.pool_limit),
+        devices: device_specs("disk", a.devices, a.size, &a.codec, a.pool_limit, &a.recompress),
         fuse: false,
         swap: false,
         nbd: Some(listen),

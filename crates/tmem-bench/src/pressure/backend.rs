@@ -42,6 +42,10 @@ pub enum BackendKind {
     Zswap,
     /// tmem: `tmem swap up` (FUSE + loop + swapon).
     Tmem,
+    /// tmem with background recompression of cold pages (`--recompress`).
+    #[value(name = "tmem+recomp")]
+    #[serde(rename = "tmem+recomp")]
+    TmemRecomp,
     /// tmem with a small pool that writes back to remote RAM: 3 local
     /// redis-server processes, every page on 2 of them.
     #[value(name = "tmem+remote")]
@@ -66,6 +70,7 @@ impl BackendKind {
             Self::Zram => "zram",
             Self::Zswap => "zswap",
             Self::Tmem => "tmem",
+            Self::TmemRecomp => "tmem+recomp",
             Self::TmemRemote => "tmem+remote",
             Self::TmemDisk => "tmem+disk",
             Self::FuseRam => "fuse-ram",
@@ -94,6 +99,8 @@ pub struct BackendConfig {
     pub tmem_codec: String,
     /// tmem --fuse-uring.
     pub tmem_fuse_uring: usize,
+    /// tmem --recompress and --recompress-after of the tmem+recomp row.
+    pub tmem_recompress: (String, f64),
     /// tmem --pool-limit of the tiered rows (tmem+remote, tmem+disk).
     pub tmem_tier_pool_limit: String,
     /// Directory for the tmem+disk backing file.
@@ -163,6 +170,13 @@ impl Backend {
                 Ok(Self::Zswap { disk, settings, debugfs })
             }
             BackendKind::Tmem => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::None)?)),
+            BackendKind::TmemRecomp => {
+                let mut t = Tmem::prepare(c, TmemTier::None)?;
+                let (codec, after) = &c.tmem_recompress;
+                t.extra_args =
+                    vec!["--recompress".into(), codec.clone(), "--recompress-after".into(), after.to_string()];
+                Ok(Self::Tmem(t))
+            }
             BackendKind::TmemRemote => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::Remote)?)),
             BackendKind::TmemDisk => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::Disk)?)),
             BackendKind::FuseRam => Ok(Self::FuseRam(FuseRam::prepare(c)?)),
@@ -451,6 +465,8 @@ pub struct Tmem {
     fuse_uring: String,
     /// `--tier ...` arguments of `swap up`.
     tier_args: Vec<String>,
+    /// Other arguments of `swap up` (the tmem+recomp row's).
+    extra_args: Vec<String>,
     active: bool,
     pid: Option<i32>,
     loop_devs: Vec<PathBuf>,
@@ -474,6 +490,7 @@ impl Tmem {
             codec: c.tmem_codec.clone(),
             fuse_uring: c.tmem_fuse_uring.to_string(),
             tier_args: Vec::new(),
+            extra_args: Vec::new(),
             active: false,
             pid: None,
             loop_devs: Vec::new(),
@@ -525,7 +542,7 @@ impl Tmem {
         let mut args = vec!["swap", "up", "--size", &size, "--pool-limit", &self.pool_limit, "--codec", &self.codec];
         args.extend(["--fuse-uring", &self.fuse_uring]);
         args.extend(["--priority", &prio]);
-        args.extend(self.tier_args.iter().map(String::as_str));
+        args.extend(self.tier_args.iter().chain(&self.extra_args).map(String::as_str));
         let r = self.tmem(&args);
         // Whether or not `up` succeeded, learn what runs so that teardown can find it.
         if let Ok(st) = ctl::call_ok(&self.dir, &Request::Status, Duration::from_secs(5)) {
@@ -680,7 +697,7 @@ impl FuseRam {
         let mount = FuseMount::mount(FuseConfig {
             mountpoint: self.dir.clone(),
             exports: vec![Export { name: "swap0".into(), device: dev }],
-            threads: tmem_daemon::spec::DEFAULT_FUSE_THREADS,
+            threads: tmem_daemon::spec::default_fuse_threads(),
             uring_per_queue: 0,
         })?;
         let file = mount.path_of("swap0");

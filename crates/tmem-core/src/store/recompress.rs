@@ -158,7 +158,9 @@ impl Job {
                 ));
                 return None;
             }
-            Some(t) => sh.sample_and_train(t).and_then(|(dict, _)| sh.register_codec(&self.cfg.codec.with_dictionary(dict))),
+            Some(t) => {
+                sh.sample_and_train(t).and_then(|(dict, _)| sh.register_codec(&self.cfg.codec.with_dictionary(dict)))
+            }
         };
         match registered.and_then(|id| Ok((id, sh.codec(id)?.name().to_owned()))) {
             Ok((id, name)) => {

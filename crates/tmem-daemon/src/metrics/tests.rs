@@ -9,7 +9,9 @@ use super::*;
 /// A real device with some pages written, and its snapshot.
 fn device(name: &str) -> DeviceStats {
     let dev =
-        DeviceConfig { name: name.into(), size: 8 << 20, store: StoreConfig::default(), tiers: None }.build().unwrap();
+        DeviceConfig { name: name.into(), size: 8 << 20, store: StoreConfig::default(), tiers: None, recompress: None }
+            .build()
+            .unwrap();
     let page: Vec<u8> = (0..4096u32).map(|i| u8::try_from(i % 7).unwrap()).collect();
     for i in 0..16 {
         dev.write_at(&page, i * 4096).unwrap();

@@ -88,7 +88,7 @@ fn exports(strict: bool) -> &'static (Arc<PoolDevice>, Exports) {
         store.policy.incompressible =
             if strict { tmem_core::Incompressible::Reject } else { tmem_core::Incompressible::StoreRaw };
         let dev =
-            Arc::new(DeviceConfig { name: "fuzz".into(), size: DISK, store, tiers: None }.build().expect("device"));
+            Arc::new(DeviceConfig { name: "fuzz".into(), size: DISK, store, tiers: None, recompress: None }.build().expect("device"));
         let exports = Exports::new(vec![
             Export::new("disk", Arc::clone(&dev) as Arc<dyn BlockDevice>),
             Export::new("zero", Arc::new(ZeroDevice::new(1 << 20)) as Arc<dyn BlockDevice>),

@@ -37,13 +37,19 @@ impl TempDir {
 pub fn pool_device(name: &str, size: u64) -> Arc<PoolDevice> {
     let mut store = tmem_core::StoreConfig::default();
     store.policy.incompressible = tmem_core::Incompressible::StoreRaw;
-    let cfg = DeviceConfig { name: name.into(), size, store, tiers: None };
+    let cfg = DeviceConfig { name: name.into(), size, store, tiers: None, recompress: None };
     Arc::new(cfg.build().expect("build device"))
 }
 
 /// A device with the default store policy (incompressible pages refused).
 pub fn strict_pool_device(name: &str, size: u64) -> Arc<PoolDevice> {
-    let cfg = DeviceConfig { name: name.into(), size, store: tmem_core::StoreConfig::default(), tiers: None };
+    let cfg = DeviceConfig {
+        name: name.into(),
+        size,
+        store: tmem_core::StoreConfig::default(),
+        tiers: None,
+        recompress: None,
+    };
     Arc::new(cfg.build().expect("build device"))
 }
 
