@@ -216,7 +216,7 @@ fn job_runs_in_half_its_memory_on_tmem_swap() {
     if !can_run() {
         return;
     }
-    let (up, down) = half_memory_job("half", &[]);
+    let (up, _, down) = half_memory_job("half", &[]);
     assert!(up.contains("requests via /dev/fuse"), "{up}");
     assert!(!down.contains("io_uring"), "{down}");
 }
@@ -230,7 +230,7 @@ fn job_runs_in_half_its_memory_over_fuse_io_uring() {
         tmem_testkit::skip(tmem_testkit::Feature::FuseUring, "this kernel has no FUSE over io_uring (Linux 6.14+)");
         return;
     }
-    let (up, down) = half_memory_job("half-uring", &["--fuse-uring", "2"]);
+    let (up, _, down) = half_memory_job("half-uring", &["--fuse-uring", "2"]);
     assert!(up.contains("requests via io_uring"), "{up}");
     // The kernel's swap I/O went over the ring: far more than the handful of
     // requests from setting up loop and swap.
@@ -243,10 +243,23 @@ fn job_runs_in_half_its_memory_over_fuse_io_uring() {
     assert!(served > 1000, "{served} requests over io_uring:\n{down}");
 }
 
+#[test]
+fn job_runs_in_half_its_memory_with_background_recompression() {
+    if !can_run() {
+        return;
+    }
+    let (_, stat, _) = half_memory_job("half-recomp", &["--recompress", "zstd:1", "--recompress-after", "0.05"]);
+    // "swap0: recompression zstd-1: N pages recompressed, ..."
+    let line = stat.lines().find(|l| l.contains("recompression zstd-1")).unwrap_or_else(|| panic!("{stat}"));
+    let n: u64 = line.split(": ").nth(2).and_then(|t| t.split(' ').next()?.parse().ok()).unwrap_or(0);
+    assert!(n > 1000, "pages recompressed while the job ran: {line}");
+    assert!(stat.contains("zstd-1"), "{stat}");
+}
+
 /// `swap up` with `extra` arguments, a 512 MiB job in a 256 MiB cgroup,
-/// checks on its output and the counters, `swap down`; returns what up and
-/// down printed.
-fn half_memory_job(tag: &str, extra: &[&str]) -> (String, String) {
+/// checks on its output and the counters, `swap down`; returns what up,
+/// `tmem stat` (once the job is done) and down printed.
+fn half_memory_job(tag: &str, extra: &[&str]) -> (String, String, String) {
     let mut s = Setup::new(tag);
     let up = s.swap_up_with("1G", extra);
     assert!(up.contains("swapon"), "{up}");
@@ -276,7 +289,7 @@ fn half_memory_job(tag: &str, extra: &[&str]) -> (String, String) {
     let down = s.swap_down();
     assert!(down.contains("swapoff") && down.contains("exited"), "{down}");
     assert_clean(&s);
-    (up, down)
+    (up, table, down)
 }
 
 #[test]
