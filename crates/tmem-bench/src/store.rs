@@ -20,6 +20,12 @@
 //! Dictionaries ("+dict") are trained on a 1-in-16 sample of the corpus being
 //! measured, as a daemon would train on the first pages it sees; the
 //! dictionary's memory is part of the pool memory.
+//!
+//! A codec written `FAST>DENSE` (e.g. `lz4>zstd:1+dict`) measures background
+//! recompression: puts use FAST; then, untimed, recompression passes move
+//! every page to DENSE (its dictionary trained on the pool), as they would
+//! once the pages have gone unread; pool memory and gets are measured after
+//! that. The row also gives the CPU recompression spent per page moved.
 
 use anyhow::anyhow;
 
@@ -31,7 +37,10 @@ use std::time::Instant;
 
 use crate::zram::{Budget, TimedPhase};
 use tmem_core::codec::{train_dictionary, CodecChoice};
-use tmem_core::{GetOutcome, Incompressible, Key, PolicyConfig, PutOutcome, Store, StoreConfig, PAGE_SIZE};
+use tmem_core::{
+    DictTraining, GetOutcome, Incompressible, Key, PolicyConfig, PutOutcome, RecompressConfig, Store, StoreConfig,
+    PAGE_SIZE,
+};
 use tmem_corpus::Corpus;
 use tmem_sys::vmstat::{CpuMark, CpuSpent};
 
@@ -41,8 +50,9 @@ pub struct StoreBenchArgs {
     /// Corpus files (default: the built-in corpora). Each is measured alone and all together as "mix".
     #[arg(long = "corpus", num_args = 1..)]
     corpora: Vec<PathBuf>,
-    /// Codecs to measure: lz4, zstd, zstd:LEVEL, with "+dict" for a trained dictionary.
-    #[arg(long, value_delimiter = ',', default_value = "lz4,zstd:1,zstd:3+dict,zstd:9+dict")]
+    /// Codecs to measure: lz4, zstd, zstd:LEVEL, with "+dict" for a trained dictionary;
+    /// FAST>DENSE puts with FAST and recompresses every page to DENSE before measuring memory and gets.
+    #[arg(long, value_delimiter = ',', default_value = "lz4,zstd:1,zstd:3+dict,zstd:9+dict,lz4>zstd:1+dict")]
     codecs: Vec<String>,
     /// Threads for the multi-thread figures (default: all cores).
     #[arg(long)]
@@ -90,6 +100,12 @@ struct Row {
     metadata_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     zram_device: Option<String>,
+    /// `FAST>DENSE` rows: CPU time (user + system) recompression spent per
+    /// page it moved, µs, and the pages it moved.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    recompress_cpu_us_per_page: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    recompressed_pages: Option<u64>,
 }
 
 /// The timed figures of a row.
@@ -160,15 +176,50 @@ struct CorpusResult {
 struct CodecSpec {
     label: String,
     choice: CodecChoice,
+    /// `FAST>DENSE`: recompression to DENSE after the puts.
+    recompress: Option<RecompressConfig>,
 }
 
-fn parse_codec(s: &str) -> anyhow::Result<CodecSpec> {
-    Ok(CodecSpec { label: s.to_owned(), choice: CodecChoice::parse(s)? })
+fn parse_codec(s: &str, dict_size: usize) -> anyhow::Result<CodecSpec> {
+    let (fast, dense) = match s.split_once('>') {
+        Some((f, d)) => (f, Some(d)),
+        None => (s, None),
+    };
+    let recompress = dense
+        .map(|d| -> anyhow::Result<RecompressConfig> {
+            let mut r = RecompressConfig::parse(d)?;
+            // Train on whatever the pool holds: corpora may be small.
+            r.dictionary =
+                r.dictionary.map(|_| DictTraining { after_bytes: 0, sample_pages: 2048, dict_bytes: dict_size });
+            r.codec.build()?;
+            Ok(r)
+        })
+        .transpose()
+        .map_err(|e| anyhow!("codec {s:?}: {e}"))?;
+    Ok(CodecSpec { label: s.to_owned(), choice: CodecChoice::parse(fast)?, recompress })
+}
+
+/// `FAST>DENSE` rows: recompresses every page of `store` now (one pass
+/// trains the dictionary and marks the pages unread, the next moves them),
+/// then compacts, as the daemon's automatic compaction would in time.
+/// Returns the CPU the moving pass took and the pages it moved.
+fn recompress_all(store: &Store, spec: &CodecSpec) -> anyhow::Result<Option<(CpuSpent, u64)>> {
+    let Some(cfg) = &spec.recompress else { return Ok(None) };
+    let mut r = store.recompression(cfg.clone())?;
+    r.pass();
+    let mark = CpuMark::now();
+    r.pass();
+    let spent = mark.spent();
+    if let Some(status) = store.stats().recompression.filter(|s| s.starts_with("failed")) {
+        return Err(anyhow!("{}: recompression {status}", spec.label));
+    }
+    store.compact();
+    Ok(Some((spent, store.stats().total.recompressed_pages)))
 }
 
 /// Runs the benchmark and prints tables or JSON.
 pub fn run_store(args: &StoreBenchArgs) -> anyhow::Result<()> {
-    let specs: Vec<CodecSpec> = args.codecs.iter().map(|s| parse_codec(s)).collect::<Result<_, _>>()?;
+    let specs: Vec<CodecSpec> = args.codecs.iter().map(|s| parse_codec(s, args.dict_size)).collect::<Result<_, _>>()?;
     if args.rounds == 0 {
         return Err(anyhow!("--rounds must be at least 1"));
     }
@@ -279,7 +330,11 @@ fn bench_tmem(
         for (i, p) in corpus.pages().enumerate() {
             expect_stored(pool.put(key(0, n, i), p), i)?;
         }
-        store.stats()
+        (store.stats(), recompress_all(&store, spec)?.map(|r| (r, store.stats())))
+    };
+    let (st, recompressed) = match st {
+        (_, Some(((cpu, moved), after))) => (after, Some((cpu, moved))),
+        (st, None) => (st, None),
     };
     // Room for every copy a timed section may get back; filled so that its
     // pages are faulted in before any timed region.
@@ -301,6 +356,12 @@ fn bench_tmem(
         incompressible_pages: st.total.stored_incompressible_pages,
         metadata_bytes: Some(st.metadata_bytes),
         zram_device: None,
+        // Timed over enough work only (as every figure: crate::zram::Budget).
+        recompress_cpu_us_per_page: recompressed.and_then(|(cpu, moved)| {
+            let secs = cpu.process.total_secs();
+            (moved > 0 && (moved >= 16_384 || secs >= 0.2)).then(|| secs * 1e6 / moved as f64)
+        }),
+        recompressed_pages: recompressed.map(|(_, moved)| moved),
     };
     set_figures(&mut row, &all);
     Ok(row)
@@ -338,6 +399,7 @@ fn tmem_round(
         }
     }
     let put1 = phase(written * n, t, &mark);
+    recompress_all(&store, spec)?;
     let budget = Budget::new();
     budget.begin();
     let (mark, t) = (CpuMark::now(), Instant::now());
@@ -387,6 +449,7 @@ fn tmem_round(
     });
     let written_by = res?;
     let putm = timed(written_by.iter().enumerate().map(|(t, w)| range(t).len() * w).sum(), secs, cpu);
+    recompress_all(&store, spec)?;
 
     // Thread t gets its range of every copy it put, into the same place of `out`.
     let mut mine: Vec<Vec<&mut [u8]>> = (0..threads).map(|_| Vec::with_capacity(copies)).collect();
@@ -515,6 +578,8 @@ fn bench_zram(corpus: &Corpus, alg: &str, threads: usize) -> anyhow::Result<Row>
         incompressible_pages: r.mm_stat.huge_pages,
         metadata_bytes: None,
         zram_device: Some(r.device.clone()),
+        recompress_cpu_us_per_page: None,
+        recompressed_pages: None,
     };
     set_figures(&mut row, &[[r.put_1t, r.get_1t, r.put_mt, r.get_mt]]);
     Ok(row)
@@ -608,6 +673,16 @@ fn print_table(r: &CorpusResult) {
         crate::zram::MIN_TIMED.as_millis(),
         Budget::reason()
     );
+    for row in r.rows.iter().filter(|row| row.recompressed_pages.is_some()) {
+        println!(
+            "({}: puts with the first codec; then background recompression moved {} pages to the second, {}; \
+             ratio, memory (after a compaction) and gets are after that)",
+            row.backend,
+            row.recompressed_pages.unwrap_or(0),
+            row.recompress_cpu_us_per_page
+                .map_or_else(|| "too few to time".to_owned(), |us| format!("{us:.1} us of CPU per page")),
+        );
+    }
     if let Some(why) = &r.zram_skipped {
         println!("(zram not measured: {why})");
     }
