@@ -98,6 +98,9 @@ pub struct PressureArgs {
     /// --fuse-uring`; 0: /dev/fuse).
     #[arg(long, default_value_t = 0)]
     pub tmem_fuse_uring: usize,
+    /// How freed swap slots reach tmem's pools (as `tmem swap up --discard`): once or pages.
+    #[arg(long, default_value = "once")]
+    pub tmem_discard: tmem_sys::swap::SwapDiscard,
     /// Recompression codec of the tmem+recomp row (as `tmem swap up --recompress`).
     #[arg(long, default_value = "zstd:3+dict")]
     pub tmem_recompress: String,
@@ -114,6 +117,10 @@ pub struct PressureArgs {
     /// Pool sampling interval, ms.
     #[arg(long, default_value_t = 100)]
     pub sample_ms: u64,
+    /// Seconds after the jobs exit at which the pool is measured again, against
+    /// the swap the kernel still uses: what freed swap slots leave behind.
+    #[arg(long, default_value_t = 5)]
+    pub after_exit_secs: u64,
     /// Python interpreter for the workload.
     #[arg(long, default_value = "python3")]
     pub python: String,
@@ -191,6 +198,16 @@ struct Measured {
     jobs: Vec<workload::JobResult>,
     /// Swap areas not ours seen during the run.
     foreign: Vec<String>,
+    /// `--after-exit-secs` after the jobs exited: the pool, and what the
+    /// kernel still held in our swap areas.
+    after_exit: Option<(PoolSample, u64)>,
+    /// Writes the device refused during the run.
+    refused_writes: Option<u64>,
+}
+
+/// Bytes in use in the swap areas `ours`, from /proc/swaps.
+fn swap_used(ours: &[std::path::PathBuf]) -> u64 {
+    tmem_sys::swap::swaps().unwrap_or_default().iter().filter(|a| ours.contains(&a.path)).map(|a| a.used).sum()
 }
 
 impl Ctx<'_> {
@@ -216,6 +233,9 @@ impl Ctx<'_> {
         let server = backend.and_then(Backend::server_pid);
         let server_before = server.and_then(ProcessCpu::of_pid);
         let cpu_before = CpuTimes::now();
+        // Only tmem refuses a swap write (its pool is full and no tier takes the page).
+        let refusing = backend.filter(|b| matches!(b, Backend::Tmem(_)));
+        let failed_before = refusing.map(|b| b.sample().failed_writes);
         let start = Instant::now();
         let mut running = self.workload.spawn(&cg.procs_file())?;
         let sample_every = Duration::from_millis(self.args.sample_ms.max(10));
@@ -271,6 +291,16 @@ impl Ctx<'_> {
         if let Some(hw) = backend.and_then(Backend::pool_high_water) {
             peak.pool_bytes = peak.pool_bytes.max(hw);
         }
+        let refused_writes = failed_before.zip(refusing).map(|(b, be)| be.sample().failed_writes.saturating_sub(b));
+        let after_exit = match backend {
+            Some(b) if !timed_out && !ours.is_empty() => {
+                let secs = self.args.after_exit_secs;
+                self.progress.show(&format!("{label}: pool {secs} s after the jobs exit"), false);
+                std::thread::sleep(Duration::from_secs(secs));
+                Some((b.sample(), swap_used(&ours)))
+            }
+            _ => None,
+        };
         let m = Measured {
             wall,
             timed_out,
@@ -286,6 +316,8 @@ impl Ctx<'_> {
             machine_busy_secs,
             jobs: running.results(),
             foreign,
+            after_exit,
+            refused_writes,
         };
         drop(running);
         cg.remove()?;
@@ -394,6 +426,9 @@ impl Ctx<'_> {
             pool_peak_bytes: m.peak.pool_bytes,
             pool_stored_bytes_at_peak: m.peak.stored_bytes,
             tier_peak_pages: m.tier_peak_pages,
+            pool_after_exit_bytes: m.after_exit.map(|(s, _)| s.pool_bytes),
+            swap_used_after_exit_bytes: m.after_exit.map(|(_, u)| u),
+            refused_writes: m.refused_writes,
             pool_samples: m.samples,
             cgroup_max_usage_bytes: m.max_usage,
             cgroup_failcnt: m.failcnt,
@@ -621,6 +656,9 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         pool_peak_bytes: 0,
         pool_stored_bytes_at_peak: 0,
         tier_peak_pages: 0,
+        pool_after_exit_bytes: None,
+        swap_used_after_exit_bytes: None,
+        refused_writes: None,
         pool_samples: 0,
         cgroup_max_usage_bytes: m.max_usage,
         cgroup_failcnt: m.failcnt,
@@ -658,6 +696,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         tmem_codec: a.tmem_codec.clone(),
         tmem_fuse_uring: a.tmem_fuse_uring,
         tmem_recompress: (a.tmem_recompress.clone(), a.tmem_recompress_after),
+        tmem_discard: a.tmem_discard,
         tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
         tier_dir: a.swap_dir.join(format!("tmem-bench-tier-{pid}")),
     };
@@ -789,7 +828,7 @@ fn print_report(
     println!(
         "backends: disk = swap file in {} (prio {}); zram = /dev/{} (hot-added for the bench) {} (prio {}); \
          zswap = {} max_pool_percent {} over the disk file; \
-         tmem = tmem swap up --codec {} --pool-limit {} --fuse-uring {} (prio {}). {} run(s) per cell.",
+         tmem = tmem swap up --codec {} --pool-limit {} --fuse-uring {} --discard {} (prio {}). {} run(s) per cell.",
         a.swap_dir.display(),
         backend::DISK_PRIORITY,
         zram_device.unwrap_or("zramN"),
@@ -800,6 +839,7 @@ fn print_report(
         a.tmem_codec,
         a.tmem_pool_limit,
         a.tmem_fuse_uring,
+        a.tmem_discard.as_str(),
         backend::RAM_PRIORITY,
         a.runs
     );
@@ -936,6 +976,8 @@ mod tests {
             machine_busy_secs: None,
             jobs,
             foreign: vec![],
+            after_exit: None,
+            refused_writes: None,
         }
     }
 

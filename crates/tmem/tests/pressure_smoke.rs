@@ -104,7 +104,7 @@ fn pressure_ladder_smoke() {
         // job now and then (zram and tmem alike) while other tests loaded the CPU.
         .args(["bench", "pressure", "--workload-mib", "192", "--levels", "100,65", "--runs", "1", "--passes", "1"])
         // Other tests may start swap of their own meanwhile: do not wait for it.
-        .args(["--backends", "zram,tmem,fuse-ram", "--allow-other-swap", "--json"])
+        .args(["--backends", "zram,tmem,fuse-ram", "--allow-other-swap", "--after-exit-secs", "1", "--json"])
         .arg(&json)
         .arg("--plot")
         .arg(&svg)
@@ -189,6 +189,10 @@ fn pressure_ladder_smoke() {
         if per_page && has_daemon {
             assert!(r["daemon_cpu_us_per_swapped_page"].as_f64().unwrap() > 0.0, "{what}: {r}");
         }
+        // After the jobs exit: the pool against the swap still in use, and
+        // (tmem) the writes refused, all measured.
+        assert!(r["pool_after_exit_bytes"].is_u64() && r["swap_used_after_exit_bytes"].is_u64(), "{what}: {r}");
+        assert_eq!(r["refused_writes"].is_u64(), r["backend"] == "tmem", "{what}: {r}");
         if r["level"] == 65 {
             assert!(r["vmstat"]["pswpout"].as_u64().unwrap() > 0, "{what} did not swap: {r}");
             assert!(r["pool_peak_bytes"].as_u64().unwrap() > 0, "{what}: no pool memory seen: {r}");

@@ -99,6 +99,8 @@ pub struct BackendConfig {
     pub tmem_codec: String,
     /// tmem --fuse-uring.
     pub tmem_fuse_uring: usize,
+    /// tmem --discard (how freed swap slots reach the pool).
+    pub tmem_discard: tmem_sys::swap::SwapDiscard,
     /// tmem --recompress and --recompress-after of the tmem+recomp row.
     pub tmem_recompress: (String, f64),
     /// tmem --pool-limit of the tiered rows (tmem+remote, tmem+disk).
@@ -121,6 +123,8 @@ pub struct PoolSample {
     pub stored_bytes: u64,
     /// Pages held in tiers below the pool (tmem with tiers).
     pub tier_pages: u64,
+    /// Writes the device refused since it started (tmem: the pool was full).
+    pub failed_writes: u64,
 }
 
 /// A prepared backend.
@@ -219,11 +223,15 @@ impl Backend {
             Self::Disk(_) => PoolSample::default(),
             Self::Zram(z) => z
                 .mm_stat()
-                .map(|m| PoolSample { pool_bytes: m.mem_used_total, stored_bytes: m.orig_data_size, tier_pages: 0 })
+                .map(|m| PoolSample {
+                    pool_bytes: m.mem_used_total,
+                    stored_bytes: m.orig_data_size,
+                    ..Default::default()
+                })
                 .unwrap_or_default(),
             Self::Zswap { .. } => {
                 let (pool_bytes, stored_bytes) = (zswap::pool_bytes().unwrap_or(0), zswap::stored_bytes());
-                PoolSample { pool_bytes, stored_bytes, tier_pages: 0 }
+                PoolSample { pool_bytes, stored_bytes, ..Default::default() }
             }
             Self::Tmem(t) => t.sample(),
             Self::FuseRam(f) => f.sample(),
@@ -463,6 +471,7 @@ pub struct Tmem {
     pool_limit: String,
     codec: String,
     fuse_uring: String,
+    discard: tmem_sys::swap::SwapDiscard,
     /// `--tier ...` arguments of `swap up`.
     tier_args: Vec<String>,
     /// Other arguments of `swap up` (the tmem+recomp row's).
@@ -489,6 +498,7 @@ impl Tmem {
             pool_limit: c.tmem_pool_limit.clone(),
             codec: c.tmem_codec.clone(),
             fuse_uring: c.tmem_fuse_uring.to_string(),
+            discard: c.tmem_discard,
             tier_args: Vec::new(),
             extra_args: Vec::new(),
             active: false,
@@ -540,7 +550,7 @@ impl Tmem {
         let size = self.size.to_string();
         let prio = RAM_PRIORITY.to_string();
         let mut args = vec!["swap", "up", "--size", &size, "--pool-limit", &self.pool_limit, "--codec", &self.codec];
-        args.extend(["--fuse-uring", &self.fuse_uring]);
+        args.extend(["--fuse-uring", &self.fuse_uring, "--discard", self.discard.as_str()]);
         args.extend(["--priority", &prio]);
         args.extend(self.tier_args.iter().chain(&self.extra_args).map(String::as_str));
         let r = self.tmem(&args);
@@ -566,6 +576,7 @@ impl Tmem {
             s.pool_bytes += get("/store/mem_used_total");
             s.stored_bytes += get("/store/total/orig_data_size");
             s.tier_pages += get("/store/total/tier_pages");
+            s.failed_writes += get("/failed_writes");
         }
         s
     }
@@ -720,7 +731,7 @@ impl FuseRam {
 
     fn sample(&self) -> PoolSample {
         let held = self.active.as_ref().map_or(0, |a| a.dev.held_bytes());
-        PoolSample { pool_bytes: held, stored_bytes: held, tier_pages: 0 }
+        PoolSample { pool_bytes: held, stored_bytes: held, ..Default::default() }
     }
 }
 

@@ -88,6 +88,15 @@ pub struct RunRecord {
     /// Most pages seen in tiers below the pool (tiered tmem rows).
     #[serde(default)]
     pub tier_peak_pages: u64,
+    /// Pool memory `--after-exit-secs` after the jobs exited (None: no pool, or the run timed out).
+    #[serde(default)]
+    pub pool_after_exit_bytes: Option<u64>,
+    /// Swap in use in the backend's areas (/proc/swaps) at the same moment.
+    #[serde(default)]
+    pub swap_used_after_exit_bytes: Option<u64>,
+    /// Swap writes the device refused during the run (tmem rows; None elsewhere).
+    #[serde(default)]
+    pub refused_writes: Option<u64>,
     /// Number of pool samples taken.
     pub pool_samples: u64,
     /// memory.max_usage_in_bytes of the run's cgroup.
@@ -165,6 +174,12 @@ pub struct Summary {
     pub median_pool_ratio: Option<f64>,
     /// Median of the most uncompressed MiB held in lower tiers.
     pub median_tier_peak_mib: Option<f64>,
+    /// Median pool MiB `--after-exit-secs` after the jobs exited.
+    pub median_pool_after_exit_mib: Option<f64>,
+    /// Median swap in use (MiB) at the same moment.
+    pub median_swap_used_after_exit_mib: Option<f64>,
+    /// Median swap writes refused.
+    pub median_refused_writes: Option<f64>,
     /// Median pswpout (pages).
     pub median_pswpout: Option<f64>,
     /// Median pswpin (pages).
@@ -217,6 +232,13 @@ pub fn summarize(runs: &[RunRecord], backends: &[&str], levels: &[u32]) -> Vec<S
                 median_pool_peak_mib: med(&|r| r.pool_peak_bytes as f64 / MIB),
                 median_pool_ratio: median(ratios),
                 median_tier_peak_mib: med(&|r| r.tier_peak_pages as f64 * 4096.0 / MIB),
+                median_pool_after_exit_mib: median(
+                    rs.iter().filter_map(|r| r.pool_after_exit_bytes).map(|b| b as f64 / MIB).collect(),
+                ),
+                median_swap_used_after_exit_mib: median(
+                    rs.iter().filter_map(|r| r.swap_used_after_exit_bytes).map(|b| b as f64 / MIB).collect(),
+                ),
+                median_refused_writes: median(rs.iter().filter_map(|r| r.refused_writes).map(|n| n as f64).collect()),
                 median_pswpout: med(&|r| r.vmstat.pswpout as f64),
                 median_pswpin: med(&|r| r.vmstat.pswpin as f64),
                 median_zswpout: med(&|r| r.vmstat.zswpout as f64),
@@ -312,10 +334,21 @@ pub fn render_table(sums: &[Summary], backends: &[&str], levels: &[u32]) -> Stri
     if !with_pool.is_empty() {
         block(&mut t, "pool ratio (stored / pool memory at the peak)", &with_pool);
     }
-    let tiered: Vec<&str> = backends.iter().copied().filter(|b| b.starts_with("tmem+")).collect();
+    let tiered: Vec<&str> = backends.iter().copied().filter(|b| matches!(*b, "tmem+remote" | "tmem+disk")).collect();
     if !tiered.is_empty() {
         let tier: Fmt<'_> = &|s| s.median_tier_peak_mib.map(|m| format!("{m:.0}"));
         block(&mut t, "pages in the lower tier at most, MiB uncompressed", &rows(&tiered, tier));
+    }
+    let after: Fmt<'_> =
+        &|s| Some(format!("{:.0}/{:.1}", s.median_pool_after_exit_mib?, s.median_swap_used_after_exit_mib?));
+    let pooled: Vec<&str> = backends.iter().copied().filter(|b| !matches!(*b, "disk" | "zswap")).collect();
+    if !pooled.is_empty() {
+        block(&mut t, "after the jobs exit (--after-exit-secs): pool / swap still in use, MiB", &rows(&pooled, after));
+    }
+    let daemon_rows: Vec<&str> = backends.iter().copied().filter(|b| b.starts_with("tmem")).collect();
+    if !daemon_rows.is_empty() {
+        let refused: Fmt<'_> = &|s| s.median_refused_writes.map(|n| format!("{n:.0}"));
+        block(&mut t, "swap writes refused (pool full)", &rows(&daemon_rows, refused));
     }
     block(&mut t, "pswpout/pswpin, thousands of pages", &rows(backends, pswp));
     if backends.contains(&"zswap") {
@@ -406,6 +439,9 @@ mod tests {
             pool_peak_bytes: pool,
             pool_stored_bytes_at_peak: pool * 3,
             tier_peak_pages: 0,
+            pool_after_exit_bytes: None,
+            swap_used_after_exit_bytes: None,
+            refused_writes: None,
             pool_samples: 10,
             cgroup_max_usage_bytes: 0,
             cgroup_failcnt: 0,
