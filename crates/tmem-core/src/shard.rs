@@ -298,7 +298,15 @@ impl Shard {
 
     fn unlink_and_free(&mut self, h: u32) -> Entry {
         self.lru_unlink(h);
-        self.entries.remove(h)
+        let e = self.entries.remove(h);
+        if self.entries.live() == 0 {
+            // An emptied shard gives its index memory back (a swap device's
+            // pages discarded after a job exits, a flushed pool): entry
+            // segments only grow while any entry lives, since handles are stable.
+            self.table = HashTable::new();
+            self.entries.clear();
+        }
+        e
     }
 
     /// Puts entry `h` at the young end of the LRU (no-op when already on it).

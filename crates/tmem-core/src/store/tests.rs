@@ -240,3 +240,29 @@ fn destroyed_pool_errors_and_frees() {
     assert!(matches!(s.pool(99), Err(StoreError::NoSuchPool(99))));
     assert_eq!(s.stats().alloc.objects, 0);
 }
+
+#[test]
+fn an_emptied_pool_gives_its_index_memory_back() {
+    let s = store(PolicyConfig::default());
+    let p = s.create_pool(PoolConfig::persistent());
+    let empty = s.stats().metadata_bytes;
+    for i in 0..20_000 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    let full = s.stats().metadata_bytes;
+    assert!(full > empty + 800_000, "20,000 entries of 40 bytes: {empty} -> {full}");
+    for i in 0..20_000 {
+        assert!(p.flush_page(key(i)).unwrap());
+    }
+    let after = s.stats().metadata_bytes;
+    assert!(after <= empty + (128 << 10), "{empty} -> {full} -> {after}");
+    // The emptied shards fill again as before.
+    for i in 0..1000 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    let mut out = [0u8; PAGE_SIZE];
+    for i in 0..1000 {
+        assert!(p_get(&p, i, &mut out));
+        assert_eq!(out, page(i));
+    }
+}
