@@ -125,6 +125,8 @@ impl Entry {
 }
 
 const FIRST_SEG: usize = 16;
+/// Shards smaller than this never rebuild their storage to shrink it.
+const SHRINK_MIN_ENTRIES: usize = 256;
 /// Segments double up to this size, then stay at it, so a shard never holds
 /// more than this many unused entries beyond its high-water mark.
 const MAX_SEG: usize = 128;
@@ -133,7 +135,6 @@ const DOUBLING_END: usize = FIRST_SEG * ((1 << DOUBLING_SEGS) - 1);
 
 /// Segmented entry storage: grows without moving entries and without
 /// over-allocating more than one segment.
-#[derive(Default)]
 pub(crate) struct Entries {
     segs: Vec<Box<[Entry]>>,
     high_water: usize,
@@ -156,6 +157,12 @@ fn seg_len(seg: usize) -> usize {
         FIRST_SEG << seg
     } else {
         MAX_SEG
+    }
+}
+
+impl Default for Entries {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -298,15 +305,53 @@ impl Shard {
 
     fn unlink_and_free(&mut self, h: u32) -> Entry {
         self.lru_unlink(h);
-        let e = self.entries.remove(h);
-        if self.entries.live() == 0 {
-            // An emptied shard gives its index memory back (a swap device's
-            // pages discarded after a job exits, a flushed pool): entry
-            // segments only grow while any entry lives, since handles are stable.
-            self.table = HashTable::new();
-            self.entries.clear();
+        self.entries.remove(h)
+    }
+
+    /// Gives index memory back once the shard is empty, or once at most a
+    /// quarter of the entries it once held are live (a swap device's pages discarded after a
+    /// job exits, a flushed pool): entries are moved into fresh storage and
+    /// the table rebuilt, the LRU order kept. Handles change, so no caller
+    /// may hold one across this; `Pool::account` calls it last, under the
+    /// shard lock. Each rebuild costs O(live) after at least three times as
+    /// many removals.
+    pub fn shrink_if_sparse(&mut self) {
+        let (live, high_water) = (self.entries.live(), self.entries.high_water);
+        let sparse = high_water >= SHRINK_MIN_ENTRIES && live * 4 <= high_water;
+        if !sparse && !(live == 0 && high_water > 0) {
+            return;
         }
-        e
+        let old = std::mem::take(&mut self.entries);
+        self.table = HashTable::with_capacity(live);
+        let mut h = self.lru_tail;
+        self.lru_head = NIL;
+        self.lru_tail = NIL;
+        // Oldest first, so pushing each to the front rebuilds the same list.
+        while h != NIL {
+            let e = *old.get(h);
+            let moved = self.add_unlinked(e);
+            self.lru_push_front(moved);
+            h = e.prev;
+        }
+        // Entries off the LRU (picked for writeback) stay off it.
+        for h in old.live_handles() {
+            let e = old.get(h);
+            if !e.has(F_INLRU) {
+                self.add_unlinked(*e);
+            }
+        }
+        debug_assert_eq!(self.entries.live(), live);
+    }
+
+    /// Inserts a copy of `e`, off the LRU, into storage and table.
+    fn add_unlinked(&mut self, mut e: Entry) -> u32 {
+        e.meta &= !F_INLRU;
+        (e.prev, e.next) = (NIL, NIL);
+        let hash = hash_key(e.key());
+        let h = self.entries.insert(e);
+        let entries = &self.entries;
+        self.table.insert_unique(hash, h, |&x| hash_key(entries.get(x).key()));
+        h
     }
 
     /// Puts entry `h` at the young end of the LRU (no-op when already on it).
@@ -415,6 +460,36 @@ mod tests {
 
     fn key(i: u64) -> Key {
         Key { object: 7, index: i }
+    }
+
+    #[test]
+    fn a_sparse_shard_shrinks_and_keeps_its_lru_order() {
+        let mut s = Shard::new();
+        for i in 0..1200 {
+            assert!(s.insert(Entry::new(key(i), i, 0, 10, 1, 0), hash_key(key(i))).is_none());
+        }
+        // One entry off the LRU, as writeback leaves its victims.
+        let off = s.find(key(7), hash_key(key(7))).unwrap();
+        s.lru_unlink(off);
+        let full = s.meta_bytes();
+        for i in (0..1200).filter(|i| i % 10 != 0 && *i != 7) {
+            s.remove_key(key(i), hash_key(key(i))).unwrap();
+        }
+        let order = s.lru_order();
+        s.shrink_if_sparse();
+        assert!(s.meta_bytes() * 4 < full, "{full} -> {}", s.meta_bytes());
+        assert_eq!(s.lru_order(), order);
+        assert_eq!(s.entries.live(), 121);
+        for i in (0..1200).filter(|i| i % 10 == 0 || *i == 7) {
+            let h = s.find(key(i), hash_key(key(i))).unwrap();
+            assert_eq!(s.entries.get(h).loc, i);
+            assert_eq!(s.entries.get(h).has(F_INLRU), i != 7);
+        }
+        assert!(s.find(key(11), hash_key(key(11))).is_none());
+        // Below a quarter of the new high-water mark nothing moves again.
+        let before = s.meta_bytes();
+        s.shrink_if_sparse();
+        assert_eq!(s.meta_bytes(), before);
     }
 
     #[test]

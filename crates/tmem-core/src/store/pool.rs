@@ -66,8 +66,11 @@ impl Pool {
         &self.shards[usize::try_from(hash >> 40).expect("24 bits fit usize") & (self.shards.len() - 1)].0
     }
 
-    /// Updates the store-wide metadata count after a shard changed size.
+    /// Updates the store-wide metadata count after a shard changed size,
+    /// first shrinking its storage if it has become sparse (so callers hold
+    /// no entry handle past this call).
     pub(super) fn account(&self, s: &mut Shard) {
+        s.shrink_if_sparse();
         let now = s.meta_bytes();
         if now != s.meta_reported {
             if now > s.meta_reported {
