@@ -318,7 +318,8 @@ impl Shard {
     pub fn shrink_if_sparse(&mut self) {
         let (live, high_water) = (self.entries.live(), self.entries.high_water);
         let sparse = high_water >= SHRINK_MIN_ENTRIES && live * 4 <= high_water;
-        if !sparse && !(live == 0 && high_water > 0) {
+        let emptied = live == 0 && high_water > 0;
+        if !(sparse || emptied) {
             return;
         }
         let old = std::mem::take(&mut self.entries);
