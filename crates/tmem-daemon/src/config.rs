@@ -227,9 +227,7 @@ impl Config {
                 let args = crate::spec::RecompressArgs { recompress: Some(v.clone()), ..Default::default() };
                 args.config().map(|_| v).map_err(|e| e.to_string())
             }),
-            recompress_after: checked!(s.recompress_after, "swap.recompress-after", |v: f64| {
-                crate::spec::parse_after(&v.to_string())
-            }),
+            recompress_after: checked!(s.recompress_after, "swap.recompress-after", crate::spec::check_after),
             runtime_dir: checked!(s.runtime_dir, "swap.runtime-dir", |p: PathBuf| if p.is_absolute() {
                 Ok(p)
             } else {
@@ -334,7 +332,7 @@ disk-capacity = "16G"
             ),
             (
                 "[swap]\nrecompress-after = 0.0\n",
-                "/etc/tmem/tmem.toml:2:20: swap.recompress-after: \"0\" is not a number",
+                "/etc/tmem/tmem.toml:2:20: swap.recompress-after: 0 seconds is outside 0.01..86400",
             ),
             (
                 "[swap]\nmetrics = \"localhost\"\n",

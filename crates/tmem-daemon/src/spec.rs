@@ -16,8 +16,8 @@ pub const MIN_DEFAULT_FUSE_THREADS: usize = 4;
 
 /// `/dev/fuse` worker threads of `tmem swap up` (and of the bench's fuse-ram
 /// baseline) by default: one per online CPU, at least
-/// [`MIN_DEFAULT_FUSE_THREADS`]. A fixed 4 made a 16-core machine 1.3-2.0x
-/// slower than zram at 50 %, against 1.1-1.2x with 12 (issue 11's table).
+/// [`MIN_DEFAULT_FUSE_THREADS`]. Issue 11 measured, on a 16-core machine,
+/// 1.3-2.0x zram's time at 50 % with a fixed 4 and 1.1-1.2x with 12.
 pub fn default_fuse_threads() -> usize {
     std::thread::available_parallelism().map_or(1, usize::from).max(MIN_DEFAULT_FUSE_THREADS)
 }
@@ -68,11 +68,17 @@ impl Default for RecompressArgs {
     }
 }
 
-/// `--recompress-after`: 0.01 to 86400 seconds.
+/// `--recompress-after`: a number of seconds, 0.01 to 86400.
 pub fn parse_after(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(v) if (0.01..=86_400.0).contains(&v) => Ok(v),
-        _ => Err(format!("{s:?} is not a number of seconds in 0.01..86400")),
+    s.trim().parse::<f64>().map_err(|_| format!("{s:?} is not a number of seconds")).and_then(check_after)
+}
+
+/// `swap.recompress-after` (and `--recompress-after`): 0.01 to 86400 seconds.
+pub fn check_after(secs: f64) -> Result<f64, String> {
+    if (0.01..=86_400.0).contains(&secs) {
+        Ok(secs)
+    } else {
+        Err(format!("{secs} seconds is outside 0.01..86400"))
     }
 }
 
@@ -83,7 +89,7 @@ impl RecompressArgs {
         let bad = |e: String| DaemonError::Invalid(format!("recompression codec {spec:?}: {e}"));
         let mut cfg = RecompressConfig::parse(spec).map_err(|e| bad(e.to_string()))?;
         cfg.codec.build().map_err(|e| bad(e.to_string()))?;
-        cfg.after = std::time::Duration::from_secs_f64(parse_after(&self.recompress_after.to_string()).map_err(bad)?);
+        cfg.after = std::time::Duration::from_secs_f64(check_after(self.recompress_after).map_err(bad)?);
         Ok(Some(cfg))
     }
 }
