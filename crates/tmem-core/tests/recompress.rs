@@ -150,6 +150,29 @@ fn dictionary_is_trained_before_recompression_starts() {
 }
 
 #[test]
+fn failed_dictionary_training_falls_back_to_the_plain_codec() {
+    let store = StoreConfig::default().build().unwrap();
+    let pool = store.create_pool(PoolConfig::persistent());
+    // Nothing to train on: a same-filled page holds no object.
+    assert_eq!(pool.put(key(0), &[0u8; PAGE_SIZE]).unwrap(), PutOutcome::Stored);
+    let mut cfg = RecompressConfig::parse("zstd:3+dict").unwrap();
+    cfg.dictionary = Some(DictTraining { after_bytes: 0, sample_pages: 256, dict_bytes: 16 << 10 });
+    let mut rec = store.recompression(cfg).unwrap();
+    rec.pass();
+    let status = store.stats().recompression.unwrap();
+    assert!(status.starts_with("zstd-3 (without a dictionary: training failed"), "{status}");
+    for i in 1..101 {
+        assert_eq!(pool.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    rec.pass();
+    rec.pass();
+    assert_eq!(codec_pages(&store, "zstd-3"), 100);
+    for i in 1..101 {
+        assert_eq!(read(&pool, i), Some(page(i)));
+    }
+}
+
+#[test]
 fn bad_recompression_codecs_are_refused() {
     assert!(RecompressConfig::parse("raw").is_err());
     assert!(RecompressConfig::parse("zstd:99").is_ok_and(|c| c.codec.build().is_err()));

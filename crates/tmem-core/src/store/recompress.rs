@@ -133,7 +133,8 @@ impl Job {
     /// One pass over every pool. Registers the target codec first (training
     /// its dictionary once the pool is big enough, if asked to).
     fn pass(&mut self, stop: Option<&StopFlag>) {
-        let Some(to) = self.target.or_else(|| self.prepare()) else { return };
+        // RAW_CODEC marks a codec that could not be set up: nothing to do.
+        let Some(to) = self.target.or_else(|| self.prepare()).filter(|&t| t != RAW_CODEC) else { return };
         let Ok(codec) = self.shared.codec(to).cloned() else { return };
         for pool in self.shared.pools_snapshot() {
             for i in 0..pool.shards.len() {
@@ -148,6 +149,7 @@ impl Job {
 
     fn prepare(&mut self) -> Option<u8> {
         let sh = &*self.shared;
+        let mut untrained = None;
         let registered = match &self.cfg.dictionary {
             None => sh.register_codec(&self.cfg.codec),
             Some(t) if sh.alloc.total_bytes() < t.after_bytes => {
@@ -158,13 +160,19 @@ impl Job {
                 ));
                 return None;
             }
-            Some(t) => {
-                sh.sample_and_train(t).and_then(|(dict, _)| sh.register_codec(&self.cfg.codec.with_dictionary(dict)))
-            }
+            Some(t) => match sh.sample_and_train(t) {
+                Ok((dict, _)) => sh.register_codec(&self.cfg.codec.with_dictionary(dict)),
+                // Too little to train on, say: the codec alone is still denser.
+                Err(e) => {
+                    untrained = Some(e);
+                    sh.register_codec(&self.cfg.codec)
+                }
+            },
         };
         match registered.and_then(|id| Ok((id, sh.codec(id)?.name().to_owned()))) {
             Ok((id, name)) => {
-                sh.set_recompress_status(name);
+                let why = untrained.map(|e| format!(" (without a dictionary: training failed: {e})"));
+                sh.set_recompress_status(format!("{name}{}", why.unwrap_or_default()));
                 self.target = Some(id);
                 Some(id)
             }
