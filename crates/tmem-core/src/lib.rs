@@ -24,8 +24,8 @@ pub use codec::{CodecConfig, CodecError};
 pub use policy::{Incompressible, PolicyConfig, PolicyError};
 pub use stats::{CodecUsage, PoolStats, Stats};
 pub use store::{
-    default_shards, DictTraining, GetOutcome, Pool, PoolConfig, PoolKind, PutOutcome, RecompressConfig, Recompression,
-    Recompressor, Reject, Store, StoreConfig, StoreError, TierChain, TrainedDictionary, WritebackReport,
+    default_shards, DictTraining, Eviction, GetOutcome, Pool, PoolConfig, PoolKind, PutOutcome, RecompressConfig,
+    Recompression, Recompressor, Reject, Store, StoreConfig, StoreError, TierChain, TrainedDictionary, WritebackReport,
     WritebackWorker, RAW_CODEC,
 };
 

@@ -252,6 +252,9 @@ pub(crate) struct Shard {
     lru_head: u32,
     /// Least recently stored.
     lru_tail: u32,
+    /// SIEVE's hand: the next entry [`Shard::sieve_victim`] looks at (NIL:
+    /// start at the tail). It walks from old to young and wraps.
+    hand: u32,
     pub c: ShardCounters,
     /// Metadata bytes last reported to the store.
     pub meta_reported: usize,
@@ -264,6 +267,7 @@ impl Shard {
             entries: Entries::new(),
             lru_head: NIL,
             lru_tail: NIL,
+            hand: NIL,
             c: ShardCounters::default(),
             meta_reported: 0,
         }
@@ -327,6 +331,8 @@ impl Shard {
         let mut h = self.lru_tail;
         self.lru_head = NIL;
         self.lru_tail = NIL;
+        // Handles change: SIEVE's hand starts over at the tail.
+        self.hand = NIL;
         // Oldest first, so pushing each to the front rebuilds the same list.
         while h != NIL {
             let e = *old.get(h);
@@ -382,6 +388,9 @@ impl Shard {
             return;
         }
         self.entries.get_mut(h).meta &= !F_INLRU;
+        if self.hand == h {
+            self.hand = prev;
+        }
         if prev == NIL {
             self.lru_head = next;
         } else {
@@ -412,6 +421,48 @@ impl Shard {
         None
     }
 
+    /// SIEVE (Zhang et al., NSDI '24): the hand walks from the oldest entry
+    /// towards the youngest, clearing `F_REFERENCED` on entries a get has
+    /// touched and leaving them in place, and stops at the first untouched
+    /// one, which is the victim; it resumes there next time and wraps to the
+    /// tail. Unlike CLOCK-with-reinsertion ([`Shard::lru_victim`]) a hit
+    /// never moves an entry, so survivors keep their age and new entries
+    /// that are never read leave first. The caller removes the victim.
+    pub fn sieve_victim(&mut self) -> Option<u32> {
+        let mut h = if self.hand == NIL { self.lru_tail } else { self.hand };
+        // Two sweeps at most: the first clears every flag it passes.
+        for _ in 0..=2 * self.entries.live() {
+            if h == NIL {
+                h = self.lru_tail;
+                if h == NIL {
+                    return None;
+                }
+            }
+            let e = self.entries.get_mut(h);
+            if e.meta & F_REFERENCED == 0 {
+                self.hand = e.prev;
+                return Some(h);
+            }
+            e.meta &= !F_REFERENCED;
+            h = e.prev;
+        }
+        unreachable!("two sweeps clear every reference flag")
+    }
+
+    /// The oldest entry on the list, as strict LRU evicts (hits move
+    /// entries to the front with [`Shard::lru_touch`]).
+    pub fn lru_tail(&self) -> Option<u32> {
+        (self.lru_tail != NIL).then_some(self.lru_tail)
+    }
+
+    /// Moves entry `h` to the young end, if it is on the list (strict LRU's hit).
+    pub fn lru_touch(&mut self, h: u32) {
+        if self.entries.get(h).has(F_INLRU) {
+            self.lru_unlink(h);
+            self.lru_push_front(h);
+        }
+    }
+
     /// Entries in LRU order, oldest first (for tests and inspection).
     #[cfg(test)]
     pub fn lru_order(&self) -> Vec<Key> {
@@ -432,6 +483,7 @@ impl Shard {
         self.entries.clear();
         self.lru_head = NIL;
         self.lru_tail = NIL;
+        self.hand = NIL;
         out
     }
 
@@ -515,5 +567,44 @@ mod tests {
         assert_eq!(s.remove_key(key(2), hash_key(key(2))).unwrap().loc, 2);
         assert_eq!(s.drain().len(), 98);
         assert_eq!(s.entries.live(), 0);
+    }
+
+    #[test]
+    fn sieve_keeps_touched_entries_in_place_and_resumes_at_its_hand() {
+        let mut s = Shard::new();
+        for i in 0..10 {
+            s.insert(Entry::new(key(i), i, 0, 10, 1, 0), hash_key(key(i)));
+        }
+        for i in [0, 2, 9] {
+            let h = s.find(key(i), hash_key(key(i))).unwrap();
+            s.entries.get_mut(h).meta |= F_REFERENCED;
+        }
+        let evict = |s: &mut Shard| {
+            let h = s.sieve_victim().unwrap();
+            s.remove_handle(h).key().index
+        };
+        // 0 and 2 lose their flag and stay; the hand resumes after each victim.
+        assert_eq!(evict(&mut s), 1);
+        assert_eq!(evict(&mut s), 3);
+        // Removing the entry under the hand moves the hand on, not off the list.
+        s.remove_key(key(4), hash_key(key(4))).unwrap();
+        assert_eq!(evict(&mut s), 5);
+        assert_eq!((evict(&mut s), evict(&mut s), evict(&mut s)), (6, 7, 8));
+        // 9 was touched: the hand wraps to the tail, where 0 is no longer.
+        assert_eq!(evict(&mut s), 0);
+        // A new entry is young; an old untouched one leaves before it.
+        s.insert(Entry::new(key(20), 20, 0, 10, 1, 0), hash_key(key(20)));
+        assert_eq!(evict(&mut s), 2);
+        assert_eq!(evict(&mut s), 9);
+        assert_eq!(evict(&mut s), 20);
+        assert_eq!(s.sieve_victim(), None);
+        // Strict LRU: a touch moves an entry to the front.
+        for i in 0..3 {
+            s.insert(Entry::new(key(i), i, 0, 10, 1, 0), hash_key(key(i)));
+        }
+        let h0 = s.find(key(0), hash_key(key(0))).unwrap();
+        s.lru_touch(h0);
+        assert_eq!(s.lru_order(), vec![key(1), key(2), key(0)]);
+        assert_eq!(s.entries.get(s.lru_tail().unwrap()).key(), key(1));
     }
 }

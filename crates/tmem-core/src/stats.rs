@@ -32,6 +32,10 @@ pub(crate) struct ShardCounters {
     pub flushes: u64,
     /// Ephemeral pages dropped to make room.
     pub evicted_pages: u64,
+    /// Of those, dropped for a persistent page (swap pressure).
+    pub evicted_for_persistent: u64,
+    /// Of those, dropped for another ephemeral page (cache churn).
+    pub evicted_for_ephemeral: u64,
     /// Pages compressed and stored.
     pub compressions: u64,
     /// Pages decompressed by successful gets.
@@ -121,6 +125,10 @@ counters! {
         flushes: Counter(Pages),
         /// Ephemeral pages dropped under pressure.
         evicted_pages: Counter(Pages),
+        /// Ephemeral pages dropped to make room for a persistent (swap) page.
+        evicted_for_persistent: Counter(Pages),
+        /// Ephemeral pages dropped to make room for another ephemeral page.
+        evicted_for_ephemeral: Counter(Pages),
         /// Puts refused at the pool limit.
         pool_limit_hit: Counter(Events),
         /// Puts refused as poorly compressible.
@@ -193,6 +201,8 @@ impl PoolStats {
             failed_gets: c.failed_gets,
             flushes: c.flushes,
             evicted_pages: c.evicted_pages,
+            evicted_for_persistent: c.evicted_for_persistent,
+            evicted_for_ephemeral: c.evicted_for_ephemeral,
             pool_limit_hit: ev.pool_limit_hit.load(r),
             reject_compress_poor: ev.reject_compress_poor.load(r),
             reject_compress_fail: ev.reject_compress_fail.load(r),

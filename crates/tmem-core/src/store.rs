@@ -55,7 +55,7 @@ mod recompress;
 mod shared;
 mod tiering;
 mod worker;
-pub use config::{PoolConfig, PoolKind, StoreConfig};
+pub use config::{Eviction, PoolConfig, PoolKind, StoreConfig};
 pub use dictionary::{DictTraining, TrainedDictionary};
 pub use outcome::{GetOutcome, PutOutcome, Reject, StoreError};
 use pool::PaddedShard;

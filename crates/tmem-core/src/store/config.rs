@@ -8,8 +8,45 @@ use super::*;
 pub enum PoolKind {
     /// frontswap semantics: a stored page stays until flushed or taken.
     Persistent,
-    /// cleancache semantics: the store may drop pages, oldest first.
+    /// cleancache semantics: the store may drop pages at any time, by the
+    /// pool's [`Eviction`] policy, and does so before it refuses a
+    /// persistent page.
     Ephemeral,
+}
+
+/// Which ephemeral page goes first when the store needs room.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Eviction {
+    /// SIEVE: a hit sets a flag and moves nothing (no list update under
+    /// the shard lock on a get); a hand sweeps from old to young.
+    #[default]
+    Sieve,
+    /// Strict LRU: a hit moves the page to the young end. Kept to compare
+    /// hit ratios with SIEVE (`tmem bench cache`).
+    Lru,
+}
+
+impl std::str::FromStr for Eviction {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "sieve" => Ok(Self::Sieve),
+            "lru" => Ok(Self::Lru),
+            _ => Err(format!("eviction policy {s:?}: expected sieve or lru")),
+        }
+    }
+}
+
+impl Eviction {
+    /// The policy's name, as `FromStr` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sieve => "sieve",
+            Self::Lru => "lru",
+        }
+    }
 }
 
 /// How to create a pool.
@@ -26,22 +63,31 @@ pub struct PoolConfig {
     /// failed partial write.
     #[serde(default)]
     pub reject_keeps_old: bool,
+    /// Eviction policy of an ephemeral pool (persistent pools ignore it).
+    #[serde(default)]
+    pub eviction: Eviction,
 }
 
 impl PoolConfig {
     /// A persistent pool with shared (non-exclusive) gets.
     pub fn persistent() -> Self {
-        Self { kind: PoolKind::Persistent, exclusive_gets: false, reject_keeps_old: false }
+        Self { kind: PoolKind::Persistent, exclusive_gets: false, reject_keeps_old: false, eviction: Eviction::Sieve }
     }
 
     /// An ephemeral pool with shared gets.
     pub fn ephemeral() -> Self {
-        Self { kind: PoolKind::Ephemeral, exclusive_gets: false, reject_keeps_old: false }
+        Self { kind: PoolKind::Ephemeral, exclusive_gets: false, reject_keeps_old: false, eviction: Eviction::Sieve }
     }
 
     /// Sets exclusive gets.
     pub fn exclusive_gets(mut self, on: bool) -> Self {
         self.exclusive_gets = on;
+        self
+    }
+
+    /// Sets the eviction policy (ephemeral pools).
+    pub fn eviction(mut self, e: Eviction) -> Self {
+        self.eviction = e;
         self
     }
 

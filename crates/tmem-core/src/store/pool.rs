@@ -149,7 +149,7 @@ impl Pool {
     /// its limit, compacts if due, sends queued tier removals. Returns
     /// whether puts are admitted now (a refused put may be retried).
     pub fn maintain(&self) -> bool {
-        let admitted = self.shared.make_room_if_full();
+        let admitted = self.shared.make_room_if_full(self.cfg.kind);
         if self.removals_due.swap(false, Ordering::Relaxed) {
             self.send_tier_removals();
         }
@@ -315,6 +315,9 @@ impl Pool {
             self.account(&mut s);
         } else {
             s.entries.get_mut(h).meta |= F_REFERENCED | F_HOT;
+            if self.cfg.kind == PoolKind::Ephemeral && self.cfg.eviction == Eviction::Lru {
+                s.lru_touch(h);
+            }
         }
         LocalGet::Done(Ok(GetOutcome::Hit))
     }
@@ -389,9 +392,10 @@ impl Pool {
         Ok(n)
     }
 
-    /// Drops up to `max` of the oldest pages of shard `i`; returns pages and
-    /// object bytes freed.
-    pub(super) fn evict_from_shard(&self, i: usize, max: usize) -> (usize, u64) {
+    /// Drops up to `max` pages of shard `i`, chosen by the pool's eviction
+    /// policy, to make room for a put into a pool of kind `for_kind`;
+    /// returns pages and object bytes freed.
+    pub(super) fn evict_from_shard(&self, i: usize, max: usize, for_kind: PoolKind) -> (usize, u64) {
         if self.destroyed.load(Ordering::Acquire) {
             return (0, 0);
         }
@@ -399,13 +403,21 @@ impl Pool {
         let mut n = 0;
         let mut bytes = 0;
         while n < max {
-            let Some(h) = s.lru_victim() else { break };
+            let victim = match self.cfg.eviction {
+                Eviction::Sieve => s.sieve_victim(),
+                Eviction::Lru => s.lru_tail(),
+            };
+            let Some(h) = victim else { break };
             let e = s.remove_handle(h);
             if let Some(loc) = e.alloc_loc() {
                 bytes += self.shared.alloc.slot_size(loc) as u64;
             }
             self.forget(&mut s.c, &e);
             s.c.evicted_pages += 1;
+            match for_kind {
+                PoolKind::Persistent => s.c.evicted_for_persistent += 1,
+                PoolKind::Ephemeral => s.c.evicted_for_ephemeral += 1,
+            }
             n += 1;
         }
         self.account(&mut s);
@@ -427,6 +439,8 @@ impl Pool {
             c.failed_gets += x.failed_gets;
             c.flushes += x.flushes;
             c.evicted_pages += x.evicted_pages;
+            c.evicted_for_persistent += x.evicted_for_persistent;
+            c.evicted_for_ephemeral += x.evicted_for_ephemeral;
             c.compressions += x.compressions;
             c.decompressions += x.decompressions;
             c.tier_pages += x.tier_pages;

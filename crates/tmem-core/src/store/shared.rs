@@ -76,7 +76,8 @@ impl Shared {
         let accept = self.policy.accept_bytes();
         let inline = work == Work::Inline;
         if self.reached_full.load(Ordering::Relaxed) {
-            if self.total_bytes() < accept || (inline && self.may_retry_room() && self.make_room(accept)) {
+            if self.total_bytes() < accept || (inline && self.may_retry_room() && self.make_room(accept, pool.cfg.kind))
+            {
                 self.reached_full.store(false, Ordering::Relaxed);
                 return true;
             }
@@ -86,7 +87,7 @@ impl Shared {
         if self.total_bytes() < limit {
             return true;
         }
-        if inline && self.may_retry_room() && self.make_room(accept) {
+        if inline && self.may_retry_room() && self.make_room(accept, pool.cfg.kind) {
             return true;
         }
         self.reached_full.store(true, Ordering::Relaxed);
@@ -96,13 +97,13 @@ impl Shared {
 
     /// Makes room (evicting, writing back, compacting) if the store is at
     /// its limit and may try now; returns whether puts are admitted again.
-    pub(super) fn make_room_if_full(&self) -> bool {
+    pub(super) fn make_room_if_full(&self, for_kind: PoolKind) -> bool {
         let limit = self.policy.limit_bytes();
         if limit == u64::MAX || !self.reached_full.load(Ordering::Relaxed) {
             return true;
         }
         let accept = self.policy.accept_bytes();
-        if self.total_bytes() < accept || (self.may_retry_room() && self.make_room(accept)) {
+        if self.total_bytes() < accept || (self.may_retry_room() && self.make_room(accept, for_kind)) {
             self.reached_full.store(false, Ordering::Relaxed);
             return true;
         }
@@ -118,19 +119,26 @@ impl Shared {
         last == 0 || now.saturating_sub(last) >= ROOM_RETRY_NS
     }
 
-    /// Drops ephemeral pages, oldest first, until usage is below `target`.
-    /// Returns whether it got there.
-    pub(super) fn make_room(&self, target: u64) -> bool {
-        if self.evict_ephemeral(target) || self.write_back_until(target) {
+    /// Makes room for a put into a pool of kind `for_kind` until usage is
+    /// below `target`: drops ephemeral pages first, then (for a persistent
+    /// put only) writes persistent pages back to lower tiers. An ephemeral
+    /// put never moves a persistent page, and its failure does not hold back
+    /// the next persistent put's try. Returns whether it got there.
+    pub(super) fn make_room(&self, target: u64, for_kind: PoolKind) -> bool {
+        if self.evict_ephemeral(target, for_kind) || (for_kind == PoolKind::Persistent && self.write_back_until(target))
+        {
             self.room_failed_at.store(0, Ordering::Relaxed);
             return true;
+        }
+        if for_kind == PoolKind::Ephemeral {
+            return false;
         }
         let now = u64::try_from(self.clock.elapsed().as_nanos()).unwrap_or(u64::MAX).max(1);
         self.room_failed_at.store(now, Ordering::Relaxed);
         false
     }
 
-    pub(super) fn evict_ephemeral(&self, target: u64) -> bool {
+    pub(super) fn evict_ephemeral(&self, target: u64, for_kind: PoolKind) -> bool {
         let ephemeral: Vec<Arc<Pool>> =
             self.pools_snapshot().into_iter().filter(|p| p.cfg.kind == PoolKind::Ephemeral).collect();
         if ephemeral.is_empty() {
@@ -147,7 +155,7 @@ impl Shared {
             while slot_bytes_freed < over && idle_visits < ephemeral.len() * shards {
                 let cursor = self.evict_cursor.fetch_add(1, Ordering::Relaxed);
                 let pool = &ephemeral[cursor % ephemeral.len()];
-                let (n, bytes) = pool.evict_from_shard((cursor / ephemeral.len()) % shards, EVICT_BATCH);
+                let (n, bytes) = pool.evict_from_shard((cursor / ephemeral.len()) % shards, EVICT_BATCH, for_kind);
                 if n == 0 {
                     idle_visits += 1;
                 } else {

@@ -163,6 +163,106 @@ fn pool_limit_rejects_persistent_and_evicts_ephemeral() {
     assert!(!p_get(&eph, 0, &mut out), "oldest page dropped");
 }
 
+/// The shared budget (issue 14): persistent pages evict ephemeral ones,
+/// never the reverse, and ephemeral space grows back when persistent pages go.
+#[test]
+fn persistent_pages_evict_ephemeral_ones_and_never_the_reverse() {
+    let s = store(PolicyConfig { max_pool_bytes: 2 << 20, ..Default::default() });
+    let swap = s.create_pool(PoolConfig::persistent());
+    let cache = s.create_pool(PoolConfig::ephemeral());
+    let mut out = [0u8; PAGE_SIZE];
+    // The cache fills the whole budget.
+    for i in 0..4000 {
+        assert_eq!(cache.put(key(i), &page(i)).unwrap(), PutOutcome::Stored, "cache put {i}");
+    }
+    let cached = cache.stats().stored_pages;
+    assert!(cached > 500, "{cached}");
+    // Swap takes the budget back page by page, through both put paths: not
+    // one swap page is refused while cache pages remain.
+    let mut i = 0;
+    while cache.stats().stored_pages > 0 {
+        let outcome = if i % 2 == 0 {
+            swap.put(key(i), &page(i + 10_000)).unwrap()
+        } else {
+            match swap.put_now(key(i), &page(i + 10_000)).unwrap() {
+                PutOutcome::Rejected(Reject::PoolLimit) if swap.maintain() => {
+                    swap.put_now(key(i), &page(i + 10_000)).unwrap()
+                }
+                other => other,
+            }
+        };
+        if outcome != PutOutcome::Stored {
+            // Refused only once eviction has emptied the cache.
+            assert_eq!(cache.stats().stored_pages, 0, "swap put {i} refused ({outcome:?}) with cache pages left");
+            break;
+        }
+        i += 1;
+    }
+    let swapped = i;
+    assert!(swapped > cached / 2, "{swapped} swap pages took the room of {cached} cache pages");
+    let st = cache.stats();
+    assert_eq!(st.evicted_for_persistent + st.evicted_for_ephemeral, st.evicted_pages);
+    assert!(st.evicted_for_persistent >= cached - 64, "{st:?}");
+    // Now the store is swap's: cache puts are refused, and no swap page moves.
+    let refused = (0..200)
+        .filter(|&j| cache.put(key(50_000 + j), &page(j)).unwrap() == PutOutcome::Rejected(Reject::PoolLimit))
+        .count();
+    assert!(refused >= 190, "{refused} of 200 cache puts refused");
+    for j in 0..swapped {
+        assert!(p_get(&swap, j, &mut out), "swap page {j} lost");
+        assert_eq!(out, page(j + 10_000));
+    }
+    assert_eq!(swap.stats().stored_pages, swapped);
+    // Swap shrinks: the cache grows back into the room.
+    swap.flush_object(1).unwrap();
+    s.compact();
+    let evicted = cache.stats().evicted_pages;
+    for j in 0..cached / 2 {
+        assert_eq!(cache.put(key(j), &page(j)).unwrap(), PutOutcome::Stored, "cache put {j} after swap shrank");
+    }
+    assert_eq!(cache.stats().stored_pages, cached / 2);
+    assert_eq!(cache.stats().evicted_pages, evicted, "room enough without evicting");
+}
+
+/// SIEVE keeps pages that are read again over pages read once, where
+/// strict LRU loses both to a scan: the hit ratio on a hot set under a
+/// one-pass scan.
+#[test]
+fn sieve_keeps_a_hot_set_through_a_scan() {
+    let ratio = |eviction: Eviction| {
+        let s = StoreConfig {
+            policy: PolicyConfig { max_pool_bytes: 2 << 20, ..Default::default() },
+            shards: 8,
+            ..Default::default()
+        }
+        .build()
+        .unwrap();
+        let p = s.create_pool(PoolConfig::ephemeral().eviction(eviction));
+        let mut out = [0u8; PAGE_SIZE];
+        let (mut hits, mut gets) = (0u64, 0u64);
+        let mut scan = 1_000_000;
+        for round in 0..20 {
+            for i in 0..300 {
+                gets += 1;
+                if p_get(&p, i, &mut out) {
+                    hits += 1;
+                } else {
+                    assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+                }
+            }
+            if round >= 5 {
+                for _ in 0..3000 {
+                    assert_eq!(p.put(key(scan), &page(scan)).unwrap(), PutOutcome::Stored);
+                    scan += 1;
+                }
+            }
+        }
+        hits as f64 / gets as f64
+    };
+    let (sieve, lru) = (ratio(Eviction::Sieve), ratio(Eviction::Lru));
+    assert!(sieve > lru + 0.2, "hit ratio: sieve {sieve:.3}, lru {lru:.3}");
+}
+
 fn p_get(p: &Pool, i: u64, out: &mut [u8; PAGE_SIZE]) -> bool {
     p.get(key(i), out).unwrap() == GetOutcome::Hit
 }
