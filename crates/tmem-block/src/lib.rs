@@ -56,6 +56,16 @@ pub enum BlockError {
     /// Stored data is corrupt (EIO).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The backing store of a cache device failed; its errno reaches the client.
+    #[error("backing store: {op} at {offset}: {source}")]
+    Backing {
+        /// pread, pwrite, fdatasync, fallocate.
+        op: &'static str,
+        /// Byte offset in the backing store.
+        offset: u64,
+        /// The error.
+        source: std::io::Error,
+    },
     /// Serving the request panicked; the request failed alone (EIO).
     #[error("{op} panicked: {message}")]
     Panicked {
@@ -72,6 +82,7 @@ impl BlockError {
         match self {
             BlockError::OutOfRange { .. } => libc::EINVAL,
             BlockError::NoSpace { .. } => libc::ENOSPC,
+            BlockError::Backing { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             BlockError::Store(_) | BlockError::Panicked { .. } => libc::EIO,
         }
     }
@@ -102,6 +113,24 @@ pub trait BlockDevice: Send + Sync {
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), BlockError>;
     /// Allocation map of a range, page-granular, in order, covering it exactly.
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, BlockError>;
+}
+
+/// Runs one request under `catch_unwind`: a panic fails it alone with
+/// [`BlockError::Panicked`] and is counted in `panics` (see the crate docs).
+fn contained<T>(
+    panics: &AtomicU64,
+    op: &'static str,
+    f: impl FnOnce() -> Result<T, BlockError>,
+) -> Result<T, BlockError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        bump(panics, 1);
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(no message)".into());
+        Err(BlockError::Panicked { op, message })
+    })
 }
 
 fn check_range(offset: u64, len: u64, size: u64) -> Result<(), BlockError> {
@@ -186,7 +215,7 @@ impl DeviceConfig {
             _recompressor: recompressor,
             name: self.name,
             size: self.size / PAGE * PAGE,
-            store,
+            store: Arc::new(store),
             pool,
             stripes: (0..STRIPES).map(|_| Mutex::new(Rank::BlockStripe, ())).collect(),
             io: IoCounters::default(),
@@ -215,6 +244,29 @@ struct IoCounters {
     panics: AtomicU64,
 }
 
+impl IoCounters {
+    /// The device's counters with its store's; no backing store.
+    fn snapshot(&self, name: &str, size: u64, store: Stats) -> DeviceStats {
+        let r = Ordering::Relaxed;
+        DeviceStats {
+            name: name.to_owned(),
+            store,
+            backing: None,
+            disksize: size,
+            read_ios: self.read_ios.load(r),
+            write_ios: self.write_ios.load(r),
+            read_bytes: self.read_bytes.load(r),
+            write_bytes: self.write_bytes.load(r),
+            discard_ios: self.discard_ios.load(r),
+            rmw_pages: self.rmw_pages.load(r),
+            failed_reads: self.failed_reads.load(r),
+            failed_writes: self.failed_writes.load(r),
+            invalid_io: self.invalid_io.load(r),
+            panics: self.panics.load(r),
+        }
+    }
+}
+
 counters! {
     /// Snapshot of a device's counters.
     #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -224,6 +276,9 @@ counters! {
             pub name: String,
             /// The device's store.
             pub store: Stats,
+            /// A cache device's backing store (absent for swap devices).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub backing: Option<BackingStats>,
         }
         /// Size in bytes (zram `disksize`).
         disksize: Gauge(Bytes),
@@ -258,7 +313,8 @@ pub struct PoolDevice {
     _recompressor: Option<Recompressor>,
     name: String,
     size: u64,
-    store: Store,
+    /// Shared with cache devices whose ephemeral pool lives in it.
+    store: Arc<Store>,
     pool: Arc<Pool>,
     /// Per-page locks across a read-modify-write and its store call; the store
     /// does no slow work under them (lock order: docs/ARCHITECTURE.md, `Rank::BlockStripe`).
@@ -301,6 +357,11 @@ impl PoolDevice {
     /// The device's store (policy and codec changes, compaction).
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// The store, to put a cache device's pool in it ([`CacheConfig::build_on`]).
+    pub fn shared_store(&self) -> Arc<Store> {
+        Arc::clone(&self.store)
     }
 
     fn key(page: u64) -> Key {
@@ -399,15 +460,7 @@ impl PoolDevice {
 
     /// Runs one request; a panic fails it alone (see the crate docs).
     fn contained<T>(&self, op: &'static str, f: impl FnOnce() -> Result<T, BlockError>) -> Result<T, BlockError> {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-            bump(&self.io.panics, 1);
-            let message = payload
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "(no message)".into());
-            Err(BlockError::Panicked { op, message })
-        })
+        contained(&self.io.panics, op, f)
     }
 
     fn range(&self, offset: u64, len: u64) -> Result<(), BlockError> {
@@ -416,23 +469,7 @@ impl PoolDevice {
 
     /// Counters of the device and its store.
     pub fn stats(&self) -> DeviceStats {
-        let r = Ordering::Relaxed;
-        let io = &self.io;
-        DeviceStats {
-            name: self.name.clone(),
-            disksize: self.size,
-            read_ios: io.read_ios.load(r),
-            write_ios: io.write_ios.load(r),
-            read_bytes: io.read_bytes.load(r),
-            write_bytes: io.write_bytes.load(r),
-            discard_ios: io.discard_ios.load(r),
-            rmw_pages: io.rmw_pages.load(r),
-            failed_reads: io.failed_reads.load(r),
-            failed_writes: io.failed_writes.load(r),
-            invalid_io: io.invalid_io.load(r),
-            panics: io.panics.load(r),
-            store: self.store.stats(),
-        }
+        self.io.snapshot(&self.name, self.size, self.store.stats())
     }
 }
 
@@ -551,6 +588,8 @@ impl PoolDevice {
     }
 }
 
+mod cache;
+pub use cache::{BackingStats, CacheConfig, CacheDevice, CacheError};
 pub mod conformance;
 #[cfg(feature = "fault-injection")]
 mod fault;

@@ -37,8 +37,10 @@ pub enum Rank {
     /// block layer's stripes on purpose: a put under a stripe must not write
     /// back (nor compact), and in debug builds it cannot.
     Writeback,
-    /// `PoolDevice::stripes`: one page of a block device, held across its
-    /// read-modify-write and its store call.
+    /// `PoolDevice::stripes`, `CacheDevice::stripes`: one page of a block
+    /// device, held across its read-modify-write and its store call (and a
+    /// cache device's backing I/O); a cache request takes the stripes of all
+    /// its pages, in index order.
     BlockStripe,
     /// `RamDevice` page slots.
     RamSlot,
@@ -91,7 +93,7 @@ impl Rank {
     /// address order.
     #[must_use]
     pub fn nests(self) -> bool {
-        matches!(self, Self::TierPutStripe)
+        matches!(self, Self::TierPutStripe | Self::BlockStripe)
     }
 }
 

@@ -122,12 +122,12 @@
 //! from the file (page alignment, GC copies and re-written partial pages
 //! included). [`DiskTier::disk_stats`] adds segment, GC and discard counters.
 
-mod aligned;
+use tmem_sys::aligned;
 mod gc;
 mod read;
 mod segment;
 mod stats;
-mod sys;
+use tmem_sys::blockio as sys;
 mod write;
 
 pub use stats::DiskStats;

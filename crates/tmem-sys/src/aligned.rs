@@ -1,4 +1,4 @@
-//! Page-aligned heap buffers, as `O_DIRECT` I/O needs them.
+//! Page-aligned heap buffers, as `O_DIRECT` I/O needs them (the disk tier, the cache device).
 
 use std::alloc::{self, Layout};
 use std::ops::{Deref, DerefMut};

@@ -1,4 +1,5 @@
-//! The few Linux calls std does not wrap: hole punching, block device
+//! Block and file I/O calls std does not wrap (the disk tier, the cache
+//! device): hole punching, block device
 //! ioctls, `flock` and toggling `O_DIRECT`. Through `rustix` where it has a
 //! safe wrapper; the block ioctls stay on `libc` (rustix has none for
 //! `BLKGETSIZE64` and `BLKDISCARD`).
@@ -67,4 +68,35 @@ pub fn is_direct(file: &File) -> io::Result<bool> {
 pub fn clear_direct(file: &File) -> io::Result<()> {
     let flags = rustix::fs::fcntl_getfl(file)?;
     Ok(rustix::fs::fcntl_setfl(file, flags - rustix::fs::OFlags::DIRECT)?)
+}
+
+/// Zeroes `[off, off + len)` of a file or block device, keeping its size:
+/// `zero` asks that the range stay allocated (`FALLOC_FL_ZERO_RANGE`, falling
+/// back to a hole), otherwise it is deallocated (`FALLOC_FL_PUNCH_HOLE`). A
+/// block device always gets `ZERO_RANGE`, the mode that cannot fail for want
+/// of discard support. `EOPNOTSUPP` or `EINVAL` (an unaligned range on a
+/// block device) mean the caller must write zeros itself.
+pub fn zero_range(file: &File, block: bool, off: u64, len: u64, zero: bool) -> io::Result<()> {
+    use rustix::fs::{fallocate, FallocateFlags as F};
+    if block || zero {
+        match fallocate(file, F::ZERO_RANGE | F::KEEP_SIZE, off, len) {
+            Err(e) if !block && e == rustix::io::Errno::OPNOTSUPP => {}
+            r => return Ok(r?),
+        }
+    }
+    punch_hole(file, off, len)
+}
+
+/// The first byte at or after `off` that holds data (`SEEK_DATA`); `None` past the last.
+pub fn next_data(file: &File, off: u64) -> io::Result<Option<u64>> {
+    match rustix::fs::seek(file, rustix::fs::SeekFrom::Data(off)) {
+        Ok(at) => Ok(Some(at)),
+        Err(rustix::io::Errno::NXIO) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The first byte at or after `off` in a hole (`SEEK_HOLE`; the end of the file counts as one).
+pub fn next_hole(file: &File, off: u64) -> io::Result<u64> {
+    Ok(rustix::fs::seek(file, rustix::fs::SeekFrom::Hole(off))?)
 }
