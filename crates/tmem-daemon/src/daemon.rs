@@ -28,7 +28,7 @@ use std::sync::{mpsc, Arc};
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use sd_notify::NotifyState;
-use tmem_block::{BlockDevice, DeviceConfig, PoolDevice};
+use tmem_block::{BlockDevice, CacheDevice, DeviceConfig, DeviceStats, PoolDevice};
 use tmem_ctl::{DeviceStatus, Request, Response, Status};
 use tmem_fuse::{Export, FuseConfig, FuseMount};
 use tmem_sys::swap;
@@ -63,6 +63,8 @@ pub struct Daemon {
     spec: DaemonSpec,
     dir: RuntimeDir,
     devices: Vec<Arc<PoolDevice>>,
+    /// Cache devices, exported after the devices.
+    caches: Vec<Arc<CacheDevice>>,
     state: Mutex<State>,
     /// Serialises teardowns (a `down` and a signal may race).
     teardown_gate: Mutex<()>,
@@ -168,10 +170,40 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         ));
         devices.push(Arc::new(dev));
     }
+    let mut caches = Vec::new();
+    for c in &spec.caches {
+        // With swap devices, the cache's pool shares the first one's store and budget.
+        let dev = match devices.first() {
+            Some(swap) => c.device_config(tmem_core::StoreConfig::default()).build_on(swap.shared_store()),
+            None => c.device_config(c.store_config(total_ram)?).build(),
+        }
+        .map_err(setup_err)?;
+        let limit = dev.store().policy().limit_bytes();
+        steps.push(format!(
+            "{}: cache of {} ({}, {} backing I/O{}), codec {}, pool limit {}{}, eviction {}",
+            c.name,
+            c.backing.display(),
+            human(dev.size()),
+            if dev.stats().backing.is_some_and(|b| b.direct) { "O_DIRECT" } else { "buffered" },
+            match c.backing_latency_us {
+                0 => String::new(),
+                us => format!(", {us} us emulated latency per read"),
+            },
+            dev.store().codec_name(),
+            if limit == u64::MAX { "none".to_owned() } else { human(limit) },
+            match devices.first() {
+                Some(d) => format!(" shared with {} (its pages evict cached ones)", d.name()),
+                None => String::new(),
+            },
+            c.eviction.name(),
+        ));
+        caches.push(Arc::new(dev));
+    }
     let daemon = Arc::new(Daemon {
         spec,
         dir,
         devices,
+        caches,
         state: Mutex::new(
             Rank::DaemonState,
             State {
@@ -206,7 +238,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
     log("up");
     // Under systemd (Type=notify): ready once swap is on. Without
     // NOTIFY_SOCKET these are no-ops.
-    let devices = daemon.devices.len();
+    let devices = daemon.devices.len() + daemon.caches.len();
     let _ =
         sd_notify::notify(false, &[NotifyState::Ready, NotifyState::Status(&format!("serving {devices} device(s)"))]);
     let mut watchdog_usec = 0;
@@ -223,7 +255,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
                 // locks: a store that deadlocked stops the watchdog pings.
                 let status = daemon.status();
                 daemon.save_state(&status);
-                let stats: Vec<_> = daemon.devices.iter().map(|d| d.stats()).collect();
+                let stats = daemon.all_stats();
                 for line in watch.check(&stats) {
                     if line.warn {
                         warn(&line.text);
@@ -290,9 +322,29 @@ impl Daemon {
         self.save_state(&status);
     }
 
-    /// The status now, with the transport and the stored page count.
+    /// Counters of every device, caches last.
+    fn all_stats(&self) -> Vec<DeviceStats> {
+        self.devices.iter().map(|d| d.stats()).chain(self.caches.iter().map(|c| c.stats())).collect()
+    }
+
+    /// Every exported device by name: devices, then caches.
+    fn exports(&self) -> Vec<(String, Arc<dyn BlockDevice>)> {
+        let devices = self.devices.iter().map(|d| (d.name().to_owned(), Arc::clone(d) as Arc<dyn BlockDevice>));
+        let caches = self.caches.iter().map(|c| (c.name().to_owned(), Arc::clone(c) as Arc<dyn BlockDevice>));
+        devices.chain(caches).collect()
+    }
+
+    /// The status now, with the transport and the count of stored pages
+    /// that only this process holds (persistent ones: cached pages are
+    /// also in their backing store).
     fn status(&self) -> Status {
-        let stored = self.devices.iter().map(|d| d.store().stats().total.stored_pages).sum();
+        let stored = self
+            .devices
+            .iter()
+            .flat_map(|d| d.store().stats().pools)
+            .filter(|p| p.kind == Some(tmem_core::PoolKind::Persistent))
+            .map(|p| p.stored_pages)
+            .sum();
         let g = self.lock();
         let mut status = g.status.clone();
         if let Some(f) = &g.fuse {
@@ -332,8 +384,9 @@ impl Daemon {
             self.setup_nbd(listen)?;
         }
         if let Some(addr) = self.spec.metrics {
-            let devices = self.devices.clone();
-            let source: crate::metrics::Source = Arc::new(move || devices.iter().map(|d| d.stats()).collect());
+            let (devices, caches) = (self.devices.clone(), self.caches.clone());
+            let source: crate::metrics::Source =
+                Arc::new(move || devices.iter().map(|d| d.stats()).chain(caches.iter().map(|c| c.stats())).collect());
             let server = crate::metrics::MetricsServer::start(&addr.to_string(), source)?;
             self.step(format!("Prometheus metrics at http://{}/metrics", server.addr()));
             self.lock().metrics = Some(server);
@@ -350,15 +403,12 @@ impl Daemon {
             ),
             None => tmem_nbd::Listen::Unix(PathBuf::from(listen)),
         };
-        let exports = self
-            .devices
-            .iter()
-            .map(|d| tmem_nbd::Export::new(d.name(), Arc::clone(d) as Arc<dyn BlockDevice>))
-            .collect();
+        let names: Vec<String> = self.exports().into_iter().map(|(name, _)| name).collect();
+        let exports = self.exports().into_iter().map(|(name, dev)| tmem_nbd::Export::new(&name, dev)).collect();
         let mut cfg = tmem_nbd::NbdConfig::new(exports, listen);
         cfg.allow_remote = self.spec.nbd_allow_remote;
         let server = tmem_nbd::ServerHandle::start(cfg).map_err(setup_err)?;
-        let uris: Vec<String> = self.devices.iter().map(|d| server.uri(d.name())).collect();
+        let uris: Vec<String> = names.iter().map(|n| server.uri(n)).collect();
         {
             let mut g = self.lock();
             g.nbd = Some(server);
@@ -372,11 +422,7 @@ impl Daemon {
 
     fn setup_fuse(&self) -> Result<(), DaemonError> {
         let mnt = self.dir.mount_point(MOUNT_DIR)?;
-        let exports = self
-            .devices
-            .iter()
-            .map(|d| Export { name: d.name().to_owned(), device: Arc::clone(d) as Arc<dyn BlockDevice> })
-            .collect();
+        let exports = self.exports().into_iter().map(|(name, device)| Export { name, device }).collect();
         let fuse = FuseMount::mount(FuseConfig {
             mountpoint: mnt.clone(),
             exports,
@@ -386,7 +432,7 @@ impl Daemon {
         .map_err(setup_err)?;
         let transport = fuse.transport();
         let files: Vec<(String, PathBuf)> =
-            self.devices.iter().map(|d| (d.name().to_owned(), fuse.path_of(d.name()))).collect();
+            self.exports().into_iter().map(|(name, _)| (name.clone(), fuse.path_of(&name))).collect();
         {
             let mut g = self.lock();
             g.fuse = Some(fuse);
@@ -400,14 +446,18 @@ impl Daemon {
             mnt.display(),
             self.spec.fuse_threads
         ));
-        if !self.spec.swap {
-            return Ok(());
-        }
         for (i, (name, file)) in files.iter().enumerate() {
+            let cache = i >= self.devices.len();
+            if !(cache || self.spec.swap) {
+                continue;
+            }
             self.check_signal()?;
             let dev = swap::loop_attach(file).map_err(setup_err)?;
             self.lock().status.devices[i].loop_dev = Some(dev.clone());
             self.step(format!("{name}: losetup --direct-io=on {} -> {}", file.display(), dev.display()));
+            if cache {
+                continue;
+            }
             if let Some(set) = swap::loop_disable_wbt(&dev).map_err(setup_err)? {
                 self.step(format!("{name}: {set} (no writeback throttling in front of swap)"));
             }
@@ -488,17 +538,22 @@ impl Daemon {
     }
 }
 
+impl Daemon {
+    /// The store of the device or cache named `name`.
+    fn store_of(&self, name: &str) -> Option<&tmem_core::Store> {
+        let device = self.devices.iter().find(|d| d.name() == name).map(|d| d.store());
+        device.or_else(|| self.caches.iter().find(|c| c.name() == name).map(|c| c.store()))
+    }
+}
+
 impl control::Handler for Daemon {
     fn handle(&self, req: Request) -> Response {
         match req {
             Request::Status => json(&self.status()),
-            Request::Stat => {
-                let stats: Vec<_> = self.devices.iter().map(|d| d.stats()).collect();
-                json(&stats)
-            }
-            Request::Set { device, key, value } => match self.devices.iter().find(|d| d.name() == device) {
+            Request::Stat => json(&self.all_stats()),
+            Request::Set { device, key, value } => match self.store_of(&device) {
                 None => Response::err(format!("no device {device:?}")),
-                Some(d) => match knobs::set(d, &key, &value) {
+                Some(store) => match knobs::set(store, &key, &value) {
                     Ok(msg) => {
                         log(&format!("{device}: {msg}"));
                         Response::ok(serde_json::Value::String(msg))

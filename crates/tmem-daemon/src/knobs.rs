@@ -1,9 +1,9 @@
 //! `tmem set DEVICE KEY=VALUE`: run-time changes to one device, checked
 //! exactly as `tmem swap up` checks its flags.
 
-use tmem_block::PoolDevice;
 use tmem_core::codec::CodecChoice;
 use tmem_core::DictTraining;
+use tmem_core::Store;
 
 use crate::spec::PoolLimit;
 use crate::{human, DaemonError};
@@ -16,9 +16,8 @@ incompressible=reject|store_raw, max_compressed_size=BYTES, accept_threshold_per
 const POLICY_KEYS: [&str; 5] =
     ["frozen", "incompressible", "max_compressed_size", "accept_threshold_percent", "compact_threshold_percent"];
 
-/// Applies one `KEY=VALUE` to `d`; returns what changed, in words.
-pub fn set(d: &PoolDevice, key: &str, value: &str) -> Result<String, DaemonError> {
-    let store = d.store();
+/// Applies one `KEY=VALUE` to a device's store; returns what changed, in words.
+pub fn set(store: &Store, key: &str, value: &str) -> Result<String, DaemonError> {
     let invalid = |e: &dyn std::fmt::Display| DaemonError::Invalid(format!("{key}={value}: {e}"));
     match key {
         "codec" => {
@@ -54,7 +53,7 @@ pub fn set(d: &PoolDevice, key: &str, value: &str) -> Result<String, DaemonError
 
 #[cfg(test)]
 mod tests {
-    use tmem_block::DeviceConfig;
+    use tmem_block::{DeviceConfig, PoolDevice};
 
     use super::*;
     use crate::spec::{store_config, DeviceSpec};
@@ -87,14 +86,14 @@ mod tests {
             ("total_ram_bytes", "0"),
             ("nonsense", "1"),
         ] {
-            let e = set(&d, k, v).unwrap_err().to_string();
+            let e = set(d.store(), k, v).unwrap_err().to_string();
             assert!(e.contains(k) || e.contains(v), "{k}={v}: {e}");
         }
         assert_eq!(d.store().policy().limit_bytes(), before, "refused values change nothing");
-        assert!(set(&d, "pool-limit", "2G").unwrap().contains("2.0 GiB"));
-        assert!(set(&d, "pool-limit", "50%").unwrap().contains("4.0 GiB"));
-        assert!(set(&d, "compact", "now").is_ok());
-        assert!(set(&d, "frozen", "1").is_ok());
-        assert!(set(&d, "codec", "zstd:3").unwrap().contains("zstd"));
+        assert!(set(d.store(), "pool-limit", "2G").unwrap().contains("2.0 GiB"));
+        assert!(set(d.store(), "pool-limit", "50%").unwrap().contains("4.0 GiB"));
+        assert!(set(d.store(), "compact", "now").is_ok());
+        assert!(set(d.store(), "frozen", "1").is_ok());
+        assert!(set(d.store(), "codec", "zstd:3").unwrap().contains("zstd"));
     }
 }

@@ -5,8 +5,9 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use tmem_block::CacheConfig;
 use tmem_core::codec::CodecChoice;
-use tmem_core::{DictTraining, Incompressible, PolicyConfig, RecompressConfig, StoreConfig};
+use tmem_core::{DictTraining, Eviction, Incompressible, PolicyConfig, RecompressConfig, StoreConfig};
 
 use crate::DaemonError;
 
@@ -125,6 +126,56 @@ impl std::str::FromStr for PoolLimit {
     }
 }
 
+/// One cache device to create: a backing file or block device served
+/// through an ephemeral pool (`tmem cache up`).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct CacheSpec {
+    /// Name, e.g. `cache0`.
+    pub name: String,
+    /// The file or block device it mirrors.
+    pub backing: PathBuf,
+    /// Codec and pool limit of its own store. Ignored when the daemon also
+    /// serves swap devices: the cache's pool then lives in the first swap
+    /// device's store and shares its budget (swap pages evict cached ones).
+    pub codec: String,
+    /// Pool limit of its own store (see `codec`).
+    pub pool_limit: PoolLimit,
+    /// Which cached page goes first.
+    pub eviction: Eviction,
+    /// Emulated latency per backing read, microseconds (benchmarks only).
+    #[serde(default)]
+    pub backing_latency_us: u64,
+}
+
+impl CacheSpec {
+    /// The store configuration of a cache with a store of its own.
+    pub fn store_config(&self, total_ram: u64) -> Result<StoreConfig, DaemonError> {
+        let as_device = DeviceSpec {
+            name: self.name.clone(),
+            size: 0,
+            codec: self.codec.clone(),
+            pool_limit: self.pool_limit,
+            recompress: RecompressArgs::default(),
+        };
+        let mut cfg = store_config(&as_device, total_ram)?;
+        // A cache page that compresses poorly is cheaper to read again from
+        // the backing store than to hold raw.
+        cfg.policy.incompressible = Incompressible::Reject;
+        Ok(cfg)
+    }
+
+    /// The cache device's configuration; `store` serves when it has its own.
+    pub fn device_config(&self, store: StoreConfig) -> CacheConfig {
+        CacheConfig {
+            name: self.name.clone(),
+            backing: self.backing.clone(),
+            store,
+            eviction: self.eviction,
+            backing_latency: std::time::Duration::from_micros(self.backing_latency_us),
+        }
+    }
+}
+
 /// What the daemon runs.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct DaemonSpec {
@@ -132,6 +183,9 @@ pub struct DaemonSpec {
     pub runtime_dir: PathBuf,
     /// Devices.
     pub devices: Vec<DeviceSpec>,
+    /// Cache devices (exported beside the devices, never used as swap).
+    #[serde(default)]
+    pub caches: Vec<CacheSpec>,
     /// Export the devices as FUSE files.
     pub fuse: bool,
     /// Turn each device into kernel swap (needs `fuse`).
@@ -168,8 +222,31 @@ impl DaemonSpec {
     /// Checks everything that can be checked before the daemon starts:
     /// device sizes and count, codecs and limits, tiers and key file.
     pub fn validate(&self, total_ram: u64) -> Result<(), DaemonError> {
-        if self.devices.is_empty() {
+        if self.devices.is_empty() && self.caches.is_empty() {
             return Err(DaemonError::Invalid("need at least one device".into()));
+        }
+        for c in &self.caches {
+            if self.devices.iter().any(|d| d.name == c.name)
+                || self.caches.iter().filter(|o| o.name == c.name).count() > 1
+            {
+                return Err(DaemonError::Invalid(format!("two devices are named {:?}", c.name)));
+            }
+            let meta = std::fs::metadata(&c.backing)
+                .map_err(|e| DaemonError::Invalid(format!("{}: backing store {}: {e}", c.name, c.backing.display())))?;
+            if !(meta.is_file() || std::os::unix::fs::FileTypeExt::is_block_device(&meta.file_type())) {
+                return Err(DaemonError::Invalid(format!(
+                    "{}: backing store {} is neither a regular file nor a block device",
+                    c.name,
+                    c.backing.display()
+                )));
+            }
+            if c.backing_latency_us > 1_000_000 {
+                return Err(DaemonError::Invalid(format!(
+                    "{}: backing latency {} us is above the maximum of 1 s",
+                    c.name, c.backing_latency_us
+                )));
+            }
+            c.store_config(total_ram)?.build().map_err(|e| DaemonError::Invalid(format!("{}: {e}", c.name)))?;
         }
         if self.swap {
             check_swap_size(self.devices.iter().map(|d| d.size), total_ram)?;
@@ -224,6 +301,35 @@ pub fn device_specs(
             recompress: recompress.clone(),
         })
         .collect()
+}
+
+/// Cache specs `cache0..`, one per backing store, all alike.
+pub fn cache_specs(backings: &[PathBuf], codec: &str, pool_limit: PoolLimit, opts: &CacheArgs) -> Vec<CacheSpec> {
+    backings
+        .iter()
+        .enumerate()
+        .map(|(i, b)| CacheSpec {
+            name: format!("cache{i}"),
+            backing: b.clone(),
+            codec: codec.to_owned(),
+            pool_limit,
+            eviction: opts.eviction,
+            backing_latency_us: opts.backing_latency_us,
+        })
+        .collect()
+}
+
+/// Options of cache devices, shared by `tmem cache up` and `tmem serve nbd
+/// --backing`. Codec and pool limit are the command's own: with devices in
+/// the same daemon the cache shares the first one's store.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct CacheArgs {
+    /// Which cached page goes first: sieve or lru.
+    #[arg(long, default_value = "sieve")]
+    pub eviction: Eviction,
+    /// Emulated latency added to each backing read, in microseconds (benchmarks of a slow volume; 0: none).
+    #[arg(long, default_value_t = 0)]
+    pub backing_latency_us: u64,
 }
 
 /// Builds the store configuration of a device.

@@ -31,6 +31,11 @@ enum Command {
         #[command(subcommand)]
         what: SwapCommand,
     },
+    /// A compressed cache in front of a slow file or block device (cleancache at block level).
+    Cache {
+        #[command(subcommand)]
+        what: CacheCommand,
+    },
     /// Counters of the running daemon's devices (zramctl-like).
     Stat {
         #[command(flatten)]
@@ -70,7 +75,7 @@ enum Command {
 #[derive(Subcommand, Debug)]
 enum ServeCommand {
     /// Exports compressed block devices over NBD (unix socket, or TCP on loopback) until SIGINT/SIGTERM.
-    Nbd(swapcmd::ServeNbdArgs),
+    Nbd(Box<swapcmd::ServeNbdArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -78,6 +83,14 @@ enum SwapCommand {
     /// Starts the daemon, exports devices over FUSE, attaches loop devices, runs mkswap and swapon.
     Up(Box<swapcmd::UpArgs>),
     /// swapoff (the kernel takes its pages back), detach, unmount, stop the daemon.
+    Down(swapcmd::DaemonArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum CacheCommand {
+    /// Starts the daemon: each backing store served through an ephemeral pool, as a /dev/loopN.
+    Up(Box<swapcmd::CacheUpArgs>),
+    /// Detaches the loop devices, unmounts, stops the daemon (the backing stores hold every write).
     Down(swapcmd::DaemonArgs),
 }
 
@@ -120,7 +133,9 @@ fn main() -> ExitCode {
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),
-        Command::Swap { what: SwapCommand::Down(a) } => swapcmd::down(&a),
+        Command::Swap { what: SwapCommand::Down(a) } => swapcmd::down(&a, "swap"),
+        Command::Cache { what: CacheCommand::Up(a) } => swapcmd::cache_up(&a),
+        Command::Cache { what: CacheCommand::Down(a) } => swapcmd::down(&a, "cache"),
         Command::Stat { daemon, json, counters } => swapcmd::stat(&daemon, json, counters),
         Command::Set { daemon, device, assignments } => swapcmd::set(&daemon, &device, &assignments),
         Command::Serve { what: ServeCommand::Nbd(a) } => swapcmd::serve_nbd(&a),

@@ -1,4 +1,4 @@
-//! `tmem swap up|down`, `tmem stat`, `tmem set`, `tmem serve nbd`: parse,
+//! `tmem swap up|down`, `tmem cache up|down`, `tmem stat`, `tmem set`, `tmem serve nbd`: parse,
 //! call the daemon crate, print.
 
 use std::path::PathBuf;
@@ -9,7 +9,7 @@ use tmem_counters::Counters;
 use tmem_ctl::{self as ctl, Request};
 use tmem_daemon::config::Config;
 use tmem_daemon::spec::default_fuse_threads;
-use tmem_daemon::spec::device_specs;
+use tmem_daemon::spec::{cache_specs, device_specs, CacheArgs};
 use tmem_daemon::{human, launch, recover, DaemonError, DaemonSpec, PoolLimit};
 
 /// Arguments of `tmem swap up`.
@@ -56,6 +56,11 @@ pub struct UpArgs {
     /// Type=notify: it reports READY once swap is on, and pings the watchdog).
     #[arg(long)]
     foreground: bool,
+    /// Also serve this file or block device through a compressed cache
+    /// (cache0, cache1, ...: /dev/loopN devices) whose pool shares swap0's
+    /// budget: swap pages evict cached ones, never the reverse. Repeatable.
+    #[arg(long = "cache-backing", value_name = "PATH")]
+    cache_backing: Vec<PathBuf>,
     #[command(flatten)]
     recompress: tmem_daemon::spec::RecompressArgs,
     #[command(flatten)]
@@ -88,6 +93,7 @@ impl UpArgs {
             metrics: pick(given("metrics"), &self.metrics, &c.metrics.map(Some)),
             config: self.config.clone(),
             foreground: self.foreground,
+            cache_backing: self.cache_backing.clone(),
             recompress: tmem_daemon::spec::RecompressArgs {
                 recompress: pick(given("recompress"), &self.recompress.recompress, &c.recompress.clone().map(Some)),
                 recompress_after: pick(
@@ -125,6 +131,7 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
     let spec = DaemonSpec {
         runtime_dir: a.runtime_dir.clone(),
         devices: device_specs("swap", a.devices, a.size, &a.codec, a.pool_limit, &a.recompress),
+        caches: cache_specs(&a.cache_backing, &a.codec, a.pool_limit, &CacheArgs::default()),
         fuse: true,
         swap: true,
         nbd: None,
@@ -139,26 +146,29 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
     };
     // Check everything here, where the user sees the error.
     spec.validate(tmem_sys::swap::total_ram_bytes()?)?;
-    if let Some(left) = recover::inspect(&a.runtime_dir)? {
+    start(spec, a.foreground, a.wait, "swap")
+}
+
+/// Starts a daemon on `spec` (checked), in this process or in the
+/// background, cleaning what a dead one left first; `what` names it.
+pub fn start(spec: DaemonSpec, foreground: bool, wait: u64, what: &str) -> anyhow::Result<()> {
+    let dir = spec.runtime_dir.clone();
+    if let Some(left) = recover::inspect(&dir)? {
         println!(
             "a tmem daemon{} died here and left {}; cleaning up first:",
             left.pid.map(|p| format!(" (pid {p})")).unwrap_or_default(),
             left.summary()
         );
-        print_recovery(&recover::clean(&a.runtime_dir)?);
+        print_recovery(&recover::clean(&dir)?);
     }
-    if a.foreground {
+    if foreground {
         return Ok(tmem_daemon::run(spec)?);
     }
-    let st = launch::start(spec, &std::env::current_exe()?, Duration::from_secs(a.wait))?;
+    let st = launch::start(spec, &std::env::current_exe()?, Duration::from_secs(wait))?;
     for s in &st.steps {
         println!("{s}");
     }
-    println!(
-        "tmem swap is up (daemon pid {}, log {})",
-        st.pid,
-        a.runtime_dir.join(tmem_daemon::runtime::LOG_FILE).display()
-    );
+    println!("tmem {what} is up (daemon pid {}, log {})", st.pid, dir.join(tmem_daemon::runtime::LOG_FILE).display());
     Ok(())
 }
 
@@ -167,13 +177,13 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
 /// With no daemon running, it removes whatever a dead one left (swap areas,
 /// loop devices, its mount, its files) and says what was lost; it exits 0
 /// once nothing of tmem is left in the directory.
-pub fn down(a: &DaemonArgs) -> anyhow::Result<()> {
+pub fn down(a: &DaemonArgs, what: &str) -> anyhow::Result<()> {
     match launch::stop(&a.runtime_dir) {
         Ok((steps, pid)) => {
             for s in steps {
                 println!("{s}");
             }
-            println!("tmem swap is down (daemon pid {pid} exited)");
+            println!("tmem {what} is down (daemon pid {pid} exited)");
             Ok(())
         }
         Err(DaemonError::Ctl(tmem_ctl::CtlError::NoDaemon { .. })) => match recover::inspect(&a.runtime_dir)? {
@@ -185,11 +195,11 @@ pub fn down(a: &DaemonArgs) -> anyhow::Result<()> {
                 );
                 let r = recover::clean(&a.runtime_dir)?;
                 print_recovery(&r);
-                println!("tmem swap is down ({} pages were lost with the dead daemon)", r.lost_pages);
+                println!("tmem {what} is down ({} pages were lost with the dead daemon)", r.lost_pages);
                 Ok(())
             }
             None => {
-                println!("tmem swap is down (no daemon runs in {}, and none left anything)", a.runtime_dir.display());
+                println!("tmem {what} is down (no daemon runs in {}, and none left anything)", a.runtime_dir.display());
                 Ok(())
             }
         },
@@ -341,9 +351,15 @@ pub struct ServeNbdArgs {
     /// Size of each device.
     #[arg(long, default_value = "8G", value_parser = tmem_corpus::parse_size)]
     size: u64,
-    /// Number of devices (exports disk0, disk1, ...).
-    #[arg(long, default_value_t = 1)]
-    devices: usize,
+    /// Number of devices (exports disk0, disk1, ...); default 1, or 0 with --backing.
+    #[arg(long)]
+    devices: Option<usize>,
+    /// Also export this file or block device through a compressed cache
+    /// (cache0, cache1, ...; sharing disk0's pool budget when there is one). Repeatable.
+    #[arg(long, value_name = "PATH")]
+    backing: Vec<PathBuf>,
+    #[command(flatten)]
+    cache: CacheArgs,
     /// Pool memory limit per device: a size (at least 1M) or a percentage of RAM (1%..100%).
     #[arg(long, default_value = "25%")]
     pool_limit: PoolLimit,
@@ -380,7 +396,15 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
     };
     let spec = DaemonSpec {
         runtime_dir: a.runtime_dir.clone(),
-        devices: device_specs("disk", a.devices, a.size, &a.codec, a.pool_limit, &a.recompress),
+        devices: device_specs(
+            "disk",
+            a.devices.unwrap_or(usize::from(a.backing.is_empty())),
+            a.size,
+            &a.codec,
+            a.pool_limit,
+            &a.recompress,
+        ),
+        caches: cache_specs(&a.backing, &a.codec, a.pool_limit, &a.cache),
         fuse: false,
         swap: false,
         nbd: Some(listen),
@@ -401,4 +425,62 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
 pub fn run_daemon(spec_json: &str) -> anyhow::Result<()> {
     let spec: DaemonSpec = serde_json::from_str(spec_json).map_err(|e| anyhow::anyhow!("bad daemon spec: {e}"))?;
     Ok(tmem_daemon::run(spec)?)
+}
+
+/// Arguments of `tmem cache up`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct CacheUpArgs {
+    /// The file or block device to cache (cache0, cache1, ... in order). Repeatable.
+    #[arg(long, required = true, value_name = "PATH")]
+    backing: Vec<PathBuf>,
+    /// Pool memory limit of the cache: a size (at least 1M) or a percentage of RAM (1%..100%).
+    #[arg(long, default_value = "25%")]
+    pool_limit: PoolLimit,
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages.
+    #[arg(long, default_value = "lz4")]
+    codec: String,
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// FUSE worker threads (default: one per online CPU, at least 4).
+    #[arg(long, default_value_t = default_fuse_threads())]
+    fuse_threads: usize,
+    /// Runtime directory (control socket, FUSE mount, log).
+    #[arg(long, default_value = ctl::RUNTIME_DIR)]
+    runtime_dir: PathBuf,
+    /// Seconds to wait for the daemon to come up; then it is stopped and undoes its setup.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    wait: u64,
+    /// Serve Prometheus metrics (OpenMetrics text at /metrics) on this address.
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
+    /// Run the daemon in this process instead of in the background.
+    #[arg(long)]
+    foreground: bool,
+}
+
+/// `tmem cache up`: a daemon serving each backing store through a
+/// compressed cache, as a /dev/loopN to mkfs or mount. To share one memory
+/// budget with swap, use `tmem swap up --cache-backing` instead.
+pub fn cache_up(a: &CacheUpArgs) -> anyhow::Result<()> {
+    if !tmem_sys::is_root() {
+        anyhow::bail!("tmem cache up needs root (it mounts FUSE and attaches loop devices)");
+    }
+    let spec = DaemonSpec {
+        runtime_dir: a.runtime_dir.clone(),
+        devices: Vec::new(),
+        caches: cache_specs(&a.backing, &a.codec, a.pool_limit, &a.cache),
+        fuse: true,
+        swap: false,
+        nbd: None,
+        nbd_allow_remote: false,
+        priority: 0,
+        fuse_threads: a.fuse_threads,
+        fuse_uring: 0,
+        discard: tmem_sys::swap::SwapDiscard::default(),
+        tiers: tmem_daemon::tiers::TierArgs::default(),
+        metrics: a.metrics,
+        lock_fd: None,
+    };
+    spec.validate(tmem_sys::swap::total_ram_bytes()?)?;
+    start(spec, a.foreground, a.wait, "cache")
 }
