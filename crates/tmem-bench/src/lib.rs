@@ -5,6 +5,7 @@
 //! subcommands call them; [`zram`] is the kernel-side harness of the store
 //! benchmark and [`redis`] starts the throwaway servers of the remote tier.
 
+pub mod cache;
 pub mod plot;
 pub mod pressure;
 pub mod progress;

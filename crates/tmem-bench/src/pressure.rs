@@ -129,7 +129,7 @@ pub struct PressureArgs {
 /// Set by SIGINT/SIGTERM/SIGHUP.
 static INTERRUPTED: LazyLock<Arc<AtomicBool>> = LazyLock::new(Arc::default);
 
-fn install_signal_handlers() -> anyhow::Result<()> {
+pub(crate) fn install_signal_handlers() -> anyhow::Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     for sig in [SIGINT, SIGTERM, SIGHUP] {
         signal_hook::flag::register(sig, Arc::clone(&INTERRUPTED))?;
@@ -137,7 +137,7 @@ fn install_signal_handlers() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn interrupted() -> bool {
+pub(crate) fn interrupted() -> bool {
     INTERRUPTED.load(Ordering::SeqCst)
 }
 
