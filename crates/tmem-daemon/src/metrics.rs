@@ -166,6 +166,7 @@ impl Collector for Snapshot {
         family(&mut encoder, "store", devs.iter().map(|d| (dev(d), &d.store)))?;
         family(&mut encoder, "pool", devs.iter().map(|d| (dev(d), &d.store.total)))?;
         family(&mut encoder, "alloc", devs.iter().map(|d| (dev(d), &d.store.alloc)))?;
+        family(&mut encoder, "backing", devs.iter().filter_map(|d| d.backing.as_ref().map(|b| (dev(d), b))))?;
         let tiers = devs.iter().flat_map(|d| d.store.tiers.iter().map(|t| (tier_labels(d, t), t)));
         family(&mut encoder, "tier", tiers)?;
         // An info metric as node_exporter writes them (a gauge of 1): the

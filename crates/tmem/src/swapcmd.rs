@@ -255,6 +255,9 @@ fn print_counters(devs: &[DeviceStats]) {
         rows(&mut t, &d.name, "store", &d.store);
         rows(&mut t, &d.name, "pools", &d.store.total);
         rows(&mut t, &d.name, "allocator", &d.store.alloc);
+        if let Some(b) = &d.backing {
+            rows(&mut t, &d.name, "backing", b);
+        }
         for tier in &d.store.tiers {
             rows(&mut t, &d.name, &format!("tier {}", tier.name), tier);
         }
@@ -300,6 +303,51 @@ pub fn print_stat_table(devs: &[DeviceStats]) {
     }
     println!("{t}");
     print_codec_table(devs);
+    print_cache_table(devs);
+}
+
+/// Hits, misses and backing I/O of cache devices.
+fn print_cache_table(devs: &[DeviceStats]) {
+    let caches: Vec<(&DeviceStats, &tmem_block::BackingStats)> =
+        devs.iter().filter_map(|d| d.backing.as_ref().map(|b| (d, b))).collect();
+    if caches.is_empty() {
+        return;
+    }
+    let mut t = tmem_bench::table::plain([
+        "NAME",
+        "BACKING",
+        "HITS",
+        "MISSES",
+        "HIT%",
+        "FROM BACKING",
+        "TO BACKING",
+        "EVICTED",
+        "REFUSED",
+        "ERRORS",
+    ]);
+    for (d, b) in caches {
+        // The cache's own pool: the store may also hold swap0's.
+        let pool = d.store.pools.iter().find(|p| p.kind == Some(tmem_core::PoolKind::Ephemeral));
+        let (hits, misses, evicted) = pool.map_or((0, 0, 0), |p| (p.succ_gets, p.failed_gets, p.evicted_pages));
+        let ratio = if hits + misses == 0 {
+            "-".into()
+        } else {
+            format!("{:.1}", 100.0 * hits as f64 / (hits + misses) as f64)
+        };
+        t.add_row([
+            d.name.clone(),
+            b.path.display().to_string(),
+            hits.to_string(),
+            misses.to_string(),
+            ratio,
+            human(b.backing_read_bytes),
+            human(b.backing_write_bytes),
+            evicted.to_string(),
+            b.fills_refused.to_string(),
+            b.backing_errors.to_string(),
+        ]);
+    }
+    println!("\n{t}");
 }
 
 /// What each codec holds, and what recompression saved, where a device

@@ -1,19 +1,22 @@
 //! Arbitrary bytes as a whole client session, fed to the server's
 //! connection handler over an in-memory duplex stream, against a small
-//! PoolDevice (and a ZeroDevice export). The handler must never panic and
+//! PoolDevice, or a CacheDevice over a backing file (`tmem serve nbd
+//! --backing`), and a ZeroDevice export. The handler must never panic and
 //! must always terminate.
 //!
 //! The first byte picks a preamble so that the fuzzer also reaches the
 //! transmission phase cheaply: 0 = raw (handshake fuzzed too), 1 = GO with
 //! simple replies, 2 = structured replies + base:allocation + GO,
-//! 3 = NBD_OPT_EXPORT_NAME of the default export.
+//! 3 = NBD_OPT_EXPORT_NAME of the default export. Bit 2 picks a strict
+//! store (incompressible pages refused), bit 3 the cache device as the
+//! default export.
 #![no_main]
 
 use std::io::{Read, Write};
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use tmem_block::{BlockDevice, DeviceConfig, PoolDevice, ZeroDevice};
+use tmem_block::{BlockDevice, CacheConfig, DeviceConfig, PoolDevice, ZeroDevice};
 use tmem_nbd::proto::*;
 use tmem_nbd::{serve_connection, Export, Exports};
 
@@ -77,20 +80,36 @@ fn preamble(mode: u8) -> Vec<u8> {
 /// Size of the pool device.
 const DISK: u64 = 256 << 10;
 
-/// Two exports sharing one pool device per store policy, built once (a
-/// store is costly to build) and emptied before every run so each run
-/// starts from the same contents.
-fn exports(strict: bool) -> &'static (Arc<PoolDevice>, Exports) {
-    static CELLS: [OnceLock<(Arc<PoolDevice>, Exports)>; 2] = [OnceLock::new(), OnceLock::new()];
-    CELLS[usize::from(strict)].get_or_init(|| {
+/// Two exports, the default one a pool device (`cache`: a cache device over
+/// a backing file) per store policy, built once (a store is costly to build)
+/// and emptied before every run so each run starts from the same contents.
+fn exports(strict: bool, cache: bool) -> &'static (Arc<dyn BlockDevice>, Exports) {
+    static CELLS: [OnceLock<(Arc<dyn BlockDevice>, Exports)>; 4] =
+        [OnceLock::new(), OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    CELLS[usize::from(strict) + 2 * usize::from(cache)].get_or_init(|| {
         let mut store = tmem_core::StoreConfig::default();
         store.shards = 1;
         store.policy.incompressible =
             if strict { tmem_core::Incompressible::Reject } else { tmem_core::Incompressible::StoreRaw };
-        let dev =
-            Arc::new(DeviceConfig { name: "fuzz".into(), size: DISK, store, tiers: None, recompress: None }.build().expect("device"));
+        let dev: Arc<dyn BlockDevice> = if cache {
+            // A small pool, so that fills and writes also evict.
+            store.policy.max_pool_bytes = 64 << 10;
+            let backing = std::env::temp_dir().join(format!("tmem-nbd-fuzz-{}-{strict}.img", std::process::id()));
+            std::fs::File::create(&backing).and_then(|f| f.set_len(DISK)).expect("backing file");
+            let cfg = CacheConfig {
+                name: "fuzz".into(),
+                backing,
+                store,
+                eviction: tmem_core::Eviction::Sieve,
+                backing_latency: std::time::Duration::ZERO,
+            };
+            Arc::new(cfg.build().expect("cache device"))
+        } else {
+            let cfg = DeviceConfig { name: "fuzz".into(), size: DISK, store, tiers: None, recompress: None };
+            Arc::new(cfg.build().expect("device")) as Arc<PoolDevice>
+        };
         let exports = Exports::new(vec![
-            Export::new("disk", Arc::clone(&dev) as Arc<dyn BlockDevice>),
+            Export::new("disk", Arc::clone(&dev)),
             Export::new("zero", Arc::new(ZeroDevice::new(1 << 20)) as Arc<dyn BlockDevice>),
         ])
         .expect("exports");
@@ -100,7 +119,7 @@ fn exports(strict: bool) -> &'static (Arc<PoolDevice>, Exports) {
 
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else { return };
-    let (dev, exports) = exports(mode & 4 != 0);
+    let (dev, exports) = exports(mode & 4 != 0, mode & 8 != 0);
     dev.trim(0, DISK).expect("reset device");
     let mut input = preamble(mode % 4);
     input.extend_from_slice(rest);
