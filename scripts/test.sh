@@ -60,6 +60,7 @@ cargo test --workspace --doc
 # save a release build; `cargo run --release -p tmem -- bench store` is the real one.
 echo "== smoke: tmem bench store (built-in corpus, 1 round)"
 cargo run -q -p tmem -- bench store --rounds 1 --mix-only
+echo "== smoke: tmem bench cache (48 MiB SQLite database on ext4, job at 50%)"; cargo run -q -p tmem -- bench cache --db-mib 48 --levels 50 --queries 100000 --json /tmp/cache.json
 
 prune target/debug
 

@@ -288,7 +288,17 @@ impl CacheDevice {
         let pages = chunk[..n * PAGE_SIZE].as_chunks_mut::<PAGE_SIZE>().0;
         let mut missing = [false; CHUNK_PAGES];
         for (i, page) in pages.iter_mut().enumerate() {
-            missing[i] = self.pool.get(Self::key(first + i as u64), page)? == GetOutcome::Miss;
+            let key = Self::key(first + i as u64);
+            missing[i] = match self.pool.get(key, page) {
+                Ok(hit) => hit == GetOutcome::Miss,
+                // A corrupt cached copy (counted by the store as
+                // `decompress_fail`) is dropped and read again from the truth.
+                Err(StoreError::Corrupt { .. }) => {
+                    self.pool.flush_page(key)?;
+                    true
+                }
+                Err(e) => return Err(e.into()),
+            };
         }
         let mut refused = false;
         let mut i = 0;

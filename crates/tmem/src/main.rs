@@ -104,6 +104,9 @@ enum BenchCommand {
     /// The zcache/RAMster memory-pressure ladder: a workload under shrinking
     /// memory limits, swapping to disk, zram, zswap and tmem.
     Pressure(Box<tmem_bench::pressure::PressureArgs>),
+    /// A read-heavy SQLite job on ext4 over a slow backing file, in a memory
+    /// cgroup below its working set: plain loop device against tmem's cache.
+    Cache(Box<tmem_bench::cache::CacheBenchArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -130,6 +133,7 @@ fn main() -> ExitCode {
         Command::Bench { what: BenchCommand::Store(args) } => tmem_bench::store::run_store(&args),
         Command::Bench { what: BenchCommand::Tier(args) } => tmem_bench::tier::run(&args),
         Command::Bench { what: BenchCommand::Pressure(args) } => tmem_bench::pressure::run(&args),
+        Command::Bench { what: BenchCommand::Cache(args) } => tmem_bench::cache::run(&args),
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),
