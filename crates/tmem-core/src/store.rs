@@ -49,6 +49,7 @@ enum Work {
 
 mod config;
 mod dictionary;
+mod handover;
 mod outcome;
 mod pool;
 mod recompress;
@@ -57,6 +58,7 @@ mod tiering;
 mod worker;
 pub use config::{Eviction, PoolConfig, PoolKind, StoreConfig};
 pub use dictionary::{DictTraining, TrainedDictionary};
+pub use handover::{HandoverSummary, HANDOVER_VERSION};
 pub use outcome::{GetOutcome, PutOutcome, Reject, StoreError};
 use pool::PaddedShard;
 pub use pool::Pool;

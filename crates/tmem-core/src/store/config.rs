@@ -122,6 +122,7 @@ impl StoreConfig {
             alloc: ZsAlloc::with_config(self.alloc),
             policy,
             codecs: std::array::from_fn(|_| OnceLock::new()),
+            codec_configs: std::array::from_fn(|_| OnceLock::new()),
             codec_count: Mutex::new(Rank::CodecCount, 0),
             current_codec: AtomicU8::new(RAW_CODEC),
             reached_full: AtomicBool::new(false),

@@ -86,4 +86,7 @@ pub enum StoreError {
     /// No codec with this id.
     #[error("no codec {0}")]
     NoSuchCodec(u8),
+    /// A hand-over export or import failed (what, and why).
+    #[error("store hand-over: {0}")]
+    Handover(String),
 }

@@ -7,6 +7,8 @@ pub(super) struct Shared {
     pub(super) alloc: ZsAlloc,
     pub(super) policy: Policy,
     pub(super) codecs: [OnceLock<Arc<dyn Codec>>; MAX_CODECS],
+    /// What each codec was built from (a hand-over sends these).
+    pub(super) codec_configs: [OnceLock<CodecConfig>; MAX_CODECS],
     pub(super) codec_count: Mutex<usize>,
     pub(super) current_codec: AtomicU8,
     /// Set when the limit was hit; cleared once usage is below the accept threshold.
@@ -40,7 +42,7 @@ impl Shared {
             return Err(StoreError::TooManyCodecs);
         }
         self.codec_meta.fetch_add(codec.meta_bytes() as u64, Ordering::Relaxed);
-        if self.codecs[*n].set(codec).is_err() {
+        if self.codecs[*n].set(codec).is_err() || self.codec_configs[*n].set(cfg.clone()).is_err() {
             unreachable!("codec slots are filled in order under codec_count");
         }
         let id = u8::try_from(*n).expect("fewer than 32 codecs");

@@ -1,0 +1,184 @@
+//! Store hand-over (`Store::export` → `Store::import`): every page, codec,
+//! pool and counter arrives; a damaged or truncated stream is one error.
+
+use proptest::prelude::*;
+use tmem_core::codec::CodecConfig;
+use tmem_core::{
+    DictTraining, Eviction, GetOutcome, Key, PolicyConfig, PoolConfig, PoolStats, Store, StoreConfig, StoreError,
+    PAGE_SIZE,
+};
+
+/// A page of one of three kinds: compressible text-like bytes, random bytes
+/// (stored raw or refused), or one repeated word.
+fn page(kind: u8, seed: u64) -> [u8; PAGE_SIZE] {
+    let mut p = [0u8; PAGE_SIZE];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for (i, b) in p.iter_mut().enumerate() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = match kind % 3 {
+            0 => b"the quick brown fox "[(i + (x as usize % 3)) % 20],
+            1 => x.to_le_bytes()[0],
+            _ => (seed as u8) | 1,
+        };
+    }
+    p
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Put { pool: usize, index: u64, kind: u8, seed: u64 },
+    Get { pool: usize, index: u64 },
+    Flush { pool: usize, index: u64 },
+    /// Switches new puts to zstd:1 (a second codec in the stream).
+    Zstd,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..3usize, 0..400u64, any::<u8>(), any::<u64>())
+            .prop_map(|(pool, index, kind, seed)| Op::Put { pool, index, kind, seed }),
+        2 => (0..3usize, 0..400u64).prop_map(|(pool, index)| Op::Get { pool, index }),
+        1 => (0..3usize, 0..400u64).prop_map(|(pool, index)| Op::Flush { pool, index }),
+        1 => Just(Op::Zstd),
+    ]
+}
+
+fn config(limit: u64) -> StoreConfig {
+    StoreConfig { policy: PolicyConfig { max_pool_bytes: limit, ..Default::default() }, ..Default::default() }
+}
+
+/// Runs `ops` on a store with a persistent, an ephemeral and a destroyed
+/// pool; returns it with its pool ids.
+fn build(ops: &[Op], limit: u64) -> (Store, Vec<u32>) {
+    let store = config(limit).build().unwrap();
+    let gone = store.create_pool(PoolConfig::persistent());
+    let pools = [
+        store.create_pool(PoolConfig::persistent().reject_keeps_old(true)),
+        store.create_pool(PoolConfig::ephemeral()),
+        store.create_pool(PoolConfig::ephemeral().eviction(Eviction::Lru)),
+    ];
+    store.destroy_pool(gone.id()).unwrap();
+    let mut out = [0u8; PAGE_SIZE];
+    let mut zstd = None;
+    for op in ops {
+        match *op {
+            Op::Put { pool, index, kind, seed } => drop(pools[pool].put(Key::new(1, index), &page(kind, seed)).unwrap()),
+            Op::Get { pool, index } => drop(pools[pool].get(Key::new(1, index), &mut out).unwrap()),
+            Op::Flush { pool, index } => drop(pools[pool].flush_page(Key::new(1, index)).unwrap()),
+            Op::Zstd => match zstd {
+                Some(id) => store.set_codec(id).unwrap(),
+                None => zstd = Some(store.use_codec(&CodecConfig::Zstd { level: 1, dictionary: None }).unwrap()),
+            },
+        }
+    }
+    (store, pools.iter().map(|p| p.id()).collect())
+}
+
+/// Every page of `a` is in `b`, byte for byte, and nothing else is.
+fn same_pages(a: &Store, b: &Store, ids: &[u32]) {
+    let (mut x, mut y) = ([0u8; PAGE_SIZE], [0u8; PAGE_SIZE]);
+    for &id in ids {
+        let (pa, pb) = (a.pool(id).unwrap(), b.pool(id).unwrap());
+        assert_eq!(pa.config(), pb.config());
+        for index in 0..400 {
+            let key = Key::new(1, index);
+            let ga = pa.get(key, &mut x).unwrap();
+            let gb = pb.get(key, &mut y).unwrap();
+            assert_eq!(ga, gb, "pool {id} page {index}");
+            if ga == GetOutcome::Hit {
+                assert!(x == y, "pool {id} page {index} differs");
+            }
+        }
+    }
+}
+
+/// The counters a successor carries on with: all but the gauges it
+/// recomputes from the pages it holds.
+fn carried(s: &PoolStats) -> PoolStats {
+    PoolStats { compr_data_size: 0, ..s.clone() }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn an_imported_store_holds_every_page_and_counter(ops in prop::collection::vec(op(), 1..300), small in any::<bool>()) {
+        let limit = if small { 256 << 10 } else { 0 };
+        let (a, ids) = build(&ops, limit);
+        let mut stream = Vec::new();
+        let sent = a.export(&mut stream).unwrap();
+        let (b, got) = Store::import(config(0), &mut stream.as_slice()).unwrap();
+        prop_assert_eq!(sent, got);
+        prop_assert_eq!(a.codec_name(), b.codec_name());
+        prop_assert_eq!(a.policy().config(), b.policy().config());
+        prop_assert!(matches!(b.pool(0), Err(StoreError::PoolDestroyed(0))));
+        for &id in &ids {
+            let (sa, sb) = (a.pool(id).unwrap().stats(), b.pool(id).unwrap().stats());
+            prop_assert_eq!(carried(&sa), carried(&sb));
+        }
+        same_pages(&a, &b, &ids);
+        // The successor goes on: puts and a second hand-over work.
+        let p = b.pool(ids[0]).unwrap();
+        p.put(Key::new(1, 7), &page(0, 99)).unwrap();
+        let mut again = Vec::new();
+        b.export(&mut again).unwrap();
+        let (c, _) = Store::import(config(0), &mut again.as_slice()).unwrap();
+        same_pages(&b, &c, &ids);
+    }
+}
+
+#[test]
+fn a_dictionary_travels_with_the_pages_that_need_it() {
+    let cfg = StoreConfig {
+        dictionary: Some(DictTraining { after_bytes: 16 << 10, sample_pages: 512, ..DictTraining::default() }),
+        ..config(0)
+    };
+    let a = cfg.build().unwrap();
+    let p = a.create_pool(PoolConfig::persistent());
+    for i in 0..2000 {
+        p.put(Key::new(1, i), &page(0, i)).unwrap();
+    }
+    assert!(a.codec_name().contains("dict"), "{}", a.codec_name());
+    let mut stream = Vec::new();
+    a.export(&mut stream).unwrap();
+    let (b, sum) = Store::import(StoreConfig::default(), &mut stream.as_slice()).unwrap();
+    assert_eq!(sum.pages, 2000);
+    assert_eq!(b.codec_name(), a.codec_name());
+    same_pages(&a, &b, &[0]);
+}
+
+#[test]
+fn a_damaged_or_short_stream_is_one_error() {
+    let ops: Vec<Op> =
+        (0..300).map(|i| Op::Put { pool: (i % 3) as usize, index: i, kind: (i % 3) as u8, seed: i }).collect();
+    let (a, _) = build(&ops, 0);
+    let mut stream = Vec::new();
+    a.export(&mut stream).unwrap();
+    for cut in (0..stream.len()).step_by(stream.len() / 97 + 1).chain([stream.len() - 1]) {
+        let e = Store::import(config(0), &mut &stream[..cut]).unwrap_err();
+        assert!(matches!(e, StoreError::Handover(_)), "cut at {cut}: {e}");
+    }
+    for at in (0..stream.len()).step_by(stream.len() / 61 + 1) {
+        let mut bad = stream.clone();
+        bad[at] ^= 0x10;
+        let e = Store::import(config(0), &mut bad.as_slice()).unwrap_err();
+        assert!(e.to_string().contains("hand-over"), "flip at {at}: {e}");
+    }
+    let mut other = stream.clone();
+    other[8] = 99;
+    let e = Store::import(config(0), &mut other.as_slice()).unwrap_err().to_string();
+    assert!(e.contains("export format 99"), "{e}");
+}
+
+#[test]
+fn a_store_with_tiers_is_not_handed_over() {
+    let store = config(0).build().unwrap();
+    let tier: std::sync::Arc<dyn tmem_tier::Tier> = std::sync::Arc::new(tmem_tier::MemTier::new(1 << 20));
+    let chain =
+        tmem_core::TierChain::new(vec![tier], std::sync::Arc::new(tmem_tier::seal::Sealer::random().unwrap())).unwrap();
+    store.create_pool_with_tiers(PoolConfig::persistent(), chain);
+    let e = store.export(&mut Vec::new()).unwrap_err().to_string();
+    assert!(e.contains("lower tiers"), "{e}");
+}
