@@ -99,6 +99,13 @@ impl CacheConfig {
     /// budget with the store's other pools: persistent (swap) pages evict
     /// cached pages, never the reverse.
     pub fn build_on(self, store: Arc<Store>) -> Result<CacheDevice, CacheError> {
+        let pool = store.create_pool(PoolConfig::ephemeral().eviction(self.eviction));
+        self.adopt(store, pool)
+    }
+
+    /// A cache on `pool`, an ephemeral pool of `store` that already holds
+    /// pages (a store handed over by a predecessor process).
+    pub fn adopt(self, store: Arc<Store>, pool: Arc<Pool>) -> Result<CacheDevice, CacheError> {
         let bad = |source| CacheError::Backing { path: self.backing.clone(), source };
         let open = |direct: bool| {
             std::fs::OpenOptions::new()
@@ -119,7 +126,6 @@ impl CacheConfig {
         if size == 0 {
             return Err(CacheError::TooSmall(self.backing));
         }
-        let pool = store.create_pool(PoolConfig::ephemeral().eviction(self.eviction));
         Ok(CacheDevice {
             name: self.name,
             backing: self.backing,

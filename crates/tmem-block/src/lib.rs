@@ -199,9 +199,9 @@ pub struct DeviceConfig {
 impl DeviceConfig {
     /// Builds the device.
     pub fn build(self) -> Result<PoolDevice, StoreError> {
-        let store = self.store.build()?;
+        let store = self.store.clone().build()?;
         let cfg = PoolConfig::persistent().reject_keeps_old(true);
-        let (pool, writeback) = match self.tiers {
+        let (pool, writeback) = match self.tiers.clone() {
             Some(chain) => {
                 let pool = store.create_pool_with_tiers(cfg, chain);
                 let worker = store.start_writeback(std::time::Duration::from_millis(20));
@@ -209,6 +209,26 @@ impl DeviceConfig {
             }
             None => (store.create_pool(cfg), None),
         };
+        self.finish(store, pool, writeback)
+    }
+
+    /// The device on a store handed over by a predecessor process
+    /// (`Store::import`), whose pool 0 holds its pages. No tiers: a store
+    /// with tiers is never handed over.
+    pub fn adopt(self, store: Store) -> Result<PoolDevice, StoreError> {
+        if self.tiers.is_some() {
+            return Err(StoreError::Handover("a device with tiers cannot adopt a handed-over store".into()));
+        }
+        let pool = store.pool(0)?;
+        self.finish(store, pool, None)
+    }
+
+    fn finish(
+        self,
+        store: Store,
+        pool: Arc<Pool>,
+        writeback: Option<WritebackWorker>,
+    ) -> Result<PoolDevice, StoreError> {
         let recompressor = self.recompress.map(|r| store.recompression(r)).transpose()?.map(Recompression::spawn);
         Ok(PoolDevice {
             _writeback: writeback,

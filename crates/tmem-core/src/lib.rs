@@ -24,9 +24,9 @@ pub use codec::{CodecConfig, CodecError};
 pub use policy::{Incompressible, PolicyConfig, PolicyError};
 pub use stats::{CodecUsage, PoolStats, Stats};
 pub use store::{
-    default_shards, DictTraining, Eviction, GetOutcome, HandoverSummary, Pool, PoolConfig, PoolKind, PutOutcome, RecompressConfig,
-    Recompression, Recompressor, Reject, Store, StoreConfig, StoreError, TierChain, TrainedDictionary, WritebackReport,
-    WritebackWorker, HANDOVER_VERSION, RAW_CODEC,
+    default_shards, DictTraining, Eviction, GetOutcome, HandoverSummary, Pool, PoolConfig, PoolKind, PutOutcome,
+    RecompressConfig, Recompression, Recompressor, Reject, Store, StoreConfig, StoreError, TierChain,
+    TrainedDictionary, WritebackReport, WritebackWorker, HANDOVER_VERSION, RAW_CODEC,
 };
 
 /// Size of a page, the unit of every put and get.

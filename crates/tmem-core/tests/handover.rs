@@ -1,6 +1,9 @@
 //! Store hand-over (`Store::export` → `Store::import`): every page, codec,
 //! pool and counter arrives; a damaged or truncated stream is one error.
 
+// Test data: byte extraction from u64s.
+#![allow(clippy::cast_possible_truncation)]
+
 use proptest::prelude::*;
 use tmem_core::codec::CodecConfig;
 use tmem_core::{
@@ -28,9 +31,20 @@ fn page(kind: u8, seed: u64) -> [u8; PAGE_SIZE] {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Put { pool: usize, index: u64, kind: u8, seed: u64 },
-    Get { pool: usize, index: u64 },
-    Flush { pool: usize, index: u64 },
+    Put {
+        pool: usize,
+        index: u64,
+        kind: u8,
+        seed: u64,
+    },
+    Get {
+        pool: usize,
+        index: u64,
+    },
+    Flush {
+        pool: usize,
+        index: u64,
+    },
     /// Switches new puts to zstd:1 (a second codec in the stream).
     Zstd,
 }
@@ -64,9 +78,15 @@ fn build(ops: &[Op], limit: u64) -> (Store, Vec<u32>) {
     let mut zstd = None;
     for op in ops {
         match *op {
-            Op::Put { pool, index, kind, seed } => drop(pools[pool].put(Key::new(1, index), &page(kind, seed)).unwrap()),
-            Op::Get { pool, index } => drop(pools[pool].get(Key::new(1, index), &mut out).unwrap()),
-            Op::Flush { pool, index } => drop(pools[pool].flush_page(Key::new(1, index)).unwrap()),
+            Op::Put { pool, index, kind, seed } => {
+                let _ = pools[pool].put(Key::new(1, index), &page(kind, seed)).unwrap();
+            }
+            Op::Get { pool, index } => {
+                let _ = pools[pool].get(Key::new(1, index), &mut out).unwrap();
+            }
+            Op::Flush { pool, index } => {
+                let _ = pools[pool].flush_page(Key::new(1, index)).unwrap();
+            }
             Op::Zstd => match zstd {
                 Some(id) => store.set_codec(id).unwrap(),
                 None => zstd = Some(store.use_codec(&CodecConfig::Zstd { level: 1, dictionary: None }).unwrap()),
@@ -82,7 +102,7 @@ fn same_pages(a: &Store, b: &Store, ids: &[u32]) {
     for &id in ids {
         let (pa, pb) = (a.pool(id).unwrap(), b.pool(id).unwrap());
         assert_eq!(pa.config(), pb.config());
-        for index in 0..400 {
+        for index in 0..2500 {
             let key = Key::new(1, index);
             let ga = pa.get(key, &mut x).unwrap();
             let gb = pb.get(key, &mut y).unwrap();
@@ -121,7 +141,7 @@ proptest! {
         same_pages(&a, &b, &ids);
         // The successor goes on: puts and a second hand-over work.
         let p = b.pool(ids[0]).unwrap();
-        p.put(Key::new(1, 7), &page(0, 99)).unwrap();
+        prop_assert_eq!(p.put(Key::new(1, 7), &page(0, 99)).unwrap(), tmem_core::PutOutcome::Stored);
         let mut again = Vec::new();
         b.export(&mut again).unwrap();
         let (c, _) = Store::import(config(0), &mut again.as_slice()).unwrap();
@@ -138,13 +158,21 @@ fn a_dictionary_travels_with_the_pages_that_need_it() {
     let a = cfg.build().unwrap();
     let p = a.create_pool(PoolConfig::persistent());
     for i in 0..2000 {
-        p.put(Key::new(1, i), &page(0, i)).unwrap();
+        assert_eq!(p.put(Key::new(1, i), &page(0, i)).unwrap(), tmem_core::PutOutcome::Stored);
     }
-    assert!(a.codec_name().contains("dict"), "{}", a.codec_name());
+    // Training runs in the background; then pages are stored with the dictionary.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !a.codec_name().contains("dict") {
+        assert!(std::time::Instant::now() < deadline, "no dictionary: {}", a.codec_name());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for i in 2000..2500 {
+        assert_eq!(p.put(Key::new(1, i), &page(0, i)).unwrap(), tmem_core::PutOutcome::Stored);
+    }
     let mut stream = Vec::new();
     a.export(&mut stream).unwrap();
     let (b, sum) = Store::import(StoreConfig::default(), &mut stream.as_slice()).unwrap();
-    assert_eq!(sum.pages, 2000);
+    assert_eq!(sum.pages, 2500);
     assert_eq!(b.codec_name(), a.codec_name());
     same_pages(&a, &b, &[0]);
 }

@@ -75,7 +75,7 @@ fn reply(stream: &UnixStream, resp: &Response) {
 }
 
 /// Only the daemon's own user (root) may control it.
-fn peer_is_owner(s: &UnixStream) -> bool {
+pub(crate) fn peer_is_owner(s: &UnixStream) -> bool {
     rustix::net::sockopt::socket_peercred(s).is_ok_and(|c| c.uid == rustix::process::geteuid())
 }
 

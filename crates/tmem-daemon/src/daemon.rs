@@ -24,6 +24,7 @@ use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
@@ -44,34 +45,41 @@ const STATE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// What wakes the main thread once the daemon is up.
 #[derive(Debug)]
-enum Event {
+pub(crate) enum Event {
     /// SIGTERM, SIGINT or SIGHUP.
     Signal(i32),
     /// A control `down` finished its teardown and was answered.
     Down,
 }
 
-struct State {
-    status: Status,
-    fuse: Option<FuseMount>,
-    nbd: Option<tmem_nbd::ServerHandle>,
-    metrics: Option<crate::metrics::MetricsServer>,
+pub(crate) struct State {
+    pub(crate) status: Status,
+    pub(crate) fuse: Option<FuseMount>,
+    pub(crate) nbd: Option<tmem_nbd::ServerHandle>,
+    pub(crate) metrics: Option<crate::metrics::MetricsServer>,
 }
 
 /// A running daemon, shared by the main, signal and control threads.
 pub struct Daemon {
-    spec: DaemonSpec,
-    dir: RuntimeDir,
-    devices: Vec<Arc<PoolDevice>>,
+    pub(crate) spec: DaemonSpec,
+    pub(crate) dir: RuntimeDir,
+    /// The runtime directory's lock, held for the process's life (and
+    /// handed to a successor).
+    pub(crate) lock_file: crate::runtime::DaemonLock,
+    pub(crate) devices: Vec<Arc<PoolDevice>>,
     /// Cache devices, exported after the devices.
-    caches: Vec<Arc<CacheDevice>>,
-    state: Mutex<State>,
-    /// Serialises teardowns (a `down` and a signal may race).
-    teardown_gate: Mutex<()>,
-    events: Mutex<mpsc::Sender<Event>>,
+    pub(crate) caches: Vec<Arc<CacheDevice>>,
+    pub(crate) state: Mutex<State>,
+    /// Serialises teardowns and hand-overs (a `down`, a signal and a successor may race).
+    pub(crate) teardown_gate: Mutex<()>,
+    pub(crate) events: Mutex<mpsc::Sender<Event>>,
     /// The signal that arrived during setup, if any (0: none).
-    signalled: Arc<AtomicI32>,
-    exited: AtomicBool,
+    pub(crate) signalled: Arc<AtomicI32>,
+    pub(crate) exited: AtomicBool,
+    /// The daemon this one took over from, if it did (`tmem swap restart`).
+    pub(crate) predecessor: Option<u32>,
+    /// Set while a successor takes over: the state file is the successor's to write.
+    pub(crate) handing_over: AtomicBool,
 }
 
 /// Logs one line (a step, a start or stop, a recovered error) at info level.
@@ -80,7 +88,7 @@ pub fn log(msg: &str) {
 }
 
 /// Logs one line at warn level.
-fn warn(msg: &str) {
+pub(crate) fn warn(msg: &str) {
     tracing::warn!("{msg}");
 }
 
@@ -93,7 +101,7 @@ fn setup_err(e: impl std::fmt::Display) -> DaemonError {
 pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
     crate::logging::init();
     let dir = RuntimeDir::create(&spec.runtime_dir)?;
-    let _lock = match spec.lock_fd {
+    let lock_file = match spec.lock_fd {
         Some(fd) => dir.adopt_lock(fd)?,
         None => dir.lock()?,
     };
@@ -103,37 +111,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
     watch_signals(tx.clone(), Arc::clone(&signalled))?;
 
     let mut steps = Vec::new();
-    match swap::protect_from_oom() {
-        Ok(v) => steps.push(format!("oom_score_adj {v}: the OOM killer takes every other process first")),
-        Err(e) => {
-            let msg = format!(
-                "WARNING: could not set oom_score_adj -1000 ({e}; it needs CAP_SYS_RESOURCE, or a parent such as \
-                 systemd with OOMScoreAdjust=-1000): under memory pressure the OOM killer may pick this daemon, \
-                 and every process with a page in it would die"
-            );
-            warn(&msg);
-            steps.push(msg);
-        }
-    }
-    let placed = tmem_sys::cgroup::Layout::detect().and_then(|l| tmem_sys::cgroup::leave_workload_cgroup(&l));
-    match placed {
-        Ok(tmem_sys::cgroup::Placement::Root(procs)) => steps.push(format!(
-            "daemon pid {} moved to the root memory cgroup ({})",
-            std::process::id(),
-            procs.display()
-        )),
-        Ok(tmem_sys::cgroup::Placement::OwnUnit(unit)) => {
-            steps.push(format!("daemon stays in its own service's cgroup {unit}"))
-        }
-        Err(e) => warn(&format!("could not leave the memory cgroup: {e}")),
-    }
-    swap::mlockall_onfault().map_err(setup_err)?;
-    steps.push("mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT) set".into());
-    match swap::set_io_flusher() {
-        Ok(()) => steps.push("PR_SET_IO_FLUSHER set".into()),
-        // It needs CAP_SYS_RESOURCE, which some containers and VMs withhold.
-        Err(e) => steps.push(format!("warning: {e}; continuing with mlockall and direct I/O only")),
-    }
+    protect(&mut steps)?;
 
     let total_ram = swap::total_ram_bytes().map_err(setup_err)?;
     let mut devices = Vec::new();
@@ -202,6 +180,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
     let daemon = Arc::new(Daemon {
         spec,
         dir,
+        lock_file,
         devices,
         caches,
         state: Mutex::new(
@@ -217,14 +196,10 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         events: Mutex::new(Rank::DaemonEvents, tx),
         signalled,
         exited: AtomicBool::new(false),
+        predecessor: None,
+        handing_over: AtomicBool::new(false),
     });
-
-    // We hold the lock, so a socket left here belongs to a dead daemon.
-    daemon.dir.remove(tmem_ctl::SOCKET)?;
-    let sock = daemon.dir.join(tmem_ctl::SOCKET);
-    let listener = UnixListener::bind(&sock).map_err(|e| setup_err(format!("{}: {e}", sock.display())))?;
-    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).map_err(setup_err)?;
-    control::spawn(listener, Arc::clone(&daemon) as Arc<dyn control::Handler>).map_err(setup_err)?;
+    bind_control(&daemon)?;
 
     if let Err(e) = daemon.setup() {
         tracing::error!("setup failed: {e}");
@@ -235,6 +210,24 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         let _ = daemon.dir.remove(STATE_FILE);
         return Err(e);
     }
+    crate::handover::listen(&daemon)?;
+    serve(&daemon, &rx);
+    Ok(())
+}
+
+/// Binds the control socket (we hold the lock, so a socket left here
+/// belongs to a dead daemon, or to the one we took over from) and serves it.
+pub(crate) fn bind_control(daemon: &Arc<Daemon>) -> Result<(), DaemonError> {
+    daemon.dir.remove(tmem_ctl::SOCKET)?;
+    let sock = daemon.dir.join(tmem_ctl::SOCKET);
+    let listener = UnixListener::bind(&sock).map_err(|e| setup_err(format!("{}: {e}", sock.display())))?;
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).map_err(setup_err)?;
+    control::spawn(listener, Arc::clone(daemon) as Arc<dyn control::Handler>).map_err(setup_err)
+}
+
+/// Serves until an orderly teardown (a `down`, or a signal), then removes
+/// the control socket and the state file.
+pub(crate) fn serve(daemon: &Arc<Daemon>, rx: &mpsc::Receiver<Event>) {
     log("up");
     // Under systemd (Type=notify): ready once swap is on. Without
     // NOTIFY_SOCKET these are no-ops.
@@ -278,12 +271,50 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
     let _ = daemon.dir.remove(tmem_ctl::SOCKET);
     let _ = daemon.dir.remove(STATE_FILE);
     log("stopped");
+}
+
+/// Makes this process fit to hold other processes' pages: the OOM killer's
+/// last choice, outside the workload's memory cgroup, memory locked, an I/O
+/// flusher. Records each step (or why it could not be taken) in `steps`.
+pub(crate) fn protect(steps: &mut Vec<String>) -> Result<(), DaemonError> {
+    match swap::protect_from_oom() {
+        Ok(v) => steps.push(format!("oom_score_adj {v}: the OOM killer takes every other process first")),
+        Err(e) => {
+            let msg = format!(
+                "WARNING: could not set oom_score_adj -1000 ({e}; it needs CAP_SYS_RESOURCE, or a parent such as \
+                 systemd with OOMScoreAdjust=-1000): under memory pressure the OOM killer may pick this daemon, \
+                 and every process with a page in it would die"
+            );
+            warn(&msg);
+            steps.push(msg);
+        }
+    }
+    let placed = tmem_sys::cgroup::Layout::detect().and_then(|l| tmem_sys::cgroup::leave_workload_cgroup(&l));
+    match placed {
+        Ok(tmem_sys::cgroup::Placement::Root(procs)) => steps.push(format!(
+            "daemon pid {} moved to the root memory cgroup ({})",
+            std::process::id(),
+            procs.display()
+        )),
+        Ok(tmem_sys::cgroup::Placement::OwnUnit(unit)) => {
+            steps.push(format!("daemon stays in its own service's cgroup {unit}"))
+        }
+        Err(e) => warn(&format!("could not leave the memory cgroup: {e}")),
+    }
+    swap::mlockall_onfault().map_err(setup_err)?;
+    steps.push("mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT) set".into());
+    match swap::set_io_flusher() {
+        Ok(()) => steps.push("PR_SET_IO_FLUSHER set".into()),
+        // It needs CAP_SYS_RESOURCE, which some containers and VMs withhold.
+        Err(e) => steps.push(format!("warning: {e}; continuing with mlockall and direct I/O only")),
+    }
+
     Ok(())
 }
 
 /// Logs every panic with its backtrace. A panic while serving a request
 /// fails that request alone (`tmem_block`), so the log is where it shows.
-fn log_panics() {
+pub(crate) fn log_panics() {
     std::panic::set_hook(Box::new(|info| {
         let thread = std::thread::current().name().unwrap_or("unnamed").to_owned();
         tracing::error!("panic in thread {thread}: {info}\n{}", std::backtrace::Backtrace::force_capture());
@@ -292,7 +323,7 @@ fn log_panics() {
 
 /// A thread that turns SIGTERM, SIGINT and SIGHUP into events. During setup
 /// the main thread looks at `signalled` between steps.
-fn watch_signals(tx: mpsc::Sender<Event>, signalled: Arc<AtomicI32>) -> Result<(), DaemonError> {
+pub(crate) fn watch_signals(tx: mpsc::Sender<Event>, signalled: Arc<AtomicI32>) -> Result<(), DaemonError> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]).map_err(setup_err)?;
     std::thread::Builder::new()
@@ -310,8 +341,39 @@ fn watch_signals(tx: mpsc::Sender<Event>, signalled: Arc<AtomicI32>) -> Result<(
 }
 
 impl Daemon {
-    fn lock(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock()
+    }
+
+    /// After taking over: waits (up to 10 s) for the predecessor to exit,
+    /// then starts what it held that only one process can (the metrics
+    /// address), and records the state.
+    pub(crate) fn after_take_over(&self) {
+        if let Some(pid) = self.predecessor {
+            let gone = Instant::now() + Duration::from_secs(10);
+            while std::path::Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < gone {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        if let Some(addr) = self.spec.metrics {
+            match self.start_metrics(addr) {
+                Ok(()) => {}
+                Err(e) => warn(&format!("metrics: {e}")),
+            }
+        }
+        let status = self.status();
+        self.save_state(&status);
+    }
+
+    /// Serves Prometheus metrics on `addr`.
+    fn start_metrics(&self, addr: std::net::SocketAddr) -> Result<(), DaemonError> {
+        let (devices, caches) = (self.devices.clone(), self.caches.clone());
+        let source: crate::metrics::Source =
+            Arc::new(move || devices.iter().map(|d| d.stats()).chain(caches.iter().map(|c| c.stats())).collect());
+        let server = crate::metrics::MetricsServer::start(&addr.to_string(), source)?;
+        self.step(format!("Prometheus metrics at http://{}/metrics", server.addr()));
+        self.lock().metrics = Some(server);
+        Ok(())
     }
 
     /// Records a step: in the log, in the status, and in the state file.
@@ -337,7 +399,7 @@ impl Daemon {
     /// The status now, with the transport and the count of stored pages
     /// that only this process holds (persistent ones: cached pages are
     /// also in their backing store).
-    fn status(&self) -> Status {
+    pub(crate) fn status(&self) -> Status {
         let stored = self
             .devices
             .iter()
@@ -359,7 +421,10 @@ impl Daemon {
 
     /// Writes what is set up now into the state file, so that `tmem swap
     /// down` can remove it should this process die.
-    fn save_state(&self, status: &Status) {
+    pub(crate) fn save_state(&self, status: &Status) {
+        if self.handing_over.load(Ordering::Acquire) {
+            return;
+        }
         let saved = serde_json::to_vec_pretty(status)
             .map_err(|e| e.to_string())
             .and_then(|json| self.dir.write_atomic(STATE_FILE, &json).map_err(|e| e.to_string()));
@@ -384,12 +449,7 @@ impl Daemon {
             self.setup_nbd(listen)?;
         }
         if let Some(addr) = self.spec.metrics {
-            let (devices, caches) = (self.devices.clone(), self.caches.clone());
-            let source: crate::metrics::Source =
-                Arc::new(move || devices.iter().map(|d| d.stats()).chain(caches.iter().map(|c| c.stats())).collect());
-            let server = crate::metrics::MetricsServer::start(&addr.to_string(), source)?;
-            self.step(format!("Prometheus metrics at http://{}/metrics", server.addr()));
-            self.lock().metrics = Some(server);
+            self.start_metrics(addr)?;
         }
         self.check_signal()?;
         self.lock().status.state = "up".into();

@@ -3,6 +3,8 @@
 //!
 //! - `TMEM_FAULT_STALL_SETUP_MS=N`: setup stalls N ms before swapon (a
 //!   signal ends the stall early), as a huge swap area would.
+//! - `TMEM_FAULT_HANDOVER_PROTOCOL=N`: a successor claims hand-over
+//!   protocol N, as an incompatible binary would.
 
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -15,4 +17,9 @@ pub fn stall_setup(signalled: &AtomicI32) {
     while Instant::now() < end && signalled.load(Ordering::Acquire) == 0 {
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The hand-over protocol a successor claims, if `TMEM_FAULT_HANDOVER_PROTOCOL` says.
+pub fn handover_protocol() -> Option<u32> {
+    std::env::var("TMEM_FAULT_HANDOVER_PROTOCOL").ok().and_then(|v| v.parse().ok())
 }

@@ -18,6 +18,7 @@ pub mod control;
 pub mod daemon;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+pub mod handover;
 pub mod knobs;
 pub mod launch;
 pub mod logging;

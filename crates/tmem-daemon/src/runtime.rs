@@ -71,6 +71,12 @@ pub struct DaemonLock {
     file: File,
 }
 
+impl AsFd for DaemonLock {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+}
+
 fn euid() -> u32 {
     rustix::process::geteuid().as_raw()
 }

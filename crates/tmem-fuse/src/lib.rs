@@ -28,6 +28,7 @@ use fuser::{
 };
 use tmem_block::BlockDevice;
 
+mod devloop;
 mod uring;
 
 /// Largest read we accept from the kernel; also each worker's buffer size.
@@ -395,7 +396,12 @@ impl fuser::Filesystem for FuserFs {
 
 /// A mounted export directory. Dropping it unmounts.
 pub struct FuseMount {
-    session: Option<fuser::BackgroundSession>,
+    /// The mount `fuser` made (dropping it unmounts); `None` for a mount
+    /// adopted from a predecessor ([`FuseMount::adopt`]).
+    session: Option<fuser::Session<FuserFs>>,
+    /// The connection of an adopted mount.
+    adopted: Option<std::os::fd::OwnedFd>,
+    workers: Option<devloop::DevWorkers>,
     uring: Option<uring::UringWorkers>,
     transport: Transport,
     mountpoint: PathBuf,
@@ -467,13 +473,21 @@ impl FuseMount {
                 fallback = Some("the kernel did not offer it at INIT".into());
             }
         }
-        let session = session.spawn().map_err(|source| FuseError::Mount { path: cfg.mountpoint.clone(), source })?;
+        let workers = devloop::DevWorkers::start(fs, std::os::fd::AsFd::as_fd(&session), cfg.threads)
+            .map_err(|source| FuseError::Mount { path: cfg.mountpoint.clone(), source })?;
         let transport = match (&uring, fallback) {
             (Some(w), _) => Transport::IoUring { workers: w.workers() },
             (None, Some(why)) => Transport::DevFuseFallback(why),
             (None, None) => Transport::DevFuse,
         };
-        let m = Self { session: Some(session), uring, transport, mountpoint: cfg.mountpoint };
+        let m = Self {
+            session: Some(session),
+            adopted: None,
+            workers: Some(workers),
+            uring,
+            transport,
+            mountpoint: cfg.mountpoint,
+        };
         m.wait_for_ring();
         Ok(m)
     }
@@ -524,14 +538,95 @@ impl FuseMount {
         self.mountpoint.join(name)
     }
 
+    /// Serves a mount that a predecessor process made, on its connection
+    /// `fd` (passed over a unix socket), with `cfg`'s exports and threads;
+    /// nothing is mounted and no INIT takes place. `/dev/fuse` only.
+    pub fn adopt(fd: std::os::fd::OwnedFd, cfg: FuseConfig) -> Result<Self, FuseError> {
+        let (uid, gid) = (rustix::process::getuid().as_raw(), rustix::process::getgid().as_raw());
+        let fs = Arc::new(BlockFs {
+            exports: cfg.exports,
+            uid,
+            gid,
+            started: SystemTime::now(),
+            want_uring: false,
+            uring_negotiated: AtomicBool::new(false),
+        });
+        let workers = devloop::DevWorkers::start(fs, std::os::fd::AsFd::as_fd(&fd), cfg.threads)
+            .map_err(|source| FuseError::Mount { path: cfg.mountpoint.clone(), source })?;
+        Ok(Self {
+            session: None,
+            adopted: Some(fd),
+            workers: Some(workers),
+            uring: None,
+            transport: Transport::DevFuse,
+            mountpoint: cfg.mountpoint,
+        })
+    }
+
+    /// The FUSE connection, to pass to a successor.
+    pub fn connection(&self) -> std::os::fd::BorrowedFd<'_> {
+        match (&self.session, &self.adopted) {
+            (Some(s), _) => std::os::fd::AsFd::as_fd(s),
+            (None, Some(fd)) => std::os::fd::AsFd::as_fd(fd),
+            (None, None) => unreachable!("a mount has a connection until it is dropped"),
+        }
+    }
+
+    /// Stops taking requests; returns once every request taken is answered
+    /// (those not taken wait in the kernel). Refused over io_uring, whose
+    /// workers cannot leave requests behind.
+    pub fn pause(&self) -> Result<(), String> {
+        if self.uring.is_some() {
+            return Err("requests are served over io_uring, which cannot be paused".into());
+        }
+        if let Some(w) = &self.workers {
+            w.pause();
+        }
+        Ok(())
+    }
+
+    /// Takes requests again after [`FuseMount::pause`].
+    pub fn resume(&self) {
+        if let Some(w) = &self.workers {
+            w.resume();
+        }
+    }
+
+    /// Ends this process's part after a successor adopted the mount: the
+    /// (paused) workers stop and the mount stays.
+    pub fn leave_mounted(mut self) {
+        if let Some(w) = self.workers.take() {
+            w.stop();
+        }
+        if let Some(s) = self.session.take() {
+            // Dropping the session would unmount.
+            std::mem::forget(s);
+        }
+        self.adopted.take();
+    }
+
     /// Unmounts and waits for the workers.
     pub fn unmount(mut self) -> Result<(), FuseError> {
         let path = self.mountpoint.clone();
-        let r = match self.session.take() {
-            Some(s) => s.umount_and_join().map_err(|source| FuseError::Unmount { path, source }),
-            None => Ok(()),
-        };
+        let r = self.unmount_now().map_err(|source| FuseError::Unmount { path, source });
         self.join_uring_if(r.is_ok());
+        r
+    }
+
+    /// Unmounts (the kernel then ends the connection, and the workers with it).
+    fn unmount_now(&mut self) -> std::io::Result<()> {
+        let r = match (self.session.take(), self.adopted.is_some()) {
+            (Some(mut s), _) => s.unmount(),
+            (None, true) => rustix::mount::unmount(&self.mountpoint, rustix::mount::UnmountFlags::empty())
+                .map_err(std::io::Error::from),
+            (None, false) => Ok(()),
+        };
+        if r.is_ok() {
+            if let Some(w) = self.workers.take() {
+                w.stop();
+            }
+            self.adopted.take();
+        }
         r
     }
 
@@ -549,8 +644,8 @@ impl FuseMount {
 
 impl Drop for FuseMount {
     fn drop(&mut self) {
-        if let Some(s) = self.session.take() {
-            let r = s.umount_and_join();
+        if self.session.is_some() || self.adopted.is_some() {
+            let r = self.unmount_now();
             self.join_uring_if(r.is_ok());
         }
     }

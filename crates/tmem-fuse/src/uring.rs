@@ -63,7 +63,7 @@ const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
 
 /// Operation codes we serve (uapi `enum fuse_opcode`).
-mod op {
+pub(crate) mod op {
     pub const LOOKUP: u32 = 1;
     pub const GETATTR: u32 = 3;
     pub const OPEN: u32 = 14;
@@ -116,13 +116,13 @@ const _: () = assert!(std::mem::size_of::<EntInOut>() == 32);
 const _: () = assert!(std::mem::offset_of!(EntInOut, commit_id) == 8);
 const _: () = assert!(std::mem::offset_of!(EntInOut, payload_sz) == 16);
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
+pub(crate) fn u32_at(b: &[u8], at: usize) -> u32 {
     let mut a = [0u8; 4];
     a.copy_from_slice(&b[at..at + 4]);
     u32::from_ne_bytes(a)
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
+pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[at..at + 8]);
     u64::from_ne_bytes(a)
@@ -165,11 +165,19 @@ fn put_attr(o: &mut Out<'_>, fs: &BlockFs, ino: u64, kind: &NodeKind) {
     o.u32(0).u32(0).u32(0).u32(mode).u32(nlink).u32(fs.uid).u32(fs.gid).u32(0).u32(4096).u32(0);
 }
 
-/// Serves one request. Returns the payload length of the answer, or an errno.
-fn dispatch(fs: &BlockFs, hdr: &RingHeader, payload_in: usize, payload: &mut [u8]) -> Result<usize, i32> {
-    let opcode = u32_at(&hdr.in_out, 4);
-    let nodeid = u64_at(&hdr.in_out, 16);
-    let arg = &hdr.op_in;
+/// Serves one request: `in_hdr` is its `fuse_in_header`, `arg` the
+/// operation's own header, `payload[..payload_in]` the rest of it (a name,
+/// written data); the answer is written to `payload`. Returns the answer's
+/// length, or an errno. Shared by the ring and the `/dev/fuse` loop.
+pub(crate) fn dispatch(
+    fs: &BlockFs,
+    in_hdr: &[u8],
+    arg: &[u8],
+    payload_in: usize,
+    payload: &mut [u8],
+) -> Result<usize, i32> {
+    let opcode = u32_at(in_hdr, 4);
+    let nodeid = u64_at(in_hdr, 16);
     let ttl = TTL.as_secs();
     match opcode {
         op::READ => {
@@ -344,7 +352,8 @@ impl Worker {
             let commit_id = self.hdr.ent.commit_id;
             let payload_in = self.hdr.ent.payload_sz as usize;
             let unique = u64_at(&self.hdr.in_out, 8);
-            let (error, len) = match dispatch(fs, &self.hdr, payload_in.min(self.payload.len()), &mut self.payload) {
+            let payload_in = payload_in.min(self.payload.len());
+            let (error, len) = match dispatch(fs, &self.hdr.in_out, &self.hdr.op_in, payload_in, &mut self.payload) {
                 Ok(len) => (0i32, len),
                 Err(errno) => (-errno, 0),
             };

@@ -84,6 +84,8 @@ pub enum Rank {
     MemTier,
     /// FUSE over io_uring: the first failure of a ring.
     UringFailure,
+    /// The `/dev/fuse` workers' pause state (with its condition variable).
+    FuseLoop,
     /// Nonce audit of sealing (test builds only).
     SealAudit,
 }

@@ -67,8 +67,11 @@ enum Command {
     #[command(hide = true)]
     Daemon {
         /// Daemon specification, JSON.
-        #[arg(long)]
-        spec: String,
+        #[arg(long, required_unless_present = "takeover")]
+        spec: Option<String>,
+        /// Take over from the daemon running in this runtime directory (`tmem swap restart`).
+        #[arg(long, conflicts_with = "spec")]
+        takeover: Option<std::path::PathBuf>,
     },
 }
 
@@ -84,6 +87,9 @@ enum SwapCommand {
     Up(Box<swapcmd::UpArgs>),
     /// swapoff (the kernel takes its pages back), detach, unmount, stop the daemon.
     Down(swapcmd::DaemonArgs),
+    /// Replaces the running daemon with a new process of this binary, which
+    /// takes its pages, devices and mount over while swap stays on.
+    Restart(swapcmd::RestartArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -138,12 +144,15 @@ fn main() -> ExitCode {
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),
         Command::Swap { what: SwapCommand::Down(a) } => swapcmd::down(&a, "swap"),
+        Command::Swap { what: SwapCommand::Restart(a) } => swapcmd::restart(&a),
         Command::Cache { what: CacheCommand::Up(a) } => swapcmd::cache_up(&a),
         Command::Cache { what: CacheCommand::Down(a) } => swapcmd::down(&a, "cache"),
         Command::Stat { daemon, json, counters } => swapcmd::stat(&daemon, json, counters),
         Command::Set { daemon, device, assignments } => swapcmd::set(&daemon, &device, &assignments),
         Command::Serve { what: ServeCommand::Nbd(a) } => swapcmd::serve_nbd(&a),
-        Command::Daemon { spec } => swapcmd::run_daemon(&spec),
+        Command::Daemon { spec: Some(spec), .. } => swapcmd::run_daemon(&spec),
+        Command::Daemon { takeover: Some(dir), .. } => tmem_daemon::handover::run_successor(dir).map_err(Into::into),
+        Command::Daemon { .. } => unreachable!("clap requires --spec or --takeover"),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,8 @@
 //! `tmem swap up|down`, `tmem cache up|down`, `tmem stat`, `tmem set`, `tmem serve nbd`: parse,
 //! call the daemon crate, print.
 
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -531,4 +533,66 @@ pub fn cache_up(a: &CacheUpArgs) -> anyhow::Result<()> {
     };
     spec.validate(tmem_sys::swap::total_ram_bytes()?)?;
     start(spec, a.foreground, a.wait, "cache")
+}
+
+/// Arguments of `tmem swap restart`.
+#[derive(clap::Args, Debug)]
+pub struct RestartArgs {
+    /// Runtime directory of the running daemon.
+    #[arg(long, default_value = ctl::RUNTIME_DIR)]
+    runtime_dir: PathBuf,
+    /// Seconds to wait for the new daemon to take over.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    wait: u64,
+}
+
+/// `tmem swap restart`: a new daemon process takes over from the running
+/// one (see `tmem_daemon::handover`); if it cannot, the running one goes on.
+pub fn restart(a: &RestartArgs) -> anyhow::Result<()> {
+    let st = |v| serde_json::from_value::<tmem_ctl::Status>(v);
+    let old = st(ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(10))?)?;
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(a.runtime_dir.join(tmem_daemon::runtime::LOG_FILE))?;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .arg("daemon")
+        .arg("--takeover")
+        .arg(&a.runtime_dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .spawn()?;
+    let new = child.id();
+    let deadline = std::time::Instant::now() + Duration::from_secs(a.wait);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let tail =
+                tmem_daemon::runtime::RuntimeDir::open(&a.runtime_dir).map(|d| d.log_tail(5)).unwrap_or_default();
+            anyhow::bail!(
+                "the new daemon (pid {new}) exited ({status}) without taking over; daemon pid {} goes on serving. Its log:\n{tail}",
+                old.pid
+            );
+        }
+        if let Ok(v) = ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(5)) {
+            let now = st(v)?;
+            if now.pid == new && now.state == "up" {
+                // The old process exits once it has heard the new one took over.
+                let gone = std::time::Instant::now() + Duration::from_secs(10);
+                while std::path::Path::new(&format!("/proc/{}", old.pid)).exists() && std::time::Instant::now() < gone {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                for s in now.steps.iter().skip(old.steps.len()) {
+                    println!("{s}");
+                }
+                println!("tmem swap restarted: daemon pid {} -> {new}", old.pid);
+                return Ok(());
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            anyhow::bail!("the new daemon (pid {new}) did not take over within {} s", a.wait);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

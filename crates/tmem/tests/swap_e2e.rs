@@ -139,6 +139,11 @@ impl Setup {
 
     /// The hog's command, to run in a fresh memory cgroup limited to `limit_mib`.
     fn hog(&self, mib: u32, limit_mib: u32) -> Command {
+        self.in_cgroup(limit_mib, HOG, &[&mib.to_string()])
+    }
+
+    /// `python3 -c script args` in the test's memory cgroup, limited to `limit_mib`.
+    fn in_cgroup(&self, limit_mib: u32, script: &str, args: &[&str]) -> Command {
         let cgroup = self.cgroup.get_or_init(|| {
             let layout = Layout::detect().unwrap();
             layout.ensure_memory_controller().unwrap();
@@ -147,7 +152,10 @@ impl Setup {
         cgroup.set_limit(Some(u64::from(limit_mib) << 20)).unwrap();
         let procs = cgroup.procs_file();
         let mut c = Command::new("sh");
-        c.arg("-c").arg(format!("echo $$ > {} && exec python3 -c \"$0\" {mib}", procs.display())).arg(HOG);
+        c.arg("-c")
+            .arg(format!("echo $$ > {} && exec python3 -c \"$0\" \"$@\"", procs.display()))
+            .arg(script)
+            .args(args);
         c
     }
 
@@ -452,6 +460,86 @@ fn a_panic_fails_one_request_and_the_daemon_goes_on() {
             || log.contains("panic in thread"),
         "{log}"
     );
+    s.swap_down();
+    assert_clean(&s);
+}
+
+/// Holds `mib` MiB (1 KiB random + 3 KiB zeros per page) and reads it all
+/// again and again until `stop` exists, checking each pass against the first
+/// hash; prints the longest time one 1 MiB chunk took to read back (a swap
+/// stall) and OK or MISMATCH.
+const LONG_HOG: &str = r#"
+import hashlib, os, random, sys, time
+mib, stop = int(sys.argv[1]), sys.argv[2]
+random.seed(11)
+chunks = [bytearray(b"".join(random.randbytes(1024) + bytes(3072) for _ in range(256))) for _ in range(mib)]
+first = hashlib.sha256(b"".join(chunks)).digest()
+print("READY", flush=True)
+worst, passes, ok = 0.0, 0, True
+while not os.path.exists(stop) or passes < 2:
+    h = hashlib.sha256()
+    for c in chunks:
+        t = time.monotonic()
+        h.update(c)
+        worst = max(worst, time.monotonic() - t)
+    ok = ok and h.digest() == first
+    passes += 1
+print("OK" if ok else "MISMATCH", passes, "passes, longest chunk read %.1f ms" % (worst * 1000), flush=True)
+"#;
+
+/// `tmem swap restart` under load (issue 12): a job with over 100 MiB in
+/// swap keeps running through three restarts and one refused successor,
+/// never sees an error, and reads back what it wrote; counters carry on.
+#[test]
+fn swap_restart_keeps_every_page_of_a_running_job() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::new("restart");
+    s.swap_up("1G");
+    let stop = s.dir.join("stop-job");
+    let mut job = s
+        .in_cgroup(160, LONG_HOG, &["320", stop.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+    while s.stat()[0]["store"]["total"]["stored_pages"].as_u64().unwrap() < 25_600 {
+        assert!(std::time::Instant::now() < deadline, "the job never put 100 MiB in swap");
+        assert!(job.try_wait().unwrap().is_none(), "the job ended early");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let mut pid = s.daemon_pid();
+    let mut before = s.stat()[0]["store"]["total"].clone();
+    // A successor that speaks another protocol is refused; the daemon goes on.
+    let (ok, out) = tmem_env(&["swap", "restart", "--runtime-dir", s.dir()], &[("TMEM_FAULT_HANDOVER_PROTOCOL", "99")]);
+    assert!(!ok && out.contains("refused") && out.contains("protocol 99"), "{out}");
+    assert_eq!(s.daemon_pid(), pid, "the running daemon goes on");
+    for round in 0..3 {
+        let (ok, out) = tmem(&["swap", "restart", "--runtime-dir", s.dir()]);
+        assert!(ok, "restart {round}: {out}");
+        assert!(out.contains("took over from daemon pid") && out.contains("tmem swap restarted"), "{out}");
+        println!("restart {round}: {}", out.lines().find(|l| l.contains("took over")).unwrap());
+        let now = s.daemon_pid();
+        assert_ne!(now, pid, "restart {round}: a new process serves");
+        pid = now;
+        let after = s.stat()[0]["store"]["total"].clone();
+        for c in ["succ_puts", "succ_gets", "compressions", "decompressions"] {
+            assert!(after[c].as_u64() >= before[c].as_u64(), "restart {round}: {c} went back: {before} -> {after}");
+        }
+        assert!(job.try_wait().unwrap().is_none(), "restart {round}: the job died");
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        before = s.stat()[0]["store"]["total"].clone();
+    }
+    std::fs::write(&stop, b"").unwrap();
+    let status = tmem_testkit::wait_timeout(&mut job, std::time::Duration::from_secs(300)).expect("the job ends");
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut job.stdout.take().unwrap(), &mut out).unwrap();
+    println!("job: {status:?} {out}");
+    assert!(status.success() && out.contains("\nOK "), "the job read back what it wrote: {status:?} {out}");
+    let st = s.stat();
+    assert_eq!(st[0]["failed_reads"].as_u64(), Some(0));
+    assert_eq!(st[0]["failed_writes"].as_u64(), Some(0));
     s.swap_down();
     assert_clean(&s);
 }

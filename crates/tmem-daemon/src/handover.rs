@@ -1,0 +1,411 @@
+//! Restart without losing a page (issue 12, `tmem swap restart`): a new
+//! daemon process, possibly a newer binary, takes over from the running one
+//! while the kernel keeps swapping.
+//!
+//! The running daemon listens on `handover.sock` in its runtime directory
+//! (0600, owner only). A successor (`tmem daemon --takeover DIR`) connects:
+//!
+//! 1. successor → `HELLO`: its hand-over protocol, store export format and
+//!    version. The running daemon refuses (`REFUSE` with the reason, and
+//!    goes on serving) another protocol or format, tiers below the pool
+//!    (their indexes would have to travel too), NBD (its connections are
+//!    not handed over yet) and FUSE over io_uring;
+//! 2. it pauses its FUSE workers: they answer what they have taken and take
+//!    nothing more, so requests wait in the kernel, and the stores are still;
+//! 3. running → `OFFER`: its spec and status (devices, loop devices, steps),
+//!    then each store's export ([`tmem_core::Store::export`]), then the FUSE
+//!    connection and the runtime directory's lock as descriptors
+//!    (`SCM_RIGHTS`);
+//! 4. the successor imports the stores, builds the devices, starts its
+//!    workers on the connection (the waiting requests go to them), binds
+//!    the control socket, and answers `TAKEN`; or `FAILED` with the reason.
+//! 5. On `TAKEN` the old process stops its workers and exits without
+//!    unmounting; the mount, the loop devices and swap never change. On
+//!    anything else (`FAILED`, a closed socket, no answer within
+//!    [`ANSWER_TIMEOUT`]) it resumes and goes on serving.
+//!
+//! What a process sees meanwhile: its swap-ins and swap-outs wait for the
+//! length of the pause (the successor logs it), and none fails.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, IntoRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI32};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use tmem_block::{CacheDevice, DeviceConfig, PoolDevice};
+use tmem_core::{Store, HANDOVER_VERSION};
+use tmem_ctl::Status;
+use tmem_fuse::{Export, FuseConfig, FuseMount};
+use tmem_lock::{Mutex, Rank};
+
+use crate::daemon::{log, Daemon, State, MOUNT_DIR};
+use crate::runtime::RuntimeDir;
+use crate::spec::store_config;
+use crate::{DaemonError, DaemonSpec};
+
+/// The socket a successor connects to, in the runtime directory.
+pub const SOCKET: &str = "handover.sock";
+/// This build's hand-over protocol; a successor speaking another is refused.
+pub const PROTOCOL: u32 = 1;
+/// How long the running daemon, paused, waits for the successor's answer.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
+/// Largest frame (spec and status JSON).
+const MAX_FRAME: u32 = 16 << 20;
+
+const HELLO: u8 = b'H';
+const REFUSE: u8 = b'R';
+const OFFER: u8 = b'O';
+const READY: u8 = b'Y';
+const TAKEN: u8 = b'K';
+const FAILED: u8 = b'F';
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Hello {
+    protocol: u32,
+    store_format: u32,
+    version: String,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Offer {
+    spec: DaemonSpec,
+    status: Status,
+}
+
+fn err(e: impl std::fmt::Display) -> DaemonError {
+    DaemonError::Lifecycle(format!("hand-over: {e}"))
+}
+
+fn send(w: &mut impl Write, tag: u8, body: &[u8]) -> Result<(), DaemonError> {
+    let len = u32::try_from(body.len()).map_err(err)?;
+    w.write_all(&[tag]).and_then(|()| w.write_all(&len.to_le_bytes())).and_then(|()| w.write_all(body)).map_err(err)?;
+    w.flush().map_err(err)
+}
+
+fn recv(r: &mut impl Read) -> Result<(u8, Vec<u8>), DaemonError> {
+    let mut head = [0u8; 5];
+    r.read_exact(&mut head).map_err(err)?;
+    let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]);
+    if len > MAX_FRAME {
+        return Err(err(format!("a frame of {len} bytes")));
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body).map_err(err)?;
+    Ok((head[0], body))
+}
+
+/// Sends `fds` with one byte of data.
+fn send_fds(s: &UnixStream, fds: &[BorrowedFd<'_>]) -> Result<(), DaemonError> {
+    use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut cmsg = SendAncillaryBuffer::new(&mut space);
+    if !cmsg.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(err("no room for the descriptors"));
+    }
+    sendmsg(s, &[std::io::IoSlice::new(b"F")], &mut cmsg, SendFlags::empty()).map_err(err)?;
+    Ok(())
+}
+
+/// Receives the descriptors [`send_fds`] sent.
+fn recv_fds(s: &UnixStream) -> Result<Vec<OwnedFd>, DaemonError> {
+    use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut cmsg = RecvAncillaryBuffer::new(&mut space);
+    let mut byte = [0u8; 1];
+    recvmsg(s, &mut [std::io::IoSliceMut::new(&mut byte)], &mut cmsg, RecvFlags::CMSG_CLOEXEC).map_err(err)?;
+    let mut fds = Vec::new();
+    for m in cmsg.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = m {
+            fds.extend(rights);
+        }
+    }
+    Ok(fds)
+}
+
+fn hello() -> Hello {
+    #[cfg(feature = "fault-injection")]
+    let protocol = crate::fault::handover_protocol().unwrap_or(PROTOCOL);
+    #[cfg(not(feature = "fault-injection"))]
+    let protocol = PROTOCOL;
+    Hello { protocol, store_format: HANDOVER_VERSION, version: env!("CARGO_PKG_VERSION").into() }
+}
+
+/// Listens for a successor on a thread of its own.
+pub(crate) fn listen(daemon: &Arc<Daemon>) -> Result<(), DaemonError> {
+    daemon.dir.remove(SOCKET)?;
+    let path = daemon.dir.join(SOCKET);
+    let listener = UnixListener::bind(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    let daemon = Arc::clone(daemon);
+    std::thread::Builder::new()
+        .name("tmem-handover".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(stream) = conn else { continue };
+                if !crate::control::peer_is_owner(&stream) {
+                    continue;
+                }
+                match daemon.hand_over(stream) {
+                    Ok(()) => unreachable!("a finished hand-over exits the process"),
+                    Err(e) => crate::daemon::warn(&format!("{e}; this daemon goes on serving")),
+                }
+            }
+        })
+        .map(drop)
+        .map_err(err)
+}
+
+impl Daemon {
+    /// Why this daemon cannot be handed over, if it cannot.
+    fn cannot_hand_over(&self, h: &Hello) -> Option<String> {
+        if h.protocol != PROTOCOL || h.store_format != HANDOVER_VERSION {
+            return Some(format!(
+                "the successor (tmem {}) speaks hand-over protocol {} with store format {}; this daemon (tmem {}) \
+                 speaks {PROTOCOL} with {HANDOVER_VERSION}",
+                h.version,
+                h.protocol,
+                h.store_format,
+                env!("CARGO_PKG_VERSION")
+            ));
+        }
+        if !self.spec.tiers.tiers.is_empty() {
+            return Some("devices with tiers cannot be handed over yet (the tiers' indexes would stay behind)".into());
+        }
+        if self.spec.nbd.is_some() {
+            return Some("NBD connections cannot be handed over yet".into());
+        }
+        if !self.spec.fuse {
+            return Some("only FUSE devices can be handed over".into());
+        }
+        None
+    }
+
+    /// Serves one successor: see the module docs. Returns only when the
+    /// hand-over did not happen (and this daemon serves again).
+    fn hand_over(&self, stream: UnixStream) -> Result<(), DaemonError> {
+        stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(err)?;
+        let mut r = BufReader::new(stream.try_clone().map_err(err)?);
+        let mut w = BufWriter::with_capacity(1 << 20, stream.try_clone().map_err(err)?);
+        let (tag, body) = recv(&mut r)?;
+        let h: Hello = match tag {
+            HELLO => serde_json::from_slice(&body).map_err(err)?,
+            _ => return Err(err("expected HELLO")),
+        };
+        if let Some(why) = self.cannot_hand_over(&h) {
+            send(&mut w, REFUSE, why.as_bytes())?;
+            return Err(err(format!("refused a successor: {why}")));
+        }
+        let _gate = self.teardown_gate.lock();
+        if self.exited.load(std::sync::atomic::Ordering::Acquire) {
+            send(&mut w, REFUSE, b"this daemon is shutting down")?;
+            return Err(err("refused a successor: shutting down"));
+        }
+        log(&format!("handing over to a successor (tmem {}): pausing FUSE requests", h.version));
+        let paused = Instant::now();
+        if let Some(Err(why)) = self.lock().fuse.as_ref().map(FuseMount::pause) {
+            send(&mut w, REFUSE, why.as_bytes())?;
+            return Err(err(format!("refused a successor: {why}")));
+        }
+        let outcome = self.send_state(&stream, &mut w, &mut r);
+        match outcome {
+            Ok(()) => {
+                log(&format!(
+                    "handed over after {} ms; this process exits and leaves the mount",
+                    paused.elapsed().as_millis()
+                ));
+                if let Some(f) = self.lock().fuse.take() {
+                    f.leave_mounted();
+                }
+                std::process::exit(0);
+            }
+            Err(e) => {
+                if let Some(f) = self.lock().fuse.as_ref() {
+                    f.resume();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Sends the offer, the stores and the descriptors; waits for the answer.
+    fn send_state(
+        &self,
+        stream: &UnixStream,
+        w: &mut BufWriter<UnixStream>,
+        r: &mut impl Read,
+    ) -> Result<(), DaemonError> {
+        let offer = Offer { spec: self.spec.clone(), status: self.status() };
+        send(w, OFFER, &serde_json::to_vec(&offer).map_err(err)?)?;
+        for d in &self.devices {
+            d.store().export(w).map_err(err)?;
+        }
+        if self.devices.is_empty() {
+            for c in &self.caches {
+                c.store().export(w).map_err(err)?;
+            }
+        }
+        w.flush().map_err(err)?;
+        // The descriptors go once the successor has read every store byte,
+        // so that they cannot arrive inside its read-ahead (a plain read
+        // drops them).
+        stream.set_read_timeout(Some(ANSWER_TIMEOUT)).map_err(err)?;
+        match recv(r)? {
+            (READY, _) => {}
+            (FAILED, why) => return Err(err(format!("the successor failed: {}", String::from_utf8_lossy(&why)))),
+            _ => return Err(err("unexpected answer")),
+        }
+        self.handing_over.store(true, std::sync::atomic::Ordering::Release);
+        {
+            let g = self.lock();
+            let fuse = g.fuse.as_ref().ok_or_else(|| err("no FUSE mount"))?;
+            send_fds(stream, &[fuse.connection(), self.lock_file.as_fd()])?;
+        }
+        let answer = recv(r);
+        if !matches!(answer, Ok((TAKEN, _))) {
+            self.handing_over.store(false, std::sync::atomic::Ordering::Release);
+        }
+        match answer? {
+            (TAKEN, _) => Ok(()),
+            (FAILED, why) => Err(err(format!("the successor failed: {}", String::from_utf8_lossy(&why)))),
+            _ => Err(err("unexpected answer")),
+        }
+    }
+}
+
+/// Runs as the successor of the daemon in `runtime_dir`: takes its pages,
+/// devices and mount over (see the module docs), then serves until a
+/// teardown like any daemon.
+pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
+    crate::logging::init();
+    let dir = RuntimeDir::open(&runtime_dir)?;
+    let path = dir.join(SOCKET);
+    let stream = UnixStream::connect(&path)
+        .map_err(|e| err(format!("no running daemon to take over from ({}: {e})", path.display())))?;
+    stream.set_read_timeout(Some(ANSWER_TIMEOUT)).map_err(err)?;
+    let mut r = BufReader::with_capacity(1 << 20, stream.try_clone().map_err(err)?);
+    let mut w = stream.try_clone().map_err(err)?;
+    send(&mut w, HELLO, &serde_json::to_vec(&hello()).map_err(err)?)?;
+    let offer: Offer = match recv(&mut r)? {
+        (OFFER, body) => serde_json::from_slice(&body).map_err(err)?,
+        (REFUSE, why) => return Err(err(format!("the running daemon refused: {}", String::from_utf8_lossy(&why)))),
+        _ => return Err(err("unexpected answer to HELLO")),
+    };
+    let started = Instant::now();
+    match take(&dir, &stream, &mut r, &mut w, offer, started) {
+        Ok((daemon, rx)) => {
+            send(&mut w, TAKEN, &[])?;
+            daemon.after_take_over();
+            crate::daemon::serve(&daemon, &rx);
+            Ok(())
+        }
+        Err(e) => {
+            let _ = send(&mut w, FAILED, e.to_string().as_bytes());
+            Err(e)
+        }
+    }
+}
+
+/// Builds this process's daemon from the offer and the stores that follow
+/// it, and starts serving the mount.
+fn take(
+    dir: &RuntimeDir,
+    stream: &UnixStream,
+    r: &mut impl Read,
+    w: &mut impl Write,
+    offer: Offer,
+    started: Instant,
+) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>), DaemonError> {
+    let Offer { spec, status: old } = offer;
+    crate::daemon::log_panics();
+    let (tx, rx) = mpsc::channel();
+    let signalled = Arc::new(AtomicI32::new(0));
+    crate::daemon::watch_signals(tx.clone(), Arc::clone(&signalled))?;
+    let mut steps = old.steps.clone();
+    crate::daemon::protect(&mut steps)?;
+    let total_ram = tmem_sys::swap::total_ram_bytes().map_err(err)?;
+    let (mut pages, mut bytes) = (0, 0);
+    let mut devices: Vec<Arc<PoolDevice>> = Vec::new();
+    for d in &spec.devices {
+        let (store, sum) = Store::import(store_config(d, total_ram)?, r).map_err(err)?;
+        (pages, bytes) = (pages + sum.pages, bytes + sum.object_bytes);
+        let cfg = DeviceConfig {
+            name: d.name.clone(),
+            size: d.size,
+            store: store_config(d, total_ram)?,
+            tiers: None,
+            recompress: d.recompress.config()?,
+        };
+        devices.push(Arc::new(cfg.adopt(store).map_err(err)?));
+    }
+    let mut caches: Vec<Arc<CacheDevice>> = Vec::new();
+    for (i, c) in spec.caches.iter().enumerate() {
+        let (store, pool) = match devices.first() {
+            Some(swap) => {
+                let store = swap.shared_store();
+                let pool = store.pool(u32::try_from(i + 1).map_err(err)?).map_err(err)?;
+                (store, pool)
+            }
+            None => {
+                let (store, sum) = Store::import(c.store_config(total_ram)?, r).map_err(err)?;
+                (pages, bytes) = (pages + sum.pages, bytes + sum.object_bytes);
+                let store = Arc::new(store);
+                let pool = store.pool(0).map_err(err)?;
+                (store, pool)
+            }
+        };
+        caches.push(Arc::new(c.device_config(tmem_core::StoreConfig::default()).adopt(store, pool).map_err(err)?));
+    }
+    send(w, READY, &[])?;
+    let mut fds = recv_fds(stream)?.into_iter();
+    let (Some(conn), Some(lock)) = (fds.next(), fds.next()) else {
+        return Err(err("the FUSE connection and the lock did not arrive"));
+    };
+    let lock_file = dir.adopt_lock(lock.into_raw_fd())?;
+    let exports =
+        devices
+            .iter()
+            .map(|d| Export { name: d.name().to_owned(), device: Arc::clone(d) as Arc<dyn tmem_block::BlockDevice> })
+            .chain(caches.iter().map(|c| Export {
+                name: c.name().to_owned(),
+                device: Arc::clone(c) as Arc<dyn tmem_block::BlockDevice>,
+            }))
+            .collect();
+    let fuse = FuseMount::adopt(
+        conn,
+        FuseConfig { mountpoint: dir.join(MOUNT_DIR), exports, threads: spec.fuse_threads, uring_per_queue: 0 },
+    )
+    .map_err(err)?;
+    let took = started.elapsed();
+    steps.push(format!(
+        "took over from daemon pid {}: {pages} pages ({}) in {} ms, the longest that requests waited",
+        old.pid,
+        crate::human(bytes),
+        took.as_millis()
+    ));
+    log(steps.last().map_or("", String::as_str));
+    let status = Status { state: "up".into(), pid: std::process::id(), steps, ..old };
+    let dir = RuntimeDir::open(dir.path())?;
+    let daemon = Arc::new(Daemon {
+        spec,
+        dir,
+        lock_file,
+        devices,
+        caches,
+        state: Mutex::new(Rank::DaemonState, State { status, fuse: Some(fuse), nbd: None, metrics: None }),
+        teardown_gate: Mutex::new(Rank::DaemonTeardown, ()),
+        events: Mutex::new(Rank::DaemonEvents, tx),
+        signalled,
+        exited: AtomicBool::new(false),
+        predecessor: Some(old.pid),
+        handing_over: AtomicBool::new(false),
+    });
+    let status = daemon.status();
+    daemon.save_state(&status);
+    crate::daemon::bind_control(&daemon)?;
+    listen(&daemon)?;
+    Ok((daemon, rx))
+}

@@ -1,0 +1,275 @@
+//! Our own `/dev/fuse` workers, in place of `fuser`'s session loop once
+//! `fuser` has mounted and answered INIT.
+//!
+//! Why by hand: a hand-over to a successor process (`tmem swap restart`)
+//! needs the workers to stop taking requests without unmounting, leaving
+//! every request they have not read queued in the kernel for the successor,
+//! and `fuser`'s workers block in `read` with no way to make them stop
+//! short of unmounting. Here each worker has its own clone of the
+//! connection (`FUSE_DEV_IOC_CLONE`), opened non-blocking, and waits in
+//! `poll` on it and on a pause pipe; [`DevWorkers::pause`] returns once no
+//! worker is between taking a request and answering it, so the store is
+//! still and nothing is held. A successor adopts the connection
+//! ([`crate::FuseMount::adopt`]) and starts its own workers on it.
+//!
+//! Requests are read into one buffer per worker, allocated when it starts:
+//! `fuse_in_header`, the operation's header, then its data; the answer is
+//! written in place of the data and sent with one `writev`. FORGET,
+//! BATCH_FORGET and INTERRUPT get no answer (nothing is cached per inode,
+//! and every request completes anyway).
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tmem_lock::{Condvar, Mutex, Rank};
+
+use crate::uring::{dispatch, op, u32_at, u64_at};
+use crate::{BlockFs, MAX_IO};
+
+/// `FUSE_DEV_IOC_CLONE`: `_IOR(229, 0, uint32_t)`.
+const FUSE_DEV_IOC_CLONE: libc::Ioctl = libc::_IOR::<u32>(229, 0);
+const FORGET: u32 = 2;
+const INTERRUPT: u32 = 36;
+const BATCH_FORGET: u32 = 42;
+/// `fuse_in_header` and `fuse_out_header`.
+const IN_HDR: usize = 40;
+const OUT_HDR: usize = 16;
+/// The largest operation header we read (`fuse_read_in`, `fuse_write_in`).
+const ARG_MAX: usize = 40;
+/// Where a request is read into the worker's buffer, and where its data
+/// (and the answer) then starts: READ and WRITE, whose headers are
+/// `ARG_MAX` bytes, need no copy.
+const READ_AT: usize = 0;
+const PAYLOAD_AT: usize = READ_AT + IN_HDR + ARG_MAX;
+
+/// Bytes of the operation's own header after `fuse_in_header` (uapi `linux/fuse.h`).
+fn arg_len(opcode: u32) -> usize {
+    match opcode {
+        op::READ | op::WRITE | op::READDIR => 40,
+        op::FALLOCATE => 32,
+        op::RELEASE | op::RELEASEDIR | op::FLUSH => 24,
+        op::GETATTR | op::FSYNC => 16,
+        op::OPEN | op::OPENDIR | op::ACCESS => 8,
+        _ => 0,
+    }
+}
+
+/// A clone of the connection `master`, non-blocking, for one worker.
+fn clone_fd(master: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    let fd = rustix::fs::open("/dev/fuse", OFlags::RDWR | OFlags::NONBLOCK | OFlags::CLOEXEC, Mode::empty())?;
+    let mut from = u32::try_from(master.as_raw_fd()).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?;
+    // SAFETY: `fd` is an open /dev/fuse descriptor we own; FUSE_DEV_IOC_CLONE
+    // reads one u32 (the descriptor to clone) through the pointer, which
+    // points to a live u32 on our stack.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), FUSE_DEV_IOC_CLONE, &raw mut from) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// Pause state, under [`Rank::FuseLoop`].
+#[derive(Debug, Default)]
+struct State {
+    paused: bool,
+    /// Workers between taking a request and answering it.
+    busy: usize,
+}
+
+#[derive(Debug)]
+struct Ctl {
+    state: Mutex<State>,
+    changed: Condvar,
+    stop: AtomicBool,
+    /// Readable while paused or stopping: wakes workers out of `poll`.
+    wake_rx: OwnedFd,
+    wake_tx: OwnedFd,
+}
+
+impl Ctl {
+    fn signal(&self) {
+        let _ = rustix::io::write(&self.wake_tx, &[1]);
+    }
+    fn drain(&self) {
+        let mut b = [0u8; 64];
+        while matches!(rustix::io::read(&self.wake_rx, &mut b), Ok(n) if n > 0) {}
+    }
+}
+
+/// The workers serving one connection.
+pub(crate) struct DevWorkers {
+    ctl: Arc<Ctl>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for DevWorkers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevWorkers").field("threads", &self.threads.len()).finish_non_exhaustive()
+    }
+}
+
+impl DevWorkers {
+    /// Starts `n` workers on clones of `master`.
+    pub(crate) fn start(fs: Arc<BlockFs>, master: BorrowedFd<'_>, n: usize) -> io::Result<Self> {
+        use rustix::pipe::PipeFlags;
+        let (wake_rx, wake_tx) = rustix::pipe::pipe_with(PipeFlags::NONBLOCK | PipeFlags::CLOEXEC)?;
+        let ctl = Arc::new(Ctl {
+            state: Mutex::new(Rank::FuseLoop, State::default()),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            wake_rx,
+            wake_tx,
+        });
+        let mut threads = Vec::with_capacity(n);
+        for i in 0..n.max(1) {
+            let fd = clone_fd(master)?;
+            let (fs, ctl) = (Arc::clone(&fs), Arc::clone(&ctl));
+            let t = std::thread::Builder::new()
+                .name(format!("tmem-fuse-{i}"))
+                .spawn(move || Worker::new(fd).run(&fs, &ctl))?;
+            threads.push(t);
+        }
+        Ok(Self { ctl, threads })
+    }
+
+    /// Stops taking requests; returns once every request taken is answered.
+    /// Requests not taken stay queued in the kernel.
+    pub(crate) fn pause(&self) {
+        let mut s = self.ctl.state.lock();
+        s.paused = true;
+        self.ctl.signal();
+        while s.busy > 0 {
+            self.ctl.changed.wait(&mut s);
+        }
+    }
+
+    /// Takes requests again after [`DevWorkers::pause`].
+    pub(crate) fn resume(&self) {
+        let mut s = self.ctl.state.lock();
+        s.paused = false;
+        self.ctl.drain();
+        self.ctl.changed.notify_all();
+    }
+
+    /// Stops the workers and waits for them (after an unmount, or for good
+    /// after a hand-over).
+    pub(crate) fn stop(self) {
+        self.ctl.stop.store(true, Ordering::Release);
+        {
+            let _s = self.ctl.state.lock();
+            self.ctl.signal();
+            self.ctl.changed.notify_all();
+        }
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Worker {
+    fd: OwnedFd,
+    /// Request in, answer out: header, operation header, data.
+    buf: Vec<u8>,
+}
+
+/// What one read brought.
+enum Served {
+    /// A request, answered.
+    One,
+    /// Nothing was queued.
+    Nothing,
+    /// The connection ended (unmounted or aborted).
+    Ended,
+}
+
+impl Worker {
+    fn new(fd: OwnedFd) -> Self {
+        Self { fd, buf: vec![0u8; PAYLOAD_AT + MAX_IO as usize] }
+    }
+
+    /// Reads and answers requests; waits in `poll` only when none is queued,
+    /// so a busy worker makes two system calls per request.
+    fn run(mut self, fs: &BlockFs, ctl: &Ctl) {
+        loop {
+            // A pause that returns sees this worker busy, or not reading.
+            {
+                let mut s = ctl.state.lock();
+                while s.paused && !ctl.stop.load(Ordering::Acquire) {
+                    ctl.changed.wait(&mut s);
+                }
+                if ctl.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                s.busy += 1;
+            }
+            let served = self.serve_one(fs);
+            {
+                let mut s = ctl.state.lock();
+                s.busy -= 1;
+                if s.paused && s.busy == 0 {
+                    ctl.changed.notify_all();
+                }
+            }
+            match served {
+                Served::One => {}
+                Served::Ended => return,
+                Served::Nothing => self.wait(ctl),
+            }
+        }
+    }
+
+    /// Waits for a request, a pause or a stop.
+    fn wait(&self, ctl: &Ctl) {
+        use rustix::event::{poll, PollFd, PollFlags};
+        let mut fds = [PollFd::new(&self.fd, PollFlags::IN), PollFd::new(&ctl.wake_rx, PollFlags::IN)];
+        let _ = poll(&mut fds, None);
+    }
+
+    /// Reads one request, if one is queued, and answers it.
+    fn serve_one(&mut self, fs: &BlockFs) -> Served {
+        let n = match rustix::io::read(&self.fd, &mut self.buf[READ_AT..]) {
+            Ok(n) => n,
+            Err(rustix::io::Errno::AGAIN) => return Served::Nothing,
+            Err(rustix::io::Errno::INTR | rustix::io::Errno::NOENT) => return Served::One,
+            Err(_) => return Served::Ended,
+        };
+        if n < IN_HDR {
+            return Served::One;
+        }
+        let mut hdr = [0u8; IN_HDR];
+        hdr.copy_from_slice(&self.buf[READ_AT..READ_AT + IN_HDR]);
+        let (opcode, unique) = (u32_at(&hdr, 4), u64_at(&hdr, 8));
+        if matches!(opcode, FORGET | BATCH_FORGET | INTERRUPT) {
+            return Served::One;
+        }
+        let alen = arg_len(opcode).min(n - IN_HDR);
+        let mut arg = [0u8; ARG_MAX];
+        let arg_at = READ_AT + IN_HDR;
+        arg[..alen].copy_from_slice(&self.buf[arg_at..arg_at + alen]);
+        let data_len = n - IN_HDR - alen;
+        if alen != ARG_MAX {
+            // Only READ and WRITE land their data at PAYLOAD_AT as read.
+            self.buf.copy_within(arg_at + alen..arg_at + alen + data_len, PAYLOAD_AT);
+        }
+        let payload = &mut self.buf[PAYLOAD_AT..];
+        let (error, len) = match dispatch(fs, &hdr, &arg[..alen], data_len, payload) {
+            Ok(len) => (0i32, len),
+            Err(errno) => (-errno, 0),
+        };
+        let mut out = [0u8; OUT_HDR];
+        let total = u32::try_from(OUT_HDR + len).unwrap_or(u32::MAX);
+        out[..4].copy_from_slice(&total.to_ne_bytes());
+        out[4..8].copy_from_slice(&error.to_ne_bytes());
+        out[8..16].copy_from_slice(&unique.to_ne_bytes());
+        let iov = [io::IoSlice::new(&out), io::IoSlice::new(&payload[..len])];
+        match rustix::io::writev(&self.fd, &iov) {
+            // ENOENT: the request was interrupted and is gone; nothing to do.
+            Ok(_) | Err(rustix::io::Errno::NOENT) => Served::One,
+            Err(_) => Served::Ended,
+        }
+    }
+}
