@@ -24,7 +24,7 @@ use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
@@ -350,9 +350,8 @@ impl Daemon {
     /// address), and records the state.
     pub(crate) fn after_take_over(&self) {
         if let Some(pid) = self.predecessor {
-            let gone = Instant::now() + Duration::from_secs(10);
-            while std::path::Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < gone {
-                std::thread::sleep(Duration::from_millis(10));
+            if !crate::handover::wait_for_exit(pid, Duration::from_secs(10)) {
+                warn(&format!("the daemon taken over from (pid {pid}) still runs after 10 s"));
             }
         }
         if let Some(addr) = self.spec.metrics {
@@ -390,7 +389,7 @@ impl Daemon {
     }
 
     /// Every exported device by name: devices, then caches.
-    fn exports(&self) -> Vec<(String, Arc<dyn BlockDevice>)> {
+    pub(crate) fn exports(&self) -> Vec<(String, Arc<dyn BlockDevice>)> {
         let devices = self.devices.iter().map(|d| (d.name().to_owned(), Arc::clone(d) as Arc<dyn BlockDevice>));
         let caches = self.caches.iter().map(|c| (c.name().to_owned(), Arc::clone(c) as Arc<dyn BlockDevice>));
         devices.chain(caches).collect()
@@ -456,17 +455,23 @@ impl Daemon {
         Ok(())
     }
 
-    fn setup_nbd(&self, listen: &str) -> Result<(), DaemonError> {
+    /// The NBD server's configuration: every device and cache, on `listen`.
+    pub(crate) fn nbd_config(&self, listen: &str) -> Result<tmem_nbd::NbdConfig, DaemonError> {
         let listen = match listen.strip_prefix("tcp:") {
             Some(addr) => tmem_nbd::Listen::Tcp(
                 addr.parse().map_err(|e| DaemonError::Invalid(format!("bad NBD address {addr:?}: {e}")))?,
             ),
             None => tmem_nbd::Listen::Unix(PathBuf::from(listen)),
         };
-        let names: Vec<String> = self.exports().into_iter().map(|(name, _)| name).collect();
         let exports = self.exports().into_iter().map(|(name, dev)| tmem_nbd::Export::new(&name, dev)).collect();
         let mut cfg = tmem_nbd::NbdConfig::new(exports, listen);
         cfg.allow_remote = self.spec.nbd_allow_remote;
+        Ok(cfg)
+    }
+
+    fn setup_nbd(&self, listen: &str) -> Result<(), DaemonError> {
+        let names: Vec<String> = self.exports().into_iter().map(|(name, _)| name).collect();
+        let cfg = self.nbd_config(listen)?;
         let server = tmem_nbd::ServerHandle::start(cfg).map_err(setup_err)?;
         let uris: Vec<String> = names.iter().map(|n| server.uri(n)).collect();
         {

@@ -8,17 +8,20 @@
 //! 1. successor → `HELLO`: its hand-over protocol, store export format and
 //!    version. The running daemon refuses (`REFUSE` with the reason, and
 //!    goes on serving) another protocol or format, tiers below the pool
-//!    (their indexes would have to travel too), NBD (its connections are
-//!    not handed over yet) and FUSE over io_uring;
-//! 2. it pauses its FUSE workers: they answer what they have taken and take
-//!    nothing more, so requests wait in the kernel, and the stores are still;
-//! 3. running → `OFFER`: its spec and status (devices, loop devices, steps),
-//!    then each store's export ([`tmem_core::Store::export`]), then the FUSE
-//!    connection and the runtime directory's lock as descriptors
-//!    (`SCM_RIGHTS`);
+//!    (their indexes would have to travel too) and FUSE over io_uring;
+//! 2. it pauses its FUSE workers (they answer what they have taken and take
+//!    nothing more, so requests wait in the kernel) and its NBD sessions
+//!    (each stops between two requests; clients' requests wait in the
+//!    sockets, new clients in the listener's backlog): the stores are still;
+//! 3. running → `OFFER`: its spec and status (devices, loop devices, steps)
+//!    and what each NBD session negotiated, then each store's export
+//!    ([`tmem_core::Store::export`]); once the successor says `READY`, the
+//!    runtime directory's lock, the FUSE connection, the NBD listener and
+//!    each NBD session's socket as descriptors (`SCM_RIGHTS`);
 //! 4. the successor imports the stores, builds the devices, starts its
-//!    workers on the connection (the waiting requests go to them), binds
-//!    the control socket, and answers `TAKEN`; or `FAILED` with the reason.
+//!    FUSE workers on the connection (the waiting requests go to them) and
+//!    its NBD sessions from their next request, binds the control socket,
+//!    and answers `TAKEN`; or `FAILED` with the reason.
 //! 5. On `TAKEN` the old process stops its workers and exits without
 //!    unmounting; the mount, the loop devices and swap never change. On
 //!    anything else (`FAILED`, a closed socket, no answer within
@@ -53,6 +56,8 @@ pub const SOCKET: &str = "handover.sock";
 pub const PROTOCOL: u32 = 1;
 /// How long the running daemon, paused, waits for the successor's answer.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long NBD sessions may take to reach a pause between two requests.
+const NBD_PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest frame (spec and status JSON).
 const MAX_FRAME: u32 = 16 << 20;
 
@@ -74,6 +79,8 @@ struct Hello {
 struct Offer {
     spec: DaemonSpec,
     status: Status,
+    /// What each NBD session negotiated, in the order their sockets follow.
+    nbd_sessions: Vec<tmem_nbd::SessionState>,
 }
 
 fn err(e: impl std::fmt::Display) -> DaemonError {
@@ -98,10 +105,14 @@ fn recv(r: &mut impl Read) -> Result<(u8, Vec<u8>), DaemonError> {
     Ok((head[0], body))
 }
 
+/// Most descriptors one hand-over passes (the kernel's `SCM_MAX_FD`): the
+/// lock, the FUSE connection, the NBD listener and its sessions.
+const MAX_FDS: usize = 253;
+
 /// Sends `fds` with one byte of data.
 fn send_fds(s: &UnixStream, fds: &[BorrowedFd<'_>]) -> Result<(), DaemonError> {
     use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
-    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut space = vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut cmsg = SendAncillaryBuffer::new(&mut space);
     if !cmsg.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(err("no room for the descriptors"));
@@ -113,7 +124,7 @@ fn send_fds(s: &UnixStream, fds: &[BorrowedFd<'_>]) -> Result<(), DaemonError> {
 /// Receives the descriptors [`send_fds`] sent.
 fn recv_fds(s: &UnixStream) -> Result<Vec<OwnedFd>, DaemonError> {
     use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
-    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut space = vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut cmsg = RecvAncillaryBuffer::new(&mut space);
     let mut byte = [0u8; 1];
     recvmsg(s, &mut [std::io::IoSliceMut::new(&mut byte)], &mut cmsg, RecvFlags::CMSG_CLOEXEC).map_err(err)?;
@@ -132,6 +143,27 @@ fn hello() -> Hello {
     #[cfg(not(feature = "fault-injection"))]
     let protocol = PROTOCOL;
     Hello { protocol, store_format: HANDOVER_VERSION, version: env!("CARGO_PKG_VERSION").into() }
+}
+
+/// Whether process `pid` still runs (a zombie, exited but not yet reaped
+/// by its parent, does not).
+pub fn process_runs(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
+        .unwrap_or(false)
+}
+
+/// Waits up to `within` for process `pid` to end; returns whether it did.
+pub fn wait_for_exit(pid: u32, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    while process_runs(pid) {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
 }
 
 /// Listens for a successor on a thread of its own.
@@ -175,12 +207,6 @@ impl Daemon {
         if !self.spec.tiers.tiers.is_empty() {
             return Some("devices with tiers cannot be handed over yet (the tiers' indexes would stay behind)".into());
         }
-        if self.spec.nbd.is_some() {
-            return Some("NBD connections cannot be handed over yet".into());
-        }
-        if !self.spec.fuse {
-            return Some("only FUSE devices can be handed over".into());
-        }
         None
     }
 
@@ -206,26 +232,38 @@ impl Daemon {
         }
         log(&format!("handing over to a successor (tmem {}): pausing FUSE requests", h.version));
         let paused = Instant::now();
+        let resume = || {
+            let g = self.lock();
+            g.fuse.as_ref().inspect(|f| f.resume());
+            g.nbd.as_ref().inspect(|n| n.resume());
+        };
         if let Some(Err(why)) = self.lock().fuse.as_ref().map(FuseMount::pause) {
             send(&mut w, REFUSE, why.as_bytes())?;
             return Err(err(format!("refused a successor: {why}")));
         }
-        let outcome = self.send_state(&stream, &mut w, &mut r);
-        match outcome {
+        let nbd = match self.lock().nbd.as_ref().map(|n| n.pause(NBD_PAUSE_TIMEOUT)).transpose() {
+            Ok(nbd) => nbd,
+            Err(why) => {
+                resume();
+                send(&mut w, REFUSE, why.as_bytes())?;
+                return Err(err(format!("refused a successor: {why}")));
+            }
+        };
+        match self.send_state(&stream, &mut w, &mut r, nbd.as_ref()) {
             Ok(()) => {
                 log(&format!(
-                    "handed over after {} ms; this process exits and leaves the mount",
+                    "handed over after {} ms; this process exits and leaves the mount and sockets",
                     paused.elapsed().as_millis()
                 ));
-                if let Some(f) = self.lock().fuse.take() {
+                let mut g = self.lock();
+                if let Some(f) = g.fuse.take() {
                     f.leave_mounted();
                 }
+                g.nbd.as_ref().inspect(|n| n.handed_over());
                 std::process::exit(0);
             }
             Err(e) => {
-                if let Some(f) = self.lock().fuse.as_ref() {
-                    f.resume();
-                }
+                resume();
                 Err(e)
             }
         }
@@ -237,8 +275,10 @@ impl Daemon {
         stream: &UnixStream,
         w: &mut BufWriter<UnixStream>,
         r: &mut impl Read,
+        nbd: Option<&tmem_nbd::NbdHandover>,
     ) -> Result<(), DaemonError> {
-        let offer = Offer { spec: self.spec.clone(), status: self.status() };
+        let nbd_sessions = nbd.map(|h| h.sessions.iter().map(|(_, st)| *st).collect()).unwrap_or_default();
+        let offer = Offer { spec: self.spec.clone(), status: self.status(), nbd_sessions };
         send(w, OFFER, &serde_json::to_vec(&offer).map_err(err)?)?;
         for d in &self.devices {
             d.store().export(w).map_err(err)?;
@@ -261,8 +301,16 @@ impl Daemon {
         self.handing_over.store(true, std::sync::atomic::Ordering::Release);
         {
             let g = self.lock();
-            let fuse = g.fuse.as_ref().ok_or_else(|| err("no FUSE mount"))?;
-            send_fds(stream, &[fuse.connection(), self.lock_file.as_fd()])?;
+            let mut fds = vec![self.lock_file.as_fd()];
+            fds.extend(g.fuse.as_ref().map(FuseMount::connection));
+            if let Some(h) = nbd {
+                fds.push(h.listener.as_fd());
+                fds.extend(h.sessions.iter().map(|(fd, _)| fd.as_fd()));
+            }
+            if fds.len() > MAX_FDS {
+                return Err(err(format!("{} descriptors to pass, at most {MAX_FDS}", fds.len())));
+            }
+            send_fds(stream, &fds)?;
         }
         let answer = recv(r);
         if !matches!(answer, Ok((TAKEN, _))) {
@@ -319,7 +367,7 @@ fn take(
     offer: Offer,
     started: Instant,
 ) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>), DaemonError> {
-    let Offer { spec, status: old } = offer;
+    let Offer { spec, status: old, nbd_sessions } = offer;
     crate::daemon::log_panics();
     let (tx, rx) = mpsc::channel();
     let signalled = Arc::new(AtomicI32::new(0));
@@ -361,10 +409,20 @@ fn take(
     }
     send(w, READY, &[])?;
     let mut fds = recv_fds(stream)?.into_iter();
-    let (Some(conn), Some(lock)) = (fds.next(), fds.next()) else {
-        return Err(err("the FUSE connection and the lock did not arrive"));
+    let missing = || err("fewer descriptors arrived than the offer names");
+    let lock_file = dir.adopt_lock(fds.next().ok_or_else(missing)?.into_raw_fd())?;
+    let conn = if spec.fuse { Some(fds.next().ok_or_else(missing)?) } else { None };
+    let nbd = match &spec.nbd {
+        Some(_) => {
+            let listener = fds.next().ok_or_else(missing)?;
+            let sockets: Vec<OwnedFd> = fds.by_ref().take(nbd_sessions.len()).collect();
+            if sockets.len() != nbd_sessions.len() {
+                return Err(missing());
+            }
+            Some((listener, sockets.into_iter().zip(nbd_sessions).collect::<Vec<_>>()))
+        }
+        None => None,
     };
-    let lock_file = dir.adopt_lock(lock.into_raw_fd())?;
     let exports =
         devices
             .iter()
@@ -374,11 +432,13 @@ fn take(
                 device: Arc::clone(c) as Arc<dyn tmem_block::BlockDevice>,
             }))
             .collect();
-    let fuse = FuseMount::adopt(
-        conn,
-        FuseConfig { mountpoint: dir.join(MOUNT_DIR), exports, threads: spec.fuse_threads, uring_per_queue: 0 },
-    )
-    .map_err(err)?;
+    let fuse = conn
+        .map(|conn| {
+            let mountpoint = dir.join(MOUNT_DIR);
+            FuseMount::adopt(conn, FuseConfig { mountpoint, exports, threads: spec.fuse_threads, uring_per_queue: 0 })
+        })
+        .transpose()
+        .map_err(err)?;
     let took = started.elapsed();
     steps.push(format!(
         "took over from daemon pid {}: {pages} pages ({}) in {} ms, the longest that requests waited",
@@ -395,7 +455,7 @@ fn take(
         lock_file,
         devices,
         caches,
-        state: Mutex::new(Rank::DaemonState, State { status, fuse: Some(fuse), nbd: None, metrics: None }),
+        state: Mutex::new(Rank::DaemonState, State { status, fuse, nbd: None, metrics: None }),
         teardown_gate: Mutex::new(Rank::DaemonTeardown, ()),
         events: Mutex::new(Rank::DaemonEvents, tx),
         signalled,
@@ -403,6 +463,12 @@ fn take(
         predecessor: Some(old.pid),
         handing_over: AtomicBool::new(false),
     });
+    if let (Some(listen), Some((listener, sessions))) = (&daemon.spec.nbd, nbd) {
+        let cfg = daemon.nbd_config(listen)?;
+        let server =
+            tmem_nbd::NbdServer::adopt(cfg, listener, sessions).and_then(tmem_nbd::NbdServer::spawn).map_err(err)?;
+        daemon.lock().nbd = Some(server);
+    }
     let status = daemon.status();
     daemon.save_state(&status);
     crate::daemon::bind_control(&daemon)?;

@@ -31,6 +31,8 @@ pub enum Rank {
     NbdConns,
     /// `tmem_nbd` limits: bytes of replies buffered across connections.
     NbdBudget,
+    /// `tmem_nbd` server: the pause switch of a hand-over and its parked sessions.
+    NbdPark,
     /// `Shared::compaction`: one compaction at a time.
     StoreCompaction,
     /// `TierPutLocks::writeback`: one writeback pass per shard. Above the

@@ -32,13 +32,15 @@ use std::sync::Arc;
 use tmem_block::BlockDevice;
 
 mod limits;
+mod park;
 pub mod proto;
 mod server;
 mod session;
 mod stats;
 
+pub use park::SessionState;
 pub use server::{
-    Listen, NbdConfig, NbdServer, ServerHandle, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IO_TIMEOUT,
+    Listen, NbdConfig, NbdHandover, NbdServer, ServerHandle, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IO_TIMEOUT,
     DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_CONNECTIONS,
 };
 pub use session::{serve_connection, SessionEnd};

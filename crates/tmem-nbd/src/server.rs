@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -19,10 +19,11 @@ use std::time::{Duration, Instant};
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use crate::limits::{Budget, Timer, Watch};
+use crate::park::{Park, Parking, SessionState};
 use crate::proto::{MAX_PAYLOAD, PREFERRED_BLOCK_SIZE};
 use crate::session::{self, Limits, REQUEST_OVERHEAD};
 use crate::stats::{bump, ServerStats};
-use crate::{Export, Exports, NbdError};
+use crate::{Export, Exports, NbdError, SessionEnd};
 
 /// Default bound on simultaneous connections.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
@@ -179,6 +180,13 @@ impl Listener {
         }
     }
 
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Listener::Unix(l) => l.as_fd(),
+            Listener::Tcp(l) => l.as_fd(),
+        }
+    }
+
     fn accept(&self) -> io::Result<Conn> {
         match self {
             Listener::Unix(l) => Ok(Conn::Unix(l.accept()?.0)),
@@ -197,6 +205,13 @@ enum Conn {
 }
 
 impl Conn {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Conn::Unix(s) => s.as_fd(),
+            Conn::Tcp(s) => s.as_fd(),
+        }
+    }
+
     fn try_clone(&self) -> io::Result<Conn> {
         Ok(match self {
             Conn::Unix(s) => Conn::Unix(s.try_clone()?),
@@ -337,6 +352,8 @@ struct Shared {
     /// Refusal threads running.
     refusing: AtomicU64,
     session_errors: AtomicU64,
+    /// The pause switch of a hand-over.
+    parking: Parking,
 }
 
 impl Shared {
@@ -433,6 +450,57 @@ impl std::fmt::Debug for NbdServer {
 impl NbdServer {
     /// Validates the configuration and binds the listener.
     pub fn bind(config: NbdConfig) -> Result<NbdServer, NbdError> {
+        let (listener, local, socket_file) = match &config.listen {
+            Listen::Tcp(addr) => {
+                if !config.allow_remote && !addr.ip().is_loopback() {
+                    return Err(NbdError::RemoteNotAllowed(*addr));
+                }
+                let l = TcpListener::bind(addr)?;
+                let local = Listen::Tcp(l.local_addr()?);
+                (Listener::Tcp(l), local, None)
+            }
+            Listen::Unix(path) => {
+                let (l, file) = bind_unix(path)?;
+                (Listener::Unix(l), Listen::Unix(path.clone()), Some(file))
+            }
+        };
+        Self::assemble(config, listener, local, socket_file)
+    }
+
+    /// A server on the listener and sessions a predecessor process handed
+    /// over (`config.listen` says what the listener is), serving each
+    /// session from its next request on.
+    pub fn adopt(
+        config: NbdConfig,
+        listener: OwnedFd,
+        sessions: Vec<(OwnedFd, SessionState)>,
+    ) -> Result<NbdServer, NbdError> {
+        let (listener, socket_file) = match &config.listen {
+            Listen::Tcp(_) => (Listener::Tcp(TcpListener::from(listener)), None),
+            Listen::Unix(path) => {
+                let m = fs::symlink_metadata(path)?;
+                let file = SocketFile { path: path.clone(), dev: m.dev(), ino: m.ino() };
+                (Listener::Unix(UnixListener::from(listener)), Some(file))
+            }
+        };
+        let local = config.listen.clone();
+        let server = Self::assemble(config, listener, local, socket_file)?;
+        for (fd, state) in sessions {
+            let conn = match server.listener {
+                Listener::Unix(_) => Conn::Unix(UnixStream::from(fd)),
+                Listener::Tcp(_) => Conn::Tcp(TcpStream::from(fd)),
+            };
+            server.start_session(conn, Some(state))?;
+        }
+        Ok(server)
+    }
+
+    fn assemble(
+        config: NbdConfig,
+        listener: Listener,
+        local: Listen,
+        socket_file: Option<SocketFile>,
+    ) -> Result<NbdServer, NbdError> {
         config.check_limits()?;
         let limits = ServerLimits {
             max_connections: config.max_connections,
@@ -442,20 +510,6 @@ impl NbdServer {
             max_block_size: config.max_block_size,
         };
         let exports = Exports::new(config.exports)?;
-        let (listener, local, socket_file) = match config.listen {
-            Listen::Tcp(addr) => {
-                if !config.allow_remote && !addr.ip().is_loopback() {
-                    return Err(NbdError::RemoteNotAllowed(addr));
-                }
-                let l = TcpListener::bind(addr)?;
-                let local = Listen::Tcp(l.local_addr()?);
-                (Listener::Tcp(l), local, None)
-            }
-            Listen::Unix(path) => {
-                let (l, file) = bind_unix(&path)?;
-                (Listener::Unix(l), Listen::Unix(path), Some(file))
-            }
-        };
         let shared = Arc::new(Shared {
             exports,
             conns: Mutex::new(Rank::NbdConns, Conns::default()),
@@ -468,6 +522,7 @@ impl NbdServer {
             active: AtomicU64::new(0),
             refusing: AtomicU64::new(0),
             session_errors: AtomicU64::new(0),
+            parking: Parking::new()?,
         });
         Ok(NbdServer { listener, local, limits, shared, _socket_file: socket_file })
     }
@@ -499,6 +554,12 @@ impl NbdServer {
             if stop.load(Ordering::Acquire) {
                 break Ok(());
             }
+            if self.shared.parking.paused() {
+                // Paused for a hand-over: new clients wait in the backlog.
+                std::thread::sleep(Duration::from_millis(10));
+                self.shared.enforce_deadlines();
+                continue;
+            }
             match wait_readable(fd, POLL_INTERVAL_MS) {
                 Ok(false) => {}
                 Ok(true) => {
@@ -526,6 +587,13 @@ impl NbdServer {
             bump(&shared.refused_connection_limit, 1);
             return self.refuse(conn);
         }
+        self.start_session(conn, None)
+    }
+
+    /// Serves `conn` on a thread of its own: from the handshake on, or, for
+    /// a session handed over by a predecessor, from its next request.
+    fn start_session(&self, conn: Conn, resumed: Option<SessionState>) -> io::Result<()> {
+        let shared = &self.shared;
         let lim = self.limits;
         conn.set_timeouts(lim.io_timeout)?;
         let watch = Arc::new(Watch::new(Timer::Handshake, lim.handshake_timeout));
@@ -539,14 +607,19 @@ impl NbdServer {
                 budget: Some(&s.budget),
                 watch: Some(&watch),
                 idle: lim.idle_timeout,
+                park: Some(Park { parking: &s.parking, id, fd: conn.as_fd() }),
             };
-            let result = match conn {
-                Conn::Unix(stream) => session::serve(stream, &s.exports, limits),
-                Conn::Tcp(stream) => session::serve(stream, &s.exports, limits),
+            let result = match (&conn, resumed) {
+                (Conn::Unix(stream), None) => session::serve(stream, &s.exports, limits),
+                (Conn::Tcp(stream), None) => session::serve(stream, &s.exports, limits),
+                (Conn::Unix(stream), Some(st)) => session::resume(stream, &s.exports, limits, st),
+                (Conn::Tcp(stream), Some(st)) => session::resume(stream, &s.exports, limits, st),
             };
             match result {
                 // Counted by the accept loop, which cut the connection.
                 _ if watch.fired() => {}
+                // The successor serves the socket through its own copy.
+                Ok(SessionEnd::HandedOver) => {}
                 Ok(_) => {}
                 Err(NbdError::TimedOut) => bump(&s.io_timeouts, 1),
                 Err(_) => bump(&s.session_errors, 1),
@@ -636,13 +709,14 @@ impl NbdServer {
         let stop = Arc::new(AtomicBool::new(false));
         let local = self.local.clone();
         let shared = Arc::clone(&self.shared);
+        let listener = self.listener.as_fd().try_clone_to_owned()?;
         let thread_stop = Arc::clone(&stop);
         let thread = std::thread::Builder::new().name("nbd-server".into()).spawn(move || {
             let r = self.run_until(&thread_stop);
             drop(self);
             r
         })?;
-        Ok(ServerHandle { stop, thread: Some(thread), local, shared })
+        Ok(ServerHandle { stop, thread: Some(thread), local, shared, listener })
     }
 }
 
@@ -653,6 +727,18 @@ pub struct ServerHandle {
     thread: Option<JoinHandle<Result<(), NbdError>>>,
     local: Listen,
     shared: Arc<Shared>,
+    /// A copy of the listening socket, to hand over.
+    listener: OwnedFd,
+}
+
+/// What a paused server hands to a successor: its listening socket and its
+/// sessions' sockets with what each negotiated.
+#[derive(Debug)]
+pub struct NbdHandover {
+    /// The listening socket.
+    pub listener: OwnedFd,
+    /// Each session's socket and state.
+    pub sessions: Vec<(OwnedFd, SessionState)>,
 }
 
 impl std::fmt::Debug for ServerHandle {
@@ -680,6 +766,39 @@ impl ServerHandle {
     /// Counters of the server and its exports.
     pub fn stats(&self) -> ServerStats {
         self.shared.stats()
+    }
+
+    /// Pauses for a hand-over: accepts no one, and every session stops
+    /// between two requests (within `timeout`, or this resumes and says
+    /// why). Returns copies of the sockets with the sessions' states.
+    pub fn pause(&self, timeout: Duration) -> Result<NbdHandover, String> {
+        let shared = &self.shared;
+        let parked =
+            shared.parking.pause(|| usize::try_from(shared.active.load(Ordering::Relaxed)).unwrap_or(0), timeout)?;
+        let copies = (|| -> io::Result<NbdHandover> {
+            let conns = shared.conns();
+            let mut sessions = Vec::with_capacity(parked.len());
+            for (id, state) in &parked {
+                let t = conns.live.get(id).ok_or_else(|| io::Error::other(format!("session {id} is gone")))?;
+                sessions.push((t.stream.as_fd().try_clone_to_owned()?, *state));
+            }
+            Ok(NbdHandover { listener: self.listener.try_clone()?, sessions })
+        })();
+        copies.map_err(|e| {
+            shared.parking.resume();
+            format!("cannot copy the NBD sockets: {e}")
+        })
+    }
+
+    /// Goes on after [`ServerHandle::pause`].
+    pub fn resume(&self) {
+        self.shared.parking.resume();
+    }
+
+    /// Ends the paused sessions after a successor took their sockets over
+    /// (closing this process's copies leaves the connections open).
+    pub fn handed_over(&self) {
+        self.shared.parking.handed_over();
     }
 
     /// Stops the server and waits for it; returns the accept loop's error,

@@ -55,6 +55,8 @@ pub enum SessionEnd {
     Disconnected,
     /// The client closed the stream between two messages.
     Closed,
+    /// A successor process serves the connection now (`tmem swap restart`).
+    HandedOver,
 }
 
 enum Phase {
@@ -75,11 +77,14 @@ pub(crate) struct Limits<'a> {
     /// Close after this long without a request in transmission (needs a
     /// watch).
     pub(crate) idle: Option<Duration>,
+    /// The server's pause switch for hand-overs; none: never paused.
+    pub(crate) park: Option<crate::park::Park<'a>>,
 }
 
 impl Limits<'_> {
     /// The protocol's limits only (in-memory sessions, the fuzzer).
-    pub(crate) const NONE: Limits<'static> = Limits { max_block: MAX_PAYLOAD, budget: None, watch: None, idle: None };
+    pub(crate) const NONE: Limits<'static> =
+        Limits { max_block: MAX_PAYLOAD, budget: None, watch: None, idle: None, park: None };
 }
 
 struct Session<'a, S: Read + Write> {
@@ -114,6 +119,22 @@ pub(crate) fn serve<S: Read + Write>(stream: S, exports: &Exports, limits: Limit
         Phase::End(end) => Ok(end),
         Phase::Transmit(i) => s.transmit(i),
     }
+}
+
+/// Serves a connection a predecessor process negotiated (its `state`),
+/// from the next request on.
+pub(crate) fn resume<S: Read + Write>(
+    stream: S,
+    exports: &Exports,
+    limits: Limits<'_>,
+    state: crate::park::SessionState,
+) -> Result<SessionEnd, NbdError> {
+    if state.export >= exports.len() || state.meta.is_some_and(|m| m != state.export) {
+        return Err(NbdError::Config(format!("a handed-over session names export {}", state.export)));
+    }
+    let mut s = Session::new(stream, exports, limits);
+    (s.structured, s.no_zeroes, s.meta) = (state.structured, state.no_zeroes, state.meta);
+    s.transmit(state.export)
 }
 
 /// Turns a client away politely: the greeting, then `NBD_REP_ERR_SHUTDOWN`
@@ -491,6 +512,17 @@ impl<'a, S: Read + Write> Session<'a, S> {
         loop {
             if let Some((w, after)) = idle {
                 w.arm(Timer::Idle, after);
+            }
+            if let Some(p) = self.limits.park {
+                let state = crate::park::SessionState {
+                    export: i,
+                    structured: self.structured,
+                    no_zeroes: self.no_zeroes,
+                    meta: self.meta,
+                };
+                if self.io.buffer().is_empty() && !p.parking.before_request(p, state) {
+                    return Ok(SessionEnd::HandedOver);
+                }
             }
             if !self.wait_message()? {
                 return Ok(SessionEnd::Closed);

@@ -1,7 +1,7 @@
 //! `tmem swap up|down`, `tmem cache up|down`, `tmem stat`, `tmem set`, `tmem serve nbd`: parse,
 //! call the daemon crate, print.
 
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -551,8 +551,11 @@ pub struct RestartArgs {
 pub fn restart(a: &RestartArgs) -> anyhow::Result<()> {
     let st = |v| serde_json::from_value::<tmem_ctl::Status>(v);
     let old = st(ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(10))?)?;
+    // The new daemon logs where `swap up`'s does (a foreground daemon logs to its terminal; then the file starts here).
     let log = std::fs::OpenOptions::new()
         .append(true)
+        .create(true)
+        .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW)
         .open(a.runtime_dir.join(tmem_daemon::runtime::LOG_FILE))?;
     let mut child = std::process::Command::new(std::env::current_exe()?)
@@ -579,9 +582,11 @@ pub fn restart(a: &RestartArgs) -> anyhow::Result<()> {
             let now = st(v)?;
             if now.pid == new && now.state == "up" {
                 // The old process exits once it has heard the new one took over.
-                let gone = std::time::Instant::now() + Duration::from_secs(10);
-                while std::path::Path::new(&format!("/proc/{}", old.pid)).exists() && std::time::Instant::now() < gone {
-                    std::thread::sleep(Duration::from_millis(10));
+                if !tmem_daemon::handover::wait_for_exit(old.pid, Duration::from_secs(10)) {
+                    anyhow::bail!(
+                        "daemon pid {new} took over, but the old one (pid {}) still runs after 10 s",
+                        old.pid
+                    );
                 }
                 for s in now.steps.iter().skip(old.steps.len()) {
                     println!("{s}");

@@ -183,3 +183,74 @@ fn a_panic_fails_one_nbd_request_and_the_server_goes_on() {
     assert_eq!(v[0]["panics"], 1, "{}", v[0]);
     assert_eq!(v[0]["failed_reads"], 1, "{}", v[0]);
 }
+
+/// `tmem swap restart` of an NBD server (issue 12): a qemu-io client
+/// connected before the restart writes a pattern, the server is replaced by
+/// a new process, and the same connection reads the pattern back.
+#[test]
+fn an_nbd_client_survives_a_restart() {
+    use std::io::{BufRead, Write};
+    if !can_serve(&["qemu-io"]) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tmem-nbd-restart-{}", std::process::id()));
+    let rd = dir.to_str().unwrap().to_owned();
+    let child = Command::new(TMEM)
+        .args(["serve", "nbd", "--size", "64M", "--runtime-dir", &rd])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _first = Server(child);
+    /// Stops whichever daemon serves the directory at the end.
+    struct Down(String);
+    impl Drop for Down {
+        fn drop(&mut self) {
+            let _ = Command::new(TMEM).args(["swap", "down", "--runtime-dir", &self.0]).output();
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _down = Down(rd.clone());
+    let sock = dir.join("nbd.sock");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !sock.exists() {
+        assert!(Instant::now() < deadline, "no NBD socket after 20 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let uri = format!("nbd+unix:///disk0?socket={}", sock.display());
+    let mut io = Command::new("qemu-io")
+        .args(["-f", "raw", &uri])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = io.stdin.take().unwrap();
+    let mut out = std::io::BufReader::new(io.stdout.take().unwrap());
+    let mut until = |what: &str| -> String {
+        let mut seen = String::new();
+        let mut line = String::new();
+        while !seen.contains(what) {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "qemu-io ended before {what:?}: {seen}");
+            seen.push_str(&line);
+        }
+        seen
+    };
+    writeln!(stdin, "write -P 0x6b 4096 128k").unwrap();
+    until("wrote 131072/131072");
+    let (ok, text) = {
+        let o = Command::new(TMEM).args(["swap", "restart", "--runtime-dir", &rd]).output().unwrap();
+        (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+    };
+    assert!(ok && text.contains("took over"), "{text}");
+    writeln!(stdin, "read -P 0x6b 4096 128k").unwrap();
+    let seen = until("read 131072/131072");
+    assert!(!seen.contains("Pattern verification failed"), "{seen}");
+    writeln!(stdin, "quit").unwrap();
+    drop(stdin);
+    assert!(io.wait().unwrap().success());
+    // A new client reaches the new server through the same socket.
+    let check = Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x6b 4096 128k", &uri]).output().unwrap();
+    let text = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success() && !text.contains("Pattern verification failed"), "{text}");
+}
