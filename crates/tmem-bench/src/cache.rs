@@ -533,8 +533,24 @@ pub fn run(a: &CacheBenchArgs) -> anyhow::Result<()> {
         let th = BlkioThrottle::create(&format!("tmem-bench-cache-{pid}"), disk, a.backing_iops, a.backing_bps)?;
         // About 3 s under the limit (the throttle lets a first burst through); different blocks each time.
         let ios = if a.backing_iops > 0 { (a.backing_iops * 3).clamp(300, 30_000) } else { 3000 };
-        let free = measure_reads(&image, None, ios, 0)?;
-        let limited = measure_reads(&image, Some(&th.procs_file()), ios, ios)?;
+        // Read a file of written data on the image's disk: holes in the
+        // image would be answered without any device I/O, throttled or not.
+        let probe = scratch.path().join("throttle-probe");
+        cmd(
+            "dd",
+            &[
+                "if=/dev/urandom",
+                &format!("of={}", probe.display()),
+                "bs=4096",
+                &format!("count={}", 2 * ios),
+                "oflag=direct",
+                "conv=fsync",
+            ],
+        )?;
+        let free = measure_reads(&probe, None, ios, 0);
+        let limited = measure_reads(&probe, Some(&th.procs_file()), ios, ios);
+        let _ = std::fs::remove_file(&probe);
+        let (free, limited) = (free?, limited?);
         let info = ThrottleInfo {
             disk: format!("{}:{}", disk.0, disk.1),
             iops: a.backing_iops,

@@ -229,6 +229,17 @@ fn with_chunk<T>(f: impl FnOnce(&mut [u8]) -> T) -> T {
     })
 }
 
+/// Where the request `[offset, end)` lies in the chunk of pages
+/// `[start, start + n)`: its offset in the chunk and its length there.
+fn span(offset: u64, end: u64, start: u64, n: usize) -> (usize, usize) {
+    let from = offset.max(start * PAGE);
+    let to = end.min((start + n as u64) * PAGE);
+    (
+        usize::try_from(from - start * PAGE).expect("within the chunk"),
+        usize::try_from(to - from).expect("within the chunk"),
+    )
+}
+
 /// Pages `[first, first + n)` split into runs of at most [`CHUNK_PAGES`].
 fn chunks(first: u64, n: u64) -> impl Iterator<Item = (u64, usize)> {
     (0..n.div_ceil(CHUNK_PAGES as u64)).map(move |i| {
@@ -358,11 +369,7 @@ impl CacheDevice {
                 let guards = self.lock_pages(start, n);
                 let refused = self.fill(start, n, chunk)?;
                 drop(guards);
-                // The request's bytes within this chunk.
-                let from = offset.max(start * PAGE);
-                let to = end.min((start + n as u64) * PAGE);
-                let at = usize::try_from(from - start * PAGE).expect("within the chunk");
-                let len = usize::try_from(to - from).expect("within the chunk");
+                let (at, len) = span(offset, end, start, n);
                 buf[done..done + len].copy_from_slice(&chunk[at..at + len]);
                 done += len;
                 Ok::<_, BlockError>(refused)
@@ -387,10 +394,7 @@ impl CacheDevice {
         for (start, n) in chunks(first, end.div_ceil(PAGE) - first) {
             let refused = with_chunk(|chunk| {
                 let _guards = self.lock_pages(start, n);
-                let from = offset.max(start * PAGE);
-                let to = end.min((start + n as u64) * PAGE);
-                let at = usize::try_from(from - start * PAGE).expect("within the chunk");
-                let len = usize::try_from(to - from).expect("within the chunk");
+                let (at, len) = span(offset, end, start, n);
                 let bytes = n * PAGE_SIZE;
                 // A partial first or last page is read first (pool or backing).
                 if at % PAGE_SIZE != 0 {

@@ -177,28 +177,8 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         ));
         caches.push(Arc::new(dev));
     }
-    let daemon = Arc::new(Daemon {
-        spec,
-        dir,
-        lock_file,
-        devices,
-        caches,
-        state: Mutex::new(
-            Rank::DaemonState,
-            State {
-                status: Status { state: "starting".into(), pid: std::process::id(), steps, ..Status::default() },
-                fuse: None,
-                nbd: None,
-                metrics: None,
-            },
-        ),
-        teardown_gate: Mutex::new(Rank::DaemonTeardown, ()),
-        events: Mutex::new(Rank::DaemonEvents, tx),
-        signalled,
-        exited: AtomicBool::new(false),
-        predecessor: None,
-        handing_over: AtomicBool::new(false),
-    });
+    let status = Status { state: "starting".into(), pid: std::process::id(), steps, ..Status::default() };
+    let daemon = Arc::new(Daemon::new(spec, dir, lock_file, (devices, caches), status, tx, signalled));
     bind_control(&daemon)?;
 
     if let Err(e) = daemon.setup() {
@@ -341,6 +321,32 @@ pub(crate) fn watch_signals(tx: mpsc::Sender<Event>, signalled: Arc<AtomicI32>) 
 }
 
 impl Daemon {
+    /// A daemon serving `served` (devices, caches), nothing set up yet.
+    pub(crate) fn new(
+        spec: DaemonSpec,
+        dir: RuntimeDir,
+        lock_file: crate::runtime::DaemonLock,
+        served: (Vec<Arc<PoolDevice>>, Vec<Arc<CacheDevice>>),
+        status: Status,
+        events: mpsc::Sender<Event>,
+        signalled: Arc<AtomicI32>,
+    ) -> Self {
+        Daemon {
+            spec,
+            dir,
+            lock_file,
+            devices: served.0,
+            caches: served.1,
+            state: Mutex::new(Rank::DaemonState, State { status, fuse: None, nbd: None, metrics: None }),
+            teardown_gate: Mutex::new(Rank::DaemonTeardown, ()),
+            events: Mutex::new(Rank::DaemonEvents, events),
+            signalled,
+            exited: AtomicBool::new(false),
+            predecessor: None,
+            handing_over: AtomicBool::new(false),
+        }
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock()
     }

@@ -35,7 +35,7 @@ use std::os::fd::{AsFd, BorrowedFd, IntoRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI32};
+use std::sync::atomic::AtomicI32;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -43,9 +43,8 @@ use tmem_block::{CacheDevice, DeviceConfig, PoolDevice};
 use tmem_core::{Store, HANDOVER_VERSION};
 use tmem_ctl::Status;
 use tmem_fuse::{Export, FuseConfig, FuseMount};
-use tmem_lock::{Mutex, Rank};
 
-use crate::daemon::{log, Daemon, State, MOUNT_DIR};
+use crate::daemon::{log, Daemon, MOUNT_DIR};
 use crate::runtime::RuntimeDir;
 use crate::spec::store_config;
 use crate::{DaemonError, DaemonSpec};
@@ -203,6 +202,15 @@ impl Daemon {
                 h.store_format,
                 env!("CARGO_PKG_VERSION")
             ));
+        }
+        if std::env::var_os("NOTIFY_SOCKET").is_some() {
+            // A supervisor (systemd's Type=notify) that tracks this process
+            // would see its main process exit and stop the unit.
+            return Some(
+                "this daemon runs as a systemd service, whose main process must not change; restart it with \
+                 systemctl (swap down and up) instead"
+                    .into(),
+            );
         }
         if !self.spec.tiers.tiers.is_empty() {
             return Some("devices with tiers cannot be handed over yet (the tiers' indexes would stay behind)".into());
@@ -449,20 +457,9 @@ fn take(
     log(steps.last().map_or("", String::as_str));
     let status = Status { state: "up".into(), pid: std::process::id(), steps, ..old };
     let dir = RuntimeDir::open(dir.path())?;
-    let daemon = Arc::new(Daemon {
-        spec,
-        dir,
-        lock_file,
-        devices,
-        caches,
-        state: Mutex::new(Rank::DaemonState, State { status, fuse, nbd: None, metrics: None }),
-        teardown_gate: Mutex::new(Rank::DaemonTeardown, ()),
-        events: Mutex::new(Rank::DaemonEvents, tx),
-        signalled,
-        exited: AtomicBool::new(false),
-        predecessor: Some(old.pid),
-        handing_over: AtomicBool::new(false),
-    });
+    let daemon = Daemon::new(spec, dir, lock_file, (devices, caches), status, tx, signalled);
+    daemon.lock().fuse = fuse;
+    let daemon = Arc::new(Daemon { predecessor: Some(old.pid), ..daemon });
     if let (Some(listen), Some((listener, sessions))) = (&daemon.spec.nbd, nbd) {
         let cfg = daemon.nbd_config(listen)?;
         let server =

@@ -167,6 +167,12 @@ fn errno(e: &tmem_block::BlockError) -> Errno {
 }
 
 impl BlockFs {
+    /// The exports, owned by this process's user.
+    fn new(exports: Vec<Export>, want_uring: bool) -> Self {
+        let (uid, gid) = (rustix::process::getuid().as_raw(), rustix::process::getgid().as_raw());
+        Self { exports, uid, gid, started: SystemTime::now(), want_uring, uring_negotiated: AtomicBool::new(false) }
+    }
+
     fn export(&self, ino: u64) -> Option<&Export> {
         let i = ino.checked_sub(ROOT + 1)?;
         self.exports.get(usize::try_from(i).ok()?)
@@ -435,15 +441,7 @@ impl FuseMount {
                 Err(why) => (false, None, Some(why)),
             },
         };
-        let (uid, gid) = (rustix::process::getuid().as_raw(), rustix::process::getgid().as_raw());
-        let fs = Arc::new(BlockFs {
-            exports: cfg.exports,
-            uid,
-            gid,
-            started: SystemTime::now(),
-            want_uring,
-            uring_negotiated: AtomicBool::new(false),
-        });
+        let fs = Arc::new(BlockFs::new(cfg.exports, want_uring));
         let mut options = Config::default();
         options.mount_options = vec![
             MountOption::FSName("tmem".into()),
@@ -542,15 +540,7 @@ impl FuseMount {
     /// `fd` (passed over a unix socket), with `cfg`'s exports and threads;
     /// nothing is mounted and no INIT takes place. `/dev/fuse` only.
     pub fn adopt(fd: std::os::fd::OwnedFd, cfg: FuseConfig) -> Result<Self, FuseError> {
-        let (uid, gid) = (rustix::process::getuid().as_raw(), rustix::process::getgid().as_raw());
-        let fs = Arc::new(BlockFs {
-            exports: cfg.exports,
-            uid,
-            gid,
-            started: SystemTime::now(),
-            want_uring: false,
-            uring_negotiated: AtomicBool::new(false),
-        });
+        let fs = Arc::new(BlockFs::new(cfg.exports, false));
         let workers = devloop::DevWorkers::start(fs, std::os::fd::AsFd::as_fd(&fd), cfg.threads)
             .map_err(|source| FuseError::Mount { path: cfg.mountpoint.clone(), source })?;
         Ok(Self {

@@ -16,7 +16,8 @@
 //! frontends first); each shard is read under its lock. The format is a
 //! versioned little-endian stream; [`Store::import`] checks every length,
 //! id and checksum against what it has read, so a truncated or corrupt
-//! stream is one clear error and never a wrong page.
+//! stream is one clear error and never a wrong page (fuzz target
+//! `store_import`).
 
 use std::io::{Read, Write};
 
@@ -31,6 +32,8 @@ const REC_SAME: u8 = 1;
 const REC_INCOMPRESSIBLE: u8 = 2;
 /// Largest dictionary accepted (zstd's own trainer stays far below).
 const MAX_DICTIONARY: u32 = 16 << 20;
+/// Most pools an import creates (a daemon has a handful).
+const MAX_POOLS: u32 = 1 << 16;
 
 /// What an export or import moved.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -309,6 +312,9 @@ impl Store {
         store.set_codec(new_id(current)?)?;
         let mut sum = HandoverSummary::default();
         let pools = r.u32()?;
+        if pools > MAX_POOLS {
+            return Err(bad(format!("{pools} pools (at most {MAX_POOLS})")));
+        }
         for id in 0..pools {
             sum.pools += 1;
             if !r.bool("pool present")? {
