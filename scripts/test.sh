@@ -20,7 +20,10 @@ done
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "== apt-get install ${missing[*]}"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+    # The whole list, not only what is missing: a package installed now may
+    # need a newer version of one already there (qemu-system-x86 of
+    # qemu-utils), and apt removes a package it was not asked to keep.
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${PKGS[@]}" >/dev/null
 fi
 
 # Cargo tools.
