@@ -354,79 +354,78 @@ impl CacheDevice {
         Ok(())
     }
 
-    fn read_at_inner(&self, buf: &mut [u8], offset: u64) -> Result<(), BlockError> {
-        check_range(offset, buf.len() as u64, self.size).inspect_err(|_| bump(&self.io.invalid_io, 1))?;
-        bump(&self.io.read_ios, 1);
-        bump(&self.io.read_bytes, buf.len() as u64);
-        if buf.is_empty() {
+    /// Checks and counts a request of `len` bytes at `offset` (in `ios` and
+    /// `bytes`), then runs `f(start, n, chunk)` for each chunk of the pages it
+    /// covers, in this thread's chunk buffer. `f` says whether the pool
+    /// refused a page; then the pool makes room, with no stripe held.
+    fn chunked(
+        &self,
+        offset: u64,
+        len: u64,
+        (ios, bytes): (&AtomicU64, &AtomicU64),
+        mut f: impl FnMut(u64, usize, &mut [u8]) -> Result<bool, BlockError>,
+    ) -> Result<(), BlockError> {
+        check_range(offset, len, self.size).inspect_err(|_| bump(&self.io.invalid_io, 1))?;
+        bump(ios, 1);
+        bump(bytes, len);
+        if len == 0 {
             return Ok(());
         }
-        let end = offset + buf.len() as u64;
         let first = offset / PAGE;
-        let mut done = 0;
-        for (start, n) in chunks(first, end.div_ceil(PAGE) - first) {
-            let refused = with_chunk(|chunk| {
-                let guards = self.lock_pages(start, n);
-                let refused = self.fill(start, n, chunk)?;
-                drop(guards);
-                let (at, len) = span(offset, end, start, n);
-                buf[done..done + len].copy_from_slice(&chunk[at..at + len]);
-                done += len;
-                Ok::<_, BlockError>(refused)
-            })?;
-            if refused {
+        for (start, n) in chunks(first, (offset + len).div_ceil(PAGE) - first) {
+            if with_chunk(|chunk| f(start, n, chunk))? {
                 self.pool.maintain();
             }
         }
         Ok(())
     }
 
-    fn write_at_inner(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {
-        check_range(offset, buf.len() as u64, self.size).inspect_err(|_| bump(&self.io.invalid_io, 1))?;
-        bump(&self.io.write_ios, 1);
-        bump(&self.io.write_bytes, buf.len() as u64);
-        if buf.is_empty() {
-            return Ok(());
-        }
+    fn read_at_inner(&self, buf: &mut [u8], offset: u64) -> Result<(), BlockError> {
         let end = offset + buf.len() as u64;
-        let first = offset / PAGE;
         let mut done = 0;
-        for (start, n) in chunks(first, end.div_ceil(PAGE) - first) {
-            let refused = with_chunk(|chunk| {
-                let _guards = self.lock_pages(start, n);
-                let (at, len) = span(offset, end, start, n);
-                let bytes = n * PAGE_SIZE;
-                // A partial first or last page is read first (pool or backing).
-                if at % PAGE_SIZE != 0 {
-                    bump(&self.io.rmw_pages, 1);
-                    self.fill(start, 1, chunk)?;
-                }
-                if (at + len) % PAGE_SIZE != 0 && (n > 1 || at % PAGE_SIZE == 0) {
-                    bump(&self.io.rmw_pages, 1);
-                    self.fill(start + n as u64 - 1, 1, &mut chunk[bytes - PAGE_SIZE..])?;
-                }
-                chunk[at..at + len].copy_from_slice(&buf[done..done + len]);
-                done += len;
-                let pos = start * PAGE;
-                bump(&self.back.writes, 1);
-                bump(&self.back.write_bytes, bytes as u64);
-                if let Err(e) = self.file.write_all_at(&chunk[..bytes], pos) {
-                    // What the backing store holds now is unknown: cache none of it.
-                    self.invalidate(start, n)?;
-                    return Err(self.backing_err("pwrite", pos, e));
-                }
-                let mut refused = false;
-                for (i, page) in chunk[..bytes].as_chunks::<PAGE_SIZE>().0.iter().enumerate() {
-                    refused |= self.insert(start + i as u64, page)?;
-                }
-                Ok::<_, BlockError>(refused)
-            })
-            .inspect_err(|_| bump(&self.io.failed_writes, 1))?;
-            if refused {
-                self.pool.maintain();
+        self.chunked(offset, buf.len() as u64, (&self.io.read_ios, &self.io.read_bytes), |start, n, chunk| {
+            let guards = self.lock_pages(start, n);
+            let refused = self.fill(start, n, chunk)?;
+            drop(guards);
+            let (at, len) = span(offset, end, start, n);
+            buf[done..done + len].copy_from_slice(&chunk[at..at + len]);
+            done += len;
+            Ok(refused)
+        })
+    }
+
+    fn write_at_inner(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {
+        let end = offset + buf.len() as u64;
+        let mut done = 0;
+        self.chunked(offset, buf.len() as u64, (&self.io.write_ios, &self.io.write_bytes), |start, n, chunk| {
+            let _guards = self.lock_pages(start, n);
+            let (at, len) = span(offset, end, start, n);
+            let bytes = n * PAGE_SIZE;
+            // A partial first or last page is read first (pool or backing).
+            if at % PAGE_SIZE != 0 {
+                bump(&self.io.rmw_pages, 1);
+                self.fill(start, 1, chunk)?;
             }
-        }
-        Ok(())
+            if (at + len) % PAGE_SIZE != 0 && (n > 1 || at % PAGE_SIZE == 0) {
+                bump(&self.io.rmw_pages, 1);
+                self.fill(start + n as u64 - 1, 1, &mut chunk[bytes - PAGE_SIZE..])?;
+            }
+            chunk[at..at + len].copy_from_slice(&buf[done..done + len]);
+            done += len;
+            let pos = start * PAGE;
+            bump(&self.back.writes, 1);
+            bump(&self.back.write_bytes, bytes as u64);
+            if let Err(e) = self.file.write_all_at(&chunk[..bytes], pos) {
+                // What the backing store holds now is unknown: cache none of it.
+                self.invalidate(start, n)?;
+                return Err(self.backing_err("pwrite", pos, e));
+            }
+            let mut refused = false;
+            for (i, page) in chunk[..bytes].as_chunks::<PAGE_SIZE>().0.iter().enumerate() {
+                refused |= self.insert(start + i as u64, page)?;
+            }
+            Ok(refused)
+        })
     }
 
     fn flush_inner(&self) -> Result<(), BlockError> {
@@ -537,11 +536,8 @@ impl BlockDevice for CacheDevice {
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {
-        contained(&self.io.panics, "write", || self.write_at_inner(buf, offset)).inspect_err(|e| {
-            if matches!(e, BlockError::Panicked { .. }) {
-                bump(&self.io.failed_writes, 1);
-            }
-        })
+        contained(&self.io.panics, "write", || self.write_at_inner(buf, offset))
+            .inspect_err(|_| bump(&self.io.failed_writes, 1))
     }
 
     fn flush(&self) -> Result<(), BlockError> {
