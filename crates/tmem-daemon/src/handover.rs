@@ -144,19 +144,10 @@ fn hello() -> Hello {
     Hello { protocol, store_format: HANDOVER_VERSION, version: env!("CARGO_PKG_VERSION").into() }
 }
 
-/// Whether process `pid` still runs (a zombie, exited but not yet reaped
-/// by its parent, does not).
-pub fn process_runs(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
-        .unwrap_or(false)
-}
-
 /// Waits up to `within` for process `pid` to end; returns whether it did.
 pub fn wait_for_exit(pid: u32, within: Duration) -> bool {
     let deadline = Instant::now() + within;
-    while process_runs(pid) {
+    while tmem_sys::process_runs(pid) {
         if Instant::now() >= deadline {
             return false;
         }

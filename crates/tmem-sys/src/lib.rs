@@ -18,6 +18,16 @@ pub fn is_root() -> bool {
 }
 pub mod swap;
 
+/// Whether process `pid` runs (a zombie, exited but not yet reaped by its
+/// parent, does not).
+#[must_use]
+pub fn process_runs(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
+        .unwrap_or(false)
+}
+
 pub mod cgroup;
 pub mod vmstat;
 pub mod zswap;

@@ -141,10 +141,45 @@ pub fn wait_timeout(child: &mut std::process::Child, within: std::time::Duration
     }
 }
 
+/// Removes the groups `<root>/<prefix>...-<pid>` that test processes left
+/// when they were killed before their cleanup could run (no destructor runs
+/// on SIGKILL or an unhandled SIGTERM): only those whose pid does not run
+/// (`runs`, e.g. `tmem_sys::process_runs`) and that hold no process.
+/// Returns how many it removed.
+pub fn remove_stale_cgroups(root: &std::path::Path, prefix: &str, runs: impl Fn(u32) -> bool) -> usize {
+    let Ok(dir) = std::fs::read_dir(root) else { return 0 };
+    let mut removed = 0;
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(prefix).and_then(|r| r.rsplit('-').next()?.parse::<u32>().ok()) else {
+            continue;
+        };
+        let empty = std::fs::read_to_string(entry.path().join("cgroup.procs")).map_or(true, |p| p.trim().is_empty());
+        if !runs(pid) && empty && std::fs::remove_dir(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::process::Command;
+
+    #[test]
+    fn only_groups_of_dead_test_processes_are_removed() {
+        let root = std::env::temp_dir().join(format!("tmem-testkit-stale-{}", std::process::id()));
+        let (me, dead) = (std::process::id(), u32::MAX);
+        for name in [format!("tmem-test-a-{dead}"), format!("tmem-test-b-{me}"), format!("other-{dead}")] {
+            std::fs::create_dir_all(root.join(name)).unwrap();
+        }
+        assert_eq!(remove_stale_cgroups(&root, "tmem-test-", |pid| pid == me), 1);
+        assert!(!root.join(format!("tmem-test-a-{dead}")).exists());
+        assert!(root.join(format!("tmem-test-b-{me}")).exists(), "a live process's group stays");
+        assert!(root.join(format!("other-{dead}")).exists(), "other names stay");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     #[test]
     fn names_are_parsed() {

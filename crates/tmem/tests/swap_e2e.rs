@@ -147,6 +147,8 @@ impl Setup {
         let cgroup = self.cgroup.get_or_init(|| {
             let layout = Layout::detect().unwrap();
             layout.ensure_memory_controller().unwrap();
+            // Groups of earlier runs that were killed before they could clean up.
+            tmem_testkit::remove_stale_cgroups(layout.memory_hierarchy().0, "tmem-test-", tmem_sys::process_runs);
             MemCgroup::create(&layout, &self.cgroup_name).unwrap()
         });
         cgroup.set_limit(Some(u64::from(limit_mib) << 20)).unwrap();
