@@ -162,6 +162,9 @@ counters! {
         extra {
             /// The backing file or device.
             pub path: PathBuf,
+            /// Id of the cache's pool in its store (which a swap device may share).
+            #[serde(default)]
+            pub pool: u32,
             /// Whether it is read and written with `O_DIRECT`.
             pub direct: bool,
             /// Emulated latency per backing read, microseconds (0: none).
@@ -262,6 +265,11 @@ impl CacheDevice {
     /// The cache's ephemeral pool.
     pub fn pool(&self) -> &Arc<Pool> {
         &self.pool
+    }
+
+    /// Whether the backing store is read and written with `O_DIRECT`.
+    pub fn direct(&self) -> bool {
+        self.direct
     }
 
     fn key(page: u64) -> Key {
@@ -510,6 +518,7 @@ impl CacheDevice {
         let mut stats = self.io.snapshot(&self.name, self.size, self.store.stats());
         stats.backing = Some(BackingStats {
             path: self.backing.clone(),
+            pool: self.pool.id(),
             direct: self.direct,
             latency_us: u64::try_from(self.latency.as_micros()).unwrap_or(u64::MAX),
             backing_reads: b.reads.load(r),

@@ -82,6 +82,11 @@ pub struct Daemon {
     pub(crate) handing_over: AtomicBool,
 }
 
+/// Counters of `devices`, then of `caches`.
+fn stats_of(devices: &[Arc<PoolDevice>], caches: &[Arc<CacheDevice>]) -> Vec<DeviceStats> {
+    devices.iter().map(|d| d.stats()).chain(caches.iter().map(|c| c.stats())).collect()
+}
+
 /// Logs one line (a step, a start or stop, a recovered error) at info level.
 pub fn log(msg: &str) {
     tracing::info!("{msg}");
@@ -162,7 +167,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
             c.name,
             c.backing.display(),
             human(dev.size()),
-            if dev.stats().backing.is_some_and(|b| b.direct) { "O_DIRECT" } else { "buffered" },
+            if dev.direct() { "O_DIRECT" } else { "buffered" },
             match c.backing_latency_us {
                 0 => String::new(),
                 us => format!(", {us} us emulated latency per read"),
@@ -373,8 +378,7 @@ impl Daemon {
     /// Serves Prometheus metrics on `addr`.
     fn start_metrics(&self, addr: std::net::SocketAddr) -> Result<(), DaemonError> {
         let (devices, caches) = (self.devices.clone(), self.caches.clone());
-        let source: crate::metrics::Source =
-            Arc::new(move || devices.iter().map(|d| d.stats()).chain(caches.iter().map(|c| c.stats())).collect());
+        let source: crate::metrics::Source = Arc::new(move || stats_of(&devices, &caches));
         let server = crate::metrics::MetricsServer::start(&addr.to_string(), source)?;
         self.step(format!("Prometheus metrics at http://{}/metrics", server.addr()));
         self.lock().metrics = Some(server);
@@ -391,7 +395,7 @@ impl Daemon {
 
     /// Counters of every device, caches last.
     fn all_stats(&self) -> Vec<DeviceStats> {
-        self.devices.iter().map(|d| d.stats()).chain(self.caches.iter().map(|c| c.stats())).collect()
+        stats_of(&self.devices, &self.caches)
     }
 
     /// Every exported device by name: devices, then caches.

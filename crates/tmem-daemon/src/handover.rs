@@ -377,12 +377,13 @@ fn take(
     let (mut pages, mut bytes) = (0, 0);
     let mut devices: Vec<Arc<PoolDevice>> = Vec::new();
     for d in &spec.devices {
-        let (store, sum) = Store::import(store_config(d, total_ram)?, r).map_err(err)?;
+        let store_cfg = store_config(d, total_ram)?;
+        let (store, sum) = Store::import(store_cfg.clone(), r).map_err(err)?;
         (pages, bytes) = (pages + sum.pages, bytes + sum.object_bytes);
         let cfg = DeviceConfig {
             name: d.name.clone(),
             size: d.size,
-            store: store_config(d, total_ram)?,
+            store: store_cfg,
             tiers: None,
             recompress: d.recompress.config()?,
         };

@@ -328,8 +328,8 @@ fn print_cache_table(devs: &[DeviceStats]) {
         "ERRORS",
     ]);
     for (d, b) in caches {
-        // The cache's own pool: the store may also hold swap0's.
-        let pool = d.store.pools.iter().find(|p| p.kind == Some(tmem_core::PoolKind::Ephemeral));
+        // The cache's own pool: the store may also hold swap0's and other caches'.
+        let pool = d.store.pools.iter().find(|p| p.pool_id == Some(b.pool));
         let (hits, misses, evicted) = pool.map_or((0, 0, 0), |p| (p.succ_gets, p.failed_gets, p.evicted_pages));
         let ratio = if hits + misses == 0 {
             "-".into()

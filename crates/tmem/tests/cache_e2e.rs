@@ -318,6 +318,9 @@ fn a_cache_beside_swap_shares_its_budget() {
         return;
     }
     let mut s = Setup::new("swap", 16 << 20);
+    // A second cache, read from nowhere, tells the two pools apart.
+    let second = s.backing.with_file_name("second.img");
+    std::fs::File::create(&second).unwrap().set_len(4 << 20).unwrap();
     let (ok, out) = tmem(&[
         "swap",
         "up",
@@ -328,6 +331,8 @@ fn a_cache_beside_swap_shares_its_budget() {
         "--priority=-5",
         "--cache-backing",
         s.backing.to_str().unwrap(),
+        "--cache-backing",
+        second.to_str().unwrap(),
         "--runtime-dir",
         s.rd(),
     ]);
@@ -340,9 +345,17 @@ fn a_cache_beside_swap_shares_its_budget() {
     let st = s.stat();
     assert_eq!(st[1]["name"], "cache0");
     let pools = st[1]["store"]["pools"].as_array().unwrap();
-    assert_eq!(pools.len(), 2, "one store, the swap pool and the cache pool: {pools:?}");
+    assert_eq!(pools.len(), 3, "one store: the swap pool and the two cache pools: {pools:?}");
     assert_eq!(pools[1]["kind"], "ephemeral");
     assert_eq!(st[0]["store"]["pool_limit_bytes"], st[1]["store"]["pool_limit_bytes"]);
+    // Each cache names its own pool, and `tmem stat` shows each one's hits.
+    assert_eq!((st[1]["backing"]["pool"].as_u64(), st[2]["backing"]["pool"].as_u64()), (Some(1), Some(2)));
+    let hits = pools[1]["succ_gets"].as_u64().unwrap();
+    assert!(hits == 0 && pools[1]["failed_gets"].as_u64().unwrap() >= 4096, "cache0 read cold: {}", pools[1]);
+    let (ok, table) = tmem(&["stat", "--runtime-dir", s.rd()]);
+    let row = |name: &str| table.lines().find(|l| l.trim_start().starts_with(name) && l.contains(".img")).unwrap_or("");
+    assert!(ok && row("cache0").split_whitespace().nth(3) == Some("4096"), "{table}");
+    assert!(row("cache1").split_whitespace().nth(3) == Some("0"), "{table}");
     let (ok, out) = tmem(&["swap", "down", "--runtime-dir", s.rd()]);
     assert!(ok && out.contains("swapoff") && out.contains(&dev), "{out}");
     s.up = false;
