@@ -13,19 +13,13 @@
 //! once when a worker starts, so the request path does not allocate, and a
 //! daemon that lives outside the memory cgroup it serves.
 
-use std::cell::RefCell;
-use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use fuser::{
-    Config, Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, KernelConfig, LockOwner,
-    MountOption, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
-    ReplyWrite, Request, SessionACL, WriteFlags,
-};
+use fuser::{Config, FopenFlags, KernelConfig, MountOption, Request, SessionACL};
 use tmem_block::BlockDevice;
 
 mod devloop;
@@ -134,13 +128,6 @@ impl NodeKind {
             Self::File { size } => (size, 0o600, 1),
         }
     }
-
-    fn file_type(&self) -> FileType {
-        match self {
-            Self::Dir => FileType::Directory,
-            Self::File { .. } => FileType::RegularFile,
-        }
-    }
 }
 
 struct BlockFs {
@@ -154,17 +141,10 @@ struct BlockFs {
     uring_negotiated: AtomicBool,
 }
 
-/// The filesystem as `fuser` sees it; io_uring workers share the same `BlockFs`.
+/// What `fuser` answers INIT with. Requests after INIT are served by our
+/// `/dev/fuse` workers ([`devloop`]) and io_uring workers ([`uring`]), both
+/// through `uring::dispatch` on the same `BlockFs`.
 struct FuserFs(Arc<BlockFs>);
-
-thread_local! {
-    /// Per-worker I/O buffer: allocated on a worker's first request, reused after.
-    static IO_BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-}
-
-fn errno(e: &tmem_block::BlockError) -> Errno {
-    Errno::from_i32(e.errno())
-}
 
 impl BlockFs {
     /// The exports, owned by this process's user.
@@ -247,36 +227,6 @@ impl BlockFs {
         };
         r.map_err(|err| err.errno())
     }
-
-    fn attr(&self, ino: u64) -> Option<FileAttr> {
-        let node = self.node(ino)?;
-        let (size, perm, nlink) = node.size_perm_nlink();
-        let kind = node.file_type();
-        Some(FileAttr {
-            ino: INodeNo(ino),
-            size,
-            blocks: size / 512,
-            atime: self.started,
-            mtime: self.started,
-            ctime: self.started,
-            crtime: self.started,
-            kind,
-            perm,
-            nlink,
-            uid: self.uid,
-            gid: self.gid,
-            rdev: 0,
-            blksize: 4096,
-            flags: 0,
-        })
-    }
-}
-
-fn reply_empty(r: Result<(), i32>, reply: ReplyEmpty) {
-    match r {
-        Ok(()) => reply.ok(),
-        Err(e) => reply.error(Errno::from_i32(e)),
-    }
 }
 
 impl fuser::Filesystem for FuserFs {
@@ -293,110 +243,6 @@ impl fuser::Filesystem for FuserFs {
             self.0.uring_negotiated.store(true, Ordering::Release);
         }
         Ok(())
-    }
-
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        match self.0.lookup_ino(parent.0, name.as_bytes()).and_then(|ino| self.0.attr(ino)) {
-            Some(attr) => reply.entry(&TTL, &attr, Generation(0)),
-            None => reply.error(Errno::ENOENT),
-        }
-    }
-
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.0.attr(ino.0) {
-            Some(a) => reply.attr(&TTL, &a),
-            None => reply.error(Errno::ENOENT),
-        }
-    }
-
-    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        match self.0.open_flags(ino.0) {
-            Ok(flags) => reply.opened(FileHandle(0), FopenFlags::from_bits_truncate(flags)),
-            Err(e) => reply.error(Errno::from_i32(e)),
-        }
-    }
-
-    fn read(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        size: u32,
-        _flags: OpenFlags,
-        _lock: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
-        let Some(e) = self.0.export(ino.0) else { return reply.error(Errno::ENOENT) };
-        let len = self.0.read_len(e, offset, size);
-        IO_BUF.with(|b| {
-            let mut buf = b.borrow_mut();
-            if buf.len() < MAX_IO as usize {
-                buf.resize(MAX_IO as usize, 0);
-            }
-            let len = len.min(buf.len());
-            match e.device.read_at(&mut buf[..len], offset) {
-                Ok(()) => reply.data(&buf[..len]),
-                Err(err) => reply.error(errno(&err)),
-            }
-        });
-    }
-
-    fn write(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        data: &[u8],
-        _write_flags: WriteFlags,
-        _flags: OpenFlags,
-        _lock: Option<LockOwner>,
-        reply: ReplyWrite,
-    ) {
-        let Some(e) = self.0.export(ino.0) else { return reply.error(Errno::ENOENT) };
-        match e.device.write_at(data, offset) {
-            Ok(()) => reply.written(u32::try_from(data.len()).unwrap_or(u32::MAX)),
-            Err(err) => reply.error(errno(&err)),
-        }
-    }
-
-    fn flush(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _lock: LockOwner, reply: ReplyEmpty) {
-        reply_empty(self.0.flush(ino.0), reply);
-    }
-
-    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        reply_empty(self.0.flush(ino.0), reply);
-    }
-
-    fn fallocate(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        length: u64,
-        mode: i32,
-        reply: ReplyEmpty,
-    ) {
-        reply_empty(self.0.fallocate(ino.0, offset, length, mode), reply);
-    }
-
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
-        if ino.0 != ROOT {
-            return reply.error(Errno::ENOTDIR);
-        }
-        for (i, (ino, kind, name)) in self.0.entries().enumerate().skip(usize::try_from(offset).unwrap_or(usize::MAX)) {
-            if reply.add(INodeNo(ino), i as u64 + 1, kind.file_type(), name) {
-                break;
-            }
-        }
-        reply.ok();
-    }
-
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let files = u64::try_from(self.0.exports.len()).unwrap_or(0);
-        reply.statfs(self.0.total_blocks(), 0, 0, files, 0, 4096, 255, 4096);
     }
 }
 

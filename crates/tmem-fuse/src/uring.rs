@@ -19,7 +19,8 @@
 //! - `REGISTER` (sqe `addr` = the two iovecs, `len` = 2) hands an entry to
 //!   queue `qid`. Once every queue has an entry, the kernel routes all
 //!   requests but FORGET and INTERRUPT through the ring; those two still
-//!   arrive on `/dev/fuse`, where `fuser`'s workers keep serving them.
+//!   arrive on `/dev/fuse`, where the `/dev/fuse` workers (`devloop`) keep
+//!   serving them.
 //! - A request arrives as a completion: `fuse_in_header` in `in_out`, the
 //!   operation's own header in `op_in`, any further arguments in the payload.
 //! - The answer: `fuse_out_header` in `in_out`, all output arguments back to
