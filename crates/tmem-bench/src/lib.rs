@@ -6,6 +6,7 @@
 //! benchmark and [`redis`] starts the throwaway servers of the remote tier.
 
 pub mod cache;
+pub mod capacity;
 pub mod plot;
 pub mod pressure;
 pub mod progress;

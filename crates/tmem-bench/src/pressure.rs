@@ -17,9 +17,9 @@
 //! and on Ctrl-C/SIGTERM (the signal only sets a flag; the run in progress is
 //! killed and the guards undo what was set up). See docs/PRESSURE.md.
 
-mod backend;
-mod report;
-mod workload;
+pub(crate) mod backend;
+pub(crate) mod report;
+pub(crate) mod workload;
 
 use anyhow::anyhow;
 use std::os::unix::process::CommandExt;
@@ -572,7 +572,7 @@ fn preflight(a: &PressureArgs) -> anyhow::Result<Layout> {
 }
 
 /// Turns zswap off if it is on; the returned guard turns it back on.
-fn zswap_off() -> anyhow::Result<Option<zswap::ZswapSettings>> {
+pub(crate) fn zswap_off() -> anyhow::Result<Option<zswap::ZswapSettings>> {
     if !zswap::available() {
         return Ok(None);
     }
@@ -689,6 +689,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         swap_size,
         swap_file: a.swap_dir.join(format!("tmem-bench-swap-{pid}")),
         zram_algorithm: a.zram_algorithm.clone(),
+        zram_mem_limit: None,
         zswap_compressor: a.zswap_compressor.clone(),
         zswap_max_pool_percent: a.zswap_max_pool_percent,
         tmem_runtime_dir: PathBuf::from(format!("/run/tmem-bench-{pid}")),

@@ -236,6 +236,13 @@ impl ZramDevice {
         configure(&self.name, algorithm, disksize)
     }
 
+    /// Caps the memory the device may use for compressed pages
+    /// (`mem_limit`, bytes; 0 = none); a write past it fails. Set after
+    /// [`ZramDevice::configure`].
+    pub fn set_mem_limit(&self, bytes: u64) -> Result<(), ZramError> {
+        write_attr(&self.name, "mem_limit", &bytes.to_string())
+    }
+
     /// Resets the device (frees its pages, `disksize` 0), retrying for a
     /// while when something holds it open for a moment. It must not be swap.
     pub fn reset(&self) -> Result<(), ZramError> {

@@ -113,6 +113,10 @@ enum BenchCommand {
     /// A read-heavy SQLite job on ext4 over a slow backing file, in a memory
     /// cgroup below its working set: plain loop device against tmem's cache.
     Cache(Box<tmem_bench::cache::CacheBenchArgs>),
+    /// ccache's capacity test: a job fills memory with text, compressed
+    /// files or real heaps until its cgroup's OOM killer ends it; how much
+    /// it held with no swap, zram, zswap and tmem on the same RAM budget.
+    Capacity(Box<tmem_bench::capacity::CapacityArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -140,6 +144,7 @@ fn main() -> ExitCode {
         Command::Bench { what: BenchCommand::Tier(args) } => tmem_bench::tier::run(&args),
         Command::Bench { what: BenchCommand::Pressure(args) } => tmem_bench::pressure::run(&args),
         Command::Bench { what: BenchCommand::Cache(args) } => tmem_bench::cache::run(&args),
+        Command::Bench { what: BenchCommand::Capacity(args) } => tmem_bench::capacity::run(&args),
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),

@@ -4,98 +4,16 @@
 //! up may remain afterwards: its hot-added zram device is gone, and a zram0
 //! that was there before is untouched.
 
-use std::path::Path;
+mod common;
+
 use std::process::Command;
-
-use tmem_testkit::Feature;
-
-fn read(path: &str) -> String {
-    std::fs::read_to_string(path).unwrap_or_default()
-}
-
-fn swap_areas() -> Vec<String> {
-    read("/proc/swaps").lines().skip(1).filter_map(|l| l.split_whitespace().next().map(str::to_owned)).collect()
-}
-
-/// Loop devices backed by a file under /run/tmem-bench-*.
-fn bench_loops() -> Vec<String> {
-    let out = Command::new("losetup").args(["--list", "--noheadings", "--output", "NAME,BACK-FILE"]).output();
-    let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
-    text.lines().filter(|l| l.contains("/run/tmem-bench-")).map(str::to_owned).collect()
-}
-
-fn bench_cgroups() -> Vec<String> {
-    let layout = tmem_sys::cgroup::Layout::detect().unwrap();
-    std::fs::read_dir(layout.memory_hierarchy().0)
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("tmem-bench-"))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// disksize and comp_algorithm of zram0, if there is one (the user's: the bench must leave it alone).
-fn zram0_state() -> Option<(String, String)> {
-    Path::new("/sys/block/zram0")
-        .exists()
-        .then(|| (read("/sys/block/zram0/disksize"), read("/sys/block/zram0/comp_algorithm")))
-}
-
-/// Whether /sys/block/DEV is gone within a few seconds (other tests may
-/// hot-add devices meanwhile, and get the same number for a moment).
-fn gone(dev: &str) -> bool {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while Path::new("/sys/block").join(dev).exists() {
-        if std::time::Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    true
-}
-
-fn bench_mounts() -> Vec<String> {
-    read("/proc/mounts")
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(1).map(str::to_owned))
-        .filter(|m| m.starts_with("/run/tmem-bench-"))
-        .collect()
-}
-
-fn missing_feature() -> Option<(Feature, &'static str)> {
-    if !tmem_testkit::is_root() {
-        return Some((Feature::Root, "needs root"));
-    }
-    if tmem_sys::cgroup::Layout::detect().and_then(|l| l.ensure_memory_controller()).is_err() {
-        return Some((Feature::Memcg, "no memory cgroup controller"));
-    }
-    if !Path::new("/sys/class/zram-control").exists()
-        && Command::new("modprobe").args(["--dry-run", "zram"]).status().map_or(true, |s| !s.success())
-    {
-        return Some((Feature::Zram, "no zram module"));
-    }
-    if !Path::new("/dev/fuse").exists() {
-        return Some((Feature::Fuse, "no /dev/fuse"));
-    }
-    // The bench measures swap alone: other active swap areas would take pages.
-    if !swap_areas().is_empty() {
-        return Some((Feature::Swap, "other swap areas are active"));
-    }
-    if !tmem_testkit::have_tool("python3") {
-        return Some((Feature::Tools, "no python3"));
-    }
-    None
-}
 
 #[test]
 fn pressure_ladder_smoke() {
-    if let Some((feature, reason)) = missing_feature() {
+    if let Some((feature, reason)) = common::missing_feature() {
         return tmem_testkit::skip(feature, reason);
     }
-    let cgroups_before = bench_cgroups();
-    let zram0_before = zram0_state();
+    let before = common::Before::now();
     let json = std::env::temp_dir().join(format!("tmem-pressure-smoke-{}.json", std::process::id()));
     let svg = json.with_extension("svg");
     let start = std::time::Instant::now();
@@ -118,30 +36,10 @@ fn pressure_ladder_smoke() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stdout}\n{stderr}\n(took {:.0} s)", start.elapsed().as_secs_f64());
 
-    // Nothing remains, whatever happened. (Other tests on the machine may have
-    // swap areas of their own by now: only ours are checked.)
+    // Nothing remains, whatever happened.
     let v: serde_json::Value = serde_json::from_str(&json_text).unwrap_or_default();
     let zram_dev = v["zram_device"].as_str().map(str::to_owned);
-    let ours: Vec<String> = swap_areas()
-        .into_iter()
-        .filter(|a| zram_dev.as_ref().is_some_and(|d| *a == format!("/dev/{d}")) || a.contains("tmem-bench"))
-        .collect();
-    assert!(ours.is_empty(), "swap areas left: {ours:?}");
-    assert!(bench_loops().is_empty(), "loop devices left: {:?}", bench_loops());
-    assert_eq!(bench_cgroups(), cgroups_before, "memory cgroups left behind");
-    assert_eq!(zram0_state(), zram0_before, "zram0 was touched");
-    if let Some(d) = &zram_dev {
-        assert_ne!(d, "zram0", "the bench must hot-add a device of its own");
-        assert!(gone(d), "the hot-added {d} was not removed");
-    }
-    assert!(bench_mounts().is_empty(), "mounts left: {:?}", bench_mounts());
-    assert!(
-        !std::fs::read_dir("/run")
-            .unwrap()
-            .filter_map(Result::ok)
-            .any(|e| e.file_name().to_string_lossy().starts_with("tmem-bench-")),
-        "runtime directory left in /run"
-    );
+    before.assert_nothing_left(zram_dev.as_deref());
 
     assert!(out.status.success(), "tmem bench pressure failed");
     assert!(zram_dev.is_some(), "no zram_device in the JSON");

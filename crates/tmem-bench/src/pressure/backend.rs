@@ -87,6 +87,8 @@ pub struct BackendConfig {
     pub swap_file: PathBuf,
     /// zram algorithm.
     pub zram_algorithm: String,
+    /// zram `mem_limit`, bytes (None: no limit).
+    pub zram_mem_limit: Option<u64>,
     /// zswap compressor.
     pub zswap_compressor: String,
     /// zswap max_pool_percent.
@@ -154,7 +156,7 @@ impl Backend {
     pub fn prepare(kind: BackendKind, c: &BackendConfig) -> anyhow::Result<Self> {
         match kind {
             BackendKind::Disk => Ok(Self::Disk(DiskSwap::create(&c.swap_file, c.swap_size)?)),
-            BackendKind::Zram => Ok(Self::Zram(Zram::prepare(&c.zram_algorithm, c.swap_size)?)),
+            BackendKind::Zram => Ok(Self::Zram(Zram::prepare(&c.zram_algorithm, c.swap_size, c.zram_mem_limit)?)),
             BackendKind::Zswap => {
                 let mut settings = zswap::ZswapSettings::save()?;
                 let set = |s: &mut zswap::ZswapSettings, k: &str, v: &str| {
@@ -373,17 +375,18 @@ pub struct Zram {
     dev: Option<zram::ZramDevice>,
     algorithm: String,
     disksize: u64,
+    mem_limit: Option<u64>,
     active: bool,
 }
 
 impl Zram {
-    fn prepare(algorithm: &str, disksize: u64) -> anyhow::Result<Self> {
+    fn prepare(algorithm: &str, disksize: u64, mem_limit: Option<u64>) -> anyhow::Result<Self> {
         let dev = zram::ZramDevice::hot_add().map_err(|e| anyhow!("cannot hot-add a zram device: {e}"))?;
         let (algs, _) = dev.algorithms()?;
         if !algs.iter().any(|a| a == algorithm) {
             return Err(anyhow!("zram does not offer {algorithm} (it offers {})", algs.join(", ")));
         }
-        Ok(Self { dev: Some(dev), algorithm: algorithm.to_owned(), disksize, active: false })
+        Ok(Self { dev: Some(dev), algorithm: algorithm.to_owned(), disksize, mem_limit, active: false })
     }
 
     fn dev(&self) -> anyhow::Result<&zram::ZramDevice> {
@@ -398,6 +401,9 @@ impl Zram {
         self.active = true;
         let dev = self.dev()?;
         dev.configure(&self.algorithm, self.disksize)?;
+        if let Some(limit) = self.mem_limit {
+            dev.set_mem_limit(limit)?;
+        }
         let node = dev.node();
         let node = node.to_string_lossy();
         cmd("mkswap", &["--label", "tmem-bench-zram", &node])?;

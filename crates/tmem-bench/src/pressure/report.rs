@@ -64,6 +64,33 @@ pub struct RunCpu {
     pub machine_cpu_us_per_swapped_page_above_reference: Option<f64>,
 }
 
+impl RunCpu {
+    /// The figures of a run that moved `vmstat`'s pages, where the daemon
+    /// used `daemon`, the machine `machine_busy` and the same work without
+    /// swapping `reference_busy` busy seconds.
+    #[must_use]
+    pub fn of(
+        vmstat: &SwapCounters,
+        daemon: Option<ProcessCpu>,
+        machine_busy: Option<f64>,
+        reference_busy: Option<f64>,
+    ) -> Self {
+        let swapped_pages = vmstat.pswpin + vmstat.pswpout + vmstat.zswpin + vmstat.zswpout;
+        let pages = (swapped_pages >= MIN_SWAPPED_PAGES).then_some(swapped_pages as f64);
+        Self {
+            daemon_cpu_user_secs: daemon.map(|d| d.user_secs),
+            daemon_cpu_system_secs: daemon.map(|d| d.system_secs),
+            machine_busy_cpu_secs: machine_busy,
+            swapped_pages,
+            daemon_cpu_us_per_swapped_page: daemon.zip(pages).map(|(d, p)| d.total_secs() * 1e6 / p),
+            machine_cpu_us_per_swapped_page_above_reference: machine_busy
+                .zip(reference_busy)
+                .zip(pages)
+                .map(|((b, r), p)| (b - r) * 1e6 / p),
+        }
+    }
+}
+
 /// One run of the workload.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct RunRecord {
@@ -137,15 +164,7 @@ impl RunRecord {
     /// Fills the CPU figures from the daemon's CPU time, the machine's busy
     /// seconds and the reference run's.
     pub fn set_cpu(&mut self, daemon: Option<ProcessCpu>, machine_busy: Option<f64>, reference_busy: Option<f64>) {
-        let v = &self.vmstat;
-        self.cpu.swapped_pages = v.pswpin + v.pswpout + v.zswpin + v.zswpout;
-        self.cpu.daemon_cpu_user_secs = daemon.map(|d| d.user_secs);
-        self.cpu.daemon_cpu_system_secs = daemon.map(|d| d.system_secs);
-        self.cpu.machine_busy_cpu_secs = machine_busy;
-        let pages = (self.cpu.swapped_pages >= MIN_SWAPPED_PAGES).then_some(self.cpu.swapped_pages as f64);
-        self.cpu.daemon_cpu_us_per_swapped_page = daemon.zip(pages).map(|(d, p)| d.total_secs() * 1e6 / p);
-        self.cpu.machine_cpu_us_per_swapped_page_above_reference =
-            machine_busy.zip(reference_busy).zip(pages).map(|((b, r), p)| (b - r) * 1e6 / p);
+        self.cpu = RunCpu::of(&self.vmstat, daemon, machine_busy, reference_busy);
     }
 
     /// Daemon CPU seconds, user + system.

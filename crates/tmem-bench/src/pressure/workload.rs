@@ -65,26 +65,41 @@ impl Workload {
             let err_path = self.dir.join(format!("job{i}.err"));
             let out = File::create(&out_path).map_err(|e| anyhow!("{}: {e}", out_path.display()))?;
             let err = File::create(&err_path).map_err(|e| anyhow!("{}: {e}", err_path.display()))?;
-            let child = Command::new("sh")
-                .arg("-c")
-                .arg("echo $$ > \"$0\" || exit 97; exec \"$@\"")
-                .arg(procs)
-                .arg(&self.python)
-                .arg(&self.script)
-                .args(["--mib", &self.mib_per_job.to_string(), "--seed", &seed.to_string()])
-                .args(["--passes", &self.passes.to_string()])
-                .env("PYTHONHASHSEED", "0")
-                .env("PYTHONDONTWRITEBYTECODE", "1")
-                .stdin(Stdio::null())
-                .stdout(out)
-                .stderr(err)
-                .process_group(0)
-                .spawn()
+            let mib = self.mib_per_job.to_string();
+            let passes = self.passes.to_string();
+            let script = self.script.to_string_lossy();
+            let args = [&*script, "--mib", &mib, "--seed", &seed.to_string(), "--passes", &passes];
+            let child = spawn_python_in(procs, &self.python, &args, out, err)
                 .map_err(|e| anyhow!("cannot start the workload (sh, {}): {e}", self.python))?;
             running.jobs.push(Job { seed, child, out_path, err_path, status: None });
         }
         Ok(running)
     }
+}
+
+/// Starts `python ARGS` in its own process group, in the cgroup whose
+/// `cgroup.procs` is `procs`: a shell writes its own pid there, then execs
+/// Python, so every page the job ever allocates is charged to the cgroup.
+pub(crate) fn spawn_python_in(
+    procs: &Path,
+    python: &str,
+    args: &[&str],
+    out: File,
+    err: File,
+) -> std::io::Result<Child> {
+    Command::new("sh")
+        .arg("-c")
+        .arg("echo $$ > \"$0\" || exit 97; exec \"$@\"")
+        .arg(procs)
+        .arg(python)
+        .args(args)
+        .env("PYTHONHASHSEED", "0")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .spawn()
 }
 
 impl Drop for Workload {

@@ -1,0 +1,146 @@
+//! Shared by the swap benches' smoke tests (`pressure_smoke`,
+//! `capacity_smoke`): what a bench needs from the machine, and the check
+//! that it left nothing behind: no swap area, loop device, memory cgroup,
+//! mount, runtime directory or file of its own, its hot-added zram device
+//! gone, a zram0 that was there before untouched, zswap as it was.
+
+use std::path::Path;
+use std::process::Command;
+
+use tmem_testkit::Feature;
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// Active swap areas.
+pub fn swap_areas() -> Vec<String> {
+    read("/proc/swaps").lines().skip(1).filter_map(|l| l.split_whitespace().next().map(str::to_owned)).collect()
+}
+
+/// Loop devices backed by a file under /run/tmem-bench-*.
+fn bench_loops() -> Vec<String> {
+    let out = Command::new("losetup").args(["--list", "--noheadings", "--output", "NAME,BACK-FILE"]).output();
+    let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    text.lines().filter(|l| l.contains("/run/tmem-bench-")).map(str::to_owned).collect()
+}
+
+fn bench_cgroups() -> Vec<String> {
+    let layout = tmem_sys::cgroup::Layout::detect().unwrap();
+    std::fs::read_dir(layout.memory_hierarchy().0)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("tmem-bench-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// disksize and comp_algorithm of zram0, if there is one (the user's: a bench must leave it alone).
+fn zram0_state() -> Option<(String, String)> {
+    Path::new("/sys/block/zram0")
+        .exists()
+        .then(|| (read("/sys/block/zram0/disksize"), read("/sys/block/zram0/comp_algorithm")))
+}
+
+/// Whether /sys/block/DEV is gone within a few seconds (other tests may
+/// hot-add devices meanwhile, and get the same number for a moment).
+fn gone(dev: &str) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while Path::new("/sys/block").join(dev).exists() {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    true
+}
+
+fn bench_mounts() -> Vec<String> {
+    read("/proc/mounts")
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1).map(str::to_owned))
+        .filter(|m| m.starts_with("/run/tmem-bench-"))
+        .collect()
+}
+
+/// Entries named tmem-bench-* in `dir`.
+fn bench_entries(dir: &str) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("tmem-bench-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Why a swap bench cannot run here, if it cannot.
+pub fn missing_feature() -> Option<(Feature, &'static str)> {
+    if !tmem_testkit::is_root() {
+        return Some((Feature::Root, "needs root"));
+    }
+    if tmem_sys::cgroup::Layout::detect().and_then(|l| l.ensure_memory_controller()).is_err() {
+        return Some((Feature::Memcg, "no memory cgroup controller"));
+    }
+    if !Path::new("/sys/class/zram-control").exists()
+        && Command::new("modprobe").args(["--dry-run", "zram"]).status().map_or(true, |s| !s.success())
+    {
+        return Some((Feature::Zram, "no zram module"));
+    }
+    if !Path::new("/dev/fuse").exists() {
+        return Some((Feature::Fuse, "no /dev/fuse"));
+    }
+    // A bench measures swap alone: other active swap areas would take pages.
+    if !swap_areas().is_empty() {
+        return Some((Feature::Swap, "other swap areas are active"));
+    }
+    if !tmem_testkit::have_tool("python3") {
+        return Some((Feature::Tools, "no python3"));
+    }
+    None
+}
+
+/// What a bench must leave as it found it.
+pub struct Before {
+    cgroups: Vec<String>,
+    zram0: Option<(String, String)>,
+    zswap_enabled: String,
+    var_tmp: Vec<String>,
+}
+
+impl Before {
+    /// Now, before the bench.
+    pub fn now() -> Self {
+        Self {
+            cgroups: bench_cgroups(),
+            zram0: zram0_state(),
+            zswap_enabled: read("/sys/module/zswap/parameters/enabled"),
+            var_tmp: bench_entries("/var/tmp"),
+        }
+    }
+
+    /// Asserts that the bench that hot-added `zram_dev` (from its JSON) left
+    /// nothing behind. Other tests on the machine may have swap areas of
+    /// their own by now: only the bench's are checked.
+    pub fn assert_nothing_left(&self, zram_dev: Option<&str>) {
+        let ours: Vec<String> = swap_areas()
+            .into_iter()
+            .filter(|a| zram_dev.is_some_and(|d| *a == format!("/dev/{d}")) || a.contains("tmem-bench"))
+            .collect();
+        assert!(ours.is_empty(), "swap areas left: {ours:?}");
+        assert!(bench_loops().is_empty(), "loop devices left: {:?}", bench_loops());
+        assert_eq!(bench_cgroups(), self.cgroups, "memory cgroups left behind");
+        assert_eq!(zram0_state(), self.zram0, "zram0 was touched");
+        if let Some(d) = zram_dev {
+            assert_ne!(d, "zram0", "the bench must hot-add a device of its own");
+            assert!(gone(d), "the hot-added {d} was not removed");
+        }
+        assert!(bench_mounts().is_empty(), "mounts left: {:?}", bench_mounts());
+        assert!(bench_entries("/run").is_empty(), "runtime directory left in /run: {:?}", bench_entries("/run"));
+        assert_eq!(bench_entries("/var/tmp"), self.var_tmp, "swap file or tier left in /var/tmp");
+        assert_eq!(read("/sys/module/zswap/parameters/enabled"), self.zswap_enabled, "zswap left changed");
+    }
+}
