@@ -64,8 +64,9 @@ pub struct CapacityArgs {
     /// zram compression algorithm.
     #[arg(long, default_value = "lz4")]
     pub zram_algorithm: String,
-    /// zswap compressor.
-    #[arg(long, default_value = "lz4")]
+    /// zswap compressor (one the kernel's crypto API has: zswap cannot use
+    /// zram's own lz4 where the crypto API lacks it).
+    #[arg(long, default_value = "lzo-rle")]
     pub zswap_compressor: String,
     /// Codec of the tmem and tmem+disk rows.
     #[arg(long, default_value = "lz4")]

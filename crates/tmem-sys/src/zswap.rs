@@ -71,6 +71,36 @@ pub fn available() -> bool {
     Path::new(PARAMS_DIR).join("enabled").exists()
 }
 
+/// The compressors the kernel's crypto API offers (`/proc/crypto` entries
+/// of type `scomp` or `acomp`): what zswap's `compressor` may name. zram
+/// has its own back ends, so a zram algorithm may be missing here. (While
+/// zswap is not yet set up the kernel takes any name, and falls back to its
+/// built-in default when it starts: check before setting.)
+#[must_use]
+pub fn compressors() -> Vec<String> {
+    parse_compressors(&std::fs::read_to_string("/proc/crypto").unwrap_or_default())
+}
+
+/// [`compressors`] from `/proc/crypto`'s text.
+#[must_use]
+pub fn parse_compressors(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = text
+        .split("\n\n")
+        .filter_map(|entry| {
+            let field = |k: &str| {
+                entry.lines().find_map(|l| {
+                    let (key, v) = l.split_once(':')?;
+                    (key.trim() == k).then(|| v.trim().to_owned())
+                })
+            };
+            matches!(field("type")?.as_str(), "scomp" | "acomp").then(|| field("name")).flatten()
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Reads every parameter of `dir` (file name → trimmed content).
 pub fn read_params(dir: &Path) -> Result<BTreeMap<String, String>, ZswapError> {
     let rd = |source| ZswapError::Read { path: dir.to_owned(), source };
@@ -326,6 +356,16 @@ pub fn stored_bytes() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compressors_are_the_scomp_and_acomp_entries() {
+        let text = "name         : aes\ndriver       : aes-aesni\ntype         : cipher\n\n\
+                    name         : lzo-rle\ndriver       : lzo-rle-scomp\ntype         : scomp\n\n\
+                    name         : deflate\ntype         : acomp\n\n\
+                    name         : lzo-rle\ndriver       : lzo-rle-generic\ntype         : scomp\n";
+        assert_eq!(parse_compressors(text), ["deflate", "lzo-rle"]);
+        assert!(parse_compressors("").is_empty());
+    }
 
     fn map(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
         kv.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()

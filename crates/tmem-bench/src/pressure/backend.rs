@@ -158,6 +158,14 @@ impl Backend {
             BackendKind::Disk => Ok(Self::Disk(DiskSwap::create(&c.swap_file, c.swap_size)?)),
             BackendKind::Zram => Ok(Self::Zram(Zram::prepare(&c.zram_algorithm, c.swap_size, c.zram_mem_limit)?)),
             BackendKind::Zswap => {
+                let offered = zswap::compressors();
+                if !offered.contains(&c.zswap_compressor) {
+                    return Err(anyhow!(
+                        "zswap: the kernel's crypto API has no {} compressor (it has {})",
+                        c.zswap_compressor,
+                        offered.join(", ")
+                    ));
+                }
                 let mut settings = zswap::ZswapSettings::save()?;
                 let set = |s: &mut zswap::ZswapSettings, k: &str, v: &str| {
                     s.set(k, v).map_err(|e| anyhow!("zswap: setting {k}={v}: {e}"))
