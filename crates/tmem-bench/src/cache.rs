@@ -37,7 +37,7 @@
 
 mod job;
 mod report;
-mod setup;
+pub(crate) mod setup;
 
 use anyhow::anyhow;
 use std::path::{Path, PathBuf};

@@ -438,6 +438,8 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         tmem_recompress: (String::new(), 0.0),
         tmem_tier_pool_limit: budget.to_string(),
         tier_dir: a.swap_dir.join(format!("tmem-bench-tier-{pid}")),
+        disk_profile: crate::pressure::DiskProfile::Host,
+        net_profile: crate::pressure::NetProfile::Loopback,
     };
     let mut records = Vec::new();
     let mut errors = Vec::new();

@@ -18,7 +18,9 @@
 //! killed and the guards undo what was set up). See docs/PRESSURE.md.
 
 pub(crate) mod backend;
+mod net;
 pub(crate) mod report;
+mod throttle;
 pub(crate) mod workload;
 
 use anyhow::anyhow;
@@ -35,6 +37,8 @@ use tmem_sys::vmstat::{CpuTimes, ProcessCpu, SwapCounters};
 use tmem_sys::{swap, zswap};
 
 pub use backend::BackendKind;
+pub use net::NetProfile;
+pub use throttle::DiskProfile;
 use backend::{Backend, BackendConfig, PoolSample};
 use report::{Outcome, RunRecord};
 
@@ -124,6 +128,18 @@ pub struct PressureArgs {
     /// Python interpreter for the workload.
     #[arg(long, default_value = "python3")]
     pub python: String,
+    /// Where the tmem+remote rows' Redis nodes run: loopback, or each in a
+    /// network namespace of its own behind a veth pair at 25g (25 Gbit/s,
+    /// 20 us each way) or 10g (10 Gbit/s, 50 us each way).
+    #[arg(long, default_value = "loopback")]
+    pub net: NetProfile,
+    /// The disk behind the disk swap file (disk, zswap) and the tmem+disk
+    /// tier: host (as it is), nvme or cloud (a throttled loop device; cgroup v1).
+    #[arg(long, default_value = "host")]
+    pub disk_profile: DiskProfile,
+    /// tmem+remote-kill: kill a Redis node once the tier holds this many pages.
+    #[arg(long, default_value_t = 2000)]
+    pub kill_node_at_tier_pages: u64,
 }
 
 /// Set by SIGINT/SIGTERM/SIGHUP.
@@ -176,6 +192,8 @@ struct Ctx<'a> {
     progress: Progress,
     /// Busy CPU seconds of the whole machine in the reference run.
     reference_busy_secs: Option<f64>,
+    /// Tier pages at which the current run kills a Redis node (tmem+remote-kill).
+    kill_node_at: Option<u64>,
 }
 
 /// Everything a run measured.
@@ -203,6 +221,17 @@ struct Measured {
     after_exit: Option<(PoolSample, u64)>,
     /// Writes the device refused during the run.
     refused_writes: Option<u64>,
+    /// The Redis node the run killed (tmem+remote-kill).
+    killed_node: Option<KilledNode>,
+}
+
+/// A Redis node a run killed.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct KilledNode {
+    /// Seconds into the run.
+    pub at_secs: f64,
+    /// What was done.
+    pub what: String,
 }
 
 /// Bytes in use in the swap areas `ours`, from /proc/swaps.
@@ -212,8 +241,8 @@ fn swap_used(ours: &[std::path::PathBuf]) -> u64 {
 
 impl Ctx<'_> {
     /// Runs the workload once in a fresh cgroup limited to `limit`, sampling `backend`'s pool.
-    fn measure(&mut self, backend: Option<&Backend>, limit: Option<u64>, label: &str) -> anyhow::Result<Measured> {
-        let ours = backend.map(Backend::swap_paths).unwrap_or_default();
+    fn measure(&mut self, mut backend: Option<&mut Backend>, limit: Option<u64>, label: &str) -> anyhow::Result<Measured> {
+        let ours = backend.as_deref().map(Backend::swap_paths).unwrap_or_default();
         let mut foreign = foreign_swap(&ours);
         let cg = MemCgroup::create(&self.layout, &self.cgroup_name)?;
         match cg.version() {
@@ -230,12 +259,14 @@ impl Ctx<'_> {
         }
         cg.set_limit(limit)?;
         let before = SwapCounters::now()?;
-        let server = backend.and_then(Backend::server_pid);
+        let server = backend.as_deref().and_then(Backend::server_pid);
         let server_before = server.and_then(ProcessCpu::of_pid);
         let cpu_before = CpuTimes::now();
         // Only tmem refuses a swap write (its pool is full and no tier takes the page).
-        let refusing = backend.filter(|b| matches!(b, Backend::Tmem(_)));
-        let failed_before = refusing.map(|b| b.sample().failed_writes);
+        let refusing = backend.as_deref().is_some_and(|b| matches!(b, Backend::Tmem(_)));
+        let failed_before = backend.as_deref().filter(|_| refusing).map(|b| b.sample().failed_writes);
+        let mut kill_at = self.kill_node_at;
+        let mut killed_node = None;
         let start = Instant::now();
         let mut running = self.workload.spawn(&cg.procs_file())?;
         let sample_every = Duration::from_millis(self.args.sample_ms.max(10));
@@ -261,12 +292,18 @@ impl Ctx<'_> {
             let now = Instant::now();
             if now >= next_sample {
                 next_sample = now + sample_every;
-                if let Some(b) = backend {
+                if let Some(b) = backend.as_deref_mut() {
                     let s = b.sample();
                     samples += 1;
                     tier_peak_pages = tier_peak_pages.max(s.tier_pages);
                     if s.pool_bytes > peak.pool_bytes {
                         peak = s;
+                    }
+                    if kill_at.is_some_and(|at| s.tier_pages >= at) {
+                        kill_at = None;
+                        let what = b.kill_remote_node()?;
+                        self.progress.note(&format!("{label}: {what} at {:.1} s", start.elapsed().as_secs_f64()));
+                        killed_node = Some(KilledNode { at_secs: start.elapsed().as_secs_f64(), what });
                     }
                 }
                 self.progress.show(label, false);
@@ -288,11 +325,12 @@ impl Ctx<'_> {
         let cpu = cpu_before.zip(cpu_after);
         let steal_percent = cpu.map_or(0.0, |(b, a)| a.steal_percent_since(&b));
         let machine_busy_secs = cpu.map(|(b, a)| a.busy_secs_since(&b));
-        if let Some(hw) = backend.and_then(Backend::pool_high_water) {
+        if let Some(hw) = backend.as_deref().and_then(Backend::pool_high_water) {
             peak.pool_bytes = peak.pool_bytes.max(hw);
         }
-        let refused_writes = failed_before.zip(refusing).map(|(b, be)| be.sample().failed_writes.saturating_sub(b));
-        let after_exit = match backend {
+        let refused_writes =
+            failed_before.zip(backend.as_deref()).map(|(b, be)| be.sample().failed_writes.saturating_sub(b));
+        let after_exit = match backend.as_deref() {
             Some(b) if !timed_out && !ours.is_empty() => {
                 let secs = self.args.after_exit_secs;
                 self.progress.show(&format!("{label}: pool {secs} s after the jobs exit"), false);
@@ -318,6 +356,7 @@ impl Ctx<'_> {
             foreign,
             after_exit,
             refused_writes,
+            killed_node,
         };
         drop(running);
         cg.remove()?;
@@ -407,7 +446,8 @@ impl Ctx<'_> {
         }
         let setup_secs = t.elapsed().as_secs_f64();
         let counters_before = backend.counters();
-        let measured = self.measure(Some(backend), limit, label);
+        self.kill_node_at = (name == BackendKind::TmemRemoteKill.name()).then_some(self.args.kill_node_at_tier_pages);
+        let measured = self.measure(Some(&mut *backend), limit, label);
         let counters = backend.counters().map(|after| counter_deltas(counters_before.as_ref(), &after));
         let t = Instant::now();
         let down = backend.deactivate();
@@ -429,6 +469,7 @@ impl Ctx<'_> {
             pool_after_exit_bytes: m.after_exit.map(|(s, _)| s.pool_bytes),
             swap_used_after_exit_bytes: m.after_exit.map(|(_, u)| u),
             refused_writes: m.refused_writes,
+            killed_node: m.killed_node.clone(),
             pool_samples: m.samples,
             cgroup_max_usage_bytes: m.max_usage,
             cgroup_failcnt: m.failcnt,
@@ -443,6 +484,12 @@ impl Ctx<'_> {
             backend_counters: counters,
         };
         r.set_cpu(m.daemon_cpu, m.machine_busy_secs, self.reference_busy_secs);
+        if self.kill_node_at.is_some() && r.killed_node.is_none() {
+            r.message = Some(format!(
+                "no Redis node was killed: the tier never held {} pages",
+                self.args.kill_node_at_tier_pages
+            ));
+        }
         Ok(r)
     }
 }
@@ -557,7 +604,9 @@ fn preflight(a: &PressureArgs) -> anyhow::Result<Layout> {
             BackendKind::Zswap if !zswap::available() => {
                 return Err(anyhow!("zswap backend: this kernel has no zswap"))
             }
-            BackendKind::TmemRemote if crate::redis::redis_server_binary().is_none() => {
+            BackendKind::TmemRemote | BackendKind::TmemRemoteKill
+                if crate::redis::redis_server_binary().is_none() =>
+            {
                 return Err(anyhow!("tmem+remote backend: redis-server is not installed (apt install redis-server)"));
             }
             BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk if !a.swap_dir.is_dir() => {
@@ -565,6 +614,18 @@ fn preflight(a: &PressureArgs) -> anyhow::Result<Layout> {
             }
             _ => {}
         }
+    }
+    let remote = a.backends.iter().any(|b| matches!(b, BackendKind::TmemRemote | BackendKind::TmemRemoteKill));
+    if remote && a.net != NetProfile::Loopback {
+        cmd("ip", &["netns", "list"]).map_err(|e| anyhow!("--net {}: needs ip (iproute2): {e}", a.net.describe()))?;
+        cmd("tc", &["-V"]).map_err(|e| anyhow!("--net {}: needs tc (iproute2): {e}", a.net.describe()))?;
+    }
+    let on_disk = a.backends.iter().any(|b| matches!(b, BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk));
+    if on_disk && a.disk_profile != DiskProfile::Host && crate::cache::setup::blkio_root().is_none() {
+        return Err(anyhow!(
+            "--disk-profile {:?} needs the cgroup v1 blkio hierarchy (it throttles at its root); not built for cgroup v2",
+            a.disk_profile
+        ));
     }
     let layout = Layout::detect()?;
     layout.ensure_memory_controller()?;
@@ -600,6 +661,12 @@ struct JsonOut<'a> {
     /// The zram device hot-added for the zram rows (removed since).
     #[serde(skip_serializing_if = "Option::is_none")]
     zram_device: Option<String>,
+    /// The Redis nodes' network path.
+    net: String,
+    /// Whether its delay was applied (None: loopback).
+    net_delay_applied: Option<bool>,
+    /// The disk behind the disk rows.
+    disk: String,
     /// Runs that swapped fewer pages than this get no per-page CPU figures.
     min_swapped_pages_for_cpu_per_page: u64,
     reference: &'a RunRecord,
@@ -632,6 +699,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         timeout: Duration::from_secs(if a.timeout > 0 { a.timeout } else { 3600 }),
         progress: Progress::new(total),
         reference_busy_secs: None,
+        kill_node_at: None,
     };
 
     // Reference run: no limit, no swap of ours; gives the peak and the checksums.
@@ -659,6 +727,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         pool_after_exit_bytes: None,
         swap_used_after_exit_bytes: None,
         refused_writes: None,
+        killed_node: None,
         pool_samples: 0,
         cgroup_max_usage_bytes: m.max_usage,
         cgroup_failcnt: m.failcnt,
@@ -700,10 +769,13 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         tmem_discard: a.tmem_discard,
         tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
         tier_dir: a.swap_dir.join(format!("tmem-bench-tier-{pid}")),
+        disk_profile: a.disk_profile,
+        net_profile: a.net,
     };
     let mut runs: Vec<RunRecord> = Vec::new();
     let mut errors: Vec<String> = Vec::new();
     let mut zram_device = None;
+    let mut net_delay_applied = None;
     'backends: for &kind in &a.backends {
         if interrupted() {
             break;
@@ -713,6 +785,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         let mut backend = match Backend::prepare(kind, &cfg) {
             Ok(b) => {
                 zram_device = zram_device.or_else(|| b.zram_device());
+                net_delay_applied = net_delay_applied.or_else(|| b.net_delay_applied());
                 b
             }
             Err(e) => {
@@ -768,7 +841,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
 
     let names: Vec<&str> = a.backends.iter().map(|b| b.name()).collect();
     let summary = report::summarize(&runs, &names, &a.levels);
-    print_report(a, &ctx.layout, &reference, peak, &runs, &summary, &names, zram_device.as_deref());
+    print_report(a, &ctx.layout, &reference, peak, &runs, &summary, &names, zram_device.as_deref(), net_delay_applied);
     if let Some(path) = &a.plot {
         plot(path, a, &summary, &names)?;
         println!("figures: {}", path.display());
@@ -784,6 +857,9 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
             peak_bytes: peak,
             swap_size_bytes: swap_size,
             zram_device,
+            net: a.net.describe(),
+            net_delay_applied,
+            disk: a.disk_profile.describe(),
             min_swapped_pages_for_cpu_per_page: report::MIN_SWAPPED_PAGES,
             reference: &reference,
             runs: &runs,
@@ -817,6 +893,7 @@ fn print_report(
     summary: &[report::Summary],
     names: &[&str],
     zram_device: Option<&str>,
+    net_delay_applied: Option<bool>,
 ) {
     println!(
         "tmem bench pressure: workload {} MiB in {} job(s), {} pass(es); measured peak {} in {:.1} s (no limit, no swap)",
@@ -849,6 +926,34 @@ fn print_report(
             "tmem+recomp = tmem with --recompress {} --recompress-after {}: cold pages recompressed in the background.",
             a.tmem_recompress, a.tmem_recompress_after
         );
+    }
+    if names.iter().any(|n| n.starts_with("tmem+remote")) {
+        let delay = match net_delay_applied {
+            Some(false) => " (THE DELAY IS NOT APPLIED: this kernel has no sch_netem; the rate is, with tbf)",
+            _ => "",
+        };
+        println!(
+            "tmem+remote = pool of {} over {} redis-server nodes, every page on {}; network: {}{delay}.",
+            a.tmem_tier_pool_limit,
+            backend::REMOTE_NODES,
+            backend::REMOTE_REPLICAS,
+            a.net.describe()
+        );
+    }
+    if names.contains(&"tmem+remote-kill") {
+        println!(
+            "tmem+remote-kill = tmem+remote, and one node is killed once the tier holds {} pages.",
+            a.kill_node_at_tier_pages
+        );
+        for r in runs.iter().filter(|r| r.backend == "tmem+remote-kill") {
+            match &r.killed_node {
+                Some(k) => println!("  {}% run {}: {} at {:.1} s", r.level, r.run, k.what, k.at_secs),
+                None => println!("  {}% run {}: no node killed", r.level, r.run),
+            }
+        }
+    }
+    if names.iter().any(|n| ["disk", "zswap", "tmem+disk"].contains(n)) {
+        println!("disk: {}.", a.disk_profile.describe());
     }
     if names.contains(&"fuse-ram") {
         println!(
@@ -979,6 +1084,7 @@ mod tests {
             foreign: vec![],
             after_exit: None,
             refused_writes: None,
+            killed_node: None,
         }
     }
 

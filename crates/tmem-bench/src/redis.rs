@@ -40,11 +40,24 @@ pub struct RedisOptions {
     pub acl_users: Vec<String>,
     /// Serve TLS only, with these certificates (clients need not present one).
     pub tls: Option<TlsFiles>,
+    /// Run inside this network namespace (`ip netns exec`), bound to this
+    /// address of it, on port 6379; `None`: 127.0.0.1, a free port.
+    pub netns: Option<(String, std::net::Ipv4Addr)>,
+    /// Run as a Redis Cluster node (`cluster-enabled yes`), not yet part of a cluster.
+    pub cluster: bool,
 }
 
 impl Default for RedisOptions {
     fn default() -> Self {
-        Self { maxmemory: None, policy: "noeviction".into(), requirepass: None, acl_users: Vec::new(), tls: None }
+        Self {
+            maxmemory: None,
+            policy: "noeviction".into(),
+            requirepass: None,
+            acl_users: Vec::new(),
+            tls: None,
+            netns: None,
+            cluster: false,
+        }
     }
 }
 
@@ -90,7 +103,7 @@ impl RedisServer {
 
     fn try_start(bin: &Path, opts: &RedisOptions) -> io::Result<Self> {
         let dir = tempfile::Builder::new().prefix("tmem-redis-").tempdir()?;
-        let port = free_port()?;
+        let port = if opts.netns.is_some() { 6379 } else { free_port()? };
         let child = spawn(bin, opts, port, dir.path())?;
         let mut server = Self { child, port, tls: opts.tls.is_some(), running: true, dir, opts: opts.clone() };
         server.wait_ready()?;
@@ -127,7 +140,7 @@ impl RedisServer {
     }
 
     fn accepts(&self) -> bool {
-        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else { return false };
+        let Ok(mut s) = TcpStream::connect((self.host(), self.port)) else { return false };
         if self.tls {
             return true;
         }
@@ -149,12 +162,24 @@ impl RedisServer {
 
     /// `redis://127.0.0.1:PORT` (`rediss://` for a TLS server), without credentials.
     pub fn url(&self) -> String {
-        format!("{}://127.0.0.1:{}", if self.tls { "rediss" } else { "redis" }, self.port)
+        format!("{}://{}:{}", if self.tls { "rediss" } else { "redis" }, self.host(), self.port)
+    }
+
+    /// The address it is bound to.
+    #[must_use]
+    pub fn host(&self) -> std::net::Ipv4Addr {
+        self.opts.netns.as_ref().map_or(std::net::Ipv4Addr::LOCALHOST, |(_, a)| *a)
+    }
+
+    /// `host:port`.
+    #[must_use]
+    pub fn addr(&self) -> String {
+        format!("{}:{}", self.host(), self.port)
     }
 
     /// The URL with a user (may be empty, for `requirepass`) and password.
     pub fn url_with_auth(&self, user: &str, password: &str) -> String {
-        format!("{}://{user}:{password}@127.0.0.1:{}", if self.tls { "rediss" } else { "redis" }, self.port)
+        format!("{}://{user}:{password}@{}:{}", if self.tls { "rediss" } else { "redis" }, self.host(), self.port)
     }
 
     /// The server's log so far.
@@ -204,8 +229,25 @@ impl Drop for RedisServer {
 }
 
 fn spawn(bin: &Path, opts: &RedisOptions, port: u16, dir: &Path) -> io::Result<Child> {
-    let mut cmd = Command::new(bin);
-    cmd.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no"]);
+    // `ip netns exec` execs redis-server after joining the namespace: the child is the server.
+    let (mut cmd, host) = match &opts.netns {
+        Some((ns, addr)) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(bin);
+            (c, addr.to_string())
+        }
+        None => (Command::new(bin), "127.0.0.1".to_owned()),
+    };
+    cmd.args(["--bind", &host, "--save", "", "--appendonly", "no", "--daemonize", "no"]);
+    if opts.netns.is_some() {
+        // Protected mode refuses clients from other addresses when no
+        // password is set; the namespace is reached only from this host.
+        cmd.args(["--protected-mode", "no"]);
+    }
+    if opts.cluster {
+        cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"]);
+        cmd.arg("--cluster-config-file").arg(dir.join("nodes.conf"));
+    }
     cmd.arg("--dir").arg(dir).arg("--logfile").arg(dir.join("redis.log"));
     cmd.args(["--maxmemory", opts.maxmemory.as_deref().unwrap_or("0")]);
     cmd.args(["--maxmemory-policy", &opts.policy]);

@@ -28,6 +28,9 @@ use tmem_fuse::{Export, FuseConfig, FuseMount};
 use tmem_sys::{swap, zswap};
 
 use super::cmd;
+use crate::cache::setup::current_exe;
+use super::net::{Namespace, NetProfile};
+use super::throttle::{DiskProfile, ThrottledLoop};
 use tmem_ctl::{self as ctl, Request};
 
 /// Which backend.
@@ -51,6 +54,11 @@ pub enum BackendKind {
     #[value(name = "tmem+remote")]
     #[serde(rename = "tmem+remote")]
     TmemRemote,
+    /// tmem+remote where the bench kills one Redis node (and, on a
+    /// network profile, deletes its namespace) once the tier holds pages.
+    #[value(name = "tmem+remote-kill")]
+    #[serde(rename = "tmem+remote-kill")]
+    TmemRemoteKill,
     /// tmem with a small pool that writes back to a disk backing file.
     #[value(name = "tmem+disk")]
     #[serde(rename = "tmem+disk")]
@@ -72,6 +80,7 @@ impl BackendKind {
             Self::Tmem => "tmem",
             Self::TmemRecomp => "tmem+recomp",
             Self::TmemRemote => "tmem+remote",
+            Self::TmemRemoteKill => "tmem+remote-kill",
             Self::TmemDisk => "tmem+disk",
             Self::FuseRam => "fuse-ram",
         }
@@ -109,6 +118,10 @@ pub struct BackendConfig {
     pub tmem_tier_pool_limit: String,
     /// Directory for the tmem+disk backing file.
     pub tier_dir: PathBuf,
+    /// The disk behind the disk swap file and the tmem+disk tier.
+    pub disk_profile: DiskProfile,
+    /// The network path to the tmem+remote rows' Redis nodes.
+    pub net_profile: NetProfile,
 }
 
 /// Priority of the disk swap file (and of zswap's).
@@ -155,7 +168,7 @@ impl Backend {
     /// Prepares `kind`.
     pub fn prepare(kind: BackendKind, c: &BackendConfig) -> anyhow::Result<Self> {
         match kind {
-            BackendKind::Disk => Ok(Self::Disk(DiskSwap::create(&c.swap_file, c.swap_size)?)),
+            BackendKind::Disk => Ok(Self::Disk(DiskSwap::create(&c.swap_file, c.swap_size, c.disk_profile)?)),
             BackendKind::Zram => Ok(Self::Zram(Zram::prepare(&c.zram_algorithm, c.swap_size, c.zram_mem_limit)?)),
             BackendKind::Zswap => {
                 let offered = zswap::compressors();
@@ -180,7 +193,7 @@ impl Backend {
                         None
                     }
                 };
-                let disk = DiskSwap::create(&c.swap_file, c.swap_size)?;
+                let disk = DiskSwap::create(&c.swap_file, c.swap_size, c.disk_profile)?;
                 Ok(Self::Zswap { disk, settings, debugfs })
             }
             BackendKind::Tmem => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::None)?)),
@@ -191,7 +204,9 @@ impl Backend {
                     vec!["--recompress".into(), codec.clone(), "--recompress-after".into(), after.to_string()];
                 Ok(Self::Tmem(t))
             }
-            BackendKind::TmemRemote => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::Remote)?)),
+            BackendKind::TmemRemote | BackendKind::TmemRemoteKill => {
+                Ok(Self::Tmem(Tmem::prepare(c, TmemTier::Remote)?))
+            }
             BackendKind::TmemDisk => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::Disk)?)),
             BackendKind::FuseRam => Ok(Self::FuseRam(FuseRam::prepare(c)?)),
         }
@@ -200,7 +215,7 @@ impl Backend {
     /// Swap paths this backend puts in /proc/swaps (known once active).
     pub fn swap_paths(&self) -> Vec<PathBuf> {
         match self {
-            Self::Disk(d) | Self::Zswap { disk: d, .. } => vec![d.path.clone()],
+            Self::Disk(d) | Self::Zswap { disk: d, .. } => vec![d.swap_path().to_owned()],
             Self::Zram(z) => z.dev.as_ref().map(zram::ZramDevice::node).into_iter().collect(),
             Self::Tmem(t) => t.loop_devs.clone(),
             Self::FuseRam(f) => f.active.iter().filter_map(|a| a.loop_dev.clone()).collect(),
@@ -269,6 +284,23 @@ impl Backend {
         }
     }
 
+    /// Kills one of tmem+remote's Redis nodes (see [`Tmem::kill_node`]).
+    pub fn kill_remote_node(&mut self) -> anyhow::Result<String> {
+        match self {
+            Self::Tmem(t) if !t.servers.is_empty() => t.kill_node(0),
+            _ => Err(anyhow!("this backend has no Redis nodes")),
+        }
+    }
+
+    /// Whether its Redis nodes' links carry the network profile's delay
+    /// (`None`: no namespaces).
+    pub fn net_delay_applied(&self) -> Option<bool> {
+        match self {
+            Self::Tmem(t) if !t.namespaces.is_empty() => Some(t.namespaces.iter().all(|n| n.delay_applied)),
+            _ => None,
+        }
+    }
+
     /// The zram device the zram backend hot-added.
     pub fn zram_device(&self) -> Option<String> {
         match self {
@@ -315,16 +347,20 @@ impl Backend {
     }
 }
 
-/// A swap file we created.
+/// A swap file we created: swapped on directly, or (with a disk profile)
+/// through a throttled loop device over it.
 pub struct DiskSwap {
     path: PathBuf,
     created: bool,
     active: bool,
+    throttled: Option<ThrottledLoop>,
 }
 
 impl DiskSwap {
-    /// Creates the file (it must not exist), allocates it fully and writes a swap signature.
-    pub fn create(path: &Path, size: u64) -> anyhow::Result<Self> {
+    /// Creates the file (it must not exist), allocates it fully, puts it
+    /// behind a throttled loop device for a `profile` with limits, and
+    /// writes a swap signature.
+    pub fn create(path: &Path, size: u64, profile: DiskProfile) -> anyhow::Result<Self> {
         let f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -332,34 +368,45 @@ impl DiskSwap {
             .open(path)
             .map_err(|e| anyhow!("cannot create swap file {}: {e}", path.display()))?;
         drop(f);
-        let d = Self { path: path.to_owned(), created: true, active: false };
+        let mut d = Self { path: path.to_owned(), created: true, active: false, throttled: None };
         let p = path.to_string_lossy();
         cmd("fallocate", &["--length", &size.to_string(), &p])?;
-        cmd("mkswap", &["--label", "tmem-bench", &p])?;
+        if let Some(limits) = profile.limits() {
+            d.throttled = Some(ThrottledLoop::attach(path, limits)?);
+        }
+        cmd("mkswap", &["--label", "tmem-bench", &d.swap_path().to_string_lossy()])?;
         Ok(d)
+    }
+
+    /// What is swapped on: the file, or the loop device over it.
+    pub fn swap_path(&self) -> &Path {
+        self.throttled.as_ref().map_or(&self.path, ThrottledLoop::dev)
     }
 
     fn activate(&mut self) -> anyhow::Result<()> {
         self.active = true;
-        cmd("swapon", &["--priority", &DISK_PRIORITY.to_string(), &self.path.to_string_lossy()]).map(drop)
+        cmd("swapon", &["--priority", &DISK_PRIORITY.to_string(), &self.swap_path().to_string_lossy()]).map(drop)
     }
 
     fn deactivate(&mut self) -> anyhow::Result<()> {
-        if self.active && swap::is_swap(&self.path)? {
-            cmd("swapoff", &[&self.path.to_string_lossy()])?;
+        if self.active && swap::is_swap(self.swap_path())? {
+            cmd("swapoff", &[&self.swap_path().to_string_lossy()])?;
         }
         self.active = false;
         Ok(())
     }
 
-    /// swapoff (if needed) and delete the file.
+    /// swapoff (if needed), release the loop device and delete the file.
     pub fn remove(mut self) -> anyhow::Result<()> {
         self.remove_now()
     }
 
     fn remove_now(&mut self) -> anyhow::Result<()> {
-        self.active = self.active || swap::is_swap(&self.path).unwrap_or(false);
+        self.active = self.active || swap::is_swap(self.swap_path()).unwrap_or(false);
         self.deactivate()?;
+        if let Some(t) = self.throttled.take() {
+            t.release()?;
+        }
         if std::mem::take(&mut self.created) {
             std::fs::remove_file(&self.path).map_err(|e| anyhow!("cannot remove {}: {e}", self.path.display()))?;
         }
@@ -454,14 +501,6 @@ impl Drop for Zram {
     }
 }
 
-/// This binary's path. When it was rebuilt while the bench runs, the kernel
-/// reports the old file as "PATH (deleted)": use PATH, the new build.
-fn current_exe() -> anyhow::Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let s = exe.to_string_lossy();
-    Ok(s.strip_suffix(" (deleted)").map_or_else(|| exe.clone(), PathBuf::from))
-}
-
 /// The tier below a bench daemon's pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum TmemTier {
@@ -494,7 +533,12 @@ pub struct Tmem {
     pid: Option<i32>,
     loop_devs: Vec<PathBuf>,
     servers: Vec<crate::redis::RedisServer>,
+    /// The servers' namespaces (a network profile): dropped after the servers.
+    namespaces: Vec<Namespace>,
     tier_dir: Option<PathBuf>,
+    /// The tier's throttled filesystem (a disk profile), mounted at
+    /// `tier_dir`, and its image file.
+    tier_disk: Option<(ThrottledLoop, PathBuf)>,
 }
 
 impl Tmem {
@@ -519,14 +563,23 @@ impl Tmem {
             pid: None,
             loop_devs: Vec::new(),
             servers: Vec::new(),
+            namespaces: Vec::new(),
             tier_dir: None,
+            tier_disk: None,
         };
         match tier {
             TmemTier::None => {}
             TmemTier::Remote => {
                 use crate::redis::{RedisOptions, RedisServer};
-                for _ in 0..REMOTE_NODES {
-                    let s = RedisServer::start(&RedisOptions::default())
+                for i in 0..REMOTE_NODES {
+                    let mut opts = RedisOptions::default();
+                    if c.net_profile != NetProfile::Loopback {
+                        let index = u8::try_from(i).unwrap_or(u8::MAX);
+                        let ns = Namespace::create(index, c.net_profile)?;
+                        opts.netns = Some((ns.name().to_owned(), ns.addr));
+                        t.namespaces.push(ns);
+                    }
+                    let s = RedisServer::start(&opts)
                         .map_err(|e| anyhow!("tmem+remote: cannot start redis-server: {e}"))?;
                     t.servers.push(s);
                 }
@@ -543,7 +596,26 @@ impl Tmem {
                 std::fs::create_dir(&c.tier_dir)
                     .map_err(|e| anyhow!("tmem+disk: cannot create {}: {e}", c.tier_dir.display()))?;
                 t.tier_dir = Some(c.tier_dir.clone());
-                t.tier_args = vec!["--tier".into(), format!("disk={}", c.tier_dir.display())];
+                let mut tier = c.tier_dir.clone();
+                if let Some(limits) = c.disk_profile.limits() {
+                    // An ext4 image as large as the swap area and a quarter, behind the throttle.
+                    let image = c.tier_dir.with_extension("img");
+                    cmd("truncate", &["--size", &(c.swap_size + c.swap_size / 4).to_string(), &image.to_string_lossy()])?;
+                    let attached = ThrottledLoop::attach(&image, limits);
+                    let mut lo = match attached {
+                        Ok(lo) => lo,
+                        Err(e) => {
+                            let _ = std::fs::remove_file(&image);
+                            return Err(e);
+                        }
+                    };
+                    let mounted = lo.mount_ext4(&c.tier_dir);
+                    t.tier_disk = Some((lo, image));
+                    mounted?;
+                    tier = c.tier_dir.join("tier");
+                    std::fs::create_dir(&tier).map_err(|e| anyhow!("{}: {e}", tier.display()))?;
+                }
+                t.tier_args = vec!["--tier".into(), format!("disk={}", tier.display())];
                 t.pool_limit = c.tmem_tier_pool_limit.clone();
             }
         }
@@ -652,10 +724,32 @@ impl Tmem {
         for mut s in self.servers.drain(..) {
             s.kill();
         }
+        for mut ns in self.namespaces.drain(..) {
+            ns.delete()?;
+        }
+        if let Some((lo, image)) = self.tier_disk.take() {
+            lo.release()?;
+            std::fs::remove_file(&image).map_err(|e| anyhow!("cannot remove {}: {e}", image.display()))?;
+        }
         if let Some(d) = self.tier_dir.take() {
             std::fs::remove_dir_all(&d).map_err(|e| anyhow!("cannot remove {}: {e}", d.display()))?;
         }
         Ok(())
+    }
+
+    /// Kills Redis node `i` and, on a network profile, deletes its
+    /// namespace (a machine that vanishes); says what it did.
+    fn kill_node(&mut self, i: usize) -> anyhow::Result<String> {
+        let s = self.servers.get_mut(i).ok_or_else(|| anyhow!("no Redis node {i}"))?;
+        let addr = s.addr();
+        s.kill();
+        match self.namespaces.get_mut(i) {
+            Some(ns) => {
+                ns.delete()?;
+                Ok(format!("killed the Redis node at {addr} and deleted its network namespace"))
+            }
+            None => Ok(format!("killed the Redis node at {addr}")),
+        }
     }
 
     /// The tail of the daemon log (for error messages).

@@ -124,6 +124,9 @@ pub struct RunRecord {
     /// Swap writes the device refused during the run (tmem rows; None elsewhere).
     #[serde(default)]
     pub refused_writes: Option<u64>,
+    /// The Redis node the run killed (tmem+remote-kill).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub killed_node: Option<super::KilledNode>,
     /// Number of pool samples taken.
     pub pool_samples: u64,
     /// memory.max_usage_in_bytes of the run's cgroup.
