@@ -204,7 +204,7 @@ impl Ctx<'_> {
         let start = Instant::now();
         let args = [&*script.to_string_lossy(), &*data.path.to_string_lossy(), &max];
         let mut child =
-            crate::pressure::workload::spawn_python_in(&cg.procs_file(), &self.args.python, &args, out, err)
+            crate::pressure::workload::spawn_in_cgroup(&cg.procs_file(), &self.args.python, &args, out, err)
                 .map_err(|e| anyhow!("cannot start the job ({}): {e}", self.args.python))?;
         let timeout = Duration::from_secs(self.args.timeout);
         let (mut peak, mut swap_peak, mut timed_out) = (PoolSample::default(), 0, false);
@@ -214,7 +214,7 @@ impl Ctx<'_> {
             }
             if interrupted() || start.elapsed() > timeout {
                 timed_out = !interrupted();
-                kill_group(&mut child);
+                crate::pressure::workload::kill_group(&mut child);
                 break None;
             }
             if let Some(b) = backend {
@@ -222,14 +222,14 @@ impl Ctx<'_> {
                 if s.pool_bytes > peak.pool_bytes {
                     peak = s;
                 }
-                swap_peak = swap_peak.max(swap_used(&ours));
+                swap_peak = swap_peak.max(crate::pressure::swap_used(&ours));
             }
             self.progress.show(label, false);
             std::thread::sleep(Duration::from_millis(100));
         };
         let wall = start.elapsed();
         // The job's own children, if any, go with its group.
-        kill_group(&mut child);
+        crate::pressure::workload::kill_group(&mut child);
         let cpu = cpu_before.zip(CpuTimes::now());
         let daemon_cpu = server_before.zip(server.and_then(ProcessCpu::of_pid)).map(|(b, a)| a.since(&b));
         let vmstat = SwapCounters::now()?.since(&vm_before);
@@ -318,21 +318,6 @@ impl Ctx<'_> {
             stderr_tail: m.stderr_tail,
         })
     }
-}
-
-/// SIGKILLs the job's process group (its own, led by our child) and reaps it.
-fn kill_group(child: &mut std::process::Child) {
-    if child.try_wait().ok().flatten().is_none() {
-        if let Some(pid) = i32::try_from(child.id()).ok().and_then(rustix::process::Pid::from_raw) {
-            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-        }
-        let _ = child.wait();
-    }
-}
-
-/// Bytes in use in the swap areas `ours`, from /proc/swaps.
-fn swap_used(ours: &[PathBuf]) -> u64 {
-    swap::swaps().unwrap_or_default().iter().filter(|a| ours.contains(&a.path)).map(|a| a.used).sum()
 }
 
 fn preflight(a: &CapacityArgs) -> anyhow::Result<Layout> {

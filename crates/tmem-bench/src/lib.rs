@@ -10,6 +10,7 @@ pub mod capacity;
 pub mod plot;
 pub mod pressure;
 pub mod progress;
+pub mod ramp;
 pub mod redis;
 pub mod store;
 pub mod table;

@@ -37,10 +37,10 @@ use tmem_sys::vmstat::{CpuTimes, ProcessCpu, SwapCounters};
 use tmem_sys::{swap, zswap};
 
 pub use backend::BackendKind;
-pub use net::NetProfile;
-pub use throttle::DiskProfile;
 use backend::{Backend, BackendConfig, PoolSample};
+pub use net::NetProfile;
 use report::{Outcome, RunRecord};
+pub use throttle::DiskProfile;
 
 use crate::progress::Progress;
 use workload::Workload;
@@ -235,13 +235,18 @@ pub struct KilledNode {
 }
 
 /// Bytes in use in the swap areas `ours`, from /proc/swaps.
-fn swap_used(ours: &[std::path::PathBuf]) -> u64 {
+pub(crate) fn swap_used(ours: &[std::path::PathBuf]) -> u64 {
     tmem_sys::swap::swaps().unwrap_or_default().iter().filter(|a| ours.contains(&a.path)).map(|a| a.used).sum()
 }
 
 impl Ctx<'_> {
     /// Runs the workload once in a fresh cgroup limited to `limit`, sampling `backend`'s pool.
-    fn measure(&mut self, mut backend: Option<&mut Backend>, limit: Option<u64>, label: &str) -> anyhow::Result<Measured> {
+    fn measure(
+        &mut self,
+        mut backend: Option<&mut Backend>,
+        limit: Option<u64>,
+        label: &str,
+    ) -> anyhow::Result<Measured> {
         let ours = backend.as_deref().map(Backend::swap_paths).unwrap_or_default();
         let mut foreign = foreign_swap(&ours);
         let cg = MemCgroup::create(&self.layout, &self.cgroup_name)?;
@@ -604,9 +609,7 @@ fn preflight(a: &PressureArgs) -> anyhow::Result<Layout> {
             BackendKind::Zswap if !zswap::available() => {
                 return Err(anyhow!("zswap backend: this kernel has no zswap"))
             }
-            BackendKind::TmemRemote | BackendKind::TmemRemoteKill
-                if crate::redis::redis_server_binary().is_none() =>
-            {
+            BackendKind::TmemRemote | BackendKind::TmemRemoteKill if crate::redis::redis_server_binary().is_none() => {
                 return Err(anyhow!("tmem+remote backend: redis-server is not installed (apt install redis-server)"));
             }
             BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk if !a.swap_dir.is_dir() => {
@@ -620,7 +623,8 @@ fn preflight(a: &PressureArgs) -> anyhow::Result<Layout> {
         cmd("ip", &["netns", "list"]).map_err(|e| anyhow!("--net {}: needs ip (iproute2): {e}", a.net.describe()))?;
         cmd("tc", &["-V"]).map_err(|e| anyhow!("--net {}: needs tc (iproute2): {e}", a.net.describe()))?;
     }
-    let on_disk = a.backends.iter().any(|b| matches!(b, BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk));
+    let on_disk =
+        a.backends.iter().any(|b| matches!(b, BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk));
     if on_disk && a.disk_profile != DiskProfile::Host && crate::cache::setup::blkio_root().is_none() {
         return Err(anyhow!(
             "--disk-profile {:?} needs the cgroup v1 blkio hierarchy (it throttles at its root); not built for cgroup v2",

@@ -117,6 +117,10 @@ enum BenchCommand {
     /// files or real heaps until its cgroup's OOM killer ends it; how much
     /// it held with no swap, zram, zswap and tmem on the same RAM budget.
     Capacity(Box<tmem_bench::capacity::CapacityArgs>),
+    /// zswap's SPECjbb ramp: a Java job's live heap grows in steps past its
+    /// memory limit; its throughput and swap rate per step over disk swap,
+    /// zswap, zram and tmem.
+    Ramp(Box<tmem_bench::ramp::RampArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -145,6 +149,7 @@ fn main() -> ExitCode {
         Command::Bench { what: BenchCommand::Pressure(args) } => tmem_bench::pressure::run(&args),
         Command::Bench { what: BenchCommand::Cache(args) } => tmem_bench::cache::run(&args),
         Command::Bench { what: BenchCommand::Capacity(args) } => tmem_bench::capacity::run(&args),
+        Command::Bench { what: BenchCommand::Ramp(args) } => tmem_bench::ramp::run(&args),
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),

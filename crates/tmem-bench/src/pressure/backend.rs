@@ -28,9 +28,9 @@ use tmem_fuse::{Export, FuseConfig, FuseMount};
 use tmem_sys::{swap, zswap};
 
 use super::cmd;
-use crate::cache::setup::current_exe;
 use super::net::{Namespace, NetProfile};
 use super::throttle::{DiskProfile, ThrottledLoop};
+use crate::cache::setup::current_exe;
 use tmem_ctl::{self as ctl, Request};
 
 /// Which backend.
@@ -600,7 +600,10 @@ impl Tmem {
                 if let Some(limits) = c.disk_profile.limits() {
                     // An ext4 image as large as the swap area and a quarter, behind the throttle.
                     let image = c.tier_dir.with_extension("img");
-                    cmd("truncate", &["--size", &(c.swap_size + c.swap_size / 4).to_string(), &image.to_string_lossy()])?;
+                    cmd(
+                        "truncate",
+                        &["--size", &(c.swap_size + c.swap_size / 4).to_string(), &image.to_string_lossy()],
+                    )?;
                     let attached = ThrottledLoop::attach(&image, limits);
                     let mut lo = match attached {
                         Ok(lo) => lo,

@@ -101,7 +101,8 @@ impl Namespace {
         } else {
             // No sch_netem in this kernel: the rate alone, with a 4 ms burst.
             let burst = format!("{}", mbit * 1_000_000 / 8 / 250);
-            let tbf = ["tc", "qdisc", "add", "dev", "", "root", "tbf", "rate", &rate, "burst", &burst, "latency", "10ms"];
+            let tbf =
+                ["tc", "qdisc", "add", "dev", "", "root", "tbf", "rate", &rate, "burst", &burst, "latency", "10ms"];
             let mut host = tbf;
             host[4] = &host_if;
             cmd(host[0], &host[1..])?;

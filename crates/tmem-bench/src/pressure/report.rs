@@ -464,6 +464,7 @@ mod tests {
             pool_after_exit_bytes: None,
             swap_used_after_exit_bytes: None,
             refused_writes: None,
+            killed_node: None,
             pool_samples: 10,
             cgroup_max_usage_bytes: 0,
             cgroup_failcnt: 0,

@@ -51,10 +51,15 @@ impl DiskProfile {
         const MB: u64 = 1_000_000;
         match self {
             Self::Host => None,
-            Self::Nvme => {
-                Some(DiskLimits { read_bps: 2_000 * MB, write_bps: 1_500 * MB, read_iops: 200_000, write_iops: 200_000 })
+            Self::Nvme => Some(DiskLimits {
+                read_bps: 2_000 * MB,
+                write_bps: 1_500 * MB,
+                read_iops: 200_000,
+                write_iops: 200_000,
+            }),
+            Self::Cloud => {
+                Some(DiskLimits { read_bps: 125 * MB, write_bps: 125 * MB, read_iops: 3_000, write_iops: 3_000 })
             }
-            Self::Cloud => Some(DiskLimits { read_bps: 125 * MB, write_bps: 125 * MB, read_iops: 3_000, write_iops: 3_000 }),
         }
     }
 
@@ -118,7 +123,11 @@ impl RootRules {
 impl Drop for RootRules {
     fn drop(&mut self) {
         if let Err(e) = self.clear() {
-            tracing::warn!("throttle of {} not cleared: {e}; write \"{} 0\" to those files", self.maj_min, self.maj_min);
+            tracing::warn!(
+                "throttle of {} not cleared: {e}; write \"{} 0\" to those files",
+                self.maj_min,
+                self.maj_min
+            );
         }
     }
 }
@@ -136,7 +145,9 @@ impl ThrottledLoop {
     /// Attaches `file` with direct I/O and throttles it to `limits`.
     pub fn attach(file: &Path, limits: DiskLimits) -> anyhow::Result<Self> {
         let root = blkio_root().ok_or_else(|| {
-            anyhow!("disk profiles need the cgroup v1 blkio hierarchy (they throttle at its root); not built for cgroup v2")
+            anyhow!(
+                "disk profiles need the cgroup v1 blkio hierarchy (they throttle at its root); not built for cgroup v2"
+            )
         })?;
         let dev = LoopDev::attach(file, true, false)?;
         let name = dev.path().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -183,7 +194,10 @@ mod tests {
         assert_eq!(DiskProfile::Host.limits(), None);
         let c = DiskProfile::Cloud.limits().unwrap();
         assert_eq!((c.read_bps, c.read_iops), (125_000_000, 3_000));
-        assert_eq!(DiskProfile::Cloud.describe(), "cloud volume class: read 125 MB/s 3000 IOPS, write 125 MB/s 3000 IOPS");
+        assert_eq!(
+            DiskProfile::Cloud.describe(),
+            "cloud volume class: read 125 MB/s 3000 IOPS, write 125 MB/s 3000 IOPS"
+        );
         assert_eq!(rules(c)[3], ("blkio.throttle.write_iops_device", 3_000));
     }
 }

@@ -69,7 +69,7 @@ impl Workload {
             let passes = self.passes.to_string();
             let script = self.script.to_string_lossy();
             let args = [&*script, "--mib", &mib, "--seed", &seed.to_string(), "--passes", &passes];
-            let child = spawn_python_in(procs, &self.python, &args, out, err)
+            let child = spawn_in_cgroup(procs, &self.python, &args, out, err)
                 .map_err(|e| anyhow!("cannot start the workload (sh, {}): {e}", self.python))?;
             running.jobs.push(Job { seed, child, out_path, err_path, status: None });
         }
@@ -77,12 +77,13 @@ impl Workload {
     }
 }
 
-/// Starts `python ARGS` in its own process group, in the cgroup whose
+/// Starts `program ARGS` in its own process group, in the cgroup whose
 /// `cgroup.procs` is `procs`: a shell writes its own pid there, then execs
-/// Python, so every page the job ever allocates is charged to the cgroup.
-pub(crate) fn spawn_python_in(
+/// the program, so every page the job ever allocates is charged to the
+/// cgroup. (Python's environment is set for the Python jobs.)
+pub(crate) fn spawn_in_cgroup(
     procs: &Path,
-    python: &str,
+    program: &str,
     args: &[&str],
     out: File,
     err: File,
@@ -91,7 +92,7 @@ pub(crate) fn spawn_python_in(
         .arg("-c")
         .arg("echo $$ > \"$0\" || exit 97; exec \"$@\"")
         .arg(procs)
-        .arg(python)
+        .arg(program)
         .args(args)
         .env("PYTHONHASHSEED", "0")
         .env("PYTHONDONTWRITEBYTECODE", "1")
@@ -100,6 +101,19 @@ pub(crate) fn spawn_python_in(
         .stderr(err)
         .process_group(0)
         .spawn()
+}
+
+/// SIGKILLs the process group of a job started by [`spawn_in_cgroup`]
+/// (its own, led by our unreaped child, so the pid cannot have been reused)
+/// and reaps it; its exit status, or `None` if it was reaped already.
+pub(crate) fn kill_group(child: &mut Child) -> Option<ExitStatus> {
+    if let Ok(Some(s)) = child.try_wait() {
+        return Some(s);
+    }
+    if let Some(pid) = i32::try_from(child.id()).ok().and_then(rustix::process::Pid::from_raw) {
+        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+    }
+    child.wait().ok()
 }
 
 impl Drop for Workload {
@@ -154,11 +168,7 @@ impl Running {
     pub fn kill(&mut self) {
         for j in &mut self.jobs {
             if j.status.is_none() {
-                // The group is the job's own (process_group(0)), led by our unreaped child.
-                if let Some(pid) = i32::try_from(j.child.id()).ok().and_then(rustix::process::Pid::from_raw) {
-                    let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-                }
-                j.status = j.child.wait().ok();
+                j.status = kill_group(&mut j.child);
             }
         }
     }

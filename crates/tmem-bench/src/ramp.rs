@@ -1,0 +1,401 @@
+//! `tmem bench ramp`: throughput of a Java job whose live heap grows step
+//! by step past its memory limit (seed 001: zswap's SPECjbb2005 ramp).
+//!
+//! The job (`crates/tmem-bench/workload/Ramp.java`, run by the JDK's
+//! source launcher) grows a live set of orders to each step's size (a
+//! percentage of the memory cgroup's limit), then runs a fixed mix of
+//! operations for `--step-secs` and prints how many it did. For every
+//! backend (disk swap file, zswap over it, zram, tmem, tmem over a disk
+//! tier) the bench runs the job once in a fresh cgroup over a fresh swap
+//! area and records, per step, operations per second, swap pages per second
+//! and the machine's busy CPU over the timed part; per row, the daemon's
+//! CPU per swapped page. At the end the job checks every order against the
+//! sum it recorded when it made it: a page swapped back wrong fails the row.
+//!
+//! What is set up is undone after each row, also on error, panic or Ctrl-C
+//! (the pressure bench's backends).
+
+mod report;
+
+use anyhow::anyhow;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::pressure::backend::{Backend, BackendConfig, BackendKind};
+use crate::pressure::workload::{kill_group, spawn_in_cgroup};
+use crate::pressure::{cmd, install_signal_handlers, interrupted, zswap_off, DiskProfile, NetProfile};
+use crate::progress::Progress;
+use tmem_sys::cgroup::{Layout, MemCgroup, Version};
+use tmem_sys::swap;
+use tmem_sys::vmstat::{CpuTimes, ProcessCpu, SwapCounters};
+
+use report::{RowRecord, StepRecord};
+
+/// The job.
+const SOURCE: &str = include_str!("../workload/Ramp.java");
+
+/// Arguments of `tmem bench ramp`.
+#[derive(clap::Args, Debug, Clone, serde::Serialize)]
+pub struct RampArgs {
+    /// The job's memory cgroup limit, MiB.
+    #[arg(long, default_value_t = 512)]
+    pub limit_mib: u64,
+    /// Live heap of each step, % of the limit.
+    #[arg(long, value_delimiter = ',', default_value = "50,75,100,125,150,175,200")]
+    pub steps: Vec<u64>,
+    /// Seconds of operations timed at each step.
+    #[arg(long, default_value_t = 20.0)]
+    pub step_secs: f64,
+    /// Swap backends to compare.
+    #[arg(long, value_delimiter = ',', default_value = "disk,zswap,zram,tmem,tmem+disk")]
+    pub backends: Vec<BackendKind>,
+    /// zram compression algorithm.
+    #[arg(long, default_value = "lz4")]
+    pub zram_algorithm: String,
+    /// zswap compressor (one the kernel's crypto API has).
+    #[arg(long, default_value = "lzo-rle")]
+    pub zswap_compressor: String,
+    /// zswap max_pool_percent.
+    #[arg(long, default_value_t = 20)]
+    pub zswap_max_pool_percent: u32,
+    /// tmem codec.
+    #[arg(long, default_value = "lz4")]
+    pub tmem_codec: String,
+    /// tmem pool limit (size or % of RAM).
+    #[arg(long, default_value = "50%")]
+    pub tmem_pool_limit: String,
+    /// Pool limit of tmem+disk: small, so that pages move to the tier.
+    #[arg(long, default_value = "64M")]
+    pub tmem_tier_pool_limit: String,
+    /// Directory for the disk swap file and the disk tier.
+    #[arg(long, default_value = "/var/tmp")]
+    pub swap_dir: PathBuf,
+    /// The disk behind the disk swap file and the tier (as `bench pressure --disk-profile`).
+    #[arg(long, default_value = "host")]
+    pub disk_profile: DiskProfile,
+    /// Kill a row's job after this many seconds.
+    #[arg(long, default_value_t = 1800)]
+    pub timeout: u64,
+    /// Run even if other swap areas are active.
+    #[arg(long)]
+    pub allow_other_swap: bool,
+    /// Write every row to this JSON file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw throughput against heap size, a line per backend, into this PNG (or .svg).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// The JDK's java launcher (11 or later: it runs the source file).
+    #[arg(long, default_value = "java")]
+    pub java: String,
+}
+
+/// A line the job printed.
+#[derive(Debug, PartialEq)]
+enum JobLine {
+    Begin,
+    Step { mib: u64, ops: u64, secs: f64 },
+    Verified(u64),
+    Corrupt(u64),
+}
+
+fn parse_line(l: &str) -> Option<JobLine> {
+    let f: Vec<&str> = l.split_whitespace().collect();
+    match f[..] {
+        ["begin", _] => Some(JobLine::Begin),
+        ["step", mib, "ops", ops, "secs", secs, "checksum", _] => {
+            Some(JobLine::Step { mib: mib.parse().ok()?, ops: ops.parse().ok()?, secs: secs.parse().ok()? })
+        }
+        ["verified", n] => Some(JobLine::Verified(n.parse().ok()?)),
+        ["CORRUPT", n] => Some(JobLine::Corrupt(n.parse().ok()?)),
+        _ => None,
+    }
+}
+
+/// A snapshot at a step boundary.
+#[derive(Clone, Copy)]
+struct Mark {
+    at: Instant,
+    vm: SwapCounters,
+    cpu: Option<CpuTimes>,
+}
+
+impl Mark {
+    fn now() -> anyhow::Result<Self> {
+        Ok(Self { at: Instant::now(), vm: SwapCounters::now()?, cpu: CpuTimes::now() })
+    }
+}
+
+struct Ctx<'a> {
+    args: &'a RampArgs,
+    layout: Layout,
+    dir: PathBuf,
+    progress: Progress,
+    cpus: usize,
+}
+
+impl Ctx<'_> {
+    /// Runs the job over `backend` (or none: the whole ramp in RAM, no limit).
+    fn run_job(&self, backend: Option<&Backend>, name: &str) -> anyhow::Result<RowRecord> {
+        let a = self.args;
+        let limit = a.limit_mib << 20;
+        let cg = MemCgroup::create(&self.layout, &format!("tmem-bench-ramp-{}", std::process::id()))?;
+        if cg.version() == Version::V1 {
+            cg.set_swappiness(60)?;
+        }
+        cg.set_limit(backend.map(|_| limit))?;
+        let steps_mib: Vec<u64> = a.steps.iter().map(|p| a.limit_mib * p / 100).collect();
+        let max = steps_mib.iter().copied().max().unwrap_or(0);
+        let xmx = format!("-Xmx{}m", max * 2 + 64);
+        let out_path = self.dir.join("job.out");
+        let err_path = self.dir.join("job.err");
+        let out = std::fs::File::create(&out_path).map_err(|e| anyhow!("{}: {e}", out_path.display()))?;
+        let err = std::fs::File::create(&err_path).map_err(|e| anyhow!("{}: {e}", err_path.display()))?;
+        let list = steps_mib.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+        let source = self.dir.join("Ramp.java").to_string_lossy().into_owned();
+        let secs = a.step_secs.to_string();
+        let args = [&*xmx, "-XX:+UseSerialGC", &source, &list, &secs, "1"];
+        let server = backend.and_then(Backend::server_pid);
+        let server_before = server.and_then(ProcessCpu::of_pid);
+        let row_start = Mark::now()?;
+        let mut child = spawn_in_cgroup(&cg.procs_file(), &a.java, &args, out, err)
+            .map_err(|e| anyhow!("cannot start the job ({}): {e}", a.java))?;
+        let timeout = Duration::from_secs(a.timeout);
+        let (mut seen, mut begin, mut steps) = (0, None, Vec::new());
+        let (mut verified, mut corrupt, mut timed_out) = (None, None, false);
+        let status = loop {
+            let done = child.try_wait()?;
+            let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            // The last line may be half written while the job runs.
+            let complete = if done.is_some() { lines.len() } else { lines.len().saturating_sub(1) };
+            for l in &lines[seen.min(complete)..complete] {
+                match parse_line(l) {
+                    Some(JobLine::Begin) => begin = Some(Mark::now()?),
+                    Some(JobLine::Step { mib, ops, secs }) => {
+                        let end = Mark::now()?;
+                        if let Some(b) = begin.take() {
+                            steps.push(self.step(b, end, mib, limit, ops, secs));
+                        }
+                    }
+                    Some(JobLine::Verified(n)) => verified = Some(n),
+                    Some(JobLine::Corrupt(n)) => corrupt = Some(n),
+                    None => {}
+                }
+            }
+            seen = seen.max(complete);
+            if done.is_some() {
+                break done;
+            }
+            if interrupted() || row_start.at.elapsed() > timeout {
+                timed_out = !interrupted();
+                break kill_group(&mut child);
+            }
+            self.progress.show(&format!("{name}: step {} of {}", steps.len() + 1, a.steps.len()), false);
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        kill_group(&mut child);
+        let row_end = Mark::now()?;
+        let daemon_cpu = server_before.zip(server.and_then(ProcessCpu::of_pid)).map(|(b, a)| a.since(&b));
+        let oom_kills = cg.oom_control()?.oom_kill;
+        cg.remove()?;
+        if interrupted() {
+            return Err(anyhow!("interrupted; everything set up was undone"));
+        }
+        let stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
+        let lines: Vec<&str> = stderr.lines().collect();
+        let vm = row_end.vm.since(&row_start.vm);
+        let busy = row_start.cpu.zip(row_end.cpu).map(|(b, e)| e.busy_secs_since(&b));
+        Ok(RowRecord {
+            backend: name.to_owned(),
+            outcome: report::outcome(status, timed_out, oom_kills, verified, corrupt),
+            steps,
+            verified_orders: verified,
+            corrupt_orders: corrupt,
+            wall_secs: row_end.at.duration_since(row_start.at).as_secs_f64(),
+            cpu: crate::pressure::report::RunCpu::of(&vm, daemon_cpu, busy, None),
+            cpu_steal_percent: row_start.cpu.zip(row_end.cpu).map_or(0.0, |(b, e)| e.steal_percent_since(&b)),
+            oom_kills,
+            vmstat: vm,
+            stderr_tail: lines[lines.len().saturating_sub(5)..].join("\n"),
+        })
+    }
+
+    fn step(&self, b: Mark, e: Mark, mib: u64, limit: u64, ops: u64, secs: f64) -> StepRecord {
+        let wall = e.at.duration_since(b.at).as_secs_f64().max(1e-3);
+        let vm = e.vm.since(&b.vm);
+        let swapped = vm.pswpin + vm.pswpout + vm.zswpin + vm.zswpout;
+        StepRecord {
+            live_mib: mib,
+            live_percent_of_limit: (mib << 20) as f64 * 100.0 / limit as f64,
+            ops_per_sec: ops as f64 / secs.max(1e-3),
+            swapped_pages_per_sec: swapped as f64 / wall,
+            pswpin_per_sec: (vm.pswpin + vm.zswpin) as f64 / wall,
+            pswpout_per_sec: (vm.pswpout + vm.zswpout) as f64 / wall,
+            machine_busy_percent: b
+                .cpu
+                .zip(e.cpu)
+                .map(|(x, y)| y.busy_secs_since(&x) * 100.0 / (wall * self.cpus as f64)),
+            steal_percent: b.cpu.zip(e.cpu).map_or(0.0, |(x, y)| y.steal_percent_since(&x)),
+        }
+    }
+}
+
+fn preflight(a: &RampArgs) -> anyhow::Result<Layout> {
+    if !tmem_sys::is_root() {
+        return Err(anyhow!("tmem bench ramp needs root (memory cgroups, swapon, zram, zswap)"));
+    }
+    if a.limit_mib < 64 {
+        return Err(anyhow!("--limit-mib {}: at least 64 (the JVM alone needs ~40 MiB)", a.limit_mib));
+    }
+    if a.steps.is_empty() || a.steps.iter().any(|s| *s == 0 || *s > 400) {
+        return Err(anyhow!("--steps must be percentages of the limit in 1..=400"));
+    }
+    if a.backends.is_empty() {
+        return Err(anyhow!("--backends is empty"));
+    }
+    if a.step_secs < 1.0 {
+        return Err(anyhow!("--step-secs {}: at least 1 s (fewer operations are noise)", a.step_secs));
+    }
+    let areas = swap::swaps()?;
+    if !areas.is_empty() && !a.allow_other_swap {
+        let list: Vec<String> = areas.iter().map(|s| s.path.display().to_string()).collect();
+        return Err(anyhow!(
+            "other swap areas are active ({}); swapoff them, or pass --allow-other-swap",
+            list.join(", ")
+        ));
+    }
+    let version = cmd(&a.java, &["-version"]).map_err(|e| anyhow!("the job needs a JDK ({}): {e}", a.java))?;
+    tracing::debug!("java: {version}");
+    let layout = Layout::detect()?;
+    layout.ensure_memory_controller()?;
+    Ok(layout)
+}
+
+/// `tmem bench ramp`.
+pub fn run(a: &RampArgs) -> anyhow::Result<()> {
+    let layout = preflight(a)?;
+    install_signal_handlers()?;
+    let _zswap_off = zswap_off()?;
+    let pid = std::process::id();
+    let dir = tempfile::Builder::new().prefix("tmem-bench-ramp-").tempdir()?;
+    std::fs::write(dir.path().join("Ramp.java"), SOURCE)?;
+    let limit = a.limit_mib << 20;
+    let max_live = a.steps.iter().max().copied().unwrap_or(100) * limit / 100;
+    let swap_size = (max_live * 2 + (256 << 20)).div_ceil(64 << 20) * (64 << 20);
+    let ctx = Ctx {
+        args: a,
+        layout,
+        dir: dir.path().to_owned(),
+        progress: Progress::new(1 + a.backends.len()),
+        cpus: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+    };
+    let cfg = BackendConfig {
+        swap_size,
+        swap_file: a.swap_dir.join(format!("tmem-bench-swap-{pid}")),
+        zram_algorithm: a.zram_algorithm.clone(),
+        zram_mem_limit: None,
+        zswap_compressor: a.zswap_compressor.clone(),
+        zswap_max_pool_percent: a.zswap_max_pool_percent,
+        tmem_runtime_dir: PathBuf::from(format!("/run/tmem-bench-{pid}")),
+        tmem_pool_limit: a.tmem_pool_limit.clone(),
+        tmem_codec: a.tmem_codec.clone(),
+        tmem_fuse_uring: 0,
+        tmem_discard: swap::SwapDiscard::Once,
+        tmem_recompress: (String::new(), 0.0),
+        tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
+        tier_dir: a.swap_dir.join(format!("tmem-bench-tier-{pid}")),
+        disk_profile: a.disk_profile,
+        net_profile: NetProfile::Loopback,
+    };
+    let mut rows = Vec::new();
+    let mut errors = Vec::new();
+    ctx.progress.show("reference: the whole ramp in RAM, no limit", true);
+    let reference = ctx.run_job(None, "no limit")?;
+    ctx.progress.steps_done(1);
+    if reference.outcome != report::Outcome::Ok {
+        return Err(anyhow!("the reference run failed ({:?}): {}", reference.outcome, reference.stderr_tail));
+    }
+    let mut zram_device = None;
+    for &kind in &a.backends {
+        if interrupted() {
+            break;
+        }
+        let name = kind.name();
+        ctx.progress.show(&format!("{name}: preparing"), true);
+        let mut backend = match Backend::prepare(kind, &cfg) {
+            Ok(b) => b,
+            Err(e) => {
+                errors.push(format!("{name}: {e}"));
+                ctx.progress.steps_done(1);
+                continue;
+            }
+        };
+        zram_device = zram_device.or_else(|| backend.zram_device());
+        ctx.progress.show(name, true);
+        let r = backend.activate().and_then(|()| ctx.run_job(Some(&backend), name));
+        let down = backend.deactivate();
+        match r.and_then(|r| down.map(|()| r)) {
+            Ok(r) => {
+                if r.outcome != report::Outcome::Ok {
+                    ctx.progress.note(&format!("{name}: {:?} {}", r.outcome, r.stderr_tail));
+                }
+                rows.push(r);
+            }
+            Err(e) => errors.push(format!("{name}: {e}")),
+        }
+        if let Err(e) = backend.finish() {
+            errors.push(format!("{name}: cleanup: {e}"));
+        }
+        ctx.progress.steps_done(1);
+    }
+    ctx.progress.finish();
+    let machine = report::Machine {
+        kernel: cmd("uname", &["-r"]).unwrap_or_default(),
+        cgroup_layout: ctx.layout.name(),
+        cpus: ctx.cpus,
+        mem_total_bytes: swap::total_ram_bytes().unwrap_or(0),
+        limit_bytes: limit,
+        swap_size_bytes: swap_size,
+        disk: a.disk_profile.describe(),
+        zram_device,
+    };
+    report::print(a, &machine, &reference, &rows);
+    if let Some(path) = &a.plot {
+        report::plot(path, &machine, &reference, &rows)?;
+        println!("figure: {}", path.display());
+    }
+    if let Some(path) = &a.json {
+        report::write_json(path, a, &machine, &reference, &rows, &errors)?;
+        println!("rows written to {}", path.display());
+    }
+    if interrupted() {
+        return Err(anyhow!("interrupted; everything set up was undone"));
+    }
+    if !errors.is_empty() {
+        return Err(anyhow!("{} error(s): {}", errors.len(), errors.join("; ")));
+    }
+    if let Some(r) = rows.iter().find(|r| r.outcome == report::Outcome::Corrupt) {
+        return Err(anyhow!("{}: the job found corrupted orders: data was damaged in swap", r.backend));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_lines_parse() {
+        assert_eq!(parse_line("begin 256"), Some(JobLine::Begin));
+        assert_eq!(
+            parse_line("step 256 ops 1200 secs 2.001 checksum 77"),
+            Some(JobLine::Step { mib: 256, ops: 1200, secs: 2.001 })
+        );
+        assert_eq!(parse_line("verified 12"), Some(JobLine::Verified(12)));
+        assert_eq!(parse_line("CORRUPT 3"), Some(JobLine::Corrupt(3)));
+        assert_eq!(parse_line("step x ops 1 secs 1 checksum 1"), None);
+        assert_eq!(parse_line(""), None);
+        assert!(SOURCE.contains("class Ramp"));
+    }
+}

@@ -1,0 +1,66 @@
+//! Smoke test of `tmem bench ramp` (root only), small and short: the Java
+//! job's heap grows past its limit over zram and tmem; every row must end
+//! with every order verified, swap past the limit, carry per-step
+//! throughput, swap rate and CPU, and leave nothing behind.
+
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn ramp_smoke() {
+    if let Some((feature, reason)) = common::missing_feature() {
+        return tmem_testkit::skip(feature, reason);
+    }
+    if !tmem_testkit::have_tool("java") {
+        return tmem_testkit::skip(tmem_testkit::Feature::Tools, "no java (default-jdk-headless)");
+    }
+    let before = common::Before::now();
+    let json = std::env::temp_dir().join(format!("tmem-ramp-smoke-{}.json", std::process::id()));
+    let svg = json.with_extension("svg");
+    let start = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
+        .args(["bench", "ramp", "--limit-mib", "128", "--steps", "50,150", "--step-secs", "2"])
+        .args(["--backends", "zram,tmem", "--timeout", "300", "--allow-other-swap", "--json"])
+        .arg(&json)
+        .arg("--plot")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    let json_text = std::fs::read_to_string(&json).unwrap_or_default();
+    let _ = std::fs::remove_file(&json);
+    let svg_text = std::fs::read_to_string(&svg).unwrap_or_default();
+    let _ = std::fs::remove_file(&svg);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}\n{stderr}\n(took {:.0} s)", start.elapsed().as_secs_f64());
+
+    let v: serde_json::Value = serde_json::from_str(&json_text).unwrap_or_default();
+    before.assert_nothing_left(v["machine"]["zram_device"].as_str());
+
+    assert!(out.status.success(), "tmem bench ramp failed");
+    for title in ["thousand operations per second", "swapped pages per second", "machine busy CPU", "daemon us/page"] {
+        assert!(stdout.contains(title), "no {title:?} in the report");
+    }
+    assert!(svg_text.starts_with("<svg") && svg_text.contains("throughput against live heap"), "no figure");
+    let reference = &v["reference"];
+    assert_eq!(reference["outcome"], "ok", "{reference}");
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in std::iter::once(reference).chain(rows) {
+        let what = r["backend"].to_string();
+        assert_eq!(r["outcome"], "ok", "{what}: {r}");
+        assert!(r["verified_orders"].as_u64().unwrap() > 100_000, "{what}");
+        let steps = r["steps"].as_array().unwrap();
+        assert_eq!(steps.len(), 2, "{what}");
+        for s in steps {
+            assert!(s["ops_per_sec"].as_f64().unwrap() > 0.0, "{what}: {s}");
+            assert!(s["machine_busy_percent"].as_f64().unwrap() > 0.0, "{what}: {s}");
+        }
+        if r != reference {
+            // Past the limit the heap is in swap.
+            assert!(steps[1]["swapped_pages_per_sec"].as_f64().unwrap() > 0.0, "{what} did not swap: {r}");
+            assert!(r["daemon_cpu_user_secs"].is_f64() == (r["backend"] == "tmem"), "{what}: {r}");
+        }
+    }
+}
