@@ -343,15 +343,7 @@ fn preflight(a: &CapacityArgs) -> anyhow::Result<Layout> {
     if rows.len() != a.rows.len() || data.len() != a.data.len() {
         return Err(anyhow!("--rows or --data lists something twice"));
     }
-    let areas = swap::swaps()?;
-    if !areas.is_empty() && !a.allow_other_swap {
-        let list: Vec<String> = areas.iter().map(|s| s.path.display().to_string()).collect();
-        return Err(anyhow!(
-            "other swap areas are active ({}); they would take pages in every row. \
-             swapoff them first, or pass --allow-other-swap",
-            list.join(", ")
-        ));
-    }
+    crate::pressure::refuse_other_swap(a.allow_other_swap)?;
     cmd(&a.python, &["-c", "import sys; assert sys.version_info >= (3, 7)"])
         .map_err(|e| anyhow!("the job needs Python 3.7 or later ({}): {e}", a.python))?;
     if a.rows.contains(&Row::Zram) {
@@ -383,7 +375,6 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
     install_signal_handlers()?;
     // zswap, if on, would sit in front of every row: off for the bench (restored on drop).
     let _zswap_off = zswap_off()?;
-    let pid = std::process::id();
     let dir = tempfile::Builder::new().prefix("tmem-bench-capacity-").tempdir()?;
     std::fs::write(dir.path().join("fill.py"), SCRIPT)?;
     let budget = a.budget_mib << 20;
@@ -406,8 +397,6 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         Version::V2 => budget,
     };
     let base = BackendConfig {
-        swap_size: ctx.swap_size,
-        swap_file: a.swap_dir.join(format!("tmem-bench-swap-{pid}")),
         zram_algorithm: a.zram_algorithm.clone(),
         zram_mem_limit: Some(budget),
         zswap_compressor: a.zswap_compressor.clone(),
@@ -415,16 +404,10 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
             Version::V1 => zswap_percent(budget, ram),
             Version::V2 => 100,
         },
-        tmem_runtime_dir: PathBuf::from(format!("/run/tmem-bench-{pid}")),
         tmem_pool_limit: budget.to_string(),
         tmem_codec: a.tmem_codec.clone(),
-        tmem_fuse_uring: 0,
-        tmem_discard: swap::SwapDiscard::Once,
-        tmem_recompress: (String::new(), 0.0),
         tmem_tier_pool_limit: budget.to_string(),
-        tier_dir: a.swap_dir.join(format!("tmem-bench-tier-{pid}")),
-        disk_profile: crate::pressure::DiskProfile::Host,
-        net_profile: crate::pressure::NetProfile::Loopback,
+        ..BackendConfig::new(ctx.swap_size, &a.swap_dir)
     };
     let mut records = Vec::new();
     let mut errors = Vec::new();
@@ -486,10 +469,7 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
     ctx.progress.finish();
     report::fill_machine_cpu(&mut records);
     let machine = report::Machine {
-        kernel: cmd("uname", &["-r"]).unwrap_or_default(),
-        cgroup_layout: ctx.layout.name(),
-        cpus: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
-        mem_total_bytes: ram,
+        machine: crate::machine::Machine::of(&ctx.layout),
         budget_bytes: budget,
         swap_size_bytes: ctx.swap_size,
         zswap_pool_limit_bytes: zswap_pool_limit,
@@ -504,12 +484,7 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         report::write_json(path, a, &machine, &sets, &records, &errors)?;
         println!("rows written to {}", path.display());
     }
-    if interrupted() {
-        return Err(anyhow!("interrupted; everything set up was undone"));
-    }
-    if !errors.is_empty() {
-        return Err(anyhow!("{} error(s): {}", errors.len(), errors.join("; ")));
-    }
+    crate::pressure::bench_result(&errors)?;
     let bad: Vec<String> = records
         .iter()
         .filter(|r| matches!(r.outcome, Outcome::MachineOom | Outcome::Failed))

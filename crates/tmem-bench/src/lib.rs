@@ -7,6 +7,7 @@
 
 pub mod cache;
 pub mod capacity;
+pub mod machine;
 pub mod plot;
 pub mod pressure;
 pub mod progress;

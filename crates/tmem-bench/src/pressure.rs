@@ -582,15 +582,7 @@ fn preflight(a: &PressureArgs) -> anyhow::Result<Layout> {
     if seen.len() != a.backends.len() {
         return Err(anyhow!("--backends lists a backend twice"));
     }
-    let areas = swap::swaps()?;
-    if !areas.is_empty() && !a.allow_other_swap {
-        let list: Vec<String> = areas.iter().map(|s| s.path.display().to_string()).collect();
-        return Err(anyhow!(
-            "other swap areas are active ({}); they would take part in every run. \
-             swapoff them first, or pass --allow-other-swap",
-            list.join(", ")
-        ));
-    }
+    refuse_other_swap(a.allow_other_swap)?;
     cmd(&a.python, &["-c", "import sys; assert sys.version_info >= (3, 6)"])
         .map_err(|e| anyhow!("the workload needs Python 3 ({}): {e}", a.python))?;
     for b in &a.backends {
@@ -634,6 +626,32 @@ fn preflight(a: &PressureArgs) -> anyhow::Result<Layout> {
     let layout = Layout::detect()?;
     layout.ensure_memory_controller()?;
     Ok(layout)
+}
+
+/// Refuses to run while other swap areas are active (they would take
+/// pages in every run), unless `allowed`.
+pub(crate) fn refuse_other_swap(allowed: bool) -> anyhow::Result<()> {
+    let areas = swap::swaps()?;
+    if !areas.is_empty() && !allowed {
+        let list: Vec<String> = areas.iter().map(|s| s.path.display().to_string()).collect();
+        return Err(anyhow!(
+            "other swap areas are active ({}); they would take pages in every run. \
+             swapoff them first, or pass --allow-other-swap",
+            list.join(", ")
+        ));
+    }
+    Ok(())
+}
+
+/// A bench's end: an error if it was interrupted or anything failed.
+pub(crate) fn bench_result(errors: &[String]) -> anyhow::Result<()> {
+    if interrupted() {
+        return Err(anyhow!(INTERRUPTED_MSG));
+    }
+    if !errors.is_empty() {
+        return Err(anyhow!("{} error(s): {}", errors.len(), errors.join("; ")));
+    }
+    Ok(())
 }
 
 /// Turns zswap off if it is on; the returned guard turns it back on.
@@ -759,22 +777,18 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
     ));
 
     let cfg = BackendConfig {
-        swap_size,
-        swap_file: a.swap_dir.join(format!("tmem-bench-swap-{pid}")),
         zram_algorithm: a.zram_algorithm.clone(),
-        zram_mem_limit: None,
         zswap_compressor: a.zswap_compressor.clone(),
         zswap_max_pool_percent: a.zswap_max_pool_percent,
-        tmem_runtime_dir: PathBuf::from(format!("/run/tmem-bench-{pid}")),
         tmem_pool_limit: a.tmem_pool_limit.clone(),
         tmem_codec: a.tmem_codec.clone(),
         tmem_fuse_uring: a.tmem_fuse_uring,
         tmem_recompress: (a.tmem_recompress.clone(), a.tmem_recompress_after),
         tmem_discard: a.tmem_discard,
         tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
-        tier_dir: a.swap_dir.join(format!("tmem-bench-tier-{pid}")),
         disk_profile: a.disk_profile,
         net_profile: a.net,
+        ..BackendConfig::new(swap_size, &a.swap_dir)
     };
     let mut runs: Vec<RunRecord> = Vec::new();
     let mut errors: Vec<String> = Vec::new();
@@ -878,13 +892,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
     if wrong > 0 {
         return Err(anyhow!("{wrong} run(s) produced WRONG output: data was corrupted under memory pressure"));
     }
-    if interrupted() {
-        return Err(anyhow!(INTERRUPTED_MSG));
-    }
-    if !errors.is_empty() {
-        return Err(anyhow!("{} error(s): {}", errors.len(), errors.join("; ")));
-    }
-    Ok(())
+    bench_result(&errors)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -23,10 +23,9 @@ use std::time::{Duration, Instant};
 
 use crate::pressure::backend::{Backend, BackendConfig, BackendKind};
 use crate::pressure::workload::{kill_group, spawn_in_cgroup};
-use crate::pressure::{cmd, install_signal_handlers, interrupted, zswap_off, DiskProfile, NetProfile};
+use crate::pressure::{cmd, install_signal_handlers, interrupted, zswap_off, DiskProfile};
 use crate::progress::Progress;
 use tmem_sys::cgroup::{Layout, MemCgroup, Version};
-use tmem_sys::swap;
 use tmem_sys::vmstat::{CpuTimes, ProcessCpu, SwapCounters};
 
 use report::{RowRecord, StepRecord};
@@ -257,14 +256,7 @@ fn preflight(a: &RampArgs) -> anyhow::Result<Layout> {
     if a.step_secs < 1.0 {
         return Err(anyhow!("--step-secs {}: at least 1 s (fewer operations are noise)", a.step_secs));
     }
-    let areas = swap::swaps()?;
-    if !areas.is_empty() && !a.allow_other_swap {
-        let list: Vec<String> = areas.iter().map(|s| s.path.display().to_string()).collect();
-        return Err(anyhow!(
-            "other swap areas are active ({}); swapoff them, or pass --allow-other-swap",
-            list.join(", ")
-        ));
-    }
+    crate::pressure::refuse_other_swap(a.allow_other_swap)?;
     let version = cmd(&a.java, &["-version"]).map_err(|e| anyhow!("the job needs a JDK ({}): {e}", a.java))?;
     tracing::debug!("java: {version}");
     let layout = Layout::detect()?;
@@ -277,7 +269,6 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
     let layout = preflight(a)?;
     install_signal_handlers()?;
     let _zswap_off = zswap_off()?;
-    let pid = std::process::id();
     let dir = tempfile::Builder::new().prefix("tmem-bench-ramp-").tempdir()?;
     std::fs::write(dir.path().join("Ramp.java"), SOURCE)?;
     let limit = a.limit_mib << 20;
@@ -291,22 +282,14 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         cpus: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
     };
     let cfg = BackendConfig {
-        swap_size,
-        swap_file: a.swap_dir.join(format!("tmem-bench-swap-{pid}")),
         zram_algorithm: a.zram_algorithm.clone(),
-        zram_mem_limit: None,
         zswap_compressor: a.zswap_compressor.clone(),
         zswap_max_pool_percent: a.zswap_max_pool_percent,
-        tmem_runtime_dir: PathBuf::from(format!("/run/tmem-bench-{pid}")),
         tmem_pool_limit: a.tmem_pool_limit.clone(),
         tmem_codec: a.tmem_codec.clone(),
-        tmem_fuse_uring: 0,
-        tmem_discard: swap::SwapDiscard::Once,
-        tmem_recompress: (String::new(), 0.0),
         tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
-        tier_dir: a.swap_dir.join(format!("tmem-bench-tier-{pid}")),
         disk_profile: a.disk_profile,
-        net_profile: NetProfile::Loopback,
+        ..BackendConfig::new(swap_size, &a.swap_dir)
     };
     let mut rows = Vec::new();
     let mut errors = Vec::new();
@@ -351,10 +334,7 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
     }
     ctx.progress.finish();
     let machine = report::Machine {
-        kernel: cmd("uname", &["-r"]).unwrap_or_default(),
-        cgroup_layout: ctx.layout.name(),
-        cpus: ctx.cpus,
-        mem_total_bytes: swap::total_ram_bytes().unwrap_or(0),
+        machine: crate::machine::Machine::of(&ctx.layout),
         limit_bytes: limit,
         swap_size_bytes: swap_size,
         disk: a.disk_profile.describe(),
@@ -369,12 +349,7 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         report::write_json(path, a, &machine, &reference, &rows, &errors)?;
         println!("rows written to {}", path.display());
     }
-    if interrupted() {
-        return Err(anyhow!("interrupted; everything set up was undone"));
-    }
-    if !errors.is_empty() {
-        return Err(anyhow!("{} error(s): {}", errors.len(), errors.join("; ")));
-    }
+    crate::pressure::bench_result(&errors)?;
     if let Some(r) = rows.iter().find(|r| r.outcome == report::Outcome::Corrupt) {
         return Err(anyhow!("{}: the job found corrupted orders: data was damaged in swap", r.backend));
     }

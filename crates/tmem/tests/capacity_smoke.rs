@@ -6,43 +6,32 @@
 
 mod common;
 
-use std::process::Command;
-
 #[test]
 fn capacity_smoke() {
     if let Some((feature, reason)) = common::missing_feature() {
         return tmem_testkit::skip(feature, reason);
     }
     let before = common::Before::now();
-    let json = std::env::temp_dir().join(format!("tmem-capacity-smoke-{}.json", std::process::id()));
-    let svg = json.with_extension("svg");
-    let start = std::time::Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
-        .args(["bench", "capacity", "--budget-mib", "48", "--swap-budgets", "4", "--timeout", "120"])
-        // Other tests may start swap of their own meanwhile.
-        .args(["--allow-other-swap", "--json"])
-        .arg(&json)
-        .arg("--plot")
-        .arg(&svg)
-        .output()
-        .unwrap();
-    let json_text = std::fs::read_to_string(&json).unwrap_or_default();
-    let _ = std::fs::remove_file(&json);
-    let svg_text = std::fs::read_to_string(&svg).unwrap_or_default();
-    let _ = std::fs::remove_file(&svg);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stdout}\n{stderr}\n(took {:.0} s)", start.elapsed().as_secs_f64());
-
-    let v: serde_json::Value = serde_json::from_str(&json_text).unwrap_or_default();
+    // Other tests may start swap of their own meanwhile.
+    let run = common::run_bench(&[
+        "capacity",
+        "--budget-mib",
+        "48",
+        "--swap-budgets",
+        "4",
+        "--timeout",
+        "120",
+        "--allow-other-swap",
+    ]);
+    let (v, stdout) = (&run.json, &run.stdout);
     before.assert_nothing_left(v["machine"]["zram_device"].as_str());
 
-    assert!(out.status.success(), "tmem bench capacity failed");
+    assert!(run.ok, "tmem bench capacity failed");
     assert_eq!(v["machine"]["budget_bytes"], 48 << 20);
     for title in ["MiB at OOM", "x zram", "pool ratio", "daemon us/page", "machine us/page", "steal %"] {
         assert!(stdout.contains(title), "no {title:?} in the report");
     }
-    assert!(svg_text.starts_with("<svg") && svg_text.contains("MiB allocated at OOM"), "no figure written");
+    assert!(run.svg.starts_with("<svg") && run.svg.contains("MiB allocated at OOM"), "no figure written");
     let rows = v["rows"].as_array().unwrap();
     let names = ["none", "zram", "zswap", "tmem", "tmem-max", "tmem+disk"];
     assert_eq!(rows.len(), names.len() * 3, "{rows:?}");

@@ -6,42 +6,38 @@
 
 mod common;
 
-use std::process::Command;
-
 #[test]
 fn pressure_ladder_smoke() {
     if let Some((feature, reason)) = common::missing_feature() {
         return tmem_testkit::skip(feature, reason);
     }
     let before = common::Before::now();
-    let json = std::env::temp_dir().join(format!("tmem-pressure-smoke-{}.json", std::process::id()));
-    let svg = json.with_extension("svg");
-    let start = std::time::Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
-        // 65 %, not 50: under a v1 memory cgroup a 50 % limit OOM-killed a
-        // job now and then (zram and tmem alike) while other tests loaded the CPU.
-        .args(["bench", "pressure", "--workload-mib", "192", "--levels", "100,65", "--runs", "1", "--passes", "1"])
-        // Other tests may start swap of their own meanwhile: do not wait for it.
-        .args(["--backends", "zram,tmem,fuse-ram", "--allow-other-swap", "--after-exit-secs", "1", "--json"])
-        .arg(&json)
-        .arg("--plot")
-        .arg(&svg)
-        .output()
-        .unwrap();
-    let json_text = std::fs::read_to_string(&json).unwrap_or_default();
-    let _ = std::fs::remove_file(&json);
-    let svg_text = std::fs::read_to_string(&svg).unwrap_or_default();
-    let _ = std::fs::remove_file(&svg);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stdout}\n{stderr}\n(took {:.0} s)", start.elapsed().as_secs_f64());
+    // 65 %, not 50: under a v1 memory cgroup a 50 % limit OOM-killed a
+    // job now and then (zram and tmem alike) while other tests loaded the CPU.
+    // Other tests may start swap of their own meanwhile: do not wait for it.
+    let run = common::run_bench(&[
+        "pressure",
+        "--workload-mib",
+        "192",
+        "--levels",
+        "100,65",
+        "--runs",
+        "1",
+        "--passes",
+        "1",
+        "--backends",
+        "zram,tmem,fuse-ram",
+        "--allow-other-swap",
+        "--after-exit-secs",
+        "1",
+    ]);
+    let (v, stdout, svg_text) = (&run.json, &run.stdout, &run.svg);
 
     // Nothing remains, whatever happened.
-    let v: serde_json::Value = serde_json::from_str(&json_text).unwrap_or_default();
     let zram_dev = v["zram_device"].as_str().map(str::to_owned);
     before.assert_nothing_left(zram_dev.as_deref());
 
-    assert!(out.status.success(), "tmem bench pressure failed");
+    assert!(run.ok, "tmem bench pressure failed");
     assert!(zram_dev.is_some(), "no zram_device in the JSON");
     assert_eq!(v["reference"]["outcome"], "OK");
     assert!(v["reference"]["machine_busy_cpu_secs"].as_f64().unwrap() > 0.0, "{}", v["reference"]);

@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::process::Command;
-
 #[test]
 fn ramp_smoke() {
     if let Some((feature, reason)) = common::missing_feature() {
@@ -16,33 +14,28 @@ fn ramp_smoke() {
         return tmem_testkit::skip(tmem_testkit::Feature::Tools, "no java (default-jdk-headless)");
     }
     let before = common::Before::now();
-    let json = std::env::temp_dir().join(format!("tmem-ramp-smoke-{}.json", std::process::id()));
-    let svg = json.with_extension("svg");
-    let start = std::time::Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
-        .args(["bench", "ramp", "--limit-mib", "128", "--steps", "50,150", "--step-secs", "2"])
-        .args(["--backends", "zram,tmem", "--timeout", "300", "--allow-other-swap", "--json"])
-        .arg(&json)
-        .arg("--plot")
-        .arg(&svg)
-        .output()
-        .unwrap();
-    let json_text = std::fs::read_to_string(&json).unwrap_or_default();
-    let _ = std::fs::remove_file(&json);
-    let svg_text = std::fs::read_to_string(&svg).unwrap_or_default();
-    let _ = std::fs::remove_file(&svg);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stdout}\n{stderr}\n(took {:.0} s)", start.elapsed().as_secs_f64());
-
-    let v: serde_json::Value = serde_json::from_str(&json_text).unwrap_or_default();
+    let run = common::run_bench(&[
+        "ramp",
+        "--limit-mib",
+        "128",
+        "--steps",
+        "50,150",
+        "--step-secs",
+        "2",
+        "--backends",
+        "zram,tmem",
+        "--timeout",
+        "300",
+        "--allow-other-swap",
+    ]);
+    let (v, stdout) = (&run.json, &run.stdout);
     before.assert_nothing_left(v["machine"]["zram_device"].as_str());
 
-    assert!(out.status.success(), "tmem bench ramp failed");
+    assert!(run.ok, "tmem bench ramp failed");
     for title in ["thousand operations per second", "swapped pages per second", "machine busy CPU", "daemon us/page"] {
         assert!(stdout.contains(title), "no {title:?} in the report");
     }
-    assert!(svg_text.starts_with("<svg") && svg_text.contains("throughput against live heap"), "no figure");
+    assert!(run.svg.starts_with("<svg") && run.svg.contains("throughput against live heap"), "no figure");
     let reference = &v["reference"];
     assert_eq!(reference["outcome"], "ok", "{reference}");
     let rows = v["rows"].as_array().unwrap();

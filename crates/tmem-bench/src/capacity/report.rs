@@ -141,14 +141,9 @@ pub fn fill_machine_cpu(records: &mut [RowRecord]) {
 /// The machine and the bench's settings, for the report and the JSON.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Machine {
-    /// `uname -r`.
-    pub kernel: String,
-    /// `v1`, `v2` or `hybrid`.
-    pub cgroup_layout: &'static str,
-    /// Online CPUs.
-    pub cpus: usize,
-    /// RAM.
-    pub mem_total_bytes: u64,
+    /// The machine.
+    #[serde(flatten)]
+    pub machine: crate::machine::Machine,
     /// The budget B.
     pub budget_bytes: u64,
     /// Every swap area's size.
@@ -171,10 +166,10 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 pub fn print(a: &CapacityArgs, m: &Machine, sets: &[DataSet], records: &[RowRecord]) {
     println!(
         "tmem bench capacity: {} CPUs, {} RAM, kernel {}, cgroup {}; budget {} for the job + {} for the pool; swap areas of {}",
-        m.cpus,
-        human(m.mem_total_bytes),
-        m.kernel,
-        m.cgroup_layout,
+        m.machine.cpus,
+        human(m.machine.mem_total_bytes),
+        m.machine.kernel,
+        m.machine.cgroup_layout,
         human(m.budget_bytes),
         human(m.budget_bytes),
         human(m.swap_size_bytes)
@@ -253,8 +248,8 @@ pub fn plot(path: &Path, m: &Machine, sets: &[DataSet], records: &[RowRecord]) -
         "tmem bench capacity: budget {} job + {} pool, {} CPUs, kernel {}",
         human(m.budget_bytes),
         human(m.budget_bytes),
-        m.cpus,
-        m.kernel
+        m.machine.cpus,
+        m.machine.kernel
     );
     crate::plot::draw(path, &caption, &panels)
 }

@@ -124,6 +124,36 @@ pub struct BackendConfig {
     pub net_profile: NetProfile,
 }
 
+impl BackendConfig {
+    /// The defaults of the benches for swap areas of `swap_size` bytes,
+    /// with this process's names: the disk swap file and the tier in
+    /// `swap_dir`, the runtime directory in /run; zram lz4, zswap lzo-rle
+    /// (20 %), tmem lz4 with a pool of 50 % of RAM (64 MiB over a tier),
+    /// `--discard once`, no recompression, the host's disk, loopback.
+    #[must_use]
+    pub fn new(swap_size: u64, swap_dir: &Path) -> Self {
+        let pid = std::process::id();
+        Self {
+            swap_size,
+            swap_file: swap_dir.join(format!("tmem-bench-swap-{pid}")),
+            zram_algorithm: "lz4".into(),
+            zram_mem_limit: None,
+            zswap_compressor: "lzo-rle".into(),
+            zswap_max_pool_percent: 20,
+            tmem_runtime_dir: PathBuf::from(format!("/run/tmem-bench-{pid}")),
+            tmem_pool_limit: "50%".into(),
+            tmem_codec: "lz4".into(),
+            tmem_fuse_uring: 0,
+            tmem_discard: tmem_sys::swap::SwapDiscard::Once,
+            tmem_recompress: (String::new(), 0.0),
+            tmem_tier_pool_limit: "64M".into(),
+            tier_dir: swap_dir.join(format!("tmem-bench-tier-{pid}")),
+            disk_profile: DiskProfile::Host,
+            net_profile: NetProfile::Loopback,
+        }
+    }
+}
+
 /// Priority of the disk swap file (and of zswap's).
 pub const DISK_PRIORITY: i32 = 10;
 /// Priority of zram and tmem.

@@ -109,14 +109,9 @@ impl RowRecord {
 /// The machine and the settings.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Machine {
-    /// `uname -r`.
-    pub kernel: String,
-    /// `v1`, `v2` or `hybrid`.
-    pub cgroup_layout: &'static str,
-    /// Online CPUs.
-    pub cpus: usize,
-    /// RAM.
-    pub mem_total_bytes: u64,
+    /// The machine.
+    #[serde(flatten)]
+    pub machine: crate::machine::Machine,
     /// The job's memory limit.
     pub limit_bytes: u64,
     /// Every swap area's size.
@@ -135,10 +130,10 @@ fn cell(v: Option<f64>, digits: usize) -> String {
 pub fn print(a: &RampArgs, m: &Machine, reference: &RowRecord, rows: &[RowRecord]) {
     println!(
         "tmem bench ramp: {} CPUs, {} RAM, kernel {}, cgroup {}; job limited to {}; swap areas of {}; disk: {}",
-        m.cpus,
-        human(m.mem_total_bytes),
-        m.kernel,
-        m.cgroup_layout,
+        m.machine.cpus,
+        human(m.machine.mem_total_bytes),
+        m.machine.kernel,
+        m.machine.cgroup_layout,
         human(m.limit_bytes),
         human(m.swap_size_bytes),
         m.disk
@@ -229,7 +224,12 @@ pub fn plot(path: &Path, m: &Machine, reference: &RowRecord, rows: &[RowRecord])
         y_label: "thousand operations per second".into(),
         series,
     };
-    let caption = format!("tmem bench ramp: limit {}, {} CPUs, kernel {}", human(m.limit_bytes), m.cpus, m.kernel);
+    let caption = format!(
+        "tmem bench ramp: limit {}, {} CPUs, kernel {}",
+        human(m.limit_bytes),
+        m.machine.cpus,
+        m.machine.kernel
+    );
     crate::plot::draw(path, &caption, &[Figure::Lines(panel)])
 }
 

@@ -27,14 +27,7 @@ fn bench_loops() -> Vec<String> {
 
 fn bench_cgroups() -> Vec<String> {
     let layout = tmem_sys::cgroup::Layout::detect().unwrap();
-    std::fs::read_dir(layout.memory_hierarchy().0)
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("tmem-bench-"))
-                .collect()
-        })
-        .unwrap_or_default()
+    bench_entries(layout.memory_hierarchy().0)
 }
 
 /// disksize and comp_algorithm of zram0, if there is one (the user's: a bench must leave it alone).
@@ -66,7 +59,7 @@ fn bench_mounts() -> Vec<String> {
 }
 
 /// Entries named tmem-bench-* in `dir`.
-fn bench_entries(dir: &str) -> Vec<String> {
+fn bench_entries(dir: impl AsRef<Path>) -> Vec<String> {
     std::fs::read_dir(dir)
         .map(|d| {
             d.filter_map(Result::ok)
@@ -142,5 +135,47 @@ impl Before {
         assert!(bench_entries("/run").is_empty(), "runtime directory left in /run: {:?}", bench_entries("/run"));
         assert_eq!(bench_entries("/var/tmp"), self.var_tmp, "swap file or tier left in /var/tmp");
         assert_eq!(read("/sys/module/zswap/parameters/enabled"), self.zswap_enabled, "zswap left changed");
+    }
+}
+
+/// What one bench run gave.
+pub struct BenchRun {
+    /// Whether it exited 0.
+    pub ok: bool,
+    /// Its report.
+    pub stdout: String,
+    /// Its `--json` file, parsed (`Null` if it wrote none).
+    pub json: serde_json::Value,
+    /// Its `--plot` SVG.
+    pub svg: String,
+}
+
+/// Runs `tmem bench ARGS --json FILE --plot FILE.svg`, prints what it
+/// said and removes the files.
+pub fn run_bench(args: &[&str]) -> BenchRun {
+    let json = std::env::temp_dir().join(format!("tmem-{}-smoke-{}.json", args[0], std::process::id()));
+    let svg = json.with_extension("svg");
+    let start = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
+        .arg("bench")
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    let json_text = std::fs::read_to_string(&json).unwrap_or_default();
+    let _ = std::fs::remove_file(&json);
+    let svg_text = std::fs::read_to_string(&svg).unwrap_or_default();
+    let _ = std::fs::remove_file(&svg);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}\n{stderr}\n(took {:.0} s)", start.elapsed().as_secs_f64());
+    BenchRun {
+        ok: out.status.success(),
+        stdout,
+        json: serde_json::from_str(&json_text).unwrap_or_default(),
+        svg: svg_text,
     }
 }
