@@ -204,7 +204,7 @@ impl Ctx<'_> {
         let start = Instant::now();
         let args = [&*script.to_string_lossy(), &*data.path.to_string_lossy(), &max];
         let mut child =
-            crate::pressure::workload::spawn_in_cgroup(&cg.procs_file(), &self.args.python, &args, out, err)
+            crate::pressure::workload::spawn_in_cgroups(&[&cg.procs_file()], &self.args.python, &args, out, err)
                 .map_err(|e| anyhow!("cannot start the job ({}): {e}", self.args.python))?;
         let timeout = Duration::from_secs(self.args.timeout);
         let (mut peak, mut swap_peak, mut timed_out) = (PoolSample::default(), 0, false);
@@ -476,14 +476,12 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         zram_device,
     };
     report::print(a, &machine, &sets, &records);
-    if let Some(path) = &a.plot {
-        report::plot(path, &machine, &sets, &records)?;
-        println!("figure: {}", path.display());
-    }
-    if let Some(path) = &a.json {
-        report::write_json(path, a, &machine, &sets, &records, &errors)?;
-        println!("rows written to {}", path.display());
-    }
+    crate::write_outputs(
+        a.plot.as_deref(),
+        a.json.as_deref(),
+        |p| report::plot(p, &machine, &sets, &records),
+        |p| report::write_json(p, a, &machine, &sets, &records, &errors),
+    )?;
     crate::pressure::bench_result(&errors)?;
     let bad: Vec<String> = records
         .iter()

@@ -18,6 +18,25 @@ pub mod table;
 pub mod tier;
 pub mod zram;
 
+/// Draws a bench's figure into `plot` and writes its JSON file to `json`,
+/// where asked, saying where each went.
+pub fn write_outputs(
+    plot: Option<&std::path::Path>,
+    json: Option<&std::path::Path>,
+    draw: impl FnOnce(&std::path::Path) -> anyhow::Result<()>,
+    write: impl FnOnce(&std::path::Path) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    if let Some(path) = plot {
+        draw(path)?;
+        println!("figure: {}", path.display());
+    }
+    if let Some(path) = json {
+        write(path)?;
+        println!("JSON: {}", path.display());
+    }
+    Ok(())
+}
+
 /// Median (mean of the two middle values for an even count).
 #[must_use]
 pub fn median(mut v: Vec<f64>) -> Option<f64> {

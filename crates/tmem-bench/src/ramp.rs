@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::pressure::backend::{Backend, BackendConfig, BackendKind};
-use crate::pressure::workload::{kill_group, spawn_in_cgroup};
+use crate::pressure::workload::{kill_group, spawn_in_cgroups};
 use crate::pressure::{cmd, install_signal_handlers, interrupted, zswap_off, DiskProfile};
 use crate::progress::Progress;
 use tmem_sys::cgroup::{Layout, MemCgroup, Version};
@@ -157,7 +157,7 @@ impl Ctx<'_> {
         let server = backend.and_then(Backend::server_pid);
         let server_before = server.and_then(ProcessCpu::of_pid);
         let row_start = Mark::now()?;
-        let mut child = spawn_in_cgroup(&cg.procs_file(), &a.java, &args, out, err)
+        let mut child = spawn_in_cgroups(&[&cg.procs_file()], &a.java, &args, out, err)
             .map_err(|e| anyhow!("cannot start the job ({}): {e}", a.java))?;
         let timeout = Duration::from_secs(a.timeout);
         let (mut seen, mut begin, mut steps) = (0, None, Vec::new());
@@ -341,14 +341,12 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         zram_device,
     };
     report::print(a, &machine, &reference, &rows);
-    if let Some(path) = &a.plot {
-        report::plot(path, &machine, &reference, &rows)?;
-        println!("figure: {}", path.display());
-    }
-    if let Some(path) = &a.json {
-        report::write_json(path, a, &machine, &reference, &rows, &errors)?;
-        println!("rows written to {}", path.display());
-    }
+    crate::write_outputs(
+        a.plot.as_deref(),
+        a.json.as_deref(),
+        |p| report::plot(p, &machine, &reference, &rows),
+        |p| report::write_json(p, a, &machine, &reference, &rows, &errors),
+    )?;
     crate::pressure::bench_result(&errors)?;
     if let Some(r) = rows.iter().find(|r| r.outcome == report::Outcome::Corrupt) {
         return Err(anyhow!("{}: the job found corrupted orders: data was damaged in swap", r.backend));

@@ -3,9 +3,9 @@
 
 use anyhow::anyhow;
 use std::fs::File;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 /// Builds the SQLite database.
@@ -78,24 +78,15 @@ impl Scripts {
         let err_path = out_dir.join("query.err");
         let out = File::create(&out_path).map_err(|e| anyhow!("{}: {e}", out_path.display()))?;
         let err = File::create(&err_path).map_err(|e| anyhow!("{}: {e}", err_path.display()))?;
-        // `sh -c SCRIPT N PROCS... PROGRAM ARGS...`: joins the N groups, then execs.
-        let child = Command::new("sh")
-            .arg("-c")
-            .arg("n=$0; while [ \"$n\" -gt 0 ]; do echo $$ > \"$1\" || exit 97; shift; n=$((n-1)); done; exec \"$@\"")
-            .arg(procs.len().to_string())
-            .args(procs)
-            .arg(&self.python)
-            .arg(&self.query)
-            .args(["--db", &q.db.to_string_lossy(), "--rows", &q.rows.to_string()])
-            .args(["--queries", &q.queries.to_string(), "--seed", &q.seed.to_string()])
-            .args(["--skew", &q.skew.to_string(), "--index-share", &q.index_share.to_string()])
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .process_group(0)
-            .spawn()
-            .map_err(|e| anyhow!("cannot start the query job (sh, {}): {e}", self.python.display()))?;
+        let (db, rows, queries) = (q.db.to_string_lossy(), q.rows.to_string(), q.queries.to_string());
+        let (seed, skew, share) = (q.seed.to_string(), q.skew.to_string(), q.index_share.to_string());
+        let query = self.query.to_string_lossy();
+        let args = [&*query, "--db", &db, "--rows", &rows, "--queries", &queries, "--seed", &seed];
+        let args = [&args[..], &["--skew", &skew, "--index-share", &share]].concat();
+        let procs: Vec<&Path> = procs.iter().map(PathBuf::as_path).collect();
+        let child =
+            crate::pressure::workload::spawn_in_cgroups(&procs, &self.python.to_string_lossy(), &args, out, err)
+                .map_err(|e| anyhow!("cannot start the query job (sh, {}): {e}", self.python.display()))?;
         Ok(Running { child, out_path, err_path, start: Instant::now(), done: None })
     }
 }

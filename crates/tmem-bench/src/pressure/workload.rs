@@ -69,7 +69,7 @@ impl Workload {
             let passes = self.passes.to_string();
             let script = self.script.to_string_lossy();
             let args = [&*script, "--mib", &mib, "--seed", &seed.to_string(), "--passes", &passes];
-            let child = spawn_in_cgroup(procs, &self.python, &args, out, err)
+            let child = spawn_in_cgroups(&[procs], &self.python, &args, out, err)
                 .map_err(|e| anyhow!("cannot start the workload (sh, {}): {e}", self.python))?;
             running.jobs.push(Job { seed, child, out_path, err_path, status: None });
         }
@@ -77,21 +77,23 @@ impl Workload {
     }
 }
 
-/// Starts `program ARGS` in its own process group, in the cgroup whose
-/// `cgroup.procs` is `procs`: a shell writes its own pid there, then execs
-/// the program, so every page the job ever allocates is charged to the
-/// cgroup. (Python's environment is set for the Python jobs.)
-pub(crate) fn spawn_in_cgroup(
-    procs: &Path,
+/// Starts `program ARGS` in its own process group, in every cgroup whose
+/// `cgroup.procs` is in `procs`: a shell writes its own pid to each, then
+/// execs the program, so every page (and I/O) of the job is charged to
+/// them from the start. (Python's environment is set for the Python jobs.)
+pub(crate) fn spawn_in_cgroups(
+    procs: &[&Path],
     program: &str,
     args: &[&str],
     out: File,
     err: File,
 ) -> std::io::Result<Child> {
+    // `sh -c SCRIPT N PROCS... PROGRAM ARGS...`: joins the N groups, then execs.
     Command::new("sh")
         .arg("-c")
-        .arg("echo $$ > \"$0\" || exit 97; exec \"$@\"")
-        .arg(procs)
+        .arg("n=$0; while [ \"$n\" -gt 0 ]; do echo $$ > \"$1\" || exit 97; shift; n=$((n-1)); done; exec \"$@\"")
+        .arg(procs.len().to_string())
+        .args(procs)
         .arg(program)
         .args(args)
         .env("PYTHONHASHSEED", "0")
