@@ -153,7 +153,10 @@ impl Ctx<'_> {
         let list = steps_mib.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
         let source = self.dir.join("Ramp.java").to_string_lossy().into_owned();
         let secs = a.step_secs.to_string();
-        let args = [&*xmx, "-XX:+UseSerialGC", &source, &list, &secs, "1"];
+        // A small young generation: the footprint is then the live heap, the
+        // old generation's free share, 48 MiB and the JVM's own (tighter
+        // free ratios made full collections, and OOM kills, more frequent).
+        let args = [&*xmx, "-Xmn48m", "-XX:+UseSerialGC", &source, &list, &secs, "1"];
         let server = backend.and_then(Backend::server_pid);
         let server_before = server.and_then(ProcessCpu::of_pid);
         let row_start = Mark::now()?;
@@ -165,9 +168,9 @@ impl Ctx<'_> {
         let status = loop {
             let done = child.try_wait()?;
             let text = std::fs::read_to_string(&out_path).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            // The last line may be half written while the job runs.
-            let complete = if done.is_some() { lines.len() } else { lines.len().saturating_sub(1) };
+            // Only whole lines: the job may be writing the last one.
+            let lines: Vec<&str> = text.split_inclusive('\n').filter_map(|l| l.strip_suffix('\n')).collect();
+            let complete = lines.len();
             for l in &lines[seen.min(complete)..complete] {
                 match parse_line(l) {
                     Some(JobLine::Begin) => begin = Some(Mark::now()?),
