@@ -565,6 +565,9 @@ pub struct Tmem {
     servers: Vec<crate::redis::RedisServer>,
     /// The servers' namespaces (a network profile): dropped after the servers.
     namespaces: Vec<Namespace>,
+    net_profile: NetProfile,
+    /// Nodes [`Tmem::kill_node`] killed: revived before the next run.
+    killed: Vec<usize>,
     tier_dir: Option<PathBuf>,
     /// The tier's throttled filesystem (a disk profile), mounted at
     /// `tier_dir`, and its image file.
@@ -594,6 +597,8 @@ impl Tmem {
             loop_devs: Vec::new(),
             servers: Vec::new(),
             namespaces: Vec::new(),
+            net_profile: c.net_profile,
+            killed: Vec::new(),
             tier_dir: None,
             tier_disk: None,
         };
@@ -665,6 +670,7 @@ impl Tmem {
     }
 
     fn activate(&mut self) -> anyhow::Result<()> {
+        self.revive_nodes()?;
         self.active = true;
         let size = self.size.to_string();
         let prio = RAM_PRIORITY.to_string();
@@ -770,12 +776,25 @@ impl Tmem {
         Ok(())
     }
 
+    /// Brings back the nodes killed in the last run (a fresh namespace,
+    /// an empty server), so that every run starts with all of them.
+    fn revive_nodes(&mut self) -> anyhow::Result<()> {
+        for i in std::mem::take(&mut self.killed) {
+            if let Some(ns) = self.namespaces.get_mut(i) {
+                *ns = Namespace::create(u8::try_from(i).unwrap_or(u8::MAX), self.net_profile)?;
+            }
+            self.servers[i].restart().map_err(|e| anyhow!("tmem+remote: cannot restart Redis node {i}: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// Kills Redis node `i` and, on a network profile, deletes its
     /// namespace (a machine that vanishes); says what it did.
     fn kill_node(&mut self, i: usize) -> anyhow::Result<String> {
         let s = self.servers.get_mut(i).ok_or_else(|| anyhow!("no Redis node {i}"))?;
         let addr = s.addr();
         s.kill();
+        self.killed.push(i);
         match self.namespaces.get_mut(i) {
             Some(ns) => {
                 ns.delete()?;
