@@ -43,8 +43,6 @@ pub struct RedisOptions {
     /// Run inside this network namespace (`ip netns exec`), bound to this
     /// address of it, on port 6379; `None`: 127.0.0.1, a free port.
     pub netns: Option<(String, std::net::Ipv4Addr)>,
-    /// Run as a Redis Cluster node (`cluster-enabled yes`), not yet part of a cluster.
-    pub cluster: bool,
 }
 
 impl Default for RedisOptions {
@@ -56,7 +54,6 @@ impl Default for RedisOptions {
             acl_users: Vec::new(),
             tls: None,
             netns: None,
-            cluster: false,
         }
     }
 }
@@ -243,10 +240,6 @@ fn spawn(bin: &Path, opts: &RedisOptions, port: u16, dir: &Path) -> io::Result<C
         // Protected mode refuses clients from other addresses when no
         // password is set; the namespace is reached only from this host.
         cmd.args(["--protected-mode", "no"]);
-    }
-    if opts.cluster {
-        cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"]);
-        cmd.arg("--cluster-config-file").arg(dir.join("nodes.conf"));
     }
     cmd.arg("--dir").arg(dir).arg("--logfile").arg(dir.join("redis.log"));
     cmd.args(["--maxmemory", opts.maxmemory.as_deref().unwrap_or("0")]);
