@@ -183,29 +183,24 @@ pub fn print(a: &RampArgs, m: &Machine, reference: &RowRecord, rows: &[RowRecord
     }
     println!("{t}");
     let find = |n: &str| rows.iter().find(|r| r.backend == n && r.outcome == Outcome::Ok);
-    if let (Some(tmem), Some(zram)) = (find("tmem"), find("zram")) {
-        let ratios: Vec<String> = reference
+    // Throughput of `a` over `b` at each step from the limit on.
+    let ratios = |a: &RowRecord, b: &RowRecord| -> String {
+        let cells: Vec<String> = reference
             .steps
             .iter()
             .filter(|s| s.live_percent_of_limit >= 100.0)
             .filter_map(|s| {
-                let (t, z) = (tmem.at(s.live_mib)?, zram.at(s.live_mib)?);
-                Some(format!("{:.0}%: {:.2}", s.live_percent_of_limit, t.ops_per_sec / z.ops_per_sec))
+                let (x, y) = (a.at(s.live_mib)?, b.at(s.live_mib)?);
+                Some(format!("{:.0}%: {:.2}", s.live_percent_of_limit, x.ops_per_sec / y.ops_per_sec))
             })
             .collect();
-        println!("tmem / zram throughput, from the step where the heap passes the limit: {}", ratios.join(", "));
+        cells.join(", ")
+    };
+    if let (Some(tmem), Some(zram)) = (find("tmem"), find("zram")) {
+        println!("tmem / zram throughput, from the step where the heap passes the limit: {}", ratios(tmem, zram));
     }
     if let (Some(tmem), Some(disk)) = (find("tmem"), find("disk")) {
-        let ratios: Vec<String> = reference
-            .steps
-            .iter()
-            .filter(|s| s.live_percent_of_limit >= 100.0)
-            .filter_map(|s| {
-                let (t, d) = (tmem.at(s.live_mib)?, disk.at(s.live_mib)?);
-                Some(format!("{:.0}%: {:.2}", s.live_percent_of_limit, t.ops_per_sec / d.ops_per_sec))
-            })
-            .collect();
-        println!("tmem / disk swap file throughput: {}", ratios.join(", "));
+        println!("tmem / disk swap file throughput: {}", ratios(tmem, disk));
     }
 }
 
