@@ -392,18 +392,20 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         ctx.progress.show(&format!("preparing the {} data", kind.name()), true);
         sets.push(data::prepare(kind, dir.path(), &a.python)?);
     }
-    let zswap_pool_limit = match ctx.layout.memory_hierarchy().1 {
-        Version::V1 => ram * u64::from(zswap_percent(budget, ram)) / 100,
-        Version::V2 => budget,
+    // zswap's limit: (max_pool_percent, the bytes it means); on v2 the
+    // cgroup's memory.zswap.max does the limiting.
+    let (zswap_max_pool_percent, zswap_pool_limit) = match ctx.layout.memory_hierarchy().1 {
+        Version::V1 => {
+            let percent = zswap_percent(budget, ram);
+            (percent, ram * u64::from(percent) / 100)
+        }
+        Version::V2 => (100, budget),
     };
     let base = BackendConfig {
         zram_algorithm: a.zram_algorithm.clone(),
         zram_mem_limit: Some(budget),
         zswap_compressor: a.zswap_compressor.clone(),
-        zswap_max_pool_percent: match ctx.layout.memory_hierarchy().1 {
-            Version::V1 => zswap_percent(budget, ram),
-            Version::V2 => 100,
-        },
+        zswap_max_pool_percent,
         tmem_pool_limit: budget.to_string(),
         tmem_codec: a.tmem_codec.clone(),
         tmem_tier_pool_limit: budget.to_string(),
