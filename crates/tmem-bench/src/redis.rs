@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 use rustix::process::{kill_process, Pid, Signal};
 
+pub mod cluster;
+
 /// Certificate files for a TLS server (see [`make_test_certs`]).
 #[derive(Clone, Debug)]
 pub struct TlsFiles {
@@ -43,6 +45,8 @@ pub struct RedisOptions {
     /// Run inside this network namespace (`ip netns exec`), bound to this
     /// address of it, on port 6379; `None`: 127.0.0.1, a free port.
     pub netns: Option<(String, std::net::Ipv4Addr)>,
+    /// `--cluster-enabled yes` (see [`cluster::RedisCluster`]).
+    pub cluster: bool,
 }
 
 impl Default for RedisOptions {
@@ -54,6 +58,7 @@ impl Default for RedisOptions {
             acl_users: Vec::new(),
             tls: None,
             netns: None,
+            cluster: false,
         }
     }
 }
@@ -244,6 +249,14 @@ fn spawn(bin: &Path, opts: &RedisOptions, port: u16, dir: &Path) -> io::Result<C
     cmd.arg("--dir").arg(dir).arg("--logfile").arg(dir.join("redis.log"));
     cmd.args(["--maxmemory", opts.maxmemory.as_deref().unwrap_or("0")]);
     cmd.args(["--maxmemory-policy", &opts.policy]);
+    if opts.cluster {
+        // A master is failed over after 1 s without answers, by its replica
+        // however stale (validity factor 0); the others go on serving their
+        // slots meanwhile.
+        cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"]);
+        cmd.args(["--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0"]);
+        cmd.arg("--cluster-config-file").arg(dir.join("nodes.conf"));
+    }
     if let Some(pw) = &opts.requirepass {
         cmd.args(["--requirepass", pw]);
     }

@@ -10,8 +10,9 @@ use futures_util::future::join_all;
 use redis::Value;
 use tmem_tier::{check_len, LatencyHistogram, TierError, TierKey, TierPut, MAX_VALUE};
 
+use crate::cluster::parse_slots;
 use crate::index::{Entry, Index};
-use crate::node::{delete_matching, memory_config, ConnectError, MemoryConfig, Node};
+use crate::node::{delete_matching, memory_config, server_id, Conn, ConnectError, MemoryConfig, Node};
 use crate::placement::{bit, count, key_hash, key_name, rendezvous, resp_cmd_len, resp_value_len};
 
 mod nodes;
@@ -44,6 +45,8 @@ pub(crate) fn config_error(reason: impl Into<String>) -> TierError {
 /// Settings the engine needs from the configuration.
 pub(crate) struct Settings {
     pub replicas: usize,
+    /// This machine's id: the base of its cluster hash tags.
+    pub host_id: String,
     pub require_noeviction: bool,
     pub op_timeout: Duration,
     pub connect_timeout: Duration,
@@ -70,6 +73,10 @@ pub(crate) struct Counters {
     pub vanished: AtomicU64,
     /// Puts stored with fewer than R copies (too few live nodes).
     pub degraded_puts: AtomicU64,
+    /// Cluster shards whose slot moved to another master (failover or resharding).
+    pub master_changes: AtomicU64,
+    /// Cluster shards moved to another master's slot (theirs was shared).
+    pub retags: AtomicU64,
 }
 
 fn add(c: &AtomicU64, n: u64) {
@@ -82,7 +89,7 @@ fn len_u64(n: usize) -> u64 {
 
 /// One write of a value to up to `need` more nodes, in preference order.
 struct Place<'a> {
-    name: &'a str,
+    key: TierKey,
     value: &'a [u8],
     order: Vec<usize>,
     /// Nodes not to try: already tried, or already holding a copy.
@@ -96,7 +103,7 @@ struct Place<'a> {
 
 /// One read from the first replica that answers, in preference order.
 struct Fetch {
-    name: String,
+    key: TierKey,
     order: Vec<usize>,
     tried: u64,
     value: Option<Vec<u8>>,
@@ -114,6 +121,7 @@ pub(crate) struct RepairOutcome {
 /// The shared state of a tier.
 pub(crate) struct Inner {
     pub s: Settings,
+    /// `tmem:{cluster_id}:{host_id}:`, the namespace of this tier on every node.
     pub prefix: String,
     pub nodes: Vec<Node>,
     seeds: Vec<u64>,
@@ -151,8 +159,9 @@ impl Inner {
         rendezvous(&self.seeds, key_hash(k))
     }
 
-    fn name(&self, k: TierKey) -> String {
-        key_name(&self.prefix, k)
+    /// The name of `k` on node `n` now.
+    pub fn name(&self, n: usize, k: TierKey) -> String {
+        key_name(&self.nodes[n].place().prefix, k)
     }
 
     fn request_repair(&self) {
@@ -168,21 +177,22 @@ impl Inner {
         }
     }
 
-    /// Sends one pipeline to node `n`; a transport failure or timeout marks the node down.
-    /// The deadline is the operation timeout plus the transfer time of the
-    /// payload (`out_bytes` sent, about `reply_bytes` expected) at 50 MB/s, so a
+    /// Sends one pipeline to node `n`, made by `build` from the node's key
+    /// prefix (taken with the connection, so names and epoch agree); a
+    /// transport failure or timeout marks the node down. `build` also
+    /// returns the bytes sent and about the bytes expected back: the deadline
+    /// is the operation timeout plus their transfer time at 50 MB/s, so a
     /// large batch is not mistaken for a dead node.
     async fn pipeline(
         &self,
         n: usize,
-        pipe: redis::Pipeline,
-        out_bytes: u64,
-        reply_bytes: u64,
+        build: impl FnOnce(&str) -> (redis::Pipeline, u64, u64),
     ) -> Result<(u64, Vec<Value>), String> {
         let node = &self.nodes[n];
-        let Some((mut conn, epoch)) = node.conn() else {
+        let Some((mut conn, epoch, prefix)) = node.conn() else {
             return Err(format!("{} is down", node.name));
         };
+        let (pipe, out_bytes, reply_bytes) = build(&prefix);
         add(&self.c.wire_out, out_bytes);
         let deadline = self.s.op_timeout + Duration::from_micros((out_bytes + reply_bytes) / 50);
         match tokio::time::timeout(deadline, pipe.query_async::<Vec<Value>>(&mut conn)).await {
@@ -257,18 +267,21 @@ impl Inner {
                 .enumerate()
                 .flat_map(|(n, v)| v.chunks(PIPELINE_CHUNK).map(move |c| (n, c)))
                 .map(|(n, idxs)| {
-                    let mut pipe = redis::pipe();
-                    pipe.ignore_errors();
-                    let cmd = pipe.cmd("MSET");
-                    let mut lens = Vec::with_capacity(1 + 2 * idxs.len());
-                    lens.push(4);
-                    for &i in idxs {
-                        let it = &items_ref[i];
-                        cmd.arg(it.name).arg(it.value);
-                        lens.extend([it.name.len(), it.value.len()]);
-                    }
-                    let bytes = resp_cmd_len(&lens);
-                    async move { (n, idxs, self.pipeline(n, pipe, bytes, 5).await) }
+                    let build = move |prefix: &str| {
+                        let mut pipe = redis::pipe();
+                        pipe.ignore_errors();
+                        let cmd = pipe.cmd("MSET");
+                        let mut lens = Vec::with_capacity(1 + 2 * idxs.len());
+                        lens.push(4);
+                        for &i in idxs {
+                            let it = &items_ref[i];
+                            let name = key_name(prefix, it.key);
+                            lens.extend([name.len(), it.value.len()]);
+                            cmd.arg(name).arg(it.value);
+                        }
+                        (pipe, resp_cmd_len(&lens), 5)
+                    };
+                    async move { (n, idxs, self.pipeline(n, build).await) }
                 })
                 .collect();
             for (n, idxs, r) in join_all(futs).await {
@@ -341,18 +354,20 @@ impl Inner {
                 .enumerate()
                 .filter(|(_, v)| !v.is_empty())
                 .map(|(n, idxs)| {
-                    let mut pipe = redis::pipe();
-                    pipe.ignore_errors();
-                    let cmd = pipe.cmd("MGET");
-                    let mut lens = Vec::with_capacity(1 + idxs.len());
-                    lens.push(4);
-                    for &i in idxs {
-                        cmd.arg(&items_ref[i].name);
-                        lens.push(items_ref[i].name.len());
-                    }
-                    let bytes = resp_cmd_len(&lens);
-                    let replies = len_u64(idxs.len() * (MAX_VALUE + 8));
-                    async move { (n, self.pipeline(n, pipe, bytes, replies).await) }
+                    let build = move |prefix: &str| {
+                        let mut pipe = redis::pipe();
+                        pipe.ignore_errors();
+                        let cmd = pipe.cmd("MGET");
+                        let mut lens = Vec::with_capacity(1 + idxs.len());
+                        lens.push(4);
+                        for &i in idxs {
+                            let name = key_name(prefix, items_ref[i].key);
+                            lens.push(name.len());
+                            cmd.arg(name);
+                        }
+                        (pipe, resp_cmd_len(&lens), len_u64(idxs.len() * (MAX_VALUE + 8)))
+                    };
+                    async move { (n, self.pipeline(n, build).await) }
                 })
                 .collect();
             for (n, r) in join_all(futs).await {
@@ -395,28 +410,32 @@ impl Inner {
         }
     }
 
-    /// Deletes `names` on their nodes (one pipeline per node, concurrently).
+    /// Deletes `keys` on their nodes (one pipeline per node, concurrently).
     /// Failures are counted, not returned: a node that fails is marked down,
     /// and a node coming back has this tier's keys wiped before serving.
-    async fn delete(&self, per_node: Vec<Vec<String>>) {
+    async fn delete(&self, per_node: Vec<Vec<TierKey>>) {
         let futs: Vec<_> = per_node
             .into_iter()
             .enumerate()
             .filter(|(n, v)| !v.is_empty() && self.nodes[*n].is_up())
-            .map(|(n, names)| {
-                let mut pipe = redis::pipe();
-                pipe.ignore_errors();
-                let mut bytes = 0;
-                for chunk in names.chunks(UNLINK_KEYS) {
-                    let cmd = pipe.cmd("UNLINK");
-                    let mut lens = vec![6];
-                    for name in chunk {
-                        cmd.arg(name);
-                        lens.push(name.len());
+            .map(|(n, keys)| {
+                let build = move |prefix: &str| {
+                    let mut pipe = redis::pipe();
+                    pipe.ignore_errors();
+                    let mut bytes = 0;
+                    for chunk in keys.chunks(UNLINK_KEYS) {
+                        let cmd = pipe.cmd("UNLINK");
+                        let mut lens = vec![6];
+                        for k in chunk {
+                            let name = key_name(prefix, *k);
+                            lens.push(name.len());
+                            cmd.arg(name);
+                        }
+                        bytes += resp_cmd_len(&lens);
                     }
-                    bytes += resp_cmd_len(&lens);
-                }
-                async move { (n, self.pipeline(n, pipe, bytes, 0).await) }
+                    (pipe, bytes, 0)
+                };
+                async move { (n, self.pipeline(n, build).await) }
             })
             .collect();
         for (n, r) in join_all(futs).await {
@@ -441,15 +460,13 @@ impl Inner {
         }
         let mut active: Vec<usize> = last.into_values().collect();
         active.sort_unstable();
-        let names: Vec<String> = active.iter().map(|&i| self.name(items[i].0)).collect();
         let guards = self.lock_keys(active.iter().map(|&i| items[i].0)).await;
 
         let r = self.s.replicas;
         let mut places: Vec<Place<'_>> = active
             .iter()
-            .zip(&names)
-            .map(|(&i, name)| Place {
-                name,
+            .map(|&i| Place {
+                key: items[i].0,
                 value: &items[i].1,
                 order: self.order(items[i].0),
                 skip: 0,
@@ -462,7 +479,7 @@ impl Inner {
             .collect();
         self.place(&mut places).await;
 
-        let mut dels: Vec<Vec<String>> = vec![Vec::new(); self.nodes.len()];
+        let mut dels: Vec<Vec<TierKey>> = vec![Vec::new(); self.nodes.len()];
         let mut degraded = false;
         for (p, &i) in places.iter().zip(&active) {
             let (k, v) = (&items[i].0, &items[i].1);
@@ -491,7 +508,7 @@ impl Inner {
             drop(shard);
             for (n, d) in dels.iter_mut().enumerate() {
                 if stale & bit(n) != 0 {
-                    d.push(p.name.to_owned());
+                    d.push(p.key);
                 }
             }
             results[i] = Some(outcome);
@@ -540,7 +557,7 @@ impl Inner {
                     }
                     Some(e) => {
                         let order = self.order(k).into_iter().filter(|n| e.nodes & bit(*n) != 0).collect();
-                        fetches.push(Fetch { name: self.name(k), order, tried: 0, value: None, failed: None });
+                        fetches.push(Fetch { key: k, order, tried: 0, value: None, failed: None });
                         which.push((i, e));
                     }
                 }
@@ -602,7 +619,7 @@ impl Inner {
 
     pub async fn remove_batch(&self, keys: Vec<TierKey>) -> Vec<Result<bool, TierError>> {
         let guards = self.lock_keys(keys.iter().copied()).await;
-        let mut dels: Vec<Vec<String>> = vec![Vec::new(); self.nodes.len()];
+        let mut dels: Vec<Vec<TierKey>> = vec![Vec::new(); self.nodes.len()];
         let mut results = Vec::with_capacity(keys.len());
         for &k in &keys {
             let old = {
@@ -610,10 +627,9 @@ impl Inner {
                 self.index.remove_locked(&mut shard, k)
             };
             if let Some(o) = old {
-                let name = self.name(k);
                 for (n, d) in dels.iter_mut().enumerate() {
                     if o.nodes & bit(n) != 0 {
-                        d.push(name.clone());
+                        d.push(k);
                     }
                 }
             }
@@ -626,15 +642,14 @@ impl Inner {
     }
 
     pub async fn clear_pool(&self, pool: u32) {
-        let mut dels: Vec<Vec<String>> = vec![Vec::new(); self.nodes.len()];
+        let mut dels: Vec<Vec<TierKey>> = vec![Vec::new(); self.nodes.len()];
         for mut shard in self.index.shards() {
             let keys: Vec<TierKey> = shard.keys().filter(|k| k.pool == pool).copied().collect();
             for k in keys {
                 if let Some(o) = self.index.remove_locked(&mut shard, k) {
-                    let name = self.name(k);
                     for (n, d) in dels.iter_mut().enumerate() {
                         if o.nodes & bit(n) != 0 {
-                            d.push(name.clone());
+                            d.push(k);
                         }
                     }
                 }

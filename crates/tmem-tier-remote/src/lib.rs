@@ -5,6 +5,9 @@
 //!   so many machines share the same servers.
 //! * Each page goes to R distinct servers chosen by rendezvous hashing; a read
 //!   goes to the first live replica and falls back to the others.
+//! * The servers may be the masters of a Redis/Valkey Cluster, found from
+//!   seed addresses (`redis+cluster://host:port`): each master is a node, and
+//!   R copies go to R masters (see `cluster.rs`).
 //! * A server that fails is marked down and skipped; a background task copies
 //!   every page that had a replica on it from a survivor to the next server in
 //!   the page's rendezvous order, and reconnects with backoff.
@@ -19,6 +22,7 @@
 //! of its own and exposes the blocking [`Tier`] trait on top of it, so callers
 //! need no runtime. See README.md for the full design.
 
+mod cluster;
 mod engine;
 mod index;
 mod node;
@@ -36,6 +40,7 @@ use tmem_tier::{Capacity, Health, Tier, TierError, TierGet, TierKey, TierPut, Ti
 
 use engine::{config_error, unavailable, Inner, Settings, TIER};
 use node::{ConnectError, Node};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 
 /// Largest number of servers (node sets are 64-bit masks).
 pub const MAX_NODES: usize = 64;
@@ -44,7 +49,9 @@ pub const MAX_NODES: usize = 64;
 #[derive(Clone)]
 pub struct RemoteTierConfig {
     /// Servers: `redis://[user:pass@]host:port[/db]` or `rediss://…` (TLS).
-    /// AUTH (password or ACL user) comes from the URL.
+    /// AUTH (password or ACL user) comes from the URL. Or seed addresses of
+    /// one Redis/Valkey Cluster, `redis+cluster://[user:pass@]host:port` or
+    /// `rediss+cluster://…`: its masters become the nodes.
     pub nodes: Vec<String>,
     /// Names the group of machines sharing the servers (`[A-Za-z0-9._-]`, 1–64 chars).
     pub cluster_id: String,
@@ -52,7 +59,7 @@ pub struct RemoteTierConfig {
     /// Two daemons must never share a `(cluster_id, host_id)`: each deletes
     /// the keys of its namespace when it starts.
     pub host_id: String,
-    /// Copies of each page (R), 1 ≤ R ≤ number of nodes.
+    /// Copies of each page (R), 1 ≤ R ≤ number of nodes (of masters, for a cluster).
     pub replicas: usize,
     /// Refuse servers whose `maxmemory-policy` may evict keys (anything but
     /// `noeviction`): required for persistent pools, whose pages must not vanish.
@@ -82,15 +89,20 @@ impl fmt::Debug for RemoteTierConfig {
     }
 }
 
+/// `redis+cluster://` or `rediss+cluster://`: a seed of a cluster.
+fn is_cluster_url(url: &str) -> bool {
+    url.starts_with("redis+cluster://") || url.starts_with("rediss+cluster://")
+}
+
 fn valid_id(s: &str) -> bool {
     (1..=64).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 impl RemoteTierConfig {
-    /// A configuration with defaults: R = 2 (1 with a single node),
-    /// `require_noeviction`, 1 s operation and 2 s connect timeouts.
+    /// A configuration with defaults: R = 2 (1 with a single standalone
+    /// node), `require_noeviction`, 1 s operation and 2 s connect timeouts.
     pub fn new(nodes: Vec<String>, cluster_id: impl Into<String>, host_id: impl Into<String>) -> Self {
-        let replicas = nodes.len().clamp(1, 2);
+        let replicas = if nodes.iter().any(|u| is_cluster_url(u)) { 2 } else { nodes.len().clamp(1, 2) };
         Self {
             nodes,
             cluster_id: cluster_id.into(),
@@ -107,7 +119,16 @@ impl RemoteTierConfig {
         if self.nodes.is_empty() || self.nodes.len() > MAX_NODES {
             return Err(config_error(format!("need 1 to {MAX_NODES} nodes, got {}", self.nodes.len())));
         }
-        if !(1..=self.nodes.len()).contains(&self.replicas) {
+        let cluster = self.nodes.iter().filter(|u| is_cluster_url(u)).count();
+        if cluster != 0 && cluster != self.nodes.len() {
+            return Err(config_error(
+                "either every node is a redis+cluster:// seed of one cluster, or none is".to_owned(),
+            ));
+        }
+        if cluster != 0 && !(1..=MAX_NODES).contains(&self.replicas) {
+            return Err(config_error(format!("replicas must be between 1 and {MAX_NODES}, got {}", self.replicas)));
+        }
+        if cluster == 0 && !(1..=self.nodes.len()).contains(&self.replicas) {
             return Err(config_error(format!(
                 "replicas must be between 1 and the number of nodes ({}), got {}",
                 self.nodes.len(),
@@ -142,6 +163,64 @@ impl RemoteTierConfig {
         }
     }
 
+    /// The nodes of a cluster: reads its slot map from a seed and makes one
+    /// node per master, each with a hash tag of a slot that master serves.
+    fn shards(&self, rt: &tokio::runtime::Runtime, ca: Option<&[u8]>, namespace: &str) -> Result<Vec<Node>, TierError> {
+        let seeds: Vec<String> = self.nodes.iter().map(|u| u.replacen("+cluster://", "://", 1)).collect();
+        let names = || self.nodes.iter().map(|u| node::redact(u)).collect::<Vec<_>>().join(", ");
+        let mut builder = redis::cluster::ClusterClient::builder(seeds).connection_timeout(self.connect_timeout);
+        if let Some(pem) = ca {
+            builder = builder.certs(redis::TlsCertificates { client_tls: None, root_cert: Some(pem.to_vec()) });
+        }
+        let client = builder.build().map_err(|e| config_error(format!("cluster {}: {e}", names())))?;
+        let discover = {
+            let client = client.clone();
+            let limit = self.connect_timeout + self.op_timeout;
+            async move {
+                let slots = async {
+                    let mut conn = client.get_async_connection().await?;
+                    let mut cmd = redis::cmd("CLUSTER");
+                    cmd.arg("SLOTS");
+                    conn.route_command(cmd, RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random)).await
+                };
+                tokio::time::timeout(limit, slots).await
+            }
+        };
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        rt.spawn(async move {
+            let _ = tx.send(discover.await);
+        });
+        let slots = match rx.recv() {
+            Err(_) => return Err(unavailable("runtime stopped")),
+            Ok(Err(_)) => return Err(unavailable(format!("cluster {}: no answer to CLUSTER SLOTS", names()))),
+            Ok(Ok(Err(e))) => {
+                return Err(match node::classify_connect(&names(), &e) {
+                    ConnectError::Config(m) => config_error(m),
+                    ConnectError::Unreachable(m) => unavailable(format!("cluster {m}")),
+                })
+            }
+            Ok(Ok(Ok(v))) => v,
+        };
+        let masters = cluster::parse_slots(&slots).map_err(|e| unavailable(format!("cluster {}: {e}", names())))?;
+        if !(self.replicas..=MAX_NODES).contains(&masters.len()) {
+            return Err(config_error(format!(
+                "cluster {}: {} masters serve slots; need between R = {} and {MAX_NODES}",
+                names(),
+                masters.len(),
+                self.replicas
+            )));
+        }
+        masters
+            .iter()
+            .map(|m| {
+                let (tag, slot) = m
+                    .tag(&self.host_id)
+                    .ok_or_else(|| unavailable(format!("cluster master {} serves no slot", m.addr)))?;
+                Ok(Node::shard(&m.addr, slot, &tag, client.clone(), namespace))
+            })
+            .collect()
+    }
+
     /// Connects to the servers, checks their eviction policy, deletes keys
     /// left in this machine's namespace by an earlier run, and starts the
     /// background tasks (reconnects, liveness pings, re-replication). Unreachable servers start out down (and are
@@ -158,29 +237,34 @@ impl RemoteTierConfig {
             }
             None => None,
         };
-        let nodes = self
-            .nodes
-            .iter()
-            .map(|url| Ok(Node::new(url, self.client(url, ca.as_deref())?)))
-            .collect::<Result<Vec<_>, TierError>>()?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("tmem-remote")
             .enable_all()
             .build()
             .map_err(|source| TierError::Io { tier: TIER.into(), source })?;
+        let namespace = placement::prefix(&self.cluster_id, &self.host_id);
+        let nodes = if self.nodes.iter().any(|u| is_cluster_url(u)) {
+            self.shards(&rt, ca.as_deref(), &namespace)?
+        } else {
+            self.nodes
+                .iter()
+                .map(|url| Ok(Node::server(url, self.client(url, ca.as_deref())?, &namespace)))
+                .collect::<Result<Vec<_>, TierError>>()?
+        };
         let settings = Settings {
             replicas: self.replicas,
+            host_id: self.host_id.clone(),
             require_noeviction: self.require_noeviction,
             op_timeout: self.op_timeout,
             connect_timeout: self.connect_timeout,
         };
-        let inner = Arc::new(Inner::new(settings, placement::prefix(&self.cluster_id, &self.host_id), nodes));
+        let inner = Arc::new(Inner::new(settings, namespace, nodes));
         let tier = RemoteTier { inner: Arc::clone(&inner), rt: RtGuard(Some(rt)) };
 
         let init = Arc::clone(&inner);
         let results = tier
-            .run(async move { join_all((0..init.nodes.len()).map(|n| init.bring_up(n))).await })
+            .run(async move { join_all((0..init.nodes.len()).map(|n| init.bring_up(n, true))).await })
             .ok_or_else(|| unavailable("runtime stopped"))?;
         let mut config_errors = Vec::new();
         let mut unreachable = Vec::new();
@@ -236,8 +320,11 @@ impl fmt::Debug for RemoteTier {
 /// Per-server counters of a [`RemoteTier`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NodeStats {
-    /// Server URL, credentials redacted.
+    /// Server URL, credentials redacted (for a cluster's node, the address
+    /// of the master it started on).
     pub node: String,
+    /// For a cluster's node, the slot its keys are in now.
+    pub slot: Option<u16>,
     /// Serving.
     pub up: bool,
     /// Copies of this tier's pages on the server (per the local index).
@@ -280,6 +367,12 @@ pub struct RemoteStats {
     pub vanished_pages: u64,
     /// Puts stored with fewer than R copies because too few servers were live.
     pub degraded_puts: u64,
+    /// Cluster nodes whose slot came to be served by another master (a
+    /// failover, or resharding); each time the node's copies were made again.
+    pub master_changes: u64,
+    /// Cluster nodes moved to a slot of another master because theirs served
+    /// another node's slot too (so that copies stay on distinct masters).
+    pub retags: u64,
     /// Per server.
     pub nodes: Vec<NodeStats>,
 }
@@ -299,9 +392,21 @@ impl RemoteTier {
         rx.recv().ok()
     }
 
-    /// Redis key of a page: `tmem:{cluster_id}:{host_id}:{pool}:{object:x}:{index:x}`.
+    /// Redis key of a page on standalone servers (the same on each):
+    /// `tmem:{cluster_id}:{host_id}:{pool}:{object:x}:{index:x}`.
     pub fn key_name(&self, key: TierKey) -> String {
         placement::key_name(&self.inner.prefix, key)
+    }
+
+    /// Redis key of a page on node `node` (for a cluster's shard, the
+    /// namespace is followed by the node's hash tag: `...:{tag}:{pool}:...`).
+    pub fn key_name_on(&self, node: usize, key: TierKey) -> String {
+        self.inner.name(node, key)
+    }
+
+    /// For a cluster, the slot each node's keys are in now, in node order.
+    pub fn node_slots(&self) -> Vec<Option<u16>> {
+        self.inner.nodes.iter().map(|n| n.place().slot).collect()
     }
 
     /// Server URLs (credentials redacted), in configuration order.
@@ -347,6 +452,7 @@ impl RemoteTier {
                 let st = n.state.lock();
                 NodeStats {
                     node: n.name.clone(),
+                    slot: st.place.slot,
                     up: n.is_up(),
                     stored_pages: u.pages.load(Ordering::Relaxed),
                     stored_bytes: u.bytes.load(Ordering::Relaxed),
@@ -368,6 +474,8 @@ impl RemoteTier {
             lost_pages: i.index.lost.load(Ordering::Relaxed),
             vanished_pages: i.c.vanished.load(Ordering::Relaxed),
             degraded_puts: i.c.degraded_puts.load(Ordering::Relaxed),
+            master_changes: i.c.master_changes.load(Ordering::Relaxed),
+            retags: i.c.retags.load(Ordering::Relaxed),
             nodes,
         }
     }

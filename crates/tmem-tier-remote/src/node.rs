@@ -1,11 +1,16 @@
-//! One Redis/Valkey server: its connection, up/down state and counters.
+//! One node of the tier: a Redis/Valkey server, or one shard (master) of a
+//! Redis/Valkey Cluster; its connection, up/down state and counters.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tmem_lock::{Mutex, Rank};
 
-use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Client, ErrorKind, RedisError, Value};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{AsyncConnectionConfig, Client, Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Value};
 
 /// First reconnect delay after a node goes down; doubles per failed attempt.
 pub(crate) const MIN_BACKOFF: Duration = Duration::from_millis(100);
@@ -54,6 +59,70 @@ impl std::fmt::Display for ConnectError {
     }
 }
 
+/// `{namespace}{tag}:`: the prefix of a cluster shard's keys, whose hash
+/// tag puts them all in the tag's slot.
+pub(crate) fn shard_prefix(namespace: &str, tag: &str) -> String {
+    format!("{namespace}{{{tag}}}:")
+}
+
+/// How a node is reached.
+pub(crate) enum Connector {
+    /// A standalone server.
+    Server(Box<Client>),
+    /// The master serving a slot of a cluster (the node's [`Placement`]).
+    Shard(Box<ClusterClient>),
+}
+
+/// A connection to a node.
+#[derive(Clone)]
+pub(crate) enum Conn {
+    Server(MultiplexedConnection),
+    /// A cluster connection that sends every command and pipeline to the
+    /// master of one slot; the `redis` crate follows MOVED and ASK (and
+    /// retries TRYAGAIN) during resharding and failover.
+    Shard {
+        conn: ClusterConnection,
+        route: Route,
+    },
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Server(c) => c.req_packed_command(cmd),
+            Self::Shard { conn, route } => {
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(*route));
+                // The cluster client queues an owned command (one copy per call).
+                Box::pin(conn.route_command(cmd.clone(), routing))
+            }
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Server(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Shard { conn, route } => Box::pin(conn.route_pipeline(
+                pipeline.clone(),
+                offset,
+                count,
+                SingleNodeRoutingInfo::SpecificNode(*route),
+            )),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Server(c) => c.get_db(),
+            Self::Shard { .. } => 0,
+        }
+    }
+}
+
 /// Eviction policy and memory limit of a node.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct MemoryConfig {
@@ -63,21 +132,36 @@ pub(crate) struct MemoryConfig {
     pub source: &'static str,
 }
 
+/// Where a node keeps this tier's keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Placement {
+    /// Prefix of the key names: the namespace, and for a cluster shard the
+    /// hash tag of its slot (`tmem:c:h:{tag}:`).
+    pub prefix: Arc<str>,
+    /// The slot of the tag, for a cluster shard.
+    pub slot: Option<u16>,
+}
+
 pub(crate) struct NodeState {
-    pub conn: Option<MultiplexedConnection>,
+    pub conn: Option<Conn>,
+    /// Changes only while the node is down (see `Inner::bring_up`).
+    pub place: Placement,
     pub next_attempt: Instant,
     pub backoff: Duration,
     pub last_error: Option<String>,
     pub memory: MemoryConfig,
+    /// For a cluster shard, the id (`CLUSTER MYID`) of the master that served
+    /// the node's slot when it came up.
+    pub master_id: Option<String>,
 }
 
-/// A server of the tier.
+/// A server, or a cluster's shard, of the tier.
 pub(crate) struct Node {
     /// URL with credentials redacted: for messages and stats.
     pub name: String,
     /// Rendezvous seed.
     pub seed: u64,
-    client: Client,
+    connector: Connector,
     /// Serving: has a connection that last worked.
     pub up: AtomicBool,
     /// Incremented on every transition to down; an operation that started
@@ -99,21 +183,41 @@ pub(crate) struct Node {
 }
 
 impl Node {
-    pub fn new(url: &str, client: Client) -> Self {
+    /// A standalone server at `url`.
+    pub fn server(url: &str, client: Client, namespace: &str) -> Self {
+        let place = Placement { prefix: namespace.into(), slot: None };
+        Self::new(redact(url), crate::placement::node_seed(&identity(url)), place, Connector::Server(Box::new(client)))
+    }
+
+    /// The shard of a cluster whose master (at `master`, `host:port`) served
+    /// `slot`, the slot of `tag`, at build.
+    pub fn shard(master: &str, slot: u16, tag: &str, client: ClusterClient, namespace: &str) -> Self {
+        let place = Placement { prefix: shard_prefix(namespace, tag).into(), slot: Some(slot) };
+        Self::new(
+            format!("redis+cluster://{master}"),
+            crate::placement::node_seed(master),
+            place,
+            Connector::Shard(Box::new(client)),
+        )
+    }
+
+    fn new(name: String, seed: u64, place: Placement, connector: Connector) -> Self {
         Self {
-            name: redact(url),
-            seed: crate::placement::node_seed(&identity(url)),
-            client,
+            name,
+            seed,
+            connector,
             up: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
             state: Mutex::new(
                 Rank::RemoteNode,
                 NodeState {
                     conn: None,
+                    place,
                     next_attempt: Instant::now(),
                     backoff: MIN_BACKOFF,
                     last_error: None,
                     memory: MemoryConfig::default(),
+                    master_id: None,
                 },
             ),
             errors: AtomicU64::new(0),
@@ -129,13 +233,25 @@ impl Node {
         self.up.load(Ordering::Acquire)
     }
 
-    /// The connection and the epoch it belongs to, when up.
-    pub fn conn(&self) -> Option<(MultiplexedConnection, u64)> {
+    /// Where the node keeps this tier's keys.
+    pub fn place(&self) -> Placement {
+        self.state.lock().place.clone()
+    }
+
+    /// The connection, the epoch it belongs to and the key prefix, when up.
+    pub fn conn(&self) -> Option<(Conn, u64, Arc<str>)> {
         let st = self.state.lock();
         if !self.is_up() {
             return None;
         }
-        st.conn.clone().map(|c| (c, self.epoch.load(Ordering::Acquire)))
+        st.conn.clone().map(|c| (c, self.epoch.load(Ordering::Acquire), Arc::clone(&st.place.prefix)))
+    }
+
+    /// Moves a down node's keys to another slot (the slot of `tag`).
+    pub fn retag(&self, namespace: &str, tag: &str, slot: u16) {
+        let mut st = self.state.lock();
+        debug_assert!(!self.is_up(), "a node is retagged only while down");
+        st.place = Placement { prefix: shard_prefix(namespace, tag).into(), slot: Some(slot) };
     }
 
     /// Marks the node down if it is still in `epoch`; returns whether this call did it.
@@ -166,8 +282,9 @@ impl Node {
     }
 
     /// Puts a checked connection in service.
-    pub fn bring_up(&self, conn: MultiplexedConnection, memory: MemoryConfig) {
+    pub fn bring_up(&self, conn: Conn, memory: MemoryConfig, master_id: Option<String>) {
         let mut st = self.state.lock();
+        st.master_id = master_id;
         st.conn = Some(conn);
         st.backoff = MIN_BACKOFF;
         st.memory = memory;
@@ -175,17 +292,27 @@ impl Node {
     }
 
     /// Opens a connection (authenticating as the URL says) and checks it with PING.
-    pub async fn connect(
-        &self,
-        connect_timeout: Duration,
-        op_timeout: Duration,
-    ) -> Result<MultiplexedConnection, ConnectError> {
-        let cfg = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(connect_timeout))
-            // Deadlines are the tier's own (scaled with the payload), not the crate's.
-            .set_response_timeout(None);
-        let fut = self.client.get_multiplexed_async_connection_with_config(&cfg);
-        let mut conn = match tokio::time::timeout(connect_timeout + op_timeout, fut).await {
+    pub async fn connect(&self, connect_timeout: Duration, op_timeout: Duration) -> Result<Conn, ConnectError> {
+        let slot = self.place().slot;
+        let opened = match &self.connector {
+            Connector::Server(client) => {
+                let cfg = AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(connect_timeout))
+                    // Deadlines are the tier's own (scaled with the payload), not the crate's.
+                    .set_response_timeout(None);
+                let fut = client.get_multiplexed_async_connection_with_config(&cfg);
+                tokio::time::timeout(connect_timeout + op_timeout, async { fut.await.map(Conn::Server) }).await
+            }
+            Connector::Shard(client) => {
+                let fut = client.get_async_connection();
+                let route = Route::new(slot.unwrap_or_default(), SlotAddr::Master);
+                tokio::time::timeout(connect_timeout + op_timeout, async {
+                    fut.await.map(|conn| Conn::Shard { conn, route })
+                })
+                .await
+            }
+        };
+        let mut conn = match opened {
             Err(_) => return Err(ConnectError::Unreachable(format!("{}: connect timed out", self.name))),
             Ok(Err(e)) => return Err(classify_connect(&self.name, &e)),
             Ok(Ok(c)) => c,
@@ -207,7 +334,7 @@ impl Node {
     }
 }
 
-fn classify_connect(name: &str, e: &RedisError) -> ConnectError {
+pub(crate) fn classify_connect(name: &str, e: &RedisError) -> ConnectError {
     let code = e.code().unwrap_or("");
     if e.kind() == ErrorKind::AuthenticationFailed || matches!(code, "NOAUTH" | "WRONGPASS") {
         ConnectError::Config(format!(
@@ -215,6 +342,18 @@ fn classify_connect(name: &str, e: &RedisError) -> ConnectError {
         ))
     } else {
         ConnectError::Unreachable(format!("{name}: {e}"))
+    }
+}
+
+/// The id of the server a connection reaches (for a cluster shard, of the
+/// master serving its slot now).
+pub(crate) async fn server_id(conn: &mut Conn, op_timeout: Duration) -> Result<String, String> {
+    let mut cmd = redis::cmd("CLUSTER");
+    cmd.arg("MYID");
+    match tokio::time::timeout(op_timeout, cmd.query_async::<String>(conn)).await {
+        Err(_) => Err("CLUSTER MYID timed out".to_owned()),
+        Ok(Err(e)) => Err(format!("CLUSTER MYID: {e}")),
+        Ok(Ok(id)) => Ok(id),
     }
 }
 
@@ -242,11 +381,7 @@ fn config_pairs(v: Value) -> Vec<(String, String)> {
 
 /// Reads `maxmemory-policy` and `maxmemory`: `CONFIG GET`, or `INFO memory`
 /// when CONFIG is disabled, renamed or denied by an ACL.
-pub(crate) async fn memory_config(
-    name: &str,
-    conn: &mut MultiplexedConnection,
-    op_timeout: Duration,
-) -> Result<MemoryConfig, String> {
+pub(crate) async fn memory_config(name: &str, conn: &mut Conn, op_timeout: Duration) -> Result<MemoryConfig, String> {
     let mut cmd = redis::cmd("CONFIG");
     cmd.arg("GET").arg("maxmemory*");
     let config_err = match tokio::time::timeout(op_timeout, cmd.query_async::<Value>(conn)).await {
@@ -301,13 +436,10 @@ pub(crate) async fn memory_config(
     }
 }
 
-/// Deletes every key under `pattern` (`prefix*`) on one node with SCAN + UNLINK;
-/// returns how many were deleted.
-pub(crate) async fn delete_matching(
-    conn: &mut MultiplexedConnection,
-    pattern: &str,
-    op_timeout: Duration,
-) -> Result<u64, String> {
+/// Deletes every key under `pattern` (`prefix*`) on one node with SCAN +
+/// UNLINK; returns how many were deleted. One UNLINK per key, pipelined: on
+/// a cluster master the keys found may lie in different slots.
+pub(crate) async fn delete_matching(conn: &mut Conn, pattern: &str, op_timeout: Duration) -> Result<u64, String> {
     let mut cursor: u64 = 0;
     let mut deleted = 0u64;
     loop {
@@ -318,15 +450,15 @@ pub(crate) async fn delete_matching(
             .map_err(|_| "SCAN timed out".to_owned())?
             .map_err(|e| format!("SCAN: {e}"))?;
         if !keys.is_empty() {
-            let mut unlink = redis::cmd("UNLINK");
+            let mut unlink = redis::pipe();
             for k in &keys {
-                unlink.arg(k.as_slice());
+                unlink.cmd("UNLINK").arg(k.as_slice());
             }
-            let n: u64 = tokio::time::timeout(op_timeout, unlink.query_async(conn))
+            let n: Vec<u64> = tokio::time::timeout(op_timeout, unlink.query_async(conn))
                 .await
                 .map_err(|_| "UNLINK timed out".to_owned())?
                 .map_err(|e| format!("UNLINK: {e}"))?;
-            deleted += n;
+            deleted += n.iter().sum::<u64>();
         }
         if next == 0 {
             return Ok(deleted);

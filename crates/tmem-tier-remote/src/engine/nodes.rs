@@ -7,9 +7,28 @@ impl Inner {
     /// Connects node `n`, checks its eviction policy, deletes this tier's
     /// keys left on it (from an earlier run, or from before it went down),
     /// forgets the copies the index had on it, and puts it in service.
-    pub async fn bring_up(&self, n: usize) -> Result<(), ConnectError> {
+    /// `first`: at build, when the whole namespace is deleted on the server
+    /// (for a cluster shard, on its master: keys of earlier runs may carry
+    /// other tags); later only the node's own keys (a cluster master may
+    /// serve other nodes' slots too). A cluster shard coming back whose
+    /// master also serves another node's slot (resharding moved it there)
+    /// moves to a slot of a master that serves none, if there is one, so
+    /// that a page's copies stay on distinct masters.
+    pub async fn bring_up(&self, n: usize, first: bool) -> Result<(), ConnectError> {
         let node = &self.nodes[n];
+        let unreachable = |e: String| ConnectError::Unreachable(format!("{}: {e}", node.name));
+        let long = self.s.op_timeout.max(Duration::from_secs(5));
         let mut conn = node.connect(self.s.connect_timeout, self.s.op_timeout).await?;
+        if !first && node.place().slot.is_some() {
+            if let Some((tag, slot)) = self.free_master_tag(n, &mut conn).await.map_err(unreachable)? {
+                // The keys under the old tag go first, through the old route.
+                let old = format!("{}*", node.place().prefix);
+                delete_matching(&mut conn, &old, long).await.map_err(unreachable)?;
+                node.retag(&self.prefix, &tag, slot);
+                add(&self.c.retags, 1);
+                conn = node.connect(self.s.connect_timeout, self.s.op_timeout).await?;
+            }
+        }
         let memory = match memory_config(&node.name, &mut conn, self.s.op_timeout).await {
             Ok(m) => m,
             Err(e) if self.s.require_noeviction => return Err(ConnectError::Config(e)),
@@ -25,13 +44,41 @@ impl Inner {
                 )));
             }
         }
-        let pattern = format!("{}*", self.prefix);
-        delete_matching(&mut conn, &pattern, self.s.op_timeout.max(Duration::from_secs(5)))
+        let place = node.place();
+        let pattern = format!("{}*", if first { &self.prefix } else { &*place.prefix });
+        delete_matching(&mut conn, &pattern, long)
             .await
-            .map_err(|e| ConnectError::Unreachable(format!("{}: deleting leftover keys: {e}", node.name)))?;
+            .map_err(|e| unreachable(format!("deleting leftover keys: {e}")))?;
+        let master_id = match place.slot {
+            Some(_) => Some(server_id(&mut conn, self.s.op_timeout).await.map_err(unreachable)?),
+            None => None,
+        };
         self.strip_node(n);
-        node.bring_up(conn, memory);
+        node.bring_up(conn, memory, master_id);
         Ok(())
+    }
+
+    /// For cluster shard `n` whose slot's master also serves another node's
+    /// slot (or no master serves it), a hash tag and slot on a master that
+    /// serves no other node's slot; `None` when its master is its own, or
+    /// every master is taken.
+    async fn free_master_tag(&self, n: usize, conn: &mut Conn) -> Result<Option<(String, u16)>, String> {
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("SLOTS");
+        let v = tokio::time::timeout(self.s.op_timeout, cmd.query_async::<Value>(conn))
+            .await
+            .map_err(|_| "CLUSTER SLOTS timed out".to_owned())?
+            .map_err(|e| format!("CLUSTER SLOTS: {e}"))?;
+        let masters = parse_slots(&v)?;
+        let owner = |slot: u16| masters.iter().position(|m| m.serves(slot));
+        let others: Vec<usize> = (0..self.nodes.len())
+            .filter(|m| *m != n)
+            .filter_map(|m| self.nodes[m].place().slot.and_then(owner))
+            .collect();
+        if self.nodes[n].place().slot.and_then(owner).is_some_and(|m| !others.contains(&m)) {
+            return Ok(None);
+        }
+        Ok((0..masters.len()).filter(|m| !others.contains(m)).find_map(|m| masters[m].tag(&self.s.host_id)))
     }
 
     /// Forgets every copy the index records on node `n`; pages left with no
@@ -57,17 +104,50 @@ impl Inner {
         }
         let pattern = format!("{}*", self.prefix);
         let t = self.s.op_timeout;
-        join_all(self.nodes.iter().filter_map(|n| n.conn()).map(|(mut c, _)| {
+        join_all(self.nodes.iter().filter_map(|n| n.conn()).map(|(mut c, _, _)| {
             let pattern = pattern.clone();
             async move { delete_matching(&mut c, &pattern, t).await }
         }))
         .await;
     }
 
+    /// Checks that node `n` answers. For a cluster shard, also that the
+    /// master serving its slot is still the one it came up on: after a
+    /// failover the promoted replica may lack writes the old master
+    /// acknowledged (replication is asynchronous), so the node is taken out
+    /// and comes back as a new server (its keys wiped, its pages copied again
+    /// from their other replicas). A move of the slot to another master by
+    /// resharding is treated the same way.
     pub(super) async fn ping(&self, n: usize) {
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors().cmd("PING");
-        let _ = self.pipeline(n, pipe, resp_cmd_len(&[4]), 7).await;
+        let node = &self.nodes[n];
+        let expected = node.state.lock().master_id.clone();
+        let build = |_: &str| {
+            let mut pipe = redis::pipe();
+            match &expected {
+                None => pipe.ignore_errors().cmd("PING"),
+                Some(_) => pipe.ignore_errors().cmd("CLUSTER").arg("MYID"),
+            };
+            (pipe, resp_cmd_len(&[7, 4]), 48)
+        };
+        let Ok((epoch, vals)) = self.pipeline(n, build).await else { return };
+        let Some(expected) = expected else { return };
+        let now = match vals.first() {
+            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            Some(Value::SimpleString(s)) => s.clone(),
+            other => format!("{other:?}"),
+        };
+        if now != expected {
+            add(&self.c.master_changes, 1);
+            let reason = format!(
+                "{}: slot {} is now served by master {now}, not {expected} (failover or resharding); \
+                 its copies are made again",
+                node.name,
+                node.place().slot.unwrap_or_default()
+            );
+            if node.mark_down(epoch, &reason, self.s.op_timeout) {
+                self.request_repair();
+            }
+        }
     }
 
     /// Background task: reconnects down nodes with backoff and pings live
@@ -91,7 +171,7 @@ impl Inner {
                         let me = Arc::clone(&self);
                         tokio::spawn(async move {
                             let node = &me.nodes[n];
-                            match me.bring_up(n).await {
+                            match me.bring_up(n, false).await {
                                 Ok(()) => {
                                     add(&node.reconnects, 1);
                                     me.request_repair();

@@ -37,7 +37,7 @@ impl Inner {
                     continue;
                 }
                 let order = self.order(k).into_iter().filter(|n| live & bit(*n) != 0).collect();
-                fetches.push(Fetch { name: self.name(k), order, tried: 0, value: None, failed: None });
+                fetches.push(Fetch { key: k, order, tried: 0, value: None, failed: None });
                 snaps.push((k, e, live));
             }
             self.fetch(&mut fetches).await;
@@ -49,7 +49,7 @@ impl Inner {
                     continue;
                 };
                 places.push(Place {
-                    name: &f.name,
+                    key: *k,
                     value: v,
                     order: self.order(*k),
                     skip: e.nodes,
@@ -62,7 +62,7 @@ impl Inner {
                 placed.push((*k, *e, *live));
             }
             self.place(&mut places).await;
-            let mut dels: Vec<Vec<String>> = vec![Vec::new(); self.nodes.len()];
+            let mut dels: Vec<Vec<TierKey>> = vec![Vec::new(); self.nodes.len()];
             for (p, (k, e, live)) in places.iter().zip(placed) {
                 let mut shard = self.index.shard(k);
                 let valid = self.valid_copies(&p.epochs);
@@ -86,7 +86,7 @@ impl Inner {
                         let keep = cur.map_or(0, |c| c.nodes);
                         for (n, d) in dels.iter_mut().enumerate() {
                             if p.stored & !keep & bit(n) != 0 {
-                                d.push(p.name.to_owned());
+                                d.push(p.key);
                             }
                         }
                     }
