@@ -6,7 +6,8 @@
 //! (`put_batch` of `--batch` values) and batched gets over all pages, then
 //! single gets and single puts of a sample for latency. The remote tier runs
 //! against `--redis` servers, or starts three throwaway `redis-server`s on
-//! loopback (noeviction, no persistence) and stops them afterwards.
+//! loopback (noeviction, no persistence) and stops them afterwards;
+//! `remote-cluster` starts a Redis Cluster of three masters on loopback.
 
 use anyhow::anyhow;
 
@@ -15,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::redis::{RedisOptions, RedisServer};
+use crate::redis::{cluster::RedisCluster, RedisOptions, RedisServer};
 use tmem_core::codec::{CodecConfig, COMPRESS_BUF_SIZE};
 use tmem_tier::seal::{MasterKey, SealAlgorithm, Sealer};
 use tmem_tier::{LatencyHistogram, MemTier, Tier, TierGet, TierKey, TierPut};
@@ -23,7 +24,7 @@ use tmem_tier::{LatencyHistogram, MemTier, Tier, TierGet, TierKey, TierPut};
 /// Arguments of `tmem bench tier`.
 #[derive(clap::Args, Debug)]
 pub struct TierBenchArgs {
-    /// Tiers to measure: mem, disk, remote.
+    /// Tiers to measure: mem, disk, remote, remote-cluster.
     #[arg(long, value_delimiter = ',', default_value = "mem,disk,remote")]
     tiers: Vec<String>,
     /// Pages to write and read per tier.
@@ -114,6 +115,7 @@ pub fn run(args: &TierBenchArgs) -> anyhow::Result<()> {
     let vals = values(args)?;
     let mut results = Vec::new();
     let mut servers = Vec::new();
+    let mut cluster = None;
     let progress = if args.json { Progress::hidden() } else { Progress::new(args.tiers.len() + 1) };
     for name in &args.tiers {
         let tier: Arc<dyn Tier> = match name.as_str() {
@@ -135,7 +137,14 @@ pub fn run(args: &TierBenchArgs) -> anyhow::Result<()> {
                 cfg.replicas = args.replicas.min(cfg.nodes.len()).max(1);
                 Arc::new(cfg.build()?)
             }
-            other => return Err(anyhow!("unknown tier {other:?} (mem, disk, remote)")),
+            "remote-cluster" => {
+                let c = RedisCluster::start(3, 0).map_err(|e| anyhow!("cannot start a redis cluster: {e}"))?;
+                let mut cfg = tmem_tier_remote::RemoteTierConfig::new(c.seeds(), "tmem-bench", "tier");
+                cfg.replicas = args.replicas.clamp(1, 3);
+                cluster = Some(c);
+                Arc::new(cfg.build()?)
+            }
+            other => return Err(anyhow!("unknown tier {other:?} (mem, disk, remote, remote-cluster)")),
         };
         progress.show(&format!("measuring {name}"), true);
         results.push(measure(name, tier.as_ref(), &vals, args)?);
@@ -146,6 +155,7 @@ pub fn run(args: &TierBenchArgs) -> anyhow::Result<()> {
         }
     }
     drop(servers);
+    drop(cluster);
     progress.show("measuring sealing", true);
     let sealing = [SealAlgorithm::Aes256Gcm, SealAlgorithm::ChaCha20Poly1305]
         .into_iter()

@@ -1,7 +1,8 @@
 //! `--tier` options: building the chain of tiers below a device's pool.
 //!
-//! `--tier remote=redis://h1:6379,redis://h2:6379` (RAMster on Redis/Valkey)
-//! and `--tier disk=/var/lib/tmem` (a directory: one backing file per device,
+//! `--tier remote=redis://h1:6379,redis://h2:6379` (RAMster on Redis/Valkey
+//! servers), `--tier remote=redis+cluster://h1:7000,h2:7000` (on a
+//! Redis/Valkey Cluster, from seed addresses) and `--tier disk=/var/lib/tmem` (a directory: one backing file per device,
 //! `DEVICE.back`) or `--tier disk=/dev/sdb1` (one device only), in the order
 //! pages should move down. Every value leaving the process is sealed under a
 //! subkey of its own device and run, derived from `--key-file` (owner-only)
@@ -26,15 +27,33 @@ pub enum TierSpec {
     Disk(PathBuf),
 }
 
-/// Parses `remote=URL[,URL...]` or `disk=PATH`.
+const REMOTE_SCHEMES: [&str; 4] = ["redis://", "rediss://", "redis+cluster://", "rediss+cluster://"];
+
+/// Parses `remote=URL[,URL...]` or `disk=PATH`. After the first URL a bare
+/// `HOST:PORT` takes the first URL's scheme and credentials.
 pub fn parse_tier(s: &str) -> Result<TierSpec, String> {
     match s.split_once('=') {
         Some(("remote", urls)) => {
-            let nodes: Vec<String> =
-                urls.split(',').map(str::trim).filter(|u| !u.is_empty()).map(String::from).collect();
-            if nodes.is_empty() || nodes.iter().any(|u| !u.starts_with("redis://") && !u.starts_with("rediss://")) {
-                return Err(format!("{s:?}: expected remote=redis://HOST:PORT[,rediss://...]"));
-            }
+            let items: Vec<&str> = urls.split(',').map(str::trim).filter(|u| !u.is_empty()).collect();
+            let bad = || {
+                format!(
+                    "{s:?}: expected remote=redis://HOST:PORT[,HOST:PORT...] (or rediss://, \
+                     redis+cluster:// for a cluster's seeds, rediss+cluster://)"
+                )
+            };
+            let first = *items.first().ok_or_else(bad)?;
+            let scheme = REMOTE_SCHEMES.iter().find(|p| first.starts_with(**p)).ok_or_else(bad)?;
+            let rest = &first[scheme.len()..];
+            let auth =
+                rest.find(['/', '?', '#']).map_or(rest, |end| &rest[..end]).rfind('@').map_or("", |at| &rest[..=at]);
+            let nodes = items
+                .iter()
+                .map(|u| match u.contains("://") {
+                    true if REMOTE_SCHEMES.iter().any(|p| u.starts_with(p)) => Ok((*u).to_owned()),
+                    true => Err(bad()),
+                    false => Ok(format!("{scheme}{auth}{u}")),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
             Ok(TierSpec::Remote(nodes))
         }
         Some(("disk", path)) if !path.is_empty() => Ok(TierSpec::Disk(PathBuf::from(path))),
@@ -45,7 +64,8 @@ pub fn parse_tier(s: &str) -> Result<TierSpec, String> {
 /// Options shared by everything that builds tiers.
 #[derive(clap::Args, Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct TierArgs {
-    /// A tier below the pool, in order: remote=redis://H:P[,redis://...] or disk=DIR|FILE|BLOCKDEV.
+    /// A tier below the pool, in order: remote=redis://H:P[,H:P...] (standalone servers),
+    /// remote=redis+cluster://H:P[,H:P...] (a cluster's seeds) or disk=DIR|FILE|BLOCKDEV.
     #[arg(long = "tier", value_parser = parse_tier)]
     pub tiers: Vec<TierSpec>,
     /// Copies of each page on the remote tier (RAMster's replication factor R).
@@ -120,7 +140,9 @@ impl TierArgs {
                 TierSpec::Remote(nodes) => {
                     let host = format!("{}-{device}", self.host_id.clone().unwrap_or_else(hostname));
                     let mut cfg = tmem_tier_remote::RemoteTierConfig::new(nodes.clone(), self.cluster_id.clone(), host);
-                    cfg.replicas = self.replicas.min(nodes.len()).max(1);
+                    // A cluster's masters are counted at build, which refuses R above them.
+                    let cluster = nodes.iter().any(|u| u.contains("+cluster://"));
+                    cfg.replicas = if cluster { self.replicas.max(1) } else { self.replicas.min(nodes.len()).max(1) };
                     cfg.op_timeout = Duration::from_millis(500);
                     Arc::new(cfg.build().map_err(|e| e.to_string())?)
                 }
@@ -152,7 +174,17 @@ mod tests {
             TierSpec::Remote(vec!["redis://a:1".into(), "rediss://b:2".into()])
         );
         assert_eq!(parse_tier("disk=/var/lib/tmem").unwrap(), TierSpec::Disk("/var/lib/tmem".into()));
-        for bad in ["remote=", "remote=http://x", "disk=", "ssd=/x", "disk"] {
+        assert_eq!(
+            parse_tier("remote=redis+cluster://u:pw@a:1,b:2").unwrap(),
+            TierSpec::Remote(vec!["redis+cluster://u:pw@a:1".into(), "redis+cluster://u:pw@b:2".into()])
+        );
+        assert_eq!(
+            parse_tier("remote=redis://a:1,b:2/3").unwrap(),
+            TierSpec::Remote(vec!["redis://a:1".into(), "redis://b:2/3".into()])
+        );
+        for bad in
+            ["remote=", "remote=http://x", "remote=a:1", "remote=redis://a:1,http://b", "disk=", "ssd=/x", "disk"]
+        {
             assert!(parse_tier(bad).is_err(), "{bad}");
         }
         let a = TierArgs { tiers: vec![TierSpec::Disk("/nonexistent/file".into())], ..Default::default() };

@@ -372,6 +372,55 @@ fn pool_spills_to_remote_ram_and_disk() {
     let _ = std::fs::remove_dir_all(&disk_dir);
 }
 
+/// pool → a Redis Cluster (3 masters, a replica each, R = 2): a master is
+/// SIGKILLed while the job's pages are on the cluster, its replica takes
+/// over, and the job's output is still right.
+#[test]
+fn a_job_swaps_to_a_redis_cluster_through_a_master_kill() {
+    use tmem_bench::redis::{cluster::RedisCluster, redis_server_binary};
+    if !can_run() {
+        return;
+    }
+    if redis_server_binary().is_none() || !tmem_testkit::have_tool("redis-cli") {
+        tmem_testkit::skip(tmem_testkit::Feature::Tools, "redis-server or redis-cli not installed");
+        return;
+    }
+    let mut cluster = RedisCluster::start(3, 1).unwrap();
+    let mut s = Setup::new("cluster");
+    let remote = format!("remote={}", cluster.seeds().join(","));
+    let up = s.swap_up_with("32M", &["--tier", &remote, "--replicas", "2"]);
+    assert!(up.contains("pool -> remote"), "{up}");
+    let mut hog = s.hog(512, 192).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let remote_writes = |s: &Setup| {
+        let st = s.stat();
+        let tiers = st[0]["store"]["tiers"].as_array().cloned().unwrap_or_default();
+        tiers.iter().find(|t| t["name"] == "remote").and_then(|t| t["writes"].as_u64()).unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while remote_writes(&s) < 5_000 {
+        assert!(std::time::Instant::now() < deadline, "the job's pages never reached the cluster");
+        assert!(hog.try_wait().unwrap().is_none(), "the job ended before its pages reached the cluster");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let (old, new) = cluster.kill_master(0, std::time::Duration::from_secs(60)).unwrap();
+    println!("killed master {old} with {} pages written to the cluster; {new} took over", remote_writes(&s));
+    let status = tmem_testkit::wait_timeout(&mut hog, std::time::Duration::from_secs(300)).unwrap_or_else(|| {
+        let _ = hog.kill();
+        hog.wait().unwrap()
+    });
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut hog.stdout.take().unwrap(), &mut out).unwrap();
+    assert!(status.success() && out.starts_with("OK "), "the job's output: {status:?} {out}");
+    let st = s.stat();
+    let dev = &st[0];
+    let t = &dev["store"]["total"];
+    assert!(t["tier_gets"].as_u64().unwrap() > 0, "{t}");
+    assert_eq!(t["tier_get_fail"].as_u64(), Some(0), "{t}");
+    assert_eq!(dev["failed_writes"].as_u64(), Some(0), "no write was refused: {dev}");
+    s.swap_down();
+    assert_clean(&s);
+}
+
 /// A daemon killed with SIGKILL while a job has pages in its swap: `tmem
 /// stat` says so, `tmem swap down` removes every piece and exits 0, and a
 /// new `tmem swap up` works at once. Also: the daemon runs with
