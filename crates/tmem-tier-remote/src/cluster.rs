@@ -96,6 +96,56 @@ pub(crate) fn parse_slots(v: &Value) -> Result<Vec<Master>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// Any RESP value a server (or a man in the middle) could send.
+    fn any_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            any::<i64>().prop_map(Value::Int),
+            (0i64..20000).prop_map(Value::Int),
+            proptest::collection::vec(any::<u8>(), 0..12).prop_map(Value::BulkString),
+            Just(Value::Nil),
+            Just(Value::BulkString(b"127.0.0.1".to_vec())),
+        ];
+        leaf.prop_recursive(4, 64, 6, |inner| proptest::collection::vec(inner, 0..6).prop_map(Value::Array))
+    }
+
+    proptest! {
+        /// The parser answers every input with masters or one error, never a
+        /// panic; what it accepts is a list of well-formed ranges.
+        #[test]
+        fn any_answer_parses_or_is_refused(v in any_value()) {
+            if let Ok(masters) = parse_slots(&v) {
+                for m in masters {
+                    prop_assert!(m.ranges.iter().all(|(a, b)| a <= b && *b < SLOTS));
+                    prop_assert!(!m.ranges.is_empty() && m.addr.contains(':'));
+                }
+            }
+        }
+
+        /// A slot map split among 1-8 masters: each master's tag lands on a
+        /// slot it serves.
+        #[test]
+        fn tags_land_on_their_masters(cuts in proptest::collection::btree_set(1u16..SLOTS, 0..7)) {
+            let mut bounds: Vec<u16> = cuts.into_iter().collect();
+            bounds.insert(0, 0);
+            let ranges: Vec<Value> = bounds
+                .iter()
+                .enumerate()
+                .map(|(i, &a)| {
+                    let b = bounds.get(i + 1).map_or(SLOTS - 1, |n| n - 1);
+                    let node = Value::Array(vec![bulk("10.0.0.1"), Value::Int(7000 + i64::try_from(i).unwrap())]);
+                    Value::Array(vec![Value::Int(a.into()), Value::Int(b.into()), node])
+                })
+                .collect();
+            let masters = parse_slots(&Value::Array(ranges)).unwrap();
+            prop_assert_eq!(masters.len(), bounds.len());
+            for m in &masters {
+                let (tag, slot) = m.tag("host").unwrap();
+                prop_assert!(m.serves(slot) && tag_slot(&tag) == slot);
+            }
+        }
+    }
 
     fn bulk(s: &str) -> Value {
         Value::BulkString(s.as_bytes().to_vec())
