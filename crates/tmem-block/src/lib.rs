@@ -262,6 +262,10 @@ struct IoCounters {
     invalid_io: AtomicU64,
     /// Requests that panicked (failed with EIO).
     panics: AtomicU64,
+    /// Pages dropped by [`PoolDevice::drop_stale`].
+    stale_pages_dropped: AtomicU64,
+    /// Sweeps of [`PoolDevice::drop_stale`] stopped by a write.
+    stale_sweeps_interrupted: AtomicU64,
 }
 
 impl IoCounters {
@@ -283,6 +287,8 @@ impl IoCounters {
             failed_writes: self.failed_writes.load(r),
             invalid_io: self.invalid_io.load(r),
             panics: self.panics.load(r),
+            stale_pages_dropped: self.stale_pages_dropped.load(r),
+            stale_sweeps_interrupted: self.stale_sweeps_interrupted.load(r),
         }
     }
 }
@@ -322,7 +328,21 @@ counters! {
         invalid_io: Counter(Events),
         /// Requests that panicked and failed alone with EIO.
         panics: Counter(Events),
+        /// Pages of freed swap slots dropped when the kernel's swap area
+        /// on the device had no slot in use.
+        stale_pages_dropped: Counter(Pages),
+        /// Such sweeps stopped by a write (the kernel took a slot meanwhile).
+        stale_sweeps_interrupted: Counter(Events),
     }
+}
+
+/// What [`PoolDevice::drop_stale`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StaleSweep {
+    /// Went over the whole device and dropped this many pages.
+    Done(u64),
+    /// A write came in: stopped after dropping this many pages.
+    Interrupted(u64),
 }
 
 /// A block device on a persistent pool of its own store.
@@ -485,6 +505,43 @@ impl PoolDevice {
 
     fn range(&self, offset: u64, len: u64) -> Result<(), BlockError> {
         check_range(offset, len, self.size).inspect_err(|_| bump(&self.io.invalid_io, 1))
+    }
+
+    /// Write requests so far. Read it before learning that the device holds
+    /// no live page, and pass it to [`drop_stale`](Self::drop_stale).
+    pub fn writes(&self) -> u64 {
+        self.io.write_ios.load(Ordering::Relaxed)
+    }
+
+    /// Drops every page of the device, for a swap device whose kernel swap
+    /// area had no slot in use after `writes_before` was read: every page
+    /// the device holds then belongs to a freed slot (a loop device is not
+    /// told when the kernel frees one). Stops at the first page at which a
+    /// write has been counted since `writes_before`: the kernel may have
+    /// taken a slot since, and its page must stay.
+    ///
+    /// Why this is safe without per-page state: a write counts itself
+    /// before it takes its page's stripe, and the check for a page runs
+    /// under that page's stripe. A write to the page that finished before
+    /// the check released the stripe after counting, so the check sees it;
+    /// one that has not finished waits for the stripe and stores its page
+    /// after the drop.
+    pub fn drop_stale(&self, writes_before: u64) -> StaleSweep {
+        let mut dropped = 0;
+        for page in 0..self.size / PAGE {
+            let _g = self.stripe(page);
+            if self.io.write_ios.load(Ordering::Relaxed) != writes_before {
+                bump(&self.io.stale_sweeps_interrupted, 1);
+                return StaleSweep::Interrupted(dropped);
+            }
+            // A pool that fails (it is being torn down) keeps its pages.
+            if self.pool.flush_page(Self::key(page)).unwrap_or(false) {
+                bump(&self.io.stale_pages_dropped, 1);
+                dropped += 1;
+            }
+        }
+        self.pool.maintain();
+        StaleSweep::Done(dropped)
     }
 
     /// Counters of the device and its store.

@@ -226,6 +226,7 @@ pub(crate) fn serve(daemon: &Arc<Daemon>, rx: &mpsc::Receiver<Event>) {
     };
 
     let mut watch = crate::watch::Watch::default();
+    let mut stale = crate::stale::StaleSlots::default();
     loop {
         match rx.recv_timeout(tick) {
             Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -240,6 +241,15 @@ pub(crate) fn serve(daemon: &Arc<Daemon>, rx: &mpsc::Receiver<Event>) {
                     } else {
                         log(&line.text);
                     }
+                }
+                let swaps: Vec<_> = daemon
+                    .devices
+                    .iter()
+                    .zip(&status.devices)
+                    .map(|(d, s)| (d.as_ref(), s.loop_dev.as_deref().filter(|_| s.swap)))
+                    .collect();
+                for line in stale.check(&swaps) {
+                    log(&line);
                 }
                 let _ = sd_notify::notify(false, &[NotifyState::Watchdog]);
             }

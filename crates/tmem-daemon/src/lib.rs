@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod recover;
 pub mod runtime;
 pub mod spec;
+pub mod stale;
 pub mod tiers;
 pub mod watch;
 

@@ -186,20 +186,16 @@ impl RemoteTierConfig {
                 tokio::time::timeout(limit, slots).await
             }
         };
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        rt.spawn(async move {
-            let _ = tx.send(discover.await);
-        });
-        let slots = match rx.recv() {
-            Err(_) => return Err(unavailable("runtime stopped")),
-            Ok(Err(_)) => return Err(unavailable(format!("cluster {}: no answer to CLUSTER SLOTS", names()))),
-            Ok(Ok(Err(e))) => {
+        let slots = match run_on(rt, discover) {
+            None => return Err(unavailable("runtime stopped")),
+            Some(Err(_)) => return Err(unavailable(format!("cluster {}: no answer to CLUSTER SLOTS", names()))),
+            Some(Ok(Err(e))) => {
                 return Err(match node::classify_connect(&names(), &e) {
                     ConnectError::Config(m) => config_error(m),
                     ConnectError::Unreachable(m) => unavailable(format!("cluster {m}")),
                 })
             }
-            Ok(Ok(Ok(v))) => v,
+            Some(Ok(Ok(v))) => v,
         };
         let masters = cluster::parse_slots(&slots).map_err(|e| unavailable(format!("cluster {}: {e}", names())))?;
         if !(self.replicas..=MAX_NODES).contains(&masters.len()) {
@@ -288,6 +284,16 @@ impl RemoteTierConfig {
         tier.rt().spawn(Arc::clone(&inner).repair_loop());
         Ok(tier)
     }
+}
+
+/// Runs `f` on `rt` and waits for it (works from any thread, including one
+/// inside another async runtime); `None` if it panicked.
+fn run_on<T: Send + 'static>(rt: &tokio::runtime::Runtime, f: impl Future<Output = T> + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    rt.spawn(async move {
+        let _ = tx.send(f.await);
+    });
+    rx.recv().ok()
 }
 
 /// Shuts the runtime down without blocking (also from inside another runtime).
@@ -382,14 +388,9 @@ impl RemoteTier {
         self.rt.0.as_ref().expect("runtime lives as long as the tier")
     }
 
-    /// Runs `f` on the tier's runtime and waits for it (works from any thread,
-    /// including one inside another async runtime); `None` if it panicked.
+    /// Runs `f` on the tier's runtime and waits for it (see [`run_on`]).
     fn run<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> Option<T> {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.rt().spawn(async move {
-            let _ = tx.send(f.await);
-        });
-        rx.recv().ok()
+        run_on(self.rt(), f)
     }
 
     /// Redis key of a page on standalone servers (the same on each):

@@ -296,6 +296,45 @@ fn half_memory_job(tag: &str, extra: &[&str]) -> (String, String, String) {
     assert_eq!(dev["store"]["total"]["decompress_fail"].as_u64(), Some(0));
     let (ok, table) = tmem(&["stat", "--runtime-dir", s.dir()]);
     assert!(ok && table.contains("swap0"), "{table}");
+    // The job is gone. Once the swap area has no slot in use (the slots of
+    // swap-cache pages nobody maps may stay in use until reclaim frees
+    // them), its freed slots' pages leave the pool within a few ticks.
+    let start = std::time::Instant::now();
+    let mut empty_since = None;
+    loop {
+        let used: Vec<u64> = std::fs::read_to_string("/proc/swaps")
+            .unwrap()
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_whitespace().nth(3)?.parse().ok())
+            .collect();
+        assert_eq!(used.len(), 1, "only this test's swap area");
+        if used[0] == 0 {
+            empty_since.get_or_insert_with(std::time::Instant::now);
+        }
+        let st = s.stat();
+        let dev = &st[0];
+        let held = dev["store"]["total"]["stored_pages"].as_u64().unwrap();
+        // A sweep under way may have emptied the pool before it has counted
+        // the pages or logged its line.
+        let log = std::fs::read_to_string(s.dir.join("daemon.log")).unwrap();
+        if held == 0 && dev["stale_pages_dropped"].as_u64().unwrap() > 0 && log.contains("no swap slot in use: dropped")
+        {
+            break;
+        }
+        if let Some(t) = empty_since {
+            assert!(
+                t.elapsed().as_secs() < 5,
+                "{held} pages held 5 s after the swap area emptied: {dev}\n{}",
+                std::fs::read_to_string(s.dir.join("daemon.log")).unwrap()
+            );
+        }
+        if start.elapsed().as_secs() >= 10 {
+            println!("note: {} KiB of the swap area stayed in use for 10 s: {held} pages kept", used[0]);
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     let down = s.swap_down();
     assert!(down.contains("swapoff") && down.contains("exited"), "{down}");
     assert_clean(&s);

@@ -123,21 +123,31 @@ impl Inner {
         let expected = node.state.lock().master_id.clone();
         let build = |_: &str| {
             let mut pipe = redis::pipe();
-            match &expected {
-                None => pipe.ignore_errors().cmd("PING"),
-                Some(_) => pipe.ignore_errors().cmd("CLUSTER").arg("MYID"),
+            let bytes = match &expected {
+                None => {
+                    pipe.ignore_errors().cmd("PING");
+                    resp_cmd_len(&[4])
+                }
+                Some(_) => {
+                    pipe.ignore_errors().cmd("CLUSTER").arg("MYID");
+                    resp_cmd_len(&[7, 4])
+                }
             };
-            (pipe, resp_cmd_len(&[7, 4]), 48)
+            (pipe, bytes, 48)
         };
         let Ok((epoch, vals)) = self.pipeline(n, build).await else { return };
         let Some(expected) = expected else { return };
         let now = match vals.first() {
             Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
             Some(Value::SimpleString(s)) => s.clone(),
-            other => format!("{other:?}"),
+            // An error answer (e.g. CLUSTERDOWN while a failover is under
+            // way): the next check asks again.
+            _ => {
+                add(&node.errors, 1);
+                return;
+            }
         };
         if now != expected {
-            add(&self.c.master_changes, 1);
             let reason = format!(
                 "{}: slot {} is now served by master {now}, not {expected} (failover or resharding); \
                  its copies are made again",
@@ -145,6 +155,7 @@ impl Inner {
                 node.place().slot.unwrap_or_default()
             );
             if node.mark_down(epoch, &reason, self.s.op_timeout) {
+                add(&self.c.master_changes, 1);
                 self.request_repair();
             }
         }
