@@ -2,7 +2,8 @@
 //!
 //! `--tier remote=redis://h1:6379,redis://h2:6379` (RAMster on Redis/Valkey
 //! servers), `--tier remote=redis+cluster://h1:7000,h2:7000` (on a
-//! Redis/Valkey Cluster, from seed addresses) and `--tier disk=/var/lib/tmem` (a directory: one backing file per device,
+//! Redis/Valkey Cluster, from seed addresses) and `--tier
+//! disk=/var/lib/tmem` (a directory: one backing file per device,
 //! `DEVICE.back`) or `--tier disk=/dev/sdb1` (one device only), in the order
 //! pages should move down. Every value leaving the process is sealed under a
 //! subkey of its own device and run, derived from `--key-file` (owner-only)
@@ -48,10 +49,14 @@ pub fn parse_tier(s: &str) -> Result<TierSpec, String> {
                 rest.find(['/', '?', '#']).map_or(rest, |end| &rest[..end]).rfind('@').map_or("", |at| &rest[..=at]);
             let nodes = items
                 .iter()
-                .map(|u| match u.contains("://") {
-                    true if REMOTE_SCHEMES.iter().any(|p| u.starts_with(p)) => Ok((*u).to_owned()),
-                    true => Err(bad()),
-                    false => Ok(format!("{scheme}{auth}{u}")),
+                .map(|u| {
+                    if !u.contains("://") {
+                        Ok(format!("{scheme}{auth}{u}"))
+                    } else if REMOTE_SCHEMES.iter().any(|p| u.starts_with(p)) {
+                        Ok((*u).to_owned())
+                    } else {
+                        Err(bad())
+                    }
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             Ok(TierSpec::Remote(nodes))
