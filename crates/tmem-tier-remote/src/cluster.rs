@@ -23,13 +23,15 @@ pub(crate) fn tag_slot(tag: &str) -> u16 {
 
 /// A master and the slot ranges it serves (inclusive).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Master {
+pub struct Master {
     /// `host:port`.
     pub addr: String,
+    /// Slot ranges, inclusive.
     pub ranges: Vec<(u16, u16)>,
 }
 
 impl Master {
+    /// Whether this master serves `slot`.
     pub fn serves(&self, slot: u16) -> bool {
         self.ranges.iter().any(|(a, b)| (*a..=*b).contains(&slot))
     }
@@ -37,7 +39,7 @@ impl Master {
     /// The first hash tag `{base}.{i}` whose slot this master serves, and the
     /// slot. `base` names the machine, so machines sharing a cluster use
     /// different slots of each master.
-    pub fn tag(&self, base: &str) -> Option<(String, u16)> {
+    pub(crate) fn tag(&self, base: &str) -> Option<(String, u16)> {
         // A master serving s of 16384 slots is hit with probability s/16384
         // per try; 1 << 20 tries miss only for a master with no slot at all.
         (0..1u32 << 20)
@@ -64,7 +66,7 @@ fn int(v: &Value) -> Option<i64> {
 
 /// Masters from a `CLUSTER SLOTS` answer (`[start, end, [host, port, id,
 /// ...], replicas...]` per range), sorted by address.
-pub(crate) fn parse_slots(v: &Value) -> Result<Vec<Master>, String> {
+pub fn parse_slots(v: &Value) -> Result<Vec<Master>, String> {
     let Value::Array(ranges) = v else {
         return Err(format!("CLUSTER SLOTS: expected an array, got {v:?}"));
     };

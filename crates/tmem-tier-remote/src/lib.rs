@@ -22,7 +22,7 @@
 //! of its own and exposes the blocking [`Tier`] trait on top of it, so callers
 //! need no runtime. See README.md for the full design.
 
-mod cluster;
+pub mod cluster;
 mod engine;
 mod index;
 mod node;

@@ -22,9 +22,10 @@ fn ramp_smoke() {
         // launcher's compiler) is a smaller share of 512 MiB, and at 75 %
         // the footprint (the old generation keeps 40-70 % free) is well
         // past the limit: 30-200 thousand pages swapped per row and no OOM
-        // in 7 runs, idle or beside a CPU hog. At 256 MiB the v1 memory cgroup OOM-killed
-        // the JVM at 50 % in 3 of 4 runs, over zram and tmem alike; at
-        // 384 MiB and 50 % it swapped nothing in 2 of 5 loaded runs.
+        // in 7 runs, idle or beside a CPU hog. At 256 MiB the v1 memory
+        // cgroup OOM-killed the JVM at 50 % in 3 of 4 runs, over zram and
+        // tmem alike; at 384 MiB and 50 % it swapped nothing in 2 of 5
+        // loaded runs.
         "--steps",
         "25,75",
         "--step-secs",

@@ -302,12 +302,7 @@ fn half_memory_job(tag: &str, extra: &[&str]) -> (String, String, String) {
     let start = std::time::Instant::now();
     let mut empty_since = None;
     loop {
-        let used: Vec<u64> = std::fs::read_to_string("/proc/swaps")
-            .unwrap()
-            .lines()
-            .skip(1)
-            .filter_map(|l| l.split_whitespace().nth(3)?.parse().ok())
-            .collect();
+        let used: Vec<u64> = tmem_sys::swap::swaps().unwrap().iter().map(|a| a.used).collect();
         assert_eq!(used.len(), 1, "only this test's swap area");
         if used[0] == 0 {
             empty_since.get_or_insert_with(std::time::Instant::now);
@@ -330,7 +325,7 @@ fn half_memory_job(tag: &str, extra: &[&str]) -> (String, String, String) {
             );
         }
         if start.elapsed().as_secs() >= 10 {
-            println!("note: {} KiB of the swap area stayed in use for 10 s: {held} pages kept", used[0]);
+            println!("note: {} KiB of the swap area stayed in use for 10 s: {held} pages kept", used[0] / 1024);
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(100));

@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use redis::{Connection, Value};
+use tmem_tier_remote::cluster::{parse_slots, Master};
 
 use super::{RedisOptions, RedisServer};
 
@@ -66,25 +67,21 @@ impl RedisCluster {
         (0..self.servers.len()).filter(|i| self.servers[*i].is_running()).collect()
     }
 
-    /// `host:port` of the master serving `slot`, as a live server sees it.
-    pub fn master_addr(&mut self, slot: u16) -> io::Result<String> {
+    /// The masters and their slots, as a live server sees them.
+    fn slot_map(&mut self) -> io::Result<Vec<Master>> {
         let live = self.live();
         let first = *live.first().ok_or_else(|| other("no server running"))?;
         let slots: Value = redis::cmd("CLUSTER").arg("SLOTS").query(&mut self.conn(first)?).map_err(other)?;
-        let Value::Array(ranges) = slots else { return Err(other("CLUSTER SLOTS: not an array")) };
-        for r in ranges {
-            let Value::Array(f) = r else { continue };
-            let (Some(Value::Int(a)), Some(Value::Int(b)), Some(Value::Array(node))) = (f.first(), f.get(1), f.get(2))
-            else {
-                continue;
-            };
-            if (*a..=*b).contains(&i64::from(slot)) {
-                if let (Some(Value::BulkString(h)), Some(Value::Int(p))) = (node.first(), node.get(1)) {
-                    return Ok(format!("{}:{p}", String::from_utf8_lossy(h)));
-                }
-            }
-        }
-        Err(other(format!("slot {slot} is not served")))
+        parse_slots(&slots).map_err(other)
+    }
+
+    /// `host:port` of the master serving `slot`, as a live server sees it.
+    pub fn master_addr(&mut self, slot: u16) -> io::Result<String> {
+        let map = self.slot_map()?;
+        map.into_iter()
+            .find(|m| m.serves(slot))
+            .map(|m| m.addr)
+            .ok_or_else(|| other(format!("slot {slot} is not served")))
     }
 
     /// Index of the server at `addr`.
@@ -94,15 +91,7 @@ impl RedisCluster {
 
     /// Indexes of the servers that are masters serving slots now.
     pub fn masters(&mut self) -> io::Result<Vec<usize>> {
-        let mut out = Vec::new();
-        for slot in (0..16384u16).step_by(64) {
-            let addr = self.master_addr(slot)?;
-            let i = self.index_of(&addr)?;
-            if !out.contains(&i) {
-                out.push(i);
-            }
-        }
-        Ok(out)
+        self.slot_map()?.iter().map(|m| self.index_of(&m.addr)).collect()
     }
 
     /// Waits until every live server reports `cluster_state:ok` and the
