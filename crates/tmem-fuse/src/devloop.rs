@@ -7,10 +7,19 @@
 //! and `fuser`'s workers block in `read` with no way to make them stop
 //! short of unmounting. Here each worker has its own clone of the
 //! connection (`FUSE_DEV_IOC_CLONE`), opened non-blocking, and waits in
-//! `poll` on it and on a pause pipe; [`DevWorkers::pause`] returns once no
+//! `epoll` on it and on a pause pipe; [`DevWorkers::pause`] returns once no
 //! worker is between taking a request and answering it, so the store is
 //! still and nothing is held. A successor adopts the connection
 //! ([`crate::FuseMount::adopt`]) and starts its own workers on it.
+//!
+//! Every clone shares the connection's one input queue, and the kernel
+//! wakes every `poll` waiter on that queue for each request it queues: with
+//! `poll`, each request woke all idle workers, and all but one went back to
+//! sleep having found nothing (a thundering herd; a third of the daemon's
+//! CPU was context switches). Each worker therefore waits in an epoll set
+//! of its own that holds its clone with `EPOLLEXCLUSIVE`, so the kernel
+//! wakes one idle worker per request, as a blocking `read` would, while the
+//! pause pipe (not exclusive) still wakes them all.
 //!
 //! Requests are read into one buffer per worker, allocated when it starts:
 //! `fuse_in_header`, the operation's header, then its data; the answer is
@@ -72,20 +81,27 @@ fn clone_fd(master: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
-/// Pause state, under [`Rank::FuseLoop`].
+/// One worker's "between taking a request and answering it" flag, on a
+/// cache line of its own so that workers never share one on the hot path.
 #[derive(Debug, Default)]
-struct State {
-    paused: bool,
-    /// Workers between taking a request and answering it.
-    busy: usize,
-}
+#[repr(align(128))]
+struct Busy(AtomicBool);
 
+/// Pause and stop control. The hot path touches only atomics: a worker
+/// raises its own [`Busy`] flag, then reads `paused` (both `SeqCst`); a
+/// pause sets `paused`, then reads every flag. Either the worker sees the
+/// pause and backs off, or the pause sees the worker busy and waits for it
+/// (Dekker's handshake). The lock and condition variable are for the slow
+/// paths alone: parking while paused, and waking a waiting pause.
 #[derive(Debug)]
 struct Ctl {
-    state: Mutex<State>,
-    changed: Condvar,
+    paused: AtomicBool,
     stop: AtomicBool,
-    /// Readable while paused or stopping: wakes workers out of `poll`.
+    busy: Box<[Busy]>,
+    /// Under [`Rank::FuseLoop`]; guards nothing but the waits below.
+    park: Mutex<()>,
+    changed: Condvar,
+    /// Readable while paused or stopping: wakes workers out of `epoll_wait`.
     wake_rx: OwnedFd,
     wake_tx: OwnedFd,
 }
@@ -97,6 +113,15 @@ impl Ctl {
     fn drain(&self) {
         let mut b = [0u8; 64];
         while matches!(rustix::io::read(&self.wake_rx, &mut b), Ok(n) if n > 0) {}
+    }
+    fn any_busy(&self) -> bool {
+        self.busy.iter().any(|b| b.0.load(Ordering::SeqCst))
+    }
+    /// Wakes whoever waits on `changed`; taking the lock first means a
+    /// waiter that checked its condition under it cannot miss this.
+    fn notify(&self) {
+        let _g = self.park.lock();
+        self.changed.notify_all();
     }
 }
 
@@ -117,20 +142,21 @@ impl DevWorkers {
     pub(crate) fn start(fs: Arc<BlockFs>, master: BorrowedFd<'_>, n: usize) -> io::Result<Self> {
         use rustix::pipe::PipeFlags;
         let (wake_rx, wake_tx) = rustix::pipe::pipe_with(PipeFlags::NONBLOCK | PipeFlags::CLOEXEC)?;
+        let n = n.max(1);
         let ctl = Arc::new(Ctl {
-            state: Mutex::new(Rank::FuseLoop, State::default()),
-            changed: Condvar::new(),
+            paused: AtomicBool::new(false),
             stop: AtomicBool::new(false),
+            busy: (0..n).map(|_| Busy::default()).collect(),
+            park: Mutex::new(Rank::FuseLoop, ()),
+            changed: Condvar::new(),
             wake_rx,
             wake_tx,
         });
         let mut threads = Vec::with_capacity(n);
-        for i in 0..n.max(1) {
-            let fd = clone_fd(master)?;
+        for i in 0..n {
+            let worker = Worker::new(i, clone_fd(master)?, &ctl.wake_rx)?;
             let (fs, ctl) = (Arc::clone(&fs), Arc::clone(&ctl));
-            let t = std::thread::Builder::new()
-                .name(format!("tmem-fuse-{i}"))
-                .spawn(move || Worker::new(fd).run(&fs, &ctl))?;
+            let t = std::thread::Builder::new().name(format!("tmem-fuse-{i}")).spawn(move || worker.run(&fs, &ctl))?;
             threads.push(t);
         }
         Ok(Self { ctl, threads })
@@ -139,18 +165,18 @@ impl DevWorkers {
     /// Stops taking requests; returns once every request taken is answered.
     /// Requests not taken stay queued in the kernel.
     pub(crate) fn pause(&self) {
-        let mut s = self.ctl.state.lock();
-        s.paused = true;
+        let mut g = self.ctl.park.lock();
+        self.ctl.paused.store(true, Ordering::SeqCst);
         self.ctl.signal();
-        while s.busy > 0 {
-            self.ctl.changed.wait(&mut s);
+        while self.ctl.any_busy() {
+            self.ctl.changed.wait(&mut g);
         }
     }
 
     /// Takes requests again after [`DevWorkers::pause`].
     pub(crate) fn resume(&self) {
-        let mut s = self.ctl.state.lock();
-        s.paused = false;
+        let _g = self.ctl.park.lock();
+        self.ctl.paused.store(false, Ordering::SeqCst);
         self.ctl.drain();
         self.ctl.changed.notify_all();
     }
@@ -158,12 +184,9 @@ impl DevWorkers {
     /// Stops the workers and waits for them (after an unmount, or for good
     /// after a hand-over).
     pub(crate) fn stop(self) {
-        self.ctl.stop.store(true, Ordering::Release);
-        {
-            let _s = self.ctl.state.lock();
-            self.ctl.signal();
-            self.ctl.changed.notify_all();
-        }
+        self.ctl.stop.store(true, Ordering::SeqCst);
+        self.ctl.signal();
+        self.ctl.notify();
         for t in self.threads {
             let _ = t.join();
         }
@@ -171,7 +194,11 @@ impl DevWorkers {
 }
 
 struct Worker {
+    /// Index of this worker's [`Busy`] flag.
+    index: usize,
     fd: OwnedFd,
+    /// This worker's epoll set: `fd` (exclusive) and the pause pipe.
+    epoll: OwnedFd,
     /// Request in, answer out: header, operation header, data.
     buf: Vec<u8>,
 }
@@ -187,46 +214,52 @@ enum Served {
 }
 
 impl Worker {
-    fn new(fd: OwnedFd) -> Self {
-        Self { fd, buf: vec![0u8; PAYLOAD_AT + MAX_IO as usize] }
+    fn new(index: usize, fd: OwnedFd, wake_rx: &OwnedFd) -> io::Result<Self> {
+        use rustix::event::epoll::{self, CreateFlags, EventData, EventFlags};
+        let epoll = epoll::create(CreateFlags::CLOEXEC)?;
+        epoll::add(&epoll, &fd, EventData::new_u64(0), EventFlags::IN | EventFlags::EXCLUSIVE)?;
+        epoll::add(&epoll, wake_rx, EventData::new_u64(1), EventFlags::IN)?;
+        Ok(Self { index, fd, epoll, buf: vec![0u8; PAYLOAD_AT + MAX_IO as usize] })
     }
 
-    /// Reads and answers requests; waits in `poll` only when none is queued,
+    /// Reads and answers requests; waits in `epoll` only when none is queued,
     /// so a busy worker makes two system calls per request.
     fn run(mut self, fs: &BlockFs, ctl: &Ctl) {
+        let busy = &ctl.busy[self.index].0;
         loop {
-            // A pause that returns sees this worker busy, or not reading.
-            {
-                let mut s = ctl.state.lock();
-                while s.paused && !ctl.stop.load(Ordering::Acquire) {
-                    ctl.changed.wait(&mut s);
+            busy.store(true, Ordering::SeqCst);
+            if ctl.paused.load(Ordering::SeqCst) || ctl.stop.load(Ordering::SeqCst) {
+                busy.store(false, Ordering::SeqCst);
+                ctl.notify();
+                let mut g = ctl.park.lock();
+                while ctl.paused.load(Ordering::SeqCst) && !ctl.stop.load(Ordering::SeqCst) {
+                    ctl.changed.wait(&mut g);
                 }
-                if ctl.stop.load(Ordering::Acquire) {
+                if ctl.stop.load(Ordering::SeqCst) {
                     return;
                 }
-                s.busy += 1;
+                continue;
             }
             let served = self.serve_one(fs);
-            {
-                let mut s = ctl.state.lock();
-                s.busy -= 1;
-                if s.paused && s.busy == 0 {
-                    ctl.changed.notify_all();
-                }
+            busy.store(false, Ordering::SeqCst);
+            if ctl.paused.load(Ordering::SeqCst) {
+                ctl.notify();
             }
             match served {
                 Served::One => {}
                 Served::Ended => return,
-                Served::Nothing => self.wait(ctl),
+                Served::Nothing => self.wait(),
             }
         }
     }
 
     /// Waits for a request, a pause or a stop.
-    fn wait(&self, ctl: &Ctl) {
-        use rustix::event::{poll, PollFd, PollFlags};
-        let mut fds = [PollFd::new(&self.fd, PollFlags::IN), PollFd::new(&ctl.wake_rx, PollFlags::IN)];
-        let _ = poll(&mut fds, None);
+    fn wait(&self) {
+        let mut events = [rustix::event::epoll::Event {
+            flags: rustix::event::epoll::EventFlags::empty(),
+            data: rustix::event::epoll::EventData::new_u64(0),
+        }; 2];
+        let _ = rustix::event::epoll::wait(&self.epoll, &mut events[..], None);
     }
 
     /// Reads one request, if one is queued, and answers it.
