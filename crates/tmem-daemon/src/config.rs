@@ -11,6 +11,7 @@
 //! fuse-threads = 16       # default: one per online CPU, at least 4
 //! fuse-uring = 0
 //! discard = "once"         # or "pages"
+//! recycle-idle-swap = true # empty an idle area by swapoff + swapon
 //! recompress = "zstd:3+dict"  # cold pages, in the background (off when absent)
 //! recompress-after = 2     # seconds unread before a page is recompressed
 //! runtime-dir = "/run/tmem"
@@ -87,6 +88,7 @@ struct RawSwap {
     fuse_threads: Option<Spanned<u64>>,
     fuse_uring: Option<Spanned<u64>>,
     discard: Option<Spanned<String>>,
+    recycle_idle_swap: Option<Spanned<bool>>,
     recompress: Option<Spanned<String>>,
     recompress_after: Option<Spanned<f64>>,
     runtime_dir: Option<Spanned<PathBuf>>,
@@ -126,6 +128,8 @@ pub struct Config {
     pub fuse_uring: Option<usize>,
     /// `swap.discard`.
     pub discard: Option<tmem_sys::swap::SwapDiscard>,
+    /// `swap.recycle-idle-swap`.
+    pub recycle_idle_swap: Option<bool>,
     /// `swap.recompress`: the recompression codec.
     pub recompress: Option<String>,
     /// `swap.recompress-after`, seconds.
@@ -223,6 +227,7 @@ impl Config {
                 _ => Err(format!("{n} is outside 0..64")),
             }),
             discard: checked!(s.discard, "swap.discard", |v: String| v.parse::<tmem_sys::swap::SwapDiscard>()),
+            recycle_idle_swap: checked!(s.recycle_idle_swap, "swap.recycle-idle-swap", Ok::<bool, String>),
             recompress: checked!(s.recompress, "swap.recompress", |v: String| {
                 let args = crate::spec::RecompressArgs { recompress: Some(v.clone()), ..Default::default() };
                 args.config().map(|_| v).map_err(|e| e.to_string())
@@ -283,6 +288,7 @@ priority = 50
 fuse-threads = 8
 fuse-uring = 1
 discard = "pages"
+recycle-idle-swap = false
 recompress = "zstd:3+dict"
 recompress-after = 0.5
 runtime-dir = "/run/tmem2"
@@ -304,6 +310,7 @@ disk-capacity = "16G"
         assert_eq!(c.pool_limit, Some(PoolLimit::Percent(30)));
         assert_eq!(c.codec.as_deref(), Some("zstd:3+dict"));
         assert_eq!(c.discard, Some(tmem_sys::swap::SwapDiscard::Pages));
+        assert_eq!(c.recycle_idle_swap, Some(false));
         assert_eq!((c.recompress.as_deref(), c.recompress_after), (Some("zstd:3+dict"), Some(0.5)));
         assert_eq!(c.tiers, Some(vec![TierSpec::Disk("/var/lib/tmem".into())]));
         assert_eq!(c.disk_capacity, Some(16 << 30));

@@ -21,7 +21,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
@@ -29,7 +29,7 @@ use std::time::Duration;
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use sd_notify::NotifyState;
-use tmem_block::{BlockDevice, CacheDevice, DeviceConfig, DeviceStats, PoolDevice};
+use tmem_block::{BlockDevice, CacheDevice, DeviceConfig, DeviceStats, PoolDevice, StaleSweep};
 use tmem_ctl::{DeviceStatus, Request, Response, Status};
 use tmem_fuse::{Export, FuseConfig, FuseMount};
 use tmem_sys::swap;
@@ -227,6 +227,8 @@ pub(crate) fn serve(daemon: &Arc<Daemon>, rx: &mpsc::Receiver<Event>) {
 
     let mut watch = crate::watch::Watch::default();
     let mut stale = crate::stale::StaleSlots::default();
+    // Devices whose swap area recycle_swap emptied but could not turn on again.
+    let mut swap_off = Vec::new();
     loop {
         match rx.recv_timeout(tick) {
             Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -248,8 +250,24 @@ pub(crate) fn serve(daemon: &Arc<Daemon>, rx: &mpsc::Receiver<Event>) {
                     .zip(&status.devices)
                     .map(|(d, s)| (d.as_ref(), s.loop_dev.as_deref().filter(|_| s.swap)))
                     .collect();
-                for line in stale.check(&swaps) {
-                    log(&line);
+                let recycle = daemon.spec.recycle_idle_swap.then(crate::stale::Recycle::default);
+                let checked = stale.check(&swaps, recycle.as_ref());
+                checked.lines.iter().for_each(|l| log(l));
+                for (i, used) in checked.recycle {
+                    match daemon.recycle_swap(i, used) {
+                        Ok(Some(line)) => log(&line),
+                        Ok(None) => {}
+                        Err(e) => {
+                            warn(&e.to_string());
+                            if !daemon.lock().status.devices[i].swap {
+                                swap_off.push(i);
+                            }
+                        }
+                    }
+                    stale.recycled(i, std::time::Instant::now());
+                }
+                if !swap_off.is_empty() {
+                    daemon.swap_on_again(&mut swap_off).iter().for_each(|l| log(l));
                 }
                 let _ = sd_notify::notify(false, &[NotifyState::Watchdog]);
             }
@@ -547,21 +565,99 @@ impl Daemon {
                 self.step(format!("{name}: {set} (no writeback throttling in front of swap)"));
             }
             self.check_signal()?;
-            swap::mkswap(&dev, &format!("tmem-{name}")).map_err(setup_err)?;
-            self.step(format!("{name}: mkswap {}", dev.display()));
+            self.step(self.make_swap(name, &dev).map_err(setup_err)?);
             #[cfg(feature = "fault-injection")]
             crate::fault::stall_setup(&self.signalled);
             self.check_signal()?;
-            swap::swapon(&dev, self.spec.priority, self.spec.discard).map_err(setup_err)?;
-            self.lock().status.devices[i].swap = true;
-            self.step(format!(
-                "{name}: swapon --discard={} --priority {} {}",
-                self.spec.discard.as_str(),
-                self.spec.priority,
-                dev.display()
-            ));
+            self.step(self.swap_on(i, &dev).map_err(setup_err)?);
         }
         Ok(())
+    }
+
+    /// mkswap on device `name`'s loop device; says what it did.
+    fn make_swap(&self, name: &str, dev: &Path) -> Result<String, swap::SwapError> {
+        swap::mkswap(dev, &format!("tmem-{name}"))?;
+        Ok(format!("{name}: mkswap {}", dev.display()))
+    }
+
+    /// swapon of device `i`'s loop device with the spec's priority and
+    /// discard policy; says what it did.
+    fn swap_on(&self, i: usize, dev: &Path) -> Result<String, swap::SwapError> {
+        swap::swapon(dev, self.spec.priority, self.spec.discard)?;
+        self.lock().status.devices[i].swap = true;
+        Ok(format!(
+            "{}: swapon --discard={} --priority {} {}",
+            self.devices[i].name(),
+            self.spec.discard.as_str(),
+            self.spec.priority,
+            dev.display()
+        ))
+    }
+
+    /// Empties device `i`'s idle swap area (crate::stale, "Recycle"):
+    /// swapoff, which reads the slots still in use back into memory, then
+    /// drops every page (all of them now belong to freed slots), mkswap and
+    /// swapon. Returns the log line; `Ok(None)` when there was nothing to
+    /// do (the daemon is stopping, or the device is not a swap area now).
+    /// A failed swapoff leaves the area on; a failed mkswap or swapon
+    /// leaves it off, and [`Daemon::swap_on_again`] retries at each tick.
+    pub(crate) fn recycle_swap(&self, i: usize, used: u64) -> Result<Option<String>, DaemonError> {
+        let _gate = self.teardown_gate.lock();
+        if self.exited.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        let d = self.lock().status.devices[i].clone();
+        let Some(dev) = d.loop_dev.filter(|_| d.swap) else { return Ok(None) };
+        let fail = |what: &str, e: swap::SwapError| DaemonError::Teardown(format!("{}: {what}: {e}", d.name));
+        let t0 = std::time::Instant::now();
+        swap::swapoff(&dev).map_err(|e| fail("swapoff to empty the idle swap area failed; it stays on", e))?;
+        self.lock().status.devices[i].swap = false;
+        let t1 = std::time::Instant::now();
+        let device = &self.devices[i];
+        let (StaleSweep::Done(dropped) | StaleSweep::Interrupted(dropped)) = device.drop_stale(device.writes());
+        let t2 = std::time::Instant::now();
+        self.make_swap(&d.name, &dev).map_err(|e| fail("mkswap after emptying the swap area failed; retrying", e))?;
+        self.swap_on(i, &dev).map_err(|e| fail("swapon after emptying the swap area failed; retrying", e))?;
+        let ms = |a: std::time::Instant, b: std::time::Instant| b.duration_since(a).as_millis();
+        Ok(Some(format!(
+            "{}: emptied the idle swap area ({} KiB in use): swapoff in {} ms, dropped {dropped} pages of freed \
+             slots in {} ms, mkswap and swapon in {} ms",
+            d.name,
+            used / 1024,
+            ms(t0, t1),
+            ms(t1, t2),
+            ms(t2, std::time::Instant::now())
+        )))
+    }
+
+    /// Turns swap on again on the devices that [`Daemon::recycle_swap`]
+    /// left off; returns a log line per device it turned on.
+    pub(crate) fn swap_on_again(&self, pending: &mut Vec<usize>) -> Vec<String> {
+        let _gate = self.teardown_gate.lock();
+        if self.exited.load(Ordering::Acquire) {
+            pending.clear();
+            return Vec::new();
+        }
+        let mut lines = Vec::new();
+        pending.retain(|&i| {
+            let d = self.lock().status.devices[i].clone();
+            let Some(dev) = d.loop_dev else { return false };
+            if swap::is_swap(&dev).unwrap_or(false) {
+                self.lock().status.devices[i].swap = true;
+                return false;
+            }
+            match self.make_swap(&d.name, &dev).and_then(|_| self.swap_on(i, &dev)) {
+                Ok(line) => {
+                    lines.push(line);
+                    false
+                }
+                Err(e) => {
+                    lines.push(format!("{}: swap still off after emptying it: {e}", d.name));
+                    true
+                }
+            }
+        });
+        lines
     }
 
     /// swapoff, detach, unmount. Stops at the first swapoff failure and

@@ -206,6 +206,10 @@ pub struct DaemonSpec {
     /// `swapon --discard` policy.
     #[serde(default)]
     pub discard: tmem_sys::swap::SwapDiscard,
+    /// Empty an idle swap area that holds a few slots and many freed ones
+    /// by swapoff and swapon (crate::stale, `Recycle`).
+    #[serde(default = "yes")]
+    pub recycle_idle_swap: bool,
     /// Tiers below each device's pool.
     #[serde(default)]
     pub tiers: crate::tiers::TierArgs,
@@ -354,6 +358,11 @@ pub fn store_config(d: &DeviceSpec, total_ram: u64) -> Result<StoreConfig, Daemo
         dictionary: choice.dictionary.then(DictTraining::default),
         ..Default::default()
     })
+}
+
+/// serde's default for flags that are on unless said otherwise.
+fn yes() -> bool {
+    true
 }
 
 #[cfg(test)]

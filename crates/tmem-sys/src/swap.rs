@@ -244,6 +244,18 @@ fn parse_meminfo_field(text: &str, name: &str) -> Result<u64, SwapError> {
     Err(bad(format!("no {name} line")))
 }
 
+/// `some total` of /proc/pressure/memory: microseconds in which some task
+/// waited for memory, since boot. `None` where the kernel has no PSI
+/// (`psi=0`, or built without it).
+pub fn memory_stall_us() -> Option<u64> {
+    parse_stall_us(&std::fs::read_to_string("/proc/pressure/memory").ok()?)
+}
+
+fn parse_stall_us(text: &str) -> Option<u64> {
+    let some = text.lines().find_map(|l| l.strip_prefix("some "))?;
+    some.split_whitespace().find_map(|f| f.strip_prefix("total="))?.parse().ok()
+}
+
 /// Locks all current and future memory, faulting pages in as they are
 /// touched (`MCL_ONFAULT`), so pool memory is locked without being
 /// populated up front.
@@ -275,6 +287,14 @@ pub fn protect_from_oom() -> Result<i32, SwapError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_memory_stall_time() {
+        let text = "some avg10=1.25 avg60=0.50 avg300=0.10 total=123\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=4\n";
+        assert_eq!(parse_stall_us(text), Some(123));
+        assert_eq!(parse_stall_us("full total=4\n"), None);
+        assert_eq!(parse_stall_us("some total=x\n"), None);
+    }
 
     #[test]
     fn parses_proc_swaps() {

@@ -42,6 +42,9 @@ pub struct UpArgs {
     /// How freed swap slots reach the pool (swapon --discard): once or pages.
     #[arg(long, default_value = "once")]
     discard: tmem_sys::swap::SwapDiscard,
+    /// Empty an idle swap area that holds a few KiB in use and many freed slots' pages by swapoff, mkswap and swapon.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    recycle_idle_swap: bool,
     /// Runtime directory (control socket, FUSE mount, log).
     #[arg(long, default_value = ctl::RUNTIME_DIR)]
     runtime_dir: PathBuf,
@@ -90,6 +93,7 @@ impl UpArgs {
             fuse_threads: pick(given("fuse_threads"), &self.fuse_threads, &c.fuse_threads),
             fuse_uring: pick(given("fuse_uring"), &self.fuse_uring, &c.fuse_uring),
             discard: pick(given("discard"), &self.discard, &c.discard),
+            recycle_idle_swap: pick(given("recycle_idle_swap"), &self.recycle_idle_swap, &c.recycle_idle_swap),
             runtime_dir: pick(given("runtime_dir"), &self.runtime_dir, &c.runtime_dir),
             wait: pick(given("wait"), &self.wait, &c.wait),
             metrics: pick(given("metrics"), &self.metrics, &c.metrics.map(Some)),
@@ -142,6 +146,7 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
         fuse_threads: a.fuse_threads,
         fuse_uring: a.fuse_uring,
         discard: a.discard,
+        recycle_idle_swap: a.recycle_idle_swap,
         tiers: a.tiers.clone(),
         metrics: a.metrics,
         lock_fd: None,
@@ -463,6 +468,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
         fuse_threads: 0,
         fuse_uring: 0,
         discard: tmem_sys::swap::SwapDiscard::default(),
+        recycle_idle_swap: false,
         tiers: a.tiers.clone(),
         metrics: a.metrics,
         lock_fd: None,
@@ -527,6 +533,7 @@ pub fn cache_up(a: &CacheUpArgs) -> anyhow::Result<()> {
         fuse_threads: a.fuse_threads,
         fuse_uring: 0,
         discard: tmem_sys::swap::SwapDiscard::default(),
+        recycle_idle_swap: false,
         tiers: tmem_daemon::tiers::TierArgs::default(),
         metrics: a.metrics,
         lock_fd: None,
