@@ -513,12 +513,13 @@ impl PoolDevice {
         self.io.write_ios.load(Ordering::Relaxed)
     }
 
-    /// Drops every page of the device, for a swap device whose kernel swap
-    /// area had no slot in use after `writes_before` was read: every page
-    /// the device holds then belongs to a freed slot (a loop device is not
-    /// told when the kernel frees one). Stops at the first page at which a
-    /// write has been counted since `writes_before`: the kernel may have
-    /// taken a slot since, and its page must stay.
+    /// Drops every page of the device but the first (a swap area's header,
+    /// which `swapon` reads), for a swap device whose kernel swap area had
+    /// no slot in use after `writes_before` was read: every other page the
+    /// device holds then belongs to a freed slot (a loop device is not told
+    /// when the kernel frees one). Stops at the first page at which a write
+    /// has been counted since `writes_before`: the kernel may have taken a
+    /// slot since, and its page must stay.
     ///
     /// Why this is safe without per-page state: a write counts itself
     /// before it takes its page's stripe, and the check for a page runs
@@ -528,7 +529,7 @@ impl PoolDevice {
     /// after the drop.
     pub fn drop_stale(&self, writes_before: u64) -> StaleSweep {
         let mut dropped = 0;
-        for page in 0..self.size / PAGE {
+        for page in 1..self.size / PAGE {
             let _g = self.stripe(page);
             if self.io.write_ios.load(Ordering::Relaxed) != writes_before {
                 bump(&self.io.stale_sweeps_interrupted, 1);

@@ -569,7 +569,7 @@ impl Daemon {
             #[cfg(feature = "fault-injection")]
             crate::fault::stall_setup(&self.signalled);
             self.check_signal()?;
-            self.step(self.swap_on(i, &dev).map_err(setup_err)?);
+            self.step(self.swap_on(i, &dev, true).map_err(setup_err)?);
         }
         Ok(())
     }
@@ -581,23 +581,30 @@ impl Daemon {
     }
 
     /// swapon of device `i`'s loop device with the spec's priority and
-    /// discard policy; says what it did.
-    fn swap_on(&self, i: usize, dev: &Path) -> Result<String, swap::SwapError> {
-        swap::swapon(dev, self.spec.priority, self.spec.discard)?;
+    /// discard policy (without the whole-area discard where `area_discard`
+    /// is false); says what it did.
+    fn swap_on(&self, i: usize, dev: &Path, area_discard: bool) -> Result<String, swap::SwapError> {
+        let (prio, discard) = (self.spec.priority, self.spec.discard);
+        match area_discard {
+            true => swap::swapon(dev, prio, discard)?,
+            false => swap::swapon_without_area_discard(dev, prio, discard)?,
+        }
         self.lock().status.devices[i].swap = true;
         Ok(format!(
-            "{}: swapon --discard={} --priority {} {}",
+            "{}: swapon --discard={} --priority {prio} {}",
             self.devices[i].name(),
-            self.spec.discard.as_str(),
-            self.spec.priority,
+            discard.as_str(),
             dev.display()
         ))
     }
 
     /// Empties device `i`'s idle swap area (crate::stale, "Recycle"):
-    /// swapoff, which reads the slots still in use back into memory, then
-    /// drops every page (all of them now belong to freed slots), mkswap and
-    /// swapon. Returns the log line; `Ok(None)` when there was nothing to
+    /// swapoff, which reads the slots still in use back into memory (every
+    /// other page then belongs to a freed slot), mkswap, swapon without the
+    /// whole-area discard, then drops every page but the new header,
+    /// stopping at the first write the kernel sends (see
+    /// [`PoolDevice::drop_stale`]); the area is off only for the three
+    /// commands. Returns the log line; `Ok(None)` when there was nothing to
     /// do (the daemon is stopping, or the device is not a swap area now).
     /// A failed swapoff leaves the area on; a failed mkswap or swapon
     /// leaves it off, and [`Daemon::swap_on_again`] retries at each tick.
@@ -612,21 +619,21 @@ impl Daemon {
         let t0 = std::time::Instant::now();
         swap::swapoff(&dev).map_err(|e| fail("swapoff to empty the idle swap area failed; it stays on", e))?;
         self.lock().status.devices[i].swap = false;
-        let t1 = std::time::Instant::now();
-        let device = &self.devices[i];
-        let (StaleSweep::Done(dropped) | StaleSweep::Interrupted(dropped)) = device.drop_stale(device.writes());
-        let t2 = std::time::Instant::now();
         self.make_swap(&d.name, &dev).map_err(|e| fail("mkswap after emptying the swap area failed; retrying", e))?;
-        self.swap_on(i, &dev).map_err(|e| fail("swapon after emptying the swap area failed; retrying", e))?;
+        let device = &self.devices[i];
+        // Read after mkswap's write of the header, before the kernel can write.
+        let writes = device.writes();
+        self.swap_on(i, &dev, false).map_err(|e| fail("swapon after emptying the swap area failed; retrying", e))?;
+        let t1 = std::time::Instant::now();
+        let (StaleSweep::Done(dropped) | StaleSweep::Interrupted(dropped)) = device.drop_stale(writes);
         let ms = |a: std::time::Instant, b: std::time::Instant| b.duration_since(a).as_millis();
         Ok(Some(format!(
-            "{}: emptied the idle swap area ({} KiB in use): swapoff in {} ms, dropped {dropped} pages of freed \
-             slots in {} ms, mkswap and swapon in {} ms",
+            "{}: emptied the idle swap area ({} KiB in use): swapoff, mkswap and swapon in {} ms, then dropped \
+             {dropped} pages of freed slots in {} ms",
             d.name,
             used / 1024,
             ms(t0, t1),
-            ms(t1, t2),
-            ms(t2, std::time::Instant::now())
+            ms(t1, std::time::Instant::now())
         )))
     }
 
@@ -646,7 +653,7 @@ impl Daemon {
                 self.lock().status.devices[i].swap = true;
                 return false;
             }
-            match self.make_swap(&d.name, &dev).and_then(|_| self.swap_on(i, &dev)) {
+            match self.make_swap(&d.name, &dev).and_then(|_| self.swap_on(i, &dev, false)) {
                 Ok(line) => {
                     lines.push(line);
                     false

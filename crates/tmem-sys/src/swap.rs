@@ -171,6 +171,19 @@ pub fn swapon(dev: &Path, priority: i32, discard: SwapDiscard) -> Result<(), Swa
     run("swapon", &[&discard, "--priority", &priority.to_string(), &dev.to_string_lossy()]).map(drop)
 }
 
+/// [`swapon`] for an area whose stale pages the caller drops itself: no
+/// discard of the whole area at swapon, which is all `once` does (so it
+/// becomes no `--discard` at all); `pages` stays.
+pub fn swapon_without_area_discard(dev: &Path, priority: i32, discard: SwapDiscard) -> Result<(), SwapError> {
+    let prio = priority.to_string();
+    let dev = dev.to_string_lossy();
+    match discard {
+        SwapDiscard::Once => run("swapon", &["--priority", &prio, &dev]),
+        SwapDiscard::Pages => run("swapon", &["--discard=pages", "--priority", &prio, &dev]),
+    }
+    .map(drop)
+}
+
 /// Disables swap on `dev`; the kernel reads every page back first.
 pub fn swapoff(dev: &Path) -> Result<(), SwapError> {
     run("swapoff", &[&dev.to_string_lossy()]).map(drop)
