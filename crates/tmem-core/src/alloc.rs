@@ -499,6 +499,15 @@ impl ZsAlloc {
             if evacuating {
                 self.pages_compacted.fetch_add(c.geo.pages as u64, Ordering::Relaxed);
             }
+            if c.free_ids.len() == c.spans.len() {
+                // The class holds nothing: give its tables back too (a pool
+                // emptied after a swap job would keep them at their peak).
+                // Span ids start over; a compaction plan naming old ones
+                // finds them gone or not evacuating.
+                c.spans = Vec::new();
+                c.free_ids = Vec::new();
+                c.partial = Vec::new();
+            }
         } else if was_full && !evacuating {
             c.partial_push(loc.span);
         }
@@ -597,7 +606,7 @@ impl ZsAlloc {
             let id = key & ((1 << SPAN_BITS) - 1);
             let mut c = self.lock(class);
             let slots = c.geo.slots;
-            let s = &mut c.spans[id as usize];
+            let Some(s) = c.spans.get_mut(id as usize) else { continue };
             if s.evacuating {
                 s.evacuating = false;
                 if usize::from(s.used) < slots {
@@ -673,6 +682,10 @@ mod tests {
         }
         let s = a.stats();
         assert_eq!((s.span_bytes, s.slot_bytes, s.objects), (0, 0, 0));
+        assert_eq!(s.meta_bytes, a.arena.meta_bytes(), "emptied classes give their tables back");
+        // And the allocator still works after that.
+        let loc = a.alloc_write(&[9u8; 300]).unwrap();
+        assert_eq!(read(&a, loc, 300), vec![9u8; 300]);
     }
 
     #[test]

@@ -325,11 +325,12 @@ fn half_memory_job(tag: &str, extra: &[&str]) -> (String, String, String) {
     (up, table, down)
 }
 
-/// Waits (30 s at most) until the pool holds at most 1.1x the swap in use
-/// plus 1 MiB (the issue's bound), which happens at once when the swap area
-/// has no slot in use, or, when some stay in use, once the area has been
-/// quiet for two ticks and the daemon empties it (swapoff, mkswap, swapon).
-/// Returns what happened, with the daemon's log line.
+/// Waits (30 s at most) until the pool's memory (`mem_used_total`) is at
+/// most 1.1x the swap in use plus 1 MiB (the issue's bound), which happens
+/// at once when the swap area has no slot in use, or, when some stay in
+/// use, once the area has been quiet for two ticks and the daemon empties
+/// it (swapoff, mkswap, swapon). Returns what happened, with the daemon's
+/// log line.
 fn pool_returns_to_swap_in_use(s: &Setup) -> String {
     let start = std::time::Instant::now();
     loop {
@@ -337,23 +338,29 @@ fn pool_returns_to_swap_in_use(s: &Setup) -> String {
         assert!(used.len() <= 1, "only this test's swap area: {used:?}");
         let used = used.first().copied().unwrap_or(0);
         let st = s.stat();
-        let dev = &st[0];
-        let held = dev["store"]["total"]["stored_pages"].as_u64().unwrap() * 4096;
+        let store = &st[0]["store"];
+        let n = |v: &serde_json::Value| v.as_u64().unwrap();
+        let pool = n(&store["mem_used_total"]);
         let log = std::fs::read_to_string(s.dir.join("daemon.log")).unwrap();
         let line = log.lines().rev().find(|l| l.contains("dropped") && l.contains("pages of freed slots"));
-        if let Some(line) = line.filter(|_| held <= used + used / 10 + (1 << 20)) {
+        if let Some(line) = line.filter(|_| pool <= used + used / 10 + (1 << 20)) {
             return format!(
-                "{} KiB in the pool, {} KiB of swap in use, {:.1} s after the job; {line}",
-                held >> 10,
+                "pool {} KiB ({} pages, {} KiB of spans, {} KiB of metadata), {} KiB of swap in use, {:.1} s \
+                 after the job; {line}",
+                pool >> 10,
+                n(&store["total"]["stored_pages"]),
+                n(&store["alloc"]["span_bytes"]) >> 10,
+                n(&store["metadata_bytes"]) >> 10,
                 used >> 10,
                 start.elapsed().as_secs_f64()
             );
         }
         assert!(
             start.elapsed().as_secs() < 30,
-            "{} KiB held, {} KiB of swap in use 30 s after the job: {dev}\n{log}",
-            held >> 10,
-            used >> 10
+            "pool {} KiB, {} KiB of swap in use 30 s after the job: {}\n{log}",
+            pool >> 10,
+            used >> 10,
+            st[0]
         );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
