@@ -86,7 +86,7 @@ pub enum Rank {
     MemTier,
     /// FUSE over io_uring: the first failure of a ring.
     UringFailure,
-    /// The `/dev/fuse` workers' pause state (with its condition variable).
+    /// The `/dev/fuse` workers' pause waits (with their condition variable).
     FuseLoop,
     /// Nonce audit of sealing (test builds only).
     SealAudit,
