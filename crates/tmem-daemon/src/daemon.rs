@@ -585,17 +585,16 @@ impl Daemon {
     /// is false); says what it did.
     fn swap_on(&self, i: usize, dev: &Path, area_discard: bool) -> Result<String, swap::SwapError> {
         let (prio, discard) = (self.spec.priority, self.spec.discard);
+        let flag = match (area_discard, discard) {
+            (true, _) | (false, swap::SwapDiscard::Pages) => format!("--discard={} ", discard.as_str()),
+            (false, swap::SwapDiscard::Once) => String::new(),
+        };
         match area_discard {
             true => swap::swapon(dev, prio, discard)?,
             false => swap::swapon_without_area_discard(dev, prio, discard)?,
         }
         self.lock().status.devices[i].swap = true;
-        Ok(format!(
-            "{}: swapon --discard={} --priority {prio} {}",
-            self.devices[i].name(),
-            discard.as_str(),
-            dev.display()
-        ))
+        Ok(format!("{}: swapon {flag}--priority {prio} {}", self.devices[i].name(), dev.display()))
     }
 
     /// Empties device `i`'s idle swap area (crate::stale, "Recycle"):
@@ -615,7 +614,7 @@ impl Daemon {
         }
         let d = self.lock().status.devices[i].clone();
         let Some(dev) = d.loop_dev.filter(|_| d.swap) else { return Ok(None) };
-        let fail = |what: &str, e: swap::SwapError| DaemonError::Teardown(format!("{}: {what}: {e}", d.name));
+        let fail = |what: &str, e: swap::SwapError| DaemonError::Recycle(format!("{}: {what}: {e}", d.name));
         let t0 = std::time::Instant::now();
         swap::swapoff(&dev).map_err(|e| fail("swapoff to empty the idle swap area failed; it stays on", e))?;
         self.lock().status.devices[i].swap = false;

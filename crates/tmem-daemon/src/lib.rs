@@ -57,6 +57,9 @@ pub enum DaemonError {
     /// The daemon did not start or stop as expected.
     #[error("{0}")]
     Lifecycle(String),
+    /// Emptying an idle swap area failed (it names the step and the device).
+    #[error("{0}")]
+    Recycle(String),
 }
 
 /// Formats bytes as B/KiB/MiB/GiB/TiB.

@@ -15,8 +15,8 @@
 //! Every clone shares the connection's one input queue, and the kernel
 //! wakes every `poll` waiter on that queue for each request it queues: with
 //! `poll`, each request woke all idle workers, and all but one went back to
-//! sleep having found nothing (a thundering herd; a third of the daemon's
-//! CPU was context switches). Each worker therefore waits in an epoll set
+//! sleep having found nothing (a thundering herd: 7 % of the daemon's CPU
+//! per swapped page in docs/PRESSURE.md's A/B). Each worker therefore waits in an epoll set
 //! of its own that holds its clone with `EPOLLEXCLUSIVE`, so the kernel
 //! wakes one idle worker per request, as a blocking `read` would, while the
 //! pause pipe (not exclusive) still wakes them all.
