@@ -266,6 +266,8 @@ struct IoCounters {
     stale_pages_dropped: AtomicU64,
     /// Sweeps of [`PoolDevice::drop_stale`] stopped by a write.
     stale_sweeps_interrupted: AtomicU64,
+    /// Times the device's idle swap area was emptied ([`PoolDevice::count_area_emptied`]).
+    swap_areas_emptied: AtomicU64,
 }
 
 impl IoCounters {
@@ -289,6 +291,7 @@ impl IoCounters {
             panics: self.panics.load(r),
             stale_pages_dropped: self.stale_pages_dropped.load(r),
             stale_sweeps_interrupted: self.stale_sweeps_interrupted.load(r),
+            swap_areas_emptied: self.swap_areas_emptied.load(r),
         }
     }
 }
@@ -333,6 +336,9 @@ counters! {
         stale_pages_dropped: Counter(Pages),
         /// Such sweeps stopped by a write (the kernel took a slot meanwhile).
         stale_sweeps_interrupted: Counter(Events),
+        /// Times the daemon emptied the device's idle swap area (swapoff,
+        /// mkswap, swapon) to give back freed slots' pages.
+        swap_areas_emptied: Counter(Events),
     }
 }
 
@@ -543,6 +549,12 @@ impl PoolDevice {
         }
         self.pool.maintain();
         StaleSweep::Done(dropped)
+    }
+
+    /// Counts one emptying of the device's idle swap area, done by its
+    /// owner with swapoff, mkswap and swapon (the device cannot see it).
+    pub fn count_area_emptied(&self) {
+        bump(&self.io.swap_areas_emptied, 1);
     }
 
     /// Counters of the device and its store.

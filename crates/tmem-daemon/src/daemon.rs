@@ -624,6 +624,7 @@ impl Daemon {
         let writes = device.writes();
         self.swap_on(i, &dev, false).map_err(|e| fail("swapon after emptying the swap area failed; retrying", e))?;
         let t1 = std::time::Instant::now();
+        device.count_area_emptied();
         let (StaleSweep::Done(dropped) | StaleSweep::Interrupted(dropped)) = device.drop_stale(writes);
         let ms = |a: std::time::Instant, b: std::time::Instant| b.duration_since(a).as_millis();
         Ok(Some(format!(

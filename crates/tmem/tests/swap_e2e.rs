@@ -396,6 +396,7 @@ fn an_idle_swap_area_is_emptied_and_a_sleeping_process_keeps_its_pages() {
     assert!(how.contains("emptied the idle swap area"), "{how}");
     let st = s.stat();
     assert_eq!(st[0]["failed_writes"].as_u64(), Some(0), "{}", st[0]);
+    assert!(st[0]["swap_areas_emptied"].as_u64() >= Some(1), "{}", st[0]);
     // The sleeper reads its pages, back in memory since the swapoff.
     std::io::Write::write_all(sleeper.stdin.as_mut().unwrap(), b"check\n").unwrap();
     line.clear();
