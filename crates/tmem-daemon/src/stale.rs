@@ -31,8 +31,8 @@
 //! memory (PSI `some total`) for [`Recycle::quiet_ticks`] ticks, memory is
 //! available for what comes back, and not within [`Recycle::interval`] of
 //! the last time. While the area is off the kernel cannot swap to it: the
-//! quiet gates keep that window (milliseconds for a few KiB) to moments
-//! when nothing swaps. `--recycle-idle-swap false` turns it off.
+//! quiet gates keep that window (33–53 ms measured) to moments when
+//! nothing swaps. `--recycle-idle-swap false` turns it off.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -46,9 +46,10 @@ use tmem_sys::swap::SwapArea;
 pub struct Recycle {
     /// Bytes in use in the area (/proc/swaps Used) at most.
     pub max_used: u64,
-    /// The pool must hold at least this many bytes of pages more than
-    /// `stale_factor` times what is in use.
+    /// The pool must hold at least `stale_factor` times what is in use
+    /// plus `min_stale` bytes of pages.
     pub min_stale: u64,
+    /// See `min_stale`.
     pub stale_factor: u64,
     /// Ticks in a row with no write to the device and no memory stall.
     pub quiet_ticks: u32,
