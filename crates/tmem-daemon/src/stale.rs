@@ -127,7 +127,8 @@ impl StaleSlots {
     /// swap area now) whose swap area has no slot in use, and says which
     /// ones to empty by swapoff and swapon (`recycle`, None: never).
     pub fn check(&mut self, devices: &[(&PoolDevice, Option<&Path>)], recycle: Option<&Recycle>) -> Checked {
-        self.check_with(devices, recycle, tmem_sys::swap::swaps, Machine::read(), Instant::now())
+        let machine = recycle.map_or_else(Machine::default, |_| Machine::read());
+        self.check_with(devices, recycle, tmem_sys::swap::swaps, machine, Instant::now())
     }
 
     /// Called after a device's area was emptied at `now`.
@@ -199,13 +200,15 @@ impl StaleSlots {
 
 impl DeviceState {
     /// The gates of [`Recycle`], for an area with `used` bytes in use.
+    /// The pool's stats (every shard's lock) are read last, only once the
+    /// cheap gates pass: this runs at every tick while swap is in use.
     fn wants_recycle(&self, r: &Recycle, dev: &PoolDevice, used: u64, machine: Machine, now: Instant) -> bool {
-        let stored = dev.store().stats().total.stored_pages * tmem_core::PAGE_SIZE as u64;
+        let stored = || dev.store().stats().total.stored_pages * tmem_core::PAGE_SIZE as u64;
         used <= r.max_used
             && self.quiet >= r.quiet_ticks
-            && stored >= used.saturating_mul(r.stale_factor).saturating_add(r.min_stale)
             && machine.available.is_some_and(|a| a >= used.saturating_mul(2).saturating_add(r.min_available))
             && self.last_recycle.is_none_or(|t| now.duration_since(t) >= r.interval)
+            && stored() >= used.saturating_mul(r.stale_factor).saturating_add(r.min_stale)
     }
 }
 
