@@ -102,6 +102,11 @@ pub struct PressureArgs {
     /// --fuse-uring`; 0: /dev/fuse).
     #[arg(long, default_value_t = 0)]
     pub tmem_fuse_uring: usize,
+    /// `/dev/fuse` worker threads of the tmem rows and the fuse-ram baseline
+    /// (as `tmem swap up --fuse-threads`; 0: the daemon's default, one per
+    /// online CPU and at least 4).
+    #[arg(long, default_value_t = 0)]
+    pub tmem_fuse_threads: usize,
     /// How freed swap slots reach tmem's pools (as `tmem swap up --discard`): once or pages.
     #[arg(long, default_value = "once")]
     pub tmem_discard: tmem_sys::swap::SwapDiscard,
@@ -783,6 +788,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         tmem_pool_limit: a.tmem_pool_limit.clone(),
         tmem_codec: a.tmem_codec.clone(),
         tmem_fuse_uring: a.tmem_fuse_uring,
+        tmem_fuse_threads: a.tmem_fuse_threads,
         tmem_recompress: (a.tmem_recompress.clone(), a.tmem_recompress_after),
         tmem_discard: a.tmem_discard,
         tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
@@ -918,7 +924,8 @@ fn print_report(
     println!(
         "backends: disk = swap file in {} (prio {}); zram = /dev/{} (hot-added for the bench) {} (prio {}); \
          zswap = {} max_pool_percent {} over the disk file; \
-         tmem = tmem swap up --codec {} --pool-limit {} --fuse-uring {} --discard {} (prio {}). {} run(s) per cell.",
+         tmem = tmem swap up --codec {} --pool-limit {} --fuse-uring {} --fuse-threads {} --discard {} (prio {}). \
+         {} run(s) per cell.",
         a.swap_dir.display(),
         backend::DISK_PRIORITY,
         zram_device.unwrap_or("zramN"),
@@ -929,6 +936,7 @@ fn print_report(
         a.tmem_codec,
         a.tmem_pool_limit,
         a.tmem_fuse_uring,
+        backend::fuse_threads(a.tmem_fuse_threads),
         a.tmem_discard.as_str(),
         backend::RAM_PRIORITY,
         a.runs

@@ -57,7 +57,7 @@ mod shared;
 mod tiering;
 mod worker;
 pub use config::{Eviction, PoolConfig, PoolKind, StoreConfig};
-pub use dictionary::{DictTraining, TrainedDictionary};
+pub use dictionary::{DictTraining, TrainedDictionary, TRAINING_TRIES};
 pub use handover::{HandoverSummary, HANDOVER_VERSION};
 pub use outcome::{GetOutcome, PutOutcome, Reject, StoreError};
 use pool::PaddedShard;

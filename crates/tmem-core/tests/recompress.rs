@@ -150,7 +150,7 @@ fn dictionary_is_trained_before_recompression_starts() {
 }
 
 #[test]
-fn failed_dictionary_training_falls_back_to_the_plain_codec() {
+fn failed_dictionary_training_falls_back_to_the_plain_codec_then_trains_again() {
     let store = StoreConfig::default().build().unwrap();
     let pool = store.create_pool(PoolConfig::persistent());
     // Nothing to train on: a same-filled page holds no object.
@@ -161,15 +161,58 @@ fn failed_dictionary_training_falls_back_to_the_plain_codec() {
     rec.pass();
     let status = store.stats().recompression.unwrap();
     assert!(status.starts_with("zstd-3 (without a dictionary: training failed"), "{status}");
-    for i in 1..101 {
+    assert!(status.contains("try 1 of 3, next at 64 KiB"), "{status}");
+    // Too little for the next try yet (one span of at most 32 KiB): the
+    // page moves to the codec alone.
+    assert_eq!(pool.put(key(1), &page(1)).unwrap(), PutOutcome::Stored);
+    rec.pass();
+    rec.pass();
+    assert_eq!(codec_pages(&store, "zstd-3"), 1, "{:?}", store.stats().recompression);
+    // Once the pool holds 64 KiB, training is tried again; it works, and
+    // cold pages (those in zstd-3 too) move to the codec with the dictionary.
+    for i in 2..201 {
         assert_eq!(pool.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
     }
     rec.pass();
+    assert_eq!(store.stats().recompression.unwrap(), "zstd-3+dict");
     rec.pass();
-    assert_eq!(codec_pages(&store, "zstd-3"), 100);
-    for i in 1..101 {
+    assert_eq!(codec_pages(&store, "zstd-3+dict") + codec_pages(&store, "zstd-3"), 200);
+    assert!(codec_pages(&store, "zstd-3+dict") > 192 / 2, "{:?}", store.codec_usage());
+    for i in 1..201 {
         assert_eq!(read(&pool, i), Some(page(i)));
     }
+}
+
+#[test]
+fn recompression_stops_training_after_three_failed_tries() {
+    let policy = PolicyConfig { incompressible: tmem_core::Incompressible::StoreRaw, ..Default::default() };
+    let store = StoreConfig { policy, ..Default::default() }.build().unwrap();
+    let pool = store.create_pool(PoolConfig::persistent());
+    let mut cfg = RecompressConfig::parse("zstd:3+dict").unwrap();
+    cfg.dictionary = Some(DictTraining { after_bytes: 0, sample_pages: 256, dict_bytes: 16 << 10 });
+    let mut rec = store.recompression(cfg).unwrap();
+    // Random pages are stored raw: the pool grows, but gives no sample.
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(5);
+    let mut i = 0;
+    for _ in 0..12 {
+        for _ in 0..64 {
+            let mut p = [0u8; PAGE_SIZE];
+            rng.fill_bytes(&mut p);
+            assert_eq!(pool.put(key(i), &p).unwrap(), PutOutcome::Stored);
+            i += 1;
+        }
+        rec.pass();
+    }
+    let status = store.stats().recompression.unwrap();
+    assert!(status.starts_with("zstd-3 (without a dictionary") && status.ends_with("no more tries)"), "{status}");
+    // Compressible pages now still go to the codec alone.
+    for j in 0..64 {
+        assert_eq!(pool.put(key(i + j), &page(j)).unwrap(), PutOutcome::Stored);
+    }
+    rec.pass();
+    rec.pass();
+    assert_eq!(store.stats().recompression.unwrap(), status);
+    assert_eq!(codec_pages(&store, "zstd-3"), 64);
 }
 
 #[test]

@@ -6,7 +6,9 @@
 //! derives its JSON from the same field names), the list of definitions
 //! ([`Counters::DEFS`]), the values in the same order, and the sum of two
 //! snapshots. Tables (`tmem stat --counters`), `--json` and the Prometheus
-//! exposition all read those, so a new counter is one line.
+//! exposition all read those, so a new counter is one line. Every counter
+//! field is `#[serde(default)]`: the struct must derive a serde trait, and a
+//! snapshot from a program that predates a counter still deserializes.
 //!
 //! ```
 //! tmem_counters::counters! {
@@ -122,7 +124,10 @@ macro_rules! counters {
         $(#[$smeta])*
         $svis struct $name {
             $($( $(#[$emeta])* $evis $efield : $ety, )*)?
-            $( $(#[doc = $doc])+ pub $field : u64, )*
+            // A counter absent from the JSON reads as 0, so a newer client
+            // reads an older daemon's snapshot, which lacks the counters
+            // added since.
+            $( $(#[doc = $doc])+ #[serde(default)] pub $field : u64, )*
         }
 
         impl $crate::Counters for $name {
@@ -160,7 +165,7 @@ mod tests {
 
     crate::counters! {
         /// Test counters.
-        #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+        #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
         pub struct T {
             extra {
                 /// Name.
@@ -201,5 +206,13 @@ mod tests {
         for (d, v) in a.values() {
             assert_eq!(json[d.name], v, "{}", d.name);
         }
+    }
+
+    #[test]
+    fn a_snapshot_without_newer_counters_reads_them_as_zero() {
+        let old: T = serde_json::from_str(r#"{"name":"old","puts":5}"#).unwrap();
+        assert_eq!(old, T { name: "old".into(), puts: 5, held: 0, p99_us: 0 });
+        let err = serde_json::from_str::<T>(r#"{"puts":5}"#).unwrap_err();
+        assert!(err.to_string().contains("name"), "extra fields stay required: {err}");
     }
 }

@@ -110,6 +110,9 @@ pub struct BackendConfig {
     pub tmem_codec: String,
     /// tmem --fuse-uring.
     pub tmem_fuse_uring: usize,
+    /// tmem --fuse-threads, also the fuse-ram baseline's worker count
+    /// (0: the daemon's default, one per online CPU and at least 4).
+    pub tmem_fuse_threads: usize,
     /// tmem --discard (how freed swap slots reach the pool).
     pub tmem_discard: tmem_sys::swap::SwapDiscard,
     /// tmem --recompress and --recompress-after of the tmem+recomp row.
@@ -122,6 +125,16 @@ pub struct BackendConfig {
     pub disk_profile: DiskProfile,
     /// The network path to the tmem+remote rows' Redis nodes.
     pub net_profile: NetProfile,
+}
+
+/// The `/dev/fuse` worker threads the tmem rows and fuse-ram run with for
+/// `--tmem-fuse-threads n`: `n`, or the daemon's default when 0.
+#[must_use]
+pub fn fuse_threads(n: usize) -> usize {
+    match n {
+        0 => tmem_daemon::spec::default_fuse_threads(),
+        n => n,
+    }
 }
 
 impl BackendConfig {
@@ -144,6 +157,7 @@ impl BackendConfig {
             tmem_pool_limit: "50%".into(),
             tmem_codec: "lz4".into(),
             tmem_fuse_uring: 0,
+            tmem_fuse_threads: 0,
             tmem_discard: tmem_sys::swap::SwapDiscard::Once,
             tmem_recompress: (String::new(), 0.0),
             tmem_tier_pool_limit: "64M".into(),
@@ -554,6 +568,8 @@ pub struct Tmem {
     pool_limit: String,
     codec: String,
     fuse_uring: String,
+    /// `--fuse-threads`, or the daemon's default when 0.
+    fuse_threads: usize,
     discard: tmem_sys::swap::SwapDiscard,
     /// `--tier ...` arguments of `swap up`.
     tier_args: Vec<String>,
@@ -589,6 +605,7 @@ impl Tmem {
             pool_limit: c.tmem_pool_limit.clone(),
             codec: c.tmem_codec.clone(),
             fuse_uring: c.tmem_fuse_uring.to_string(),
+            fuse_threads: c.tmem_fuse_threads,
             discard: c.tmem_discard,
             tier_args: Vec::new(),
             extra_args: Vec::new(),
@@ -677,6 +694,10 @@ impl Tmem {
         let mut args = vec!["swap", "up", "--size", &size, "--pool-limit", &self.pool_limit, "--codec", &self.codec];
         args.extend(["--fuse-uring", &self.fuse_uring, "--discard", self.discard.as_str()]);
         args.extend(["--priority", &prio]);
+        let threads = self.fuse_threads.to_string();
+        if self.fuse_threads > 0 {
+            args.extend(["--fuse-threads", &threads]);
+        }
         args.extend(self.tier_args.iter().chain(&self.extra_args).map(String::as_str));
         let r = self.tmem(&args);
         // Whether or not `up` succeeded, learn what runs so that teardown can find it.
@@ -829,6 +850,8 @@ impl Drop for Tmem {
 pub struct FuseRam {
     dir: PathBuf,
     size: u64,
+    /// `/dev/fuse` worker threads.
+    threads: usize,
     active: Option<FuseRamSwap>,
 }
 
@@ -852,7 +875,7 @@ impl FuseRam {
         if dir.exists() {
             return Err(anyhow!("{} exists already; is another bench running?", dir.display()));
         }
-        Ok(Self { dir, size: c.swap_size, active: None })
+        Ok(Self { dir, size: c.swap_size, threads: fuse_threads(c.tmem_fuse_threads), active: None })
     }
 
     fn activate(&mut self) -> anyhow::Result<()> {
@@ -868,7 +891,7 @@ impl FuseRam {
         let mount = FuseMount::mount(FuseConfig {
             mountpoint: self.dir.clone(),
             exports: vec![Export { name: "swap0".into(), device: dev }],
-            threads: tmem_daemon::spec::default_fuse_threads(),
+            threads: self.threads,
             uring_per_queue: 0,
         })?;
         let file = mount.path_of("swap0");

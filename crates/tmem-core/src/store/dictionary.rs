@@ -11,14 +11,19 @@
 //! The price is compression speed: attaching a dictionary about halves lz4's
 //! throughput on a 4 KiB page.
 //!
-//! Training is done once, when the pool first holds
+//! Training is done once it works, when the pool first holds
 //! [`DictTraining::after_bytes`] of compressed data: a background thread
 //! decodes an even sample of the stored pages, trains a dictionary on them
 //! (zstd's trainer; lz4 uses its last 64 KiB as raw history), registers the
 //! codec with that dictionary and makes it current. Pages stored before keep
 //! their codec id, so nothing is recompressed and nothing needs migrating.
+//!
+//! Training fails when the sample is too small or too uniform for zstd's
+//! trainer (a pool of mostly same-filled pages, say). It is tried again once
+//! the pool's compressed bytes have doubled, [`TRAINING_TRIES`] times in all
+//! ([`next_training_bytes`]); background recompression retries the same way.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use tmem_lock::{Mutex, Rank};
@@ -55,22 +60,61 @@ pub struct TrainedDictionary {
     pub sample_pages: usize,
 }
 
+/// Tries of a training, the first included, before giving up.
+pub const TRAINING_TRIES: u32 = 3;
+
+/// Compressed bytes the pool must hold before training is tried again, after
+/// a try failed at `now` bytes with `last` the threshold of that try: twice
+/// the larger, and at least 64 KiB.
+#[must_use]
+pub(super) fn next_training_bytes(now: u64, last: u64) -> u64 {
+    now.max(last).saturating_mul(2).max(64 << 10)
+}
+
 const WAITING: u8 = 0;
 const TRAINING: u8 = 1;
 const FINISHED: u8 = 2;
 
-/// Automatic training: configured at build, runs at most once.
+/// Automatic training: configured at build, succeeds at most once, and is
+/// tried at most [`TRAINING_TRIES`] times.
 pub(super) struct AutoDictionary {
     base: CodecConfig,
     cfg: DictTraining,
     state: AtomicU8,
+    /// The pool's compressed bytes at which the next try starts.
+    next_bytes: AtomicU64,
+    /// Tries that failed.
+    failures: AtomicU32,
     /// What happened, for stats: "waiting", "training", the result or the error.
     status: Mutex<String>,
 }
 
 impl AutoDictionary {
     pub(super) fn new(base: CodecConfig, cfg: DictTraining) -> Self {
-        Self { base, cfg, state: AtomicU8::new(WAITING), status: Mutex::new(Rank::DictionaryStatus, "waiting".into()) }
+        Self {
+            next_bytes: AtomicU64::new(cfg.after_bytes),
+            base,
+            cfg,
+            state: AtomicU8::new(WAITING),
+            failures: AtomicU32::new(0),
+            status: Mutex::new(Rank::DictionaryStatus, "waiting".into()),
+        }
+    }
+
+    /// Records a failed try with `now` compressed bytes in the pool; returns
+    /// the status to show and the state to go to.
+    fn failed(&self, error: &StoreError, now: u64) -> (String, u8) {
+        let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if failures >= TRAINING_TRIES {
+            return (format!("failed: {error} (try {failures} of {TRAINING_TRIES}; no more)"), FINISHED);
+        }
+        let next = next_training_bytes(now, self.next_bytes.load(Ordering::Relaxed));
+        self.next_bytes.store(next, Ordering::Relaxed);
+        let status = format!(
+            "failed: {error} (try {failures} of {TRAINING_TRIES}; next at {} KiB in the pool)",
+            next.div_ceil(1024)
+        );
+        (status, WAITING)
     }
 
     fn set_status(&self, s: String) {
@@ -135,7 +179,9 @@ impl Shared {
     /// enough (cheap to call on every put).
     pub(super) fn maybe_train_dictionary(self: &Arc<Self>) {
         let Some(auto) = &self.auto_dictionary else { return };
-        if auto.state.load(Ordering::Relaxed) != WAITING || self.alloc.total_bytes() < auto.cfg.after_bytes {
+        if auto.state.load(Ordering::Relaxed) != WAITING
+            || self.alloc.total_bytes() < auto.next_bytes.load(Ordering::Relaxed)
+        {
             return;
         }
         if auto.state.compare_exchange(WAITING, TRAINING, Ordering::AcqRel, Ordering::Relaxed).is_err() {
@@ -145,12 +191,12 @@ impl Shared {
         let shared = Arc::clone(self);
         let spawned = std::thread::Builder::new().name("tmem-dictionary".into()).spawn(move || {
             let Some(auto) = &shared.auto_dictionary else { return };
-            let status = match shared.train_dictionary(&auto.base, &auto.cfg) {
-                Ok(t) => format!("trained: {} bytes from {} pages", t.bytes, t.sample_pages),
-                Err(e) => format!("failed: {e}"),
+            let (status, state) = match shared.train_dictionary(&auto.base, &auto.cfg) {
+                Ok(t) => (format!("trained: {} bytes from {} pages", t.bytes, t.sample_pages), FINISHED),
+                Err(e) => auto.failed(&e, shared.alloc.total_bytes()),
             };
             auto.set_status(status);
-            auto.state.store(FINISHED, Ordering::Release);
+            auto.state.store(state, Ordering::Release);
         });
         if let Err(e) = spawned {
             auto.set_status(format!("failed: cannot start the training thread: {e}"));
@@ -207,6 +253,34 @@ mod tests {
         Key::new(1, i)
     }
 
+    /// Random bytes: stored raw, so they take room but give no sample.
+    fn random_page(seed: u64) -> [u8; PAGE_SIZE] {
+        let mut p = [0u8; PAGE_SIZE];
+        Xoshiro256PlusPlus::seed_from_u64(seed).fill_bytes(&mut p);
+        p
+    }
+
+    /// A store that trains after 64 KiB and keeps incompressible pages raw.
+    fn store_training_early() -> Store {
+        let training = DictTraining { after_bytes: 64 << 10, sample_pages: 256, dict_bytes: 8192 };
+        let policy = crate::PolicyConfig { incompressible: crate::Incompressible::StoreRaw, ..Default::default() };
+        StoreConfig { dictionary: Some(training), policy, ..Default::default() }.build().unwrap()
+    }
+
+    /// Waits (30 s at most) until the training status is no longer "training"
+    /// and at least `failures` tries have failed or it trained; returns it.
+    fn settled_status(store: &Store, mut done: impl FnMut(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let status = store.stats().dictionary.unwrap();
+            if done(&status) {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "training did not settle in 30 s: {status}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     #[test]
     fn automatic_training_switches_codec_and_keeps_every_page() {
         let training = DictTraining { after_bytes: 256 << 10, sample_pages: 256, dict_bytes: 8192 };
@@ -236,6 +310,57 @@ mod tests {
             assert_eq!(pool.get(key(i), &mut out).unwrap(), crate::GetOutcome::Hit);
             assert_eq!(out, record_page(i), "page {i}");
         }
+    }
+
+    #[test]
+    fn failed_automatic_training_is_tried_again_once_the_pool_has_doubled() {
+        let store = store_training_early();
+        let pool = store.create_pool(PoolConfig::persistent());
+        for i in 0..32 {
+            assert_eq!(pool.put(key(i), &random_page(i)).unwrap(), crate::PutOutcome::Stored);
+        }
+        let status = settled_status(&store, |s| s.starts_with("failed"));
+        assert!(status.contains("try 1 of 3; next at"), "{status}");
+        assert_eq!(store.codec_name(), "lz4");
+        let mut i = 1000;
+        let status = settled_status(&store, |s| {
+            if !s.starts_with("trained") {
+                assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
+                i += 1;
+            }
+            s.starts_with("trained")
+        });
+        assert_eq!(store.codec_name(), "lz4+dict", "{status}");
+        let mut out = [0u8; PAGE_SIZE];
+        for j in (0..32).chain(1000..i) {
+            assert_eq!(pool.get(key(j), &mut out).unwrap(), crate::GetOutcome::Hit);
+            let want = if j < 32 { random_page(j) } else { record_page(j) };
+            assert_eq!(out, want, "page {j}");
+        }
+    }
+
+    #[test]
+    fn automatic_training_gives_up_after_three_failed_tries() {
+        let store = store_training_early();
+        let pool = store.create_pool(PoolConfig::persistent());
+        let mut i = 0;
+        let status = settled_status(&store, |s| {
+            if !s.contains("no more") {
+                assert_eq!(pool.put(key(i), &random_page(i)).unwrap(), crate::PutOutcome::Stored);
+                i += 1;
+            }
+            s.contains("no more")
+        });
+        assert!(status.starts_with("failed") && status.contains("try 3 of 3"), "{status}");
+        // Tries at 64 KiB, then at twice what the pool held at each failure:
+        // some 256 KiB of raw pages (64) in all.
+        assert!((48..512).contains(&i), "gave up after {i} pages");
+        for j in i..i + 512 {
+            assert_eq!(pool.put(key(j), &random_page(j)).unwrap(), crate::PutOutcome::Stored);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(store.stats().dictionary.unwrap(), status, "no fourth try");
+        assert_eq!(store.codec_name(), "lz4");
     }
 
     #[test]

@@ -79,6 +79,10 @@ struct Job {
     cfg: RecompressConfig,
     /// Codec id pages move to, once registered (after training, with `+dict`).
     target: Option<u8>,
+    /// With `+dict`, while the target is the codec alone because training
+    /// failed: the tries that failed and the pool's compressed bytes at
+    /// which to try again.
+    retrain: Option<(u32, u64)>,
     scratch: Scratch,
 }
 
@@ -133,6 +137,9 @@ impl Job {
     /// One pass over every pool. Registers the target codec first (training
     /// its dictionary once the pool is big enough, if asked to).
     fn pass(&mut self, stop: Option<&StopFlag>) {
+        if self.retrain.is_some_and(|(_, at)| self.shared.alloc.total_bytes() >= at) {
+            self.train_again();
+        }
         // RAW_CODEC marks a codec that could not be set up: nothing to do.
         let Some(to) = self.target.or_else(|| self.prepare()).filter(|&t| t != RAW_CODEC) else { return };
         let Ok(codec) = self.shared.codec(to).cloned() else { return };
@@ -162,8 +169,10 @@ impl Job {
             }
             Some(t) => match sh.sample_and_train(t) {
                 Ok((dict, _)) => sh.register_codec(&self.cfg.codec.with_dictionary(dict)),
-                // Too little to train on, say: the codec alone is still denser.
+                // Too little to train on, say: the codec alone is still
+                // denser, and training is tried again once the pool grows.
                 Err(e) => {
+                    self.retrain = Some((1, dictionary::next_training_bytes(sh.alloc.total_bytes(), t.after_bytes)));
                     untrained = Some(e);
                     sh.register_codec(&self.cfg.codec)
                 }
@@ -171,7 +180,7 @@ impl Job {
         };
         match registered.and_then(|id| Ok((id, sh.codec(id)?.name().to_owned()))) {
             Ok((id, name)) => {
-                let why = untrained.map(|e| format!(" (without a dictionary: training failed: {e})"));
+                let why = untrained.map(|e| self.untrained_because(&e));
                 sh.set_recompress_status(format!("{name}{}", why.unwrap_or_default()));
                 self.target = Some(id);
                 Some(id)
@@ -180,10 +189,55 @@ impl Job {
                 sh.set_recompress_status(format!("failed: {e}"));
                 // Do not retry every period: a failed codec stays failed.
                 self.target = Some(RAW_CODEC);
+                self.retrain = None;
                 None
             }
         }
         .filter(|&id| id != RAW_CODEC)
+    }
+
+    /// Why the target has no dictionary, for the status: the error, and
+    /// when training is tried again.
+    fn untrained_because(&self, e: &StoreError) -> String {
+        match self.retrain {
+            Some((failed, at)) => format!(
+                " (without a dictionary: training failed: {e}; try {failed} of {}, next at {} KiB in the pool)",
+                dictionary::TRAINING_TRIES,
+                at.div_ceil(1024)
+            ),
+            None => format!(" (without a dictionary: training failed: {e}; no more tries)"),
+        }
+    }
+
+    /// Tries training the dictionary again; on success, pages move to the
+    /// codec with it from now on (those in the codec alone included, when
+    /// that saves an eighth).
+    fn train_again(&mut self) {
+        let (Some((failed, at)), Some(t)) = (self.retrain, &self.cfg.dictionary) else { return };
+        let sh = &*self.shared;
+        let name = |id| sh.codec(id).map(|c| c.name().to_owned()).unwrap_or_default();
+        match sh.sample_and_train(t) {
+            Ok((dict, _)) => {
+                self.retrain = None;
+                match sh.register_codec(&self.cfg.codec.with_dictionary(dict)) {
+                    Ok(id) => {
+                        self.target = Some(id);
+                        sh.set_recompress_status(name(id));
+                    }
+                    Err(e) => sh.set_recompress_status(format!(
+                        "{} (without a dictionary: {e}; no more tries)",
+                        self.target.map(name).unwrap_or_default()
+                    )),
+                }
+            }
+            Err(e) => {
+                let failed = failed + 1;
+                self.retrain = (failed < dictionary::TRAINING_TRIES)
+                    .then(|| (failed, dictionary::next_training_bytes(sh.alloc.total_bytes(), at)));
+                let why = self.untrained_because(&e);
+                sh.set_recompress_status(format!("{}{why}", self.target.map(name).unwrap_or_default()));
+            }
+        }
     }
 }
 
@@ -356,6 +410,7 @@ impl Store {
             shared,
             cfg,
             target: None,
+            retrain: None,
             scratch: Scratch {
                 keys: Vec::new(),
                 picks: Vec::with_capacity(BATCH),
