@@ -2,7 +2,16 @@
 //! segments retried when a segment is freed under them, and reads of
 //! values still in memory.
 
+use std::cell::RefCell;
+
 use super::*;
+
+thread_local! {
+    /// Each reading thread's aligned buffer for `O_DIRECT` reads, grown to
+    /// the largest read it has made (a merged read at most): a get reads
+    /// into it and allocates nothing.
+    static READ_BUF: RefCell<Option<AlignedBuf>> = const { RefCell::new(None) };
+}
 
 impl DiskTier {
     /// Reads a value of a sealed segment from disk into `out`.
@@ -18,10 +27,8 @@ impl DiskTier {
             add(&self.counters.wire_in, u64::from(loc.len));
             return Ok(());
         }
-        let buf = self.pread_span(start, end)?;
         let skip = usize::try_from(at - start).expect("within a page");
-        out.extend_from_slice(&buf[skip..skip + len]);
-        Ok(())
+        self.pread_span(start, end, |buf| out.extend_from_slice(&buf[skip..skip + len]))
     }
 
     /// File offset of the value at `loc`, and the page-aligned range that covers it.
@@ -31,12 +38,26 @@ impl DiskTier {
         (at, at - at % page, (at + u64::from(loc.len)).div_ceil(page) * page)
     }
 
-    /// Reads the page-aligned range `[start, end)` of the file.
-    pub(crate) fn pread_span(&self, start: u64, end: u64) -> io::Result<AlignedBuf> {
-        let mut buf = AlignedBuf::zeroed(usize::try_from(end - start).expect("a merged read is small"));
-        self.file.read_exact_at(&mut buf, start)?;
-        add(&self.counters.wire_in, end - start);
-        Ok(buf)
+    /// Reads the page-aligned range `[start, end)` of the file into this
+    /// thread's read buffer and hands it to `f`.
+    pub(crate) fn pread_span<T>(&self, start: u64, end: u64, f: impl FnOnce(&[u8]) -> T) -> io::Result<T> {
+        let len = usize::try_from(end - start).expect("a merged read is small");
+        let read = |buf: &mut [u8]| {
+            let buf = &mut buf[..len];
+            self.file.read_exact_at(buf, start)?;
+            add(&self.counters.wire_in, end - start);
+            Ok(f(buf))
+        };
+        READ_BUF.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut slot) => {
+                if slot.as_ref().is_none_or(|b| b.len() < len) {
+                    *slot = Some(AlignedBuf::zeroed(len));
+                }
+                read(slot.as_mut().expect("set above"))
+            }
+            // Only a read made from inside another's `f`: a buffer of its own.
+            Err(_) => read(&mut AlignedBuf::zeroed(len)),
+        })
     }
 
     /// Batched gets: values of sealed segments that lie close together on
@@ -82,20 +103,20 @@ impl DiskTier {
                 end = end.max(e);
                 h += 1;
             }
-            match self.pread_span(start, end) {
-                Ok(buf) => {
-                    for &(i, loc, gen) in &on_disk[g..h] {
-                        if self.gens[us(loc.seg)].load(Ordering::SeqCst) != gen {
-                            add(&self.counters.read_retries, 1);
-                            retry.push(i);
-                            continue;
-                        }
-                        let (at, _, _) = self.value_span(loc);
-                        let skip = usize::try_from(at - start).expect("within the read");
-                        out[i] = Some(Ok(Some(buf[skip..skip + us(loc.len)].to_vec())));
+            let read = self.pread_span(start, end, |buf| {
+                for &(i, loc, gen) in &on_disk[g..h] {
+                    if self.gens[us(loc.seg)].load(Ordering::SeqCst) != gen {
+                        add(&self.counters.read_retries, 1);
+                        retry.push(i);
+                        continue;
                     }
-                    self.io_ok();
+                    let (at, _, _) = self.value_span(loc);
+                    let skip = usize::try_from(at - start).expect("within the read");
+                    out[i] = Some(Ok(Some(buf[skip..skip + us(loc.len)].to_vec())));
                 }
+            });
+            match read {
+                Ok(()) => self.io_ok(),
                 Err(e) => {
                     self.io_failed("read", &e);
                     for &(i, _, _) in &on_disk[g..h] {

@@ -14,6 +14,7 @@
 //! stops at `accept - 10%`; a put that finds the store full writes back
 //! synchronously before it would refuse.
 
+use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -25,6 +26,12 @@ use tmem_tier::{Tier, TierError, TierGet, TierKey, TierPut, TierStats};
 use super::{GetOutcome, Pool, PoolEvents, PutOutcome, Shared, StoreError, Work, RAW_CODEC};
 use crate::shard::{hash_key, Entry, F_INCOMPRESSIBLE, F_TIER, F_WB, MAX_TIERS};
 use crate::{Key, PAGE_SIZE};
+
+thread_local! {
+    /// Each thread's buffer for a tier's answer to a single get, so that a
+    /// get allocates nothing.
+    static TIER_VALUE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
 
 /// Pages taken from one shard per writeback visit.
 const WB_BATCH: usize = 64;
@@ -319,7 +326,11 @@ impl Pool {
             let tkeys: Vec<TierKey> = mine.iter().map(|it| self.tier_key(it.1)).collect();
             let values = tier.get_batch(&tkeys);
             for (&&(i, key, hash, e), value) in mine.iter().zip(values) {
-                let fetched = self.open_fetched(chain, tier.as_ref(), key, &e, value, &mut outs[i]);
+                let out = &mut outs[i];
+                let fetched = match value {
+                    Ok(mut v) => self.open_fetched(chain, tier.as_ref(), key, &e, Ok(v.as_mut()), out),
+                    Err(err) => self.open_fetched(chain, tier.as_ref(), key, &e, Err(err), out),
+                };
                 results[i] = Some(self.finish_tier_get(key, hash, e, fetched, &mut outs[i]));
             }
         }
@@ -384,10 +395,19 @@ impl Pool {
         out: &mut [u8; PAGE_SIZE],
     ) -> Result<(), StoreError> {
         let tier = chain.tiers.get(e.tier()).ok_or_else(|| no_tier(e))?;
-        let mut buf = Vec::with_capacity(PAGE_SIZE + 64);
-        let got = tier.get(self.tier_key(key), &mut buf);
-        let value = got.map(|g| matches!(g, TierGet::Hit).then_some(buf));
-        self.open_fetched(chain, tier.as_ref(), key, e, value, out)
+        TIER_VALUE.with(|cell| {
+            let mut own = Vec::new();
+            let mut slot = cell.try_borrow_mut();
+            // Only a get made from inside another's: a buffer of its own.
+            let buf = match &mut slot {
+                Ok(b) => &mut **b,
+                Err(_) => &mut own,
+            };
+            buf.clear();
+            let got = tier.get(self.tier_key(key), buf);
+            let value = got.map(|g| matches!(g, TierGet::Hit).then_some(&mut *buf));
+            self.open_fetched(chain, tier.as_ref(), key, e, value, out)
+        })
     }
 
     /// Opens what `tier` answered for `e`'s key (`None`: it has no value).
@@ -397,11 +417,11 @@ impl Pool {
         tier: &dyn Tier,
         key: Key,
         e: &Entry,
-        value: Result<Option<Vec<u8>>, TierError>,
+        value: Result<Option<&mut Vec<u8>>, TierError>,
         out: &mut [u8; PAGE_SIZE],
     ) -> Result<(), StoreError> {
         match value {
-            Ok(Some(mut buf)) => self.open_tier_value(chain, tier, key, e, &mut buf, out),
+            Ok(Some(buf)) => self.open_tier_value(chain, tier, key, e, buf, out),
             Ok(None) => {
                 Err(StoreError::Corrupt { pool: self.id, key, reason: format!("tier {} lost the page", tier.name()) })
             }
