@@ -179,7 +179,8 @@ impl Shared {
     /// enough (cheap to call on every put).
     pub(super) fn maybe_train_dictionary(self: &Arc<Self>) {
         let Some(auto) = &self.auto_dictionary else { return };
-        if auto.state.load(Ordering::Relaxed) != WAITING
+        // Acquire: a failed try stores its next threshold before `WAITING`.
+        if auto.state.load(Ordering::Acquire) != WAITING
             || self.alloc.total_bytes() < auto.next_bytes.load(Ordering::Relaxed)
         {
             return;
@@ -267,8 +268,8 @@ mod tests {
         StoreConfig { dictionary: Some(training), policy, ..Default::default() }.build().unwrap()
     }
 
-    /// Waits (30 s at most) until the training status is no longer "training"
-    /// and at least `failures` tries have failed or it trained; returns it.
+    /// Shows `done` the training status until it returns true (for 30 s at
+    /// most), and returns that status.
     fn settled_status(store: &Store, mut done: impl FnMut(&str) -> bool) -> String {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
