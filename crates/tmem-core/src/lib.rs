@@ -26,7 +26,7 @@ pub use stats::{CodecUsage, PoolStats, Stats};
 pub use store::{
     default_shards, DictTraining, Eviction, GetOutcome, HandoverSummary, Pool, PoolConfig, PoolKind, PutOutcome,
     RecompressConfig, Recompression, Recompressor, Reject, Store, StoreConfig, StoreError, TierChain,
-    TrainedDictionary, WritebackReport, WritebackWorker, HANDOVER_VERSION, RAW_CODEC, TRAINING_TRIES,
+    TrainedDictionary, WritebackReport, WritebackWorker, HANDOVER_VERSION, MAX_STRIDE, RAW_CODEC, TRAINING_TRIES,
 };
 
 /// Size of a page, the unit of every put and get.

@@ -48,6 +48,9 @@ pub(crate) struct ShardCounters {
     pub tier_gets: u64,
     /// Incompressible pages sent straight to a lower tier.
     pub incompressible_to_tier: u64,
+    /// Gets decoded by the codec background recompression moves pages to:
+    /// its back-off signal (not handed over, not shown).
+    pub recompressed_reads: u64,
     /// Compressed pages held in the pool, by codec id.
     pub codec_pages: [u64; MAX_CODECS],
     /// Bytes of those pages' objects, by codec id.

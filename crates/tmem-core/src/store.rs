@@ -62,7 +62,7 @@ pub use handover::{HandoverSummary, HANDOVER_VERSION};
 pub use outcome::{GetOutcome, PutOutcome, Reject, StoreError};
 use pool::PaddedShard;
 pub use pool::Pool;
-pub use recompress::{RecompressConfig, Recompression, Recompressor};
+pub use recompress::{RecompressConfig, Recompression, Recompressor, MAX_STRIDE};
 use shared::Shared;
 pub use tiering::{TierChain, WritebackReport, WritebackWorker};
 

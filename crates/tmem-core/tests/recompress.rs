@@ -12,7 +12,7 @@ use rand_xoshiro::rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use tmem_core::{
     DictTraining, GetOutcome, Key, PolicyConfig, Pool, PoolConfig, PutOutcome, RecompressConfig, Store, StoreConfig,
-    TierChain, PAGE_SIZE,
+    TierChain, MAX_STRIDE, PAGE_SIZE,
 };
 use tmem_tier::seal::Sealer;
 use tmem_tier::MemTier;
@@ -107,6 +107,46 @@ fn cold_pages_move_to_the_denser_codec_and_hot_pages_stay() {
     assert_eq!(pool.put(key(5), &page(5000)).unwrap(), PutOutcome::Stored);
     assert_eq!(codec_pages(&store, "lz4"), 1);
     assert_eq!(read(&pool, 5), Some(page(5000)));
+}
+
+#[test]
+fn recompression_backs_off_while_its_pages_are_read_back() {
+    let store = StoreConfig::default().build().unwrap();
+    let pool = store.create_pool(PoolConfig::persistent());
+    for i in 0..1000 {
+        assert_eq!(pool.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    let mut rec = store.recompression(zstd3()).unwrap();
+    rec.tick(); // marks every page seen
+    rec.tick(); // recompresses them: nothing read back, no back-off
+    assert_eq!(codec_pages(&store, "zstd-3"), 1000);
+    assert_eq!(rec.stride(), 1);
+    // A hot job reads every page back every period: passes spread out.
+    let mut strides = Vec::new();
+    for _ in 0..40 {
+        for i in 0..1000 {
+            assert_eq!(read(&pool, i), Some(page(i)));
+        }
+        rec.tick();
+        strides.push(rec.stride());
+    }
+    assert_eq!(strides.last(), Some(&MAX_STRIDE), "{strides:?}");
+    assert!(strides.windows(2).all(|w| w[1] >= w[0]), "{strides:?}");
+    let status = store.stats().recompression.unwrap();
+    assert!(status.starts_with("zstd-3; backing off, a pass every 32 periods"), "{status}");
+    // Cold pages again: they are recompressed, and passes come closer.
+    for i in 1000..3000 {
+        assert_eq!(pool.put(key(i), &page(i)).unwrap(), PutOutcome::Stored);
+    }
+    for _ in 0..200 {
+        rec.tick();
+    }
+    assert!(rec.stride() < MAX_STRIDE, "stride {}", rec.stride());
+    assert_eq!(codec_pages(&store, "lz4"), 0);
+    assert_eq!(codec_pages(&store, "zstd-3"), 3000);
+    for i in 0..3000 {
+        assert_eq!(read(&pool, i), Some(page(i)), "page {i}");
+    }
 }
 
 #[test]

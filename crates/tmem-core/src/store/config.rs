@@ -138,6 +138,8 @@ impl StoreConfig {
                 .dictionary
                 .map(|t| dictionary::AutoDictionary::new(self.codec.clone().unwrap_or(CodecConfig::LZ4), t)),
             recompress_status: Mutex::new(Rank::RecompressStatus, None),
+            recompress_target: AtomicU8::new(shared::NO_RECOMPRESSION),
+            recompress_stride: std::sync::atomic::AtomicU32::new(1),
         });
         let shards = if self.shards == 0 { default_shards() } else { self.shards.next_power_of_two() };
         let store = Store { shared, shards };

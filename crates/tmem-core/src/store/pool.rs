@@ -305,6 +305,7 @@ impl Pool {
                 return LocalGet::Done(Err(StoreError::Corrupt { pool: self.id, key, reason }));
             }
             s.c.decompressions += u64::from(!e.has(F_INCOMPRESSIBLE));
+            s.c.recompressed_reads += u64::from(e.codec() == self.shared.recompress_target.load(Ordering::Relaxed));
         } else {
             fill_page(out, e.loc);
         }

@@ -16,6 +16,17 @@
 //! same-filled, stored raw, under writeback, already in the target codec,
 //! or tried before (`F_KEEP`) are skipped.
 //!
+//! # Backing off
+//! A page recompressed and then read back was recompressed for nothing, and
+//! its get pays the dense codec's decode. Gets count the pages they decode
+//! from the target codec (per shard, under the lock they already hold); the
+//! thread reads that count as it visits the shards. After each pass, when
+//! the recompressed pages read back since the last pass outnumber half the
+//! pages it recompressed, the next pass comes twice as many periods later
+//! (at most [`MAX_STRIDE`]); under an eighth, half as many ([`next_stride`]).
+//! On a job that reads its whole heap back every few seconds, recompression
+//! then does little and costs little; on cold pages it runs every period.
+//!
 //! # Racing puts, gets, compaction and writeback
 //! A picked object's bytes are copied under the shard lock; decoding,
 //! recompression and the new object's allocation happen outside it. Under
@@ -36,6 +47,26 @@ use crate::codec::{CodecChoice, CompressBuf};
 
 /// Pages re-encoded per shard lock hold.
 const BATCH: usize = 64;
+
+/// Most periods between two passes while backing off.
+pub const MAX_STRIDE: u32 = 32;
+
+/// Periods until the pass after this one, from `stride` now and, since the
+/// last pass, `done` pages recompressed and `reads` recompressed pages read
+/// back: twice as many when `reads` is over half of `done`, half as many
+/// when it is under an eighth. Fewer than 64 of both together say nothing.
+#[must_use]
+pub(super) fn next_stride(stride: u32, done: u64, reads: u64) -> u32 {
+    if done + reads < 64 {
+        stride
+    } else if reads * 2 > done {
+        (stride * 2).min(MAX_STRIDE)
+    } else if reads * 8 < done {
+        (stride / 2).max(1)
+    } else {
+        stride
+    }
+}
 
 /// Background recompression settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,6 +114,10 @@ struct Job {
     /// failed: the tries that failed and the pool's compressed bytes at
     /// which to try again.
     retrain: Option<(u32, u64)>,
+    /// Periods so far (the spawned thread's ticks).
+    ticks: u64,
+    /// Pool-wide recompressed pages and reads of them at the last pass.
+    seen: (u64, u64),
     scratch: Scratch,
 }
 
@@ -96,6 +131,9 @@ struct Scratch {
     free: Vec<Loc>,
     page: Box<[u8; PAGE_SIZE]>,
     out: Box<CompressBuf>,
+    /// Reads of recompressed pages, summed over the shards visited so far
+    /// in this pass.
+    reads: u64,
 }
 
 /// One page being recompressed.
@@ -136,22 +174,42 @@ fn smaller_enough(new: usize, old: usize) -> bool {
 impl Job {
     /// One pass over every pool. Registers the target codec first (training
     /// its dictionary once the pool is big enough, if asked to).
-    fn pass(&mut self, stop: Option<&StopFlag>) {
+    /// Returns whether it visited every shard.
+    fn pass(&mut self, stop: Option<&StopFlag>) -> bool {
         if self.retrain.is_some_and(|(_, at)| self.shared.alloc.total_bytes() >= at) {
             self.train_again();
         }
         // RAW_CODEC marks a codec that could not be set up: nothing to do.
-        let Some(to) = self.target.or_else(|| self.prepare()).filter(|&t| t != RAW_CODEC) else { return };
-        let Ok(codec) = self.shared.codec(to).cloned() else { return };
+        let Some(to) = self.target.or_else(|| self.prepare()).filter(|&t| t != RAW_CODEC) else { return false };
+        let Ok(codec) = self.shared.codec(to).cloned() else { return false };
+        self.shared.recompress_target.store(to, Ordering::Relaxed);
+        self.scratch.reads = 0;
         for pool in self.shared.pools_snapshot() {
             for i in 0..pool.shards.len() {
                 if stop.is_some_and(StopFlag::is_set) {
-                    return;
+                    return false;
                 }
                 pool.recompress_shard(i, to, &*codec, &mut self.scratch);
             }
         }
         self.shared.maybe_compact();
+        true
+    }
+
+    /// What the spawned thread does every period: a pass, unless it is
+    /// backing off (see the module notes), then the next stride.
+    fn tick(&mut self, stop: Option<&StopFlag>) {
+        self.ticks += 1;
+        let stride = self.shared.recompress_stride.load(Ordering::Relaxed);
+        if !self.ticks.is_multiple_of(u64::from(stride)) || !self.pass(stop) {
+            return;
+        }
+        let done: u64 =
+            self.shared.pools_snapshot().iter().map(|p| p.events.recompressed_pages.load(Ordering::Relaxed)).sum();
+        let now = (done, self.scratch.reads);
+        let (d, r) = (now.0.saturating_sub(self.seen.0), now.1.saturating_sub(self.seen.1));
+        self.seen = now;
+        self.shared.recompress_stride.store(next_stride(stride, d, r), Ordering::Relaxed);
     }
 
     fn prepare(&mut self) -> Option<u8> {
@@ -248,6 +306,7 @@ impl Pool {
         keys.clear();
         {
             let mut s = self.shards[i].0.lock();
+            sc.reads += s.c.recompressed_reads;
             let handles: Vec<u32> = s.entries.live_handles().collect();
             for h in handles {
                 let e = s.entries.get_mut(h);
@@ -366,7 +425,11 @@ impl Shared {
     }
 
     pub(super) fn recompress_status(&self) -> Option<String> {
-        self.recompress_status.lock().clone()
+        let status = self.recompress_status.lock().clone()?;
+        Some(match self.recompress_stride.load(Ordering::Relaxed) {
+            1 => status,
+            n => format!("{status}; backing off, a pass every {n} periods: recompressed pages were read back"),
+        })
     }
 }
 
@@ -391,11 +454,24 @@ impl Recompression {
         self.0.pass(None);
     }
 
-    /// Runs a pass every `after` on a thread at the configured priority.
+    /// What the spawned thread does every `after`: a pass, or nothing while
+    /// it backs off because recompressed pages are read back (see the module
+    /// notes).
+    pub fn tick(&mut self) {
+        self.0.tick(None);
+    }
+
+    /// Periods between passes now: 1, or up to [`MAX_STRIDE`] while backing off.
+    #[must_use]
+    pub fn stride(&self) -> u32 {
+        self.0.shared.recompress_stride.load(Ordering::Relaxed)
+    }
+
+    /// Ticks every `after` on a thread at the configured priority.
     pub fn spawn(self) -> Recompressor {
         let (after, nice) = (self.0.cfg.after, self.0.cfg.nice);
         let mut job = self.0;
-        Worker::start("tmem-recompress", after, nice, move |stop| job.pass(Some(stop)))
+        Worker::start("tmem-recompress", after, nice, move |stop| job.tick(Some(stop)))
     }
 }
 
@@ -411,6 +487,8 @@ impl Store {
             cfg,
             target: None,
             retrain: None,
+            ticks: 0,
+            seen: (0, 0),
             scratch: Scratch {
                 keys: Vec::new(),
                 picks: Vec::with_capacity(BATCH),
@@ -418,6 +496,7 @@ impl Store {
                 free: Vec::with_capacity(BATCH),
                 page: Box::new([0; PAGE_SIZE]),
                 out: Box::new([0; COMPRESS_BUF_SIZE]),
+                reads: 0,
             },
         }))
     }

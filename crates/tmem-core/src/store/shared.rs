@@ -1,6 +1,8 @@
 //! What every pool of a store shares: policy, allocator, codecs, the pool
 //! table, and the admission path (limit, making room, compaction).
 
+use std::sync::atomic::AtomicU32;
+
 use super::*;
 
 pub(super) struct Shared {
@@ -32,7 +34,16 @@ pub(super) struct Shared {
     pub(super) auto_dictionary: Option<dictionary::AutoDictionary>,
     /// Background recompression's codec and state, once set up.
     pub(super) recompress_status: Mutex<Option<String>>,
+    /// The codec id recompression moves pages to ([`NO_RECOMPRESSION`]
+    /// while none): gets of its pages are counted.
+    pub(super) recompress_target: AtomicU8,
+    /// Recompression runs a pass every this many periods (1, or more while
+    /// backing off).
+    pub(super) recompress_stride: AtomicU32,
 }
+
+/// [`Shared::recompress_target`] when no recompression runs.
+pub(super) const NO_RECOMPRESSION: u8 = u8::MAX;
 
 impl Shared {
     pub(super) fn register_codec(&self, cfg: &CodecConfig) -> Result<u8, StoreError> {
