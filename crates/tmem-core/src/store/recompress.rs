@@ -428,7 +428,8 @@ impl Shared {
         let status = self.recompress_status.lock().clone()?;
         Some(match self.recompress_stride.load(Ordering::Relaxed) {
             1 => status,
-            n => format!("{status}; backing off, a pass every {n} periods: recompressed pages were read back"),
+            // No ": " in it: `tmem stat` prints "recompression STATUS: N pages ...".
+            n => format!("{status}; backing off, a pass every {n} periods (recompressed pages were read back)"),
         })
     }
 }
