@@ -282,6 +282,26 @@ mod tests {
         }
     }
 
+    /// Puts `page(i)` at keys `from, from + 1, ...` until `done` holds for
+    /// the training status; returns that status and the first key not put.
+    fn put_until(
+        store: &Store,
+        pool: &Pool,
+        from: u64,
+        page: fn(u64) -> [u8; PAGE_SIZE],
+        done: impl Fn(&str) -> bool,
+    ) -> (String, u64) {
+        let mut i = from;
+        let status = settled_status(store, |s| {
+            if !done(s) {
+                assert_eq!(pool.put(key(i), &page(i)).unwrap(), crate::PutOutcome::Stored);
+                i += 1;
+            }
+            done(s)
+        });
+        (status, i)
+    }
+
     #[test]
     fn automatic_training_switches_codec_and_keeps_every_page() {
         let training = DictTraining { after_bytes: 256 << 10, sample_pages: 256, dict_bytes: 8192 };
@@ -323,14 +343,7 @@ mod tests {
         let status = settled_status(&store, |s| s.starts_with("failed"));
         assert!(status.contains("try 1 of 3; next at"), "{status}");
         assert_eq!(store.codec_name(), "lz4");
-        let mut i = 1000;
-        let status = settled_status(&store, |s| {
-            if !s.starts_with("trained") {
-                assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
-                i += 1;
-            }
-            s.starts_with("trained")
-        });
+        let (status, i) = put_until(&store, &pool, 1000, record_page, |s| s.starts_with("trained"));
         assert_eq!(store.codec_name(), "lz4+dict", "{status}");
         let mut out = [0u8; PAGE_SIZE];
         for j in (0..32).chain(1000..i) {
@@ -344,14 +357,7 @@ mod tests {
     fn automatic_training_gives_up_after_three_failed_tries() {
         let store = store_training_early();
         let pool = store.create_pool(PoolConfig::persistent());
-        let mut i = 0;
-        let status = settled_status(&store, |s| {
-            if !s.contains("no more") {
-                assert_eq!(pool.put(key(i), &random_page(i)).unwrap(), crate::PutOutcome::Stored);
-                i += 1;
-            }
-            s.contains("no more")
-        });
+        let (status, i) = put_until(&store, &pool, 0, random_page, |s| s.contains("no more"));
         assert!(status.starts_with("failed") && status.contains("try 3 of 3"), "{status}");
         // Tries at 64 KiB, then at twice what the pool held at each failure:
         // some 256 KiB of raw pages (64) in all.
