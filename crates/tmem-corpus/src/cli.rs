@@ -62,6 +62,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// Captures according to `args`, writes the corpus file, and prints a
 /// one-line summary to stdout.
 pub fn run_capture(args: &CaptureArgs) -> Result<(), CorpusError> {
+    check_max_bytes(args.max_bytes, args.spawn.is_some(), mem_total()?)?;
     let corpus = match (args.pid, args.spawn) {
         (Some(pid), None) => capture_pid(pid, args.max_bytes)?,
         (None, Some(kind)) => spawn_and_capture(kind, args.max_bytes)?,
@@ -84,10 +85,49 @@ pub fn run_capture(args: &CaptureArgs) -> Result<(), CorpusError> {
     Ok(())
 }
 
+/// `--max-bytes` against this machine's RAM: the capture is held in memory
+/// (half of RAM at most), and a spawned program first builds 1.25 times as
+/// much (a quarter of RAM at most then).
+fn check_max_bytes(max_bytes: u64, spawn: bool, total_ram: u64) -> Result<(), CorpusError> {
+    let (limit, why) = match spawn {
+        true => (total_ram / 4, "a quarter of RAM: the spawned program builds 1.25 times as much first"),
+        false => (total_ram / 2, "half of RAM: the capture is held in memory"),
+    };
+    if max_bytes > limit {
+        return Err(CorpusError::InvalidArgument(format!(
+            "--max-bytes {max_bytes} is above the limit of {limit}: {why}"
+        )));
+    }
+    Ok(())
+}
+
+/// `MemTotal` of /proc/meminfo, bytes.
+fn mem_total() -> Result<u64, CorpusError> {
+    let path = PathBuf::from("/proc/meminfo");
+    let text = std::fs::read_to_string(&path).map_err(|source| CorpusError::Io { path: path.clone(), source })?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|kb| kb.trim().parse::<u64>().ok())
+        .map(|kb| kb.saturating_mul(1024))
+        .ok_or_else(|| CorpusError::Io { path, source: std::io::Error::other("no MemTotal line in kB") })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn max_bytes_is_bounded_by_ram() {
+        let ram = 8 << 30;
+        check_max_bytes(4 << 30, false, ram).unwrap();
+        check_max_bytes(2 << 30, true, ram).unwrap();
+        let e = check_max_bytes(99999 << 40, false, ram).unwrap_err().to_string();
+        assert!(e.contains("--max-bytes 109950063265972224") && e.contains("limit of 4294967296"), "{e}");
+        assert!(check_max_bytes(3 << 30, true, ram).unwrap_err().to_string().contains("spawned"));
+        assert!(mem_total().unwrap() > 1 << 20);
+    }
 
     #[derive(Debug, Parser)]
     struct Cli {

@@ -49,6 +49,12 @@ pub enum CorpusError {
          but the input is {actual} bytes"
     )]
     LengthMismatch { page_count: u64, expected: u64, actual: u64 },
+    /// A zstd stream that records no size claims more than a stream of its size can hold.
+    #[error(
+        "header says {page_count} pages, i.e. {claimed} bytes in total, more than the {bound} bytes \
+         that a zstd stream of this file's size can hold"
+    )]
+    ClaimExceedsStream { page_count: u64, claimed: u64, bound: u64 },
     /// Bytes follow the page data inside a zstd frame.
     #[error("{extra} unexpected bytes after the page data")]
     TrailingData { extra: usize },

@@ -11,6 +11,7 @@
 
 use std::fs;
 use std::io::{self, Read};
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 
 mod capture;
@@ -37,6 +38,13 @@ pub const FORMAT_VERSION: u32 = 1;
 
 /// The zstd frame magic number (`0xFD2FB528` little-endian on disk).
 pub const ZSTD_MAGIC: [u8; 4] = [0x28, 0xB5, 0x2F, 0xFD];
+
+/// Most bytes one byte of zstd stream can decode to: an RLE block (a 3-byte
+/// header and the byte) repeats one byte up to 128 KiB.
+pub const ZSTD_MAX_RATIO: u64 = (128 << 10) / 4;
+
+/// Bytes after the page data that a reader looks at to report trailing data.
+const TRAILING_LOOK: u64 = 1 << 20;
 
 /// zstd level used by [`Corpus::to_bytes`] / [`Corpus::write`] when
 /// compressing: a good ratio at tens of MB/s (level 19 takes ~1 s per MB).
@@ -172,15 +180,22 @@ impl Corpus {
     /// format wrapped in a zstd frame. Every header field is validated; bad
     /// input yields an error, never a panic.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, CorpusError> {
-        if bytes.starts_with(&ZSTD_MAGIC) {
-            // A frame that records its content size bounds the header's claims
-            // before anything is read; otherwise data is taken as it streams.
-            let content_size = zstd::zstd_safe::get_frame_content_size(bytes).ok().flatten();
-            let decoder = zstd::stream::read::Decoder::new(bytes).map_err(CorpusError::Zstd)?;
-            parse(decoder, content_size)
-        } else {
-            parse(bytes, Some(u64::try_from(bytes.len()).expect("usize fits in u64")))
+        let decoder = || zstd::stream::read::Decoder::new(bytes).map_err(CorpusError::Zstd);
+        let file_len = u64::try_from(bytes.len()).expect("usize fits in u64");
+        if !bytes.starts_with(&ZSTD_MAGIC) {
+            return parse(bytes, file_len);
         }
+        // A frame that records its content size bounds the header's claims
+        // before anything is read. A stream that does not is measured
+        // first, keeping nothing, up to a bound set by the header's claim
+        // and the file's size; pages are read only if it holds exactly
+        // what the header claims (finding: an 11 KB stream was refused
+        // only after 320 MiB, at 335 MB of RSS).
+        let size = match zstd::zstd_safe::get_frame_content_size(bytes).ok().flatten() {
+            Some(size) => size,
+            None => measure(decoder()?, file_len.saturating_mul(ZSTD_MAX_RATIO))?,
+        };
+        parse(decoder()?, size)
     }
 
     /// Serializes the corpus; when `compress` is set the image is wrapped in a
@@ -215,9 +230,24 @@ impl Corpus {
         out
     }
 
-    /// Reads a corpus file (plain or zstd-compressed).
+    /// Reads a corpus file (plain or zstd-compressed): a regular file,
+    /// opened `O_NONBLOCK` so that a FIFO is refused instead of blocking,
+    /// and read up to its size.
     pub fn read(path: &Path) -> Result<Self, CorpusError> {
-        let bytes = fs::read(path).map_err(|source| CorpusError::Io { path: path.to_path_buf(), source })?;
+        let io_err = |source| CorpusError::Io { path: path.to_path_buf(), source };
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(io_err)?;
+        let meta = file.metadata().map_err(io_err)?;
+        if !meta.is_file() {
+            return Err(io_err(io::Error::other("not a regular file")));
+        }
+        let len = usize::try_from(meta.len()).map_err(|_| io_err(io::Error::other("larger than memory")))?;
+        let mut bytes = Vec::new();
+        bytes.try_reserve_exact(len).map_err(|e| io_err(io::Error::other(e)))?;
+        file.take(meta.len()).read_to_end(&mut bytes).map_err(io_err)?;
         Corpus::from_bytes(&bytes).map_err(|e| CorpusError::InFile { path: path.to_path_buf(), source: Box::new(e) })
     }
 
@@ -347,18 +377,54 @@ fn le_u64(b: &[u8]) -> u64 {
     u64::from_le_bytes(b.try_into().expect("8 bytes"))
 }
 
-/// Parses the plain format from `r`. `total_len` is the exact plain length if
-/// known (plain files, and zstd frames that record their content size), which
-/// lets length mismatches be reported before any large allocation. Otherwise
-/// the page data is read in chunks of at most [`READ_CHUNK`] bytes, each
-/// reserved exactly, so a forged page count never makes us hold more than
-/// what the stream has given so far plus one chunk.
 /// Page data is read (and memory reserved for it) this much at a time.
 pub const READ_CHUNK: usize = 16 << 20;
 
-fn parse<R: Read>(mut r: R, total_len: Option<u64>) -> Result<Corpus, CorpusError> {
+/// The fixed header's checked fields.
+struct Header {
+    page_count: u64,
+    meta_len: u32,
+}
+
+impl Header {
+    /// Bytes of the whole image: header, metadata and pages.
+    fn total_len(&self) -> Result<u64, CorpusError> {
+        u64::try_from(HEADER_LEN)
+            .ok()
+            .and_then(|h| h.checked_add(u64::from(self.meta_len)))
+            .and_then(|h| h.checked_add(self.page_count.checked_mul(4096)?))
+            .ok_or(CorpusError::PageCountOverflow { page_count: self.page_count })
+    }
+}
+
+/// Measures a stream that records no size, keeping none of it: checks the
+/// header's claim against `bound` (what the compressed file can hold),
+/// then counts the stream up to the claim and [`TRAILING_LOOK`] bytes more.
+/// Returns the image's length, which is the claim.
+fn measure<R: Read>(mut r: R, bound: u64) -> Result<u64, CorpusError> {
+    let header = read_header(&mut r)?;
+    let claimed = header.total_len()?;
+    if claimed > bound {
+        return Err(CorpusError::ClaimExceedsStream { page_count: header.page_count, claimed, bound });
+    }
+    let rest = claimed - u64::try_from(HEADER_LEN).expect("28 fits");
+    let counted =
+        io::copy(&mut r.take(rest.saturating_add(TRAILING_LOOK)), &mut io::sink()).map_err(CorpusError::Zstd)?;
+    let total = counted + u64::try_from(HEADER_LEN).expect("28 fits");
+    if counted > rest {
+        let extra = usize::try_from(counted - rest).expect("at most TRAILING_LOOK");
+        return Err(CorpusError::TrailingData { extra });
+    }
+    if total != claimed {
+        return Err(CorpusError::LengthMismatch { page_count: header.page_count, expected: claimed, actual: total });
+    }
+    Ok(total)
+}
+
+/// Reads and checks the fixed header.
+fn read_header<R: Read>(r: &mut R) -> Result<Header, CorpusError> {
     let mut header = [0u8; HEADER_LEN];
-    read_exact_or_truncated(&mut r, &mut header, "header")?;
+    read_exact_or_truncated(r, &mut header, "header")?;
     let magic: [u8; 8] = header[0..8].try_into().expect("8 bytes");
     if magic != MAGIC {
         return Err(CorpusError::BadMagic { found: magic });
@@ -376,19 +442,24 @@ fn parse<R: Read>(mut r: R, total_len: Option<u64>) -> Result<Corpus, CorpusErro
     if meta_len > MAX_META_LEN {
         return Err(CorpusError::MetaTooLarge { len: meta_len });
     }
+    Ok(Header { page_count, meta_len })
+}
+
+/// Parses the plain format from `r`, whose exact length is `total_len` (a
+/// plain file's size, the size a zstd frame records, or what [`measure`]
+/// counted), so a length mismatch is reported before any large allocation.
+/// Page data is read in chunks of at most [`READ_CHUNK`] bytes, each
+/// reserved exactly.
+fn parse<R: Read>(mut r: R, total_len: u64) -> Result<Corpus, CorpusError> {
+    let header = read_header(&mut r)?;
+    let (page_count, meta_len) = (header.page_count, header.meta_len);
     let data_len = page_count
         .checked_mul(4096)
         .and_then(|d| usize::try_from(d).ok())
         .ok_or(CorpusError::PageCountOverflow { page_count })?;
-    if let Some(total) = total_len {
-        let expected = u64::try_from(HEADER_LEN)
-            .ok()
-            .and_then(|h| h.checked_add(u64::from(meta_len)))
-            .and_then(|h| h.checked_add(page_count.checked_mul(4096)?))
-            .ok_or(CorpusError::PageCountOverflow { page_count })?;
-        if total != expected {
-            return Err(CorpusError::LengthMismatch { page_count, expected, actual: total });
-        }
+    let expected = header.total_len()?;
+    if total_len != expected {
+        return Err(CorpusError::LengthMismatch { page_count, expected, actual: total_len });
     }
 
     let mut meta_json = vec![0u8; usize::try_from(meta_len).expect("u32 fits in usize")];
@@ -413,7 +484,7 @@ fn parse<R: Read>(mut r: R, total_len: Option<u64>) -> Result<Corpus, CorpusErro
         return Err(CorpusError::Truncated { what: "page data", expected: data_len, got });
     }
     let mut extra = Vec::new();
-    let extra_len = r.take(1 << 20).read_to_end(&mut extra).map_err(CorpusError::Zstd)?;
+    let extra_len = r.take(TRAILING_LOOK).read_to_end(&mut extra).map_err(CorpusError::Zstd)?;
     if extra_len != 0 {
         return Err(CorpusError::TrailingData { extra: extra_len });
     }

@@ -6,12 +6,13 @@
 //! Requests are bounded ([`MAX_REQUEST`] bytes) and parsed by one function,
 //! [`parse_request`], which the fuzz target `ctl_request` drives. Clients
 //! set read and write timeouts, and the daemon serves each client on its own
-//! thread with timeouts of its own, so one silent client delays nobody.
+//! thread with a deadline for its whole request, so one silent or slow client
+//! delays nobody.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Default runtime directory of the daemon.
 pub const RUNTIME_DIR: &str = "/run/tmem";
@@ -39,6 +40,9 @@ pub enum CtlError {
     /// The request line has no newline within the bound.
     #[error("request line missing or longer than {MAX_REQUEST} bytes")]
     TooLong,
+    /// The whole request did not arrive within its time.
+    #[error("the request did not arrive whole within {} s", .0.as_secs_f64())]
+    Slow(Duration),
     /// The request is not valid UTF-8 JSON of a known command.
     #[error("bad request: {0}")]
     BadRequest(String),
@@ -163,11 +167,37 @@ pub fn parse_request(line: &[u8]) -> Result<Request, CtlError> {
 }
 
 /// Reads one request line from a client: at most [`MAX_REQUEST`] bytes,
-/// within the stream's read timeout.
-pub fn read_request(stream: &UnixStream) -> Result<Request, CtlError> {
+/// all of it within `within`. The time is a total, not a timeout per read:
+/// a client that sends a byte at a time is cut off at the same deadline
+/// (finding: 16 such clients kept every control command "busy").
+pub fn read_request(stream: &UnixStream, within: Duration) -> Result<Request, CtlError> {
+    let deadline = Instant::now() + within;
     let mut line = Vec::new();
-    let mut reader = BufReader::new(std::io::Read::take(stream, MAX_REQUEST as u64));
-    reader.read_until(b'\n', &mut line)?;
+    let mut buf = [0u8; 4096];
+    while line.len() < MAX_REQUEST {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(CtlError::Slow(within));
+        }
+        stream.set_read_timeout(Some(left))?;
+        let want = (MAX_REQUEST - line.len()).min(buf.len());
+        let n = match std::io::Read::read(&mut &*stream, &mut buf[..want]) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(CtlError::Slow(within));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if n == 0 {
+            break;
+        }
+        if let Some(end) = buf[..n].iter().position(|&b| b == b'\n') {
+            line.extend_from_slice(&buf[..=end]);
+            break;
+        }
+        line.extend_from_slice(&buf[..n]);
+    }
     parse_request(&line)
 }
 
@@ -236,17 +266,39 @@ mod tests {
 
     #[test]
     fn read_request_bounds_the_line() {
+        let within = Duration::from_secs(5);
         let (a, mut b) = UnixStream::pair().unwrap();
         b.write_all(b"{\"cmd\":\"stat\"}\n").unwrap();
-        assert_eq!(read_request(&a).unwrap(), Request::Stat);
+        assert_eq!(read_request(&a, within).unwrap(), Request::Stat);
         let (a, mut b) = UnixStream::pair().unwrap();
         std::thread::spawn(move || {
             let _ = b.write_all(&vec![b'x'; MAX_REQUEST + 10]);
         });
-        assert!(matches!(read_request(&a), Err(CtlError::TooLong)));
-        // A silent client ends at the read timeout instead of holding the reader.
+        assert!(matches!(read_request(&a, within), Err(CtlError::TooLong)));
+        // A silent client ends at the deadline instead of holding the reader.
         let (a, _b) = UnixStream::pair().unwrap();
-        a.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-        assert!(matches!(read_request(&a), Err(CtlError::Io(_))));
+        assert!(matches!(read_request(&a, Duration::from_millis(50)), Err(CtlError::Slow(_))));
+    }
+
+    /// Finding: the 5 s timeout was per read, so a client that sent a byte
+    /// every 4 s held its reader forever.
+    #[test]
+    fn a_dripping_client_is_cut_off_at_the_deadline() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let drip = std::thread::spawn(move || {
+            for byte in b"{\"cmd\":\"stat\"}\n" {
+                if b.write_all(&[*byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(40));
+            }
+        });
+        let t = Instant::now();
+        let e = read_request(&a, Duration::from_millis(200)).unwrap_err();
+        assert!(matches!(e, CtlError::Slow(_)), "{e}");
+        assert!(t.elapsed() < Duration::from_millis(400), "{:?}", t.elapsed());
+        assert_eq!(e.to_string(), "the request did not arrive whole within 0.2 s");
+        drop(a);
+        drip.join().unwrap();
     }
 }

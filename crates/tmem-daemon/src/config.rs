@@ -17,6 +17,7 @@
 //! runtime-dir = "/run/tmem"
 //! wait = 60
 //! metrics = "127.0.0.1:9848"  # Prometheus /metrics (off when absent)
+//! allow-remote-metrics = false # permit a non-loopback metrics address
 //!
 //! [tiers]
 //! tier = ["remote=redis://10.0.0.2:6379,redis://10.0.0.3:6379", "disk=/var/lib/tmem"]
@@ -30,12 +31,14 @@
 //! Flags given on the command line override the file. A bad file gets one
 //! error naming the file, the line and column, and the key; nothing starts.
 
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use toml::Spanned;
 
-use crate::spec::PoolLimit;
+use crate::limits::{self, LimitError, Machine};
+use crate::spec::{check_swap_size, PoolLimit, MIN_DEVICE_SIZE};
 use crate::tiers::{parse_tier, TierSpec};
 
 /// Where `tmem swap up` looks for its configuration when `--config` is not given.
@@ -66,6 +69,9 @@ pub enum ConfigError {
         /// What is wrong, naming the key.
         message: String,
     },
+    /// What this machine holds cannot be read.
+    #[error(transparent)]
+    Machine(#[from] LimitError),
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -94,6 +100,7 @@ struct RawSwap {
     runtime_dir: Option<Spanned<PathBuf>>,
     wait: Option<Spanned<u64>>,
     metrics: Option<Spanned<String>>,
+    allow_remote_metrics: Option<Spanned<bool>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -140,6 +147,8 @@ pub struct Config {
     pub wait: Option<u64>,
     /// `swap.metrics`: where to serve Prometheus metrics.
     pub metrics: Option<std::net::SocketAddr>,
+    /// `swap.allow-remote-metrics`: permit a non-loopback `swap.metrics`.
+    pub allow_remote_metrics: Option<bool>,
     /// `tiers.tier`.
     pub tiers: Option<Vec<TierSpec>>,
     /// `tiers.replicas`.
@@ -156,12 +165,22 @@ pub struct Config {
 
 impl Config {
     /// Reads `path` (a regular file of at most 1 MiB) and checks every value.
+    /// It is opened `O_NONBLOCK` and checked on the opened descriptor, so a
+    /// FIFO or a device is refused at once instead of blocking the open.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let read = |source| ConfigError::Read { path: path.to_owned(), source };
-        let file = std::fs::File::open(path).map_err(read)?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(read)?;
         let meta = file.metadata().map_err(read)?;
         if !meta.is_file() || meta.len() > MAX_CONFIG_BYTES {
-            return Err(read(std::io::Error::other("not a regular file of at most 1 MiB")));
+            let what = describe(meta.file_type());
+            return Err(read(std::io::Error::other(format!(
+                "{what} of {} bytes: not a regular file of at most 1 MiB ({MAX_CONFIG_BYTES} bytes)",
+                meta.len()
+            ))));
         }
         let mut text = String::new();
         std::io::Read::read_to_string(&mut std::io::Read::take(file, MAX_CONFIG_BYTES), &mut text).map_err(read)?;
@@ -177,8 +196,14 @@ impl Config {
         }
     }
 
-    /// Parses and checks configuration text (`path` names it in errors).
+    /// Parses and checks configuration text (`path` names it in errors)
+    /// against what this machine holds.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        Self::parse_on(text, path, &Machine::this()?)
+    }
+
+    /// Parses and checks configuration text against what `machine` holds.
+    pub fn parse_on(text: &str, path: &Path, machine: &Machine) -> Result<Self, ConfigError> {
         let at = |span: Option<std::ops::Range<usize>>, message: String| {
             let (line, column) = line_column(text, span.map_or(0, |s| s.start));
             ConfigError::Invalid { path: path.to_owned(), line, column, message }
@@ -198,34 +223,35 @@ impl Config {
                 }
             };
         }
-        let count = |n: u64| usize::try_from(n).map_err(|_| "too large".to_owned());
+        // Every count and size is checked by `limits` before anything is built from it.
+        let detail = |e: LimitError| e.detail();
         let s = raw.swap;
         let t = raw.tiers;
         Ok(Self {
             path: Some(path.to_owned()),
             devices: checked!(s.devices, "swap.devices", |n: u64| match n {
                 0 => Err("need at least one device".to_owned()),
-                n => count(n),
+                n => limits::devices("", n, true).map_err(detail),
             }),
-            size: checked!(s.size, "swap.size", |v: String| tmem_corpus::parse_size(&v)),
+            size: checked!(s.size, "swap.size", |v: String| {
+                let size = tmem_corpus::parse_size(&v)?;
+                limits::range("", size, MIN_DEVICE_SIZE..=u64::MAX, "the smallest device is 1 MiB").map_err(detail)?;
+                limits::device_sizes(&[size], machine.total_ram).map_err(detail)?;
+                check_swap_size([size].into_iter(), machine.total_ram).map_err(|e| e.to_string())?;
+                Ok::<_, String>(size)
+            }),
             pool_limit: checked!(s.pool_limit, "swap.pool-limit", |v: String| v
                 .parse::<PoolLimit>()
-                .map_err(|e| e.to_string())),
+                .map_err(|e| e.to_string())
+                .and_then(|l| limits::pool_limit("", l, machine.total_ram).map_err(detail))),
             codec: checked!(s.codec, "swap.codec", |v: String| tmem_core::codec::CodecChoice::parse(&v)
                 .map(|_| v)
                 .map_err(|e| e.to_string())),
-            priority: checked!(s.priority, "swap.priority", |p: i64| match i32::try_from(p) {
-                Ok(p @ -1..=32767) => Ok(p),
-                _ => Err(format!("{p} is outside -1..32767 (swapon's range)")),
-            }),
-            fuse_threads: checked!(s.fuse_threads, "swap.fuse-threads", |n: u64| match n {
-                1..=256 => count(n),
-                _ => Err(format!("{n} is outside 1..256")),
-            }),
-            fuse_uring: checked!(s.fuse_uring, "swap.fuse-uring", |n: u64| match n {
-                0..=64 => count(n),
-                _ => Err(format!("{n} is outside 0..64")),
-            }),
+            priority: checked!(s.priority, "swap.priority", |p: i64| limits::priority("", p).map_err(detail)),
+            fuse_threads: checked!(s.fuse_threads, "swap.fuse-threads", |n: u64| limits::fuse_threads("", n, machine)
+                .map_err(detail)),
+            fuse_uring: checked!(s.fuse_uring, "swap.fuse-uring", |n: u64| limits::fuse_uring("", n, machine)
+                .map_err(detail)),
             discard: checked!(s.discard, "swap.discard", |v: String| v.parse::<tmem_sys::swap::SwapDiscard>()),
             recycle_idle_swap: checked!(s.recycle_idle_swap, "swap.recycle-idle-swap", Ok::<bool, String>),
             recompress: checked!(s.recompress, "swap.recompress", |v: String| {
@@ -238,24 +264,37 @@ impl Config {
             } else {
                 Err("must be an absolute path".to_owned())
             }),
-            wait: checked!(s.wait, "swap.wait", |n: u64| if n == 0 {
-                Err("must be at least 1 second".to_owned())
-            } else {
-                Ok(n)
-            }),
+            wait: checked!(s.wait, "swap.wait", |n: u64| limits::wait("", n).map_err(detail)),
             metrics: checked!(s.metrics, "swap.metrics", |v: String| v
                 .parse::<std::net::SocketAddr>()
                 .map_err(|e| format!("{v:?} is not an IP address and port: {e}"))),
+            allow_remote_metrics: checked!(s.allow_remote_metrics, "swap.allow-remote-metrics", |b: bool| Ok::<
+                _,
+                String,
+            >(
+                b
+            )),
             tiers: checked!(t.tier, "tiers.tier", |v: Vec<String>| v.iter().map(|s| parse_tier(s)).collect()),
-            replicas: checked!(t.replicas, "tiers.replicas", |n: u64| match n {
-                1..=8 => count(n),
-                _ => Err(format!("{n} is outside 1..8")),
-            }),
+            replicas: checked!(t.replicas, "tiers.replicas", |n: u64| limits::replicas("", n).map_err(detail)),
             key_file: checked!(t.key_file, "tiers.key-file", |p: PathBuf| Ok::<_, String>(p)),
             cluster_id: checked!(t.cluster_id, "tiers.cluster-id", |v: String| Ok::<_, String>(v)),
             host_id: checked!(t.host_id, "tiers.host-id", |v: String| Ok::<_, String>(v)),
             disk_capacity: checked!(t.disk_capacity, "tiers.disk-capacity", |v: String| tmem_corpus::parse_size(&v)),
         })
+    }
+}
+
+/// What kind of file `t` is, in words.
+fn describe(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt as _;
+    match () {
+        () if t.is_file() => "a regular file",
+        () if t.is_dir() => "a directory",
+        () if t.is_fifo() => "a FIFO",
+        () if t.is_socket() => "a socket",
+        () if t.is_char_device() => "a character device",
+        () if t.is_block_device() => "a block device",
+        () => "a special file",
     }
 }
 
@@ -328,7 +367,7 @@ disk-capacity = "16G"
             ("[swap]\nsise = \"8G\"\n", "/etc/tmem/tmem.toml:2:1: unknown field `sise`"),
             ("[swap]\ncodec = \"gzip\"\n", "/etc/tmem/tmem.toml:2:9: swap.codec:"),
             ("[swap]\ndevices = 0\n", "/etc/tmem/tmem.toml:2:11: swap.devices: need at least one device"),
-            ("[swap]\npriority = 99999\n", "swap.priority: 99999 is outside"),
+            ("[swap]\npriority = 99999\n", "swap.priority: 99999 is above the limit of 32767"),
             ("[swap]\nsize = 8\n", "/etc/tmem/tmem.toml:2:8: invalid type: integer `8`, expected a string"),
             ("[tiers]\ntier = [\"ssd=/x\"]\n", "/etc/tmem/tmem.toml:2:8: tiers.tier:"),
             ("[swap\n", "/etc/tmem/tmem.toml:1:"),
@@ -350,6 +389,46 @@ disk-capacity = "16G"
             assert!(e.contains(want), "{text:?}: {e}");
             assert_eq!(e.lines().count(), 1, "one line: {e}");
         }
+    }
+
+    /// Finding: `devices = 9223372036854775807` panicked ("capacity overflow").
+    #[test]
+    fn counts_and_sizes_are_bounded_by_the_machine() {
+        let m = Machine { total_ram: 1 << 30, cpus: 2 };
+        let parse = |text: &str| Config::parse_on(text, Path::new("t.toml"), &m).map_err(|e| e.to_string());
+        for (text, want) in [
+            (
+                "[swap]\ndevices = 9223372036854775807\n",
+                "t.toml:2:11: swap.devices: 9223372036854775807 is above the limit of 32",
+            ),
+            ("[swap]\ndevices = 4294967296\n", "swap.devices: 4294967296 is above the limit of 32"),
+            ("[swap]\nfuse-threads = 100000\n", "swap.fuse-threads: 100000 is above the limit of 64"),
+            ("[swap]\nfuse-uring = 33\n", "swap.fuse-uring: 33 is above the limit of 32"),
+            ("[swap]\nwait = 9223372036854775807\n", "swap.wait: 9223372036854775807 is above the limit of 86400"),
+            ("[swap]\npool-limit = \"2G\"\n", "swap.pool-limit: 2.0 GiB is above the limit of 1.0 GiB"),
+            ("[swap]\nsize = \"1T\"\n", "swap.size: 1.0 TiB in all is above the limit of 25.6 GiB"),
+            ("[swap]\nsize = \"4K\"\n", "swap.size: 4096 is below the minimum of 1048576"),
+            ("[tiers]\nreplicas = 100\n", "tiers.replicas: 100 is above the limit of 8"),
+        ] {
+            let e = parse(text).unwrap_err();
+            assert!(e.contains(want), "{text:?}: {e}");
+            assert_eq!(e.lines().count(), 1, "one line: {e}");
+        }
+        let c = parse("[swap]\ndevices = 32\nfuse-threads = 64\nsize = \"16G\"\npool-limit = \"1G\"\n").unwrap();
+        assert_eq!((c.devices, c.fuse_threads), (Some(32), Some(64)));
+    }
+
+    /// Finding: `--config` on a FIFO blocked forever in `open()`.
+    #[test]
+    fn a_fifo_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.toml");
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, rustix::fs::Mode::from(0o600), 0)
+            .unwrap();
+        let t = std::time::Instant::now();
+        let e = Config::load(&fifo).unwrap_err().to_string();
+        assert!(e.contains("fifo.toml: a FIFO of 0 bytes: not a regular file"), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(1));
     }
 
     #[test]

@@ -1,22 +1,31 @@
 //! The control socket's server.
 //!
-//! Each client gets a thread of its own, with read and write timeouts, and
-//! at most [`MAX_CLIENTS`] are served at once; one more is answered "busy"
-//! at once. So a client that connects and says nothing costs one thread for
-//! [`CLIENT_TIMEOUT`] and delays nobody (finding: one silent client used to
-//! block every control command). Only the daemon's own user may talk to it:
-//! the socket is 0600 in a 0700 directory, and the peer's uid is checked.
+//! Each client gets a thread of its own, and at most [`MAX_CLIENTS`] are
+//! served at once. A client must send its whole request within
+//! [`CLIENT_TIMEOUT`], and read its whole answer within as long again: a
+//! total, not a timeout per read, so a client that sends a byte every few
+//! seconds is cut off too (finding: 16 such clients kept `stat`, `set` and
+//! `swap down` answering "busy" indefinitely). When every slot is taken, a
+//! new client takes the slot of the oldest one that is not being handled
+//! (still sending its request, or reading its answer), which is cut off;
+//! only when all [`MAX_CLIENTS`] requests are being handled is it answered
+//! "busy" at once. So slow or silent clients never keep the daemon's owner
+//! out: a client that sends its request at once is read long before
+//! [`MAX_CLIENTS`] newer ones could make it the oldest. Only the daemon's
+//! own user may talk to it: the socket is 0600 in a 0700 directory, and the
+//! peer's uid is checked.
 
+use std::net::Shutdown;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tmem_ctl::{Request, Response};
+use tmem_lock::{Mutex, Rank};
 
 /// Clients served at once.
 pub const MAX_CLIENTS: usize = 16;
-/// How long a client may take to send its request or read its answer.
+/// How long a client may take to send its whole request, and to read its whole answer.
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What answers requests.
@@ -29,49 +38,128 @@ pub trait Handler: Send + Sync {
 
 /// Serves `listener` on a thread of its own, for the life of the process.
 pub fn spawn(listener: UnixListener, handler: Arc<dyn Handler>) -> std::io::Result<()> {
-    std::thread::Builder::new().name("tmem-ctl".into()).spawn(move || serve(&listener, &handler)).map(drop)
+    spawn_with(listener, handler, CLIENT_TIMEOUT)
 }
 
-fn serve(listener: &UnixListener, handler: &Arc<dyn Handler>) {
-    let active = Arc::new(AtomicUsize::new(0));
+/// [`spawn`] with another time per request (tests).
+fn spawn_with(listener: UnixListener, handler: Arc<dyn Handler>, timeout: Duration) -> std::io::Result<()> {
+    let clients = Arc::new(Clients { timeout, slots: Mutex::new(Rank::ControlClients, Slots::default()) });
+    std::thread::Builder::new().name("tmem-ctl".into()).spawn(move || serve(&listener, &handler, &clients)).map(drop)
+}
+
+/// One client being served.
+#[derive(Debug)]
+struct Slot {
+    id: u64,
+    /// When it connected, or its answer started: the oldest is cut off first.
+    since: Instant,
+    /// Another handle on its socket, to cut it off.
+    stream: UnixStream,
+    /// Its request is being handled: it is not cut off then.
+    handling: bool,
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    next_id: u64,
+    taken: Vec<Slot>,
+}
+
+/// The clients being served, and the time each has per request and per answer.
+#[derive(Debug)]
+struct Clients {
+    timeout: Duration,
+    slots: Mutex<Slots>,
+}
+
+impl Clients {
+    /// A slot for `stream`, taken from the oldest client not being handled
+    /// when all are taken; `None` when all are being handled.
+    fn admit(&self, stream: UnixStream) -> Option<u64> {
+        let mut g = self.slots.lock();
+        if g.taken.len() >= MAX_CLIENTS {
+            let oldest =
+                g.taken.iter().enumerate().filter(|(_, s)| !s.handling).min_by_key(|(_, s)| s.since).map(|(i, _)| i)?;
+            let cut = g.taken.swap_remove(oldest);
+            // Its thread's read or write fails at once, and it ends.
+            let _ = cut.stream.shutdown(Shutdown::Both);
+        }
+        g.next_id += 1;
+        let id = g.next_id;
+        g.taken.push(Slot { id, since: Instant::now(), stream, handling: false });
+        Some(id)
+    }
+
+    /// Marks client `id` as being handled or not; false if it was cut off.
+    fn set_handling(&self, id: u64, handling: bool) -> bool {
+        let mut g = self.slots.lock();
+        let Some(slot) = g.taken.iter_mut().find(|s| s.id == id) else { return false };
+        slot.handling = handling;
+        slot.since = Instant::now();
+        true
+    }
+
+    fn leave(&self, id: u64) {
+        self.slots.lock().taken.retain(|s| s.id != id);
+    }
+}
+
+fn serve(listener: &UnixListener, handler: &Arc<dyn Handler>, clients: &Arc<Clients>) {
     for conn in listener.incoming() {
         let Ok(stream) = conn else { continue };
-        if stream.set_read_timeout(Some(CLIENT_TIMEOUT)).and(stream.set_write_timeout(Some(CLIENT_TIMEOUT))).is_err() {
-            continue;
-        }
         if !peer_is_owner(&stream) {
-            reply(&stream, &Response::err("permission denied: not the daemon's owner"));
+            reply(&stream, &Response::err("permission denied: not the daemon's owner"), clients.timeout);
             continue;
         }
-        if active.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
-            active.fetch_sub(1, Ordering::AcqRel);
-            reply(&stream, &Response::err(format!("busy: {MAX_CLIENTS} control clients are being served; try again")));
+        let Ok(handle) = stream.try_clone() else { continue };
+        let Some(id) = clients.admit(handle) else {
+            let busy = format!("busy: {MAX_CLIENTS} control requests are being handled; try again");
+            reply(&stream, &Response::err(busy), clients.timeout);
             continue;
-        }
-        let (h, a) = (Arc::clone(handler), Arc::clone(&active));
+        };
+        let (h, c) = (Arc::clone(handler), Arc::clone(clients));
         let spawned = std::thread::Builder::new().name("tmem-ctl-client".into()).spawn(move || {
-            serve_client(&stream, h.as_ref());
-            a.fetch_sub(1, Ordering::AcqRel);
+            serve_client(&stream, h.as_ref(), &c, id);
+            c.leave(id);
         });
         if spawned.is_err() {
-            active.fetch_sub(1, Ordering::AcqRel);
+            clients.leave(id);
         }
     }
 }
 
-fn serve_client(stream: &UnixStream, handler: &dyn Handler) {
-    match tmem_ctl::read_request(stream) {
+fn serve_client(stream: &UnixStream, handler: &dyn Handler, clients: &Clients, id: u64) {
+    match tmem_ctl::read_request(stream, clients.timeout) {
         Ok(req) => {
+            if !clients.set_handling(id, true) {
+                return;
+            }
             let resp = handler.handle(req.clone());
-            reply(stream, &resp);
+            clients.set_handling(id, false);
+            reply(stream, &resp, clients.timeout);
             handler.answered(&req);
         }
-        Err(e) => reply(stream, &Response::err(e)),
+        Err(e) => reply(stream, &Response::err(e), clients.timeout),
     }
 }
 
-fn reply(stream: &UnixStream, resp: &Response) {
-    let _ = std::io::Write::write_all(&mut &*stream, resp.to_line().as_bytes());
+/// Writes `resp`, all of it within `within` (a total, as for requests).
+fn reply(stream: &UnixStream, resp: &Response, within: Duration) {
+    let deadline = Instant::now() + within;
+    let line = resp.to_line();
+    let mut rest = line.as_bytes();
+    while !rest.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || stream.set_write_timeout(Some(left)).is_err() {
+            return;
+        }
+        match std::io::Write::write(&mut &*stream, rest) {
+            Ok(0) => return,
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
 }
 
 /// Only the daemon's own user (root) may control it.
@@ -82,27 +170,57 @@ pub(crate) fn peer_is_owner(s: &UnixStream) -> bool {
 #[cfg(test)]
 mod tests {
     use std::io::Write;
-    use std::sync::atomic::AtomicU64;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::time::Instant;
 
     use super::*;
 
-    struct Counter(AtomicU64);
+    /// Counts requests; while `hold` is set, each request waits until it is cleared.
+    struct Counter {
+        entered: AtomicU64,
+        served: AtomicU64,
+        hold: AtomicBool,
+    }
 
     impl Handler for Counter {
         fn handle(&self, req: Request) -> Response {
-            self.0.fetch_add(1, Ordering::Relaxed);
+            self.entered.fetch_add(1, Ordering::AcqRel);
+            while self.hold.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            self.served.fetch_add(1, Ordering::Relaxed);
             Response::ok(serde_json::json!(format!("{req:?}")))
         }
         fn answered(&self, _: &Request) {}
     }
 
-    fn server() -> (tempfile::TempDir, Arc<Counter>) {
+    fn server_with(timeout: Duration) -> (tempfile::TempDir, Arc<Counter>) {
         let dir = tempfile::tempdir().unwrap();
         let listener = UnixListener::bind(dir.path().join(tmem_ctl::SOCKET)).unwrap();
-        let h = Arc::new(Counter(AtomicU64::new(0)));
-        spawn(listener, Arc::clone(&h) as Arc<dyn Handler>).unwrap();
+        let h =
+            Arc::new(Counter { entered: AtomicU64::new(0), served: AtomicU64::new(0), hold: AtomicBool::new(false) });
+        spawn_with(listener, Arc::clone(&h) as Arc<dyn Handler>, timeout).unwrap();
         (dir, h)
+    }
+
+    fn server() -> (tempfile::TempDir, Arc<Counter>) {
+        server_with(CLIENT_TIMEOUT)
+    }
+
+    /// A client that sends one byte of a request every `every` until dropped.
+    fn drip(dir: &std::path::Path, every: Duration) -> (Arc<AtomicBool>, std::thread::JoinHandle<()>) {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut s = UnixStream::connect(dir.join(tmem_ctl::SOCKET)).unwrap();
+        let st = Arc::clone(&stop);
+        let t = std::thread::spawn(move || {
+            for byte in b"{\"cmd\":\"stat\"".iter().cycle() {
+                if st.load(Ordering::Acquire) || s.write_all(&[*byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(every);
+            }
+        });
+        (stop, t)
     }
 
     /// Finding: one silent client blocked every control command.
@@ -116,27 +234,105 @@ mod tests {
             tmem_ctl::call_ok(dir.path(), &Request::Stat, Duration::from_secs(2)).unwrap();
         }
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
-        assert_eq!(h.0.load(Ordering::Relaxed), 5);
+        assert_eq!(h.served.load(Ordering::Relaxed), 5);
         drop(silent);
     }
 
+    /// Finding: 16 clients that each sent a byte every 4 s (under the 5 s
+    /// timeout per read) kept every request "busy" indefinitely.
     #[test]
-    fn too_many_clients_are_told_busy_at_once() {
-        let (dir, _h) = server();
-        let silent: Vec<UnixStream> =
-            (0..MAX_CLIENTS).map(|_| UnixStream::connect(dir.path().join(tmem_ctl::SOCKET)).unwrap()).collect();
+    fn dripping_clients_cannot_keep_the_owner_out() {
+        let (dir, h) = server_with(Duration::from_millis(500));
+        let drips: Vec<_> = (0..MAX_CLIENTS).map(|_| drip(dir.path(), Duration::from_millis(100))).collect();
         std::thread::sleep(Duration::from_millis(200));
+        // A fresh client takes the oldest dripping client's slot at once.
+        let t = Instant::now();
+        for _ in 0..3 {
+            tmem_ctl::call_ok(dir.path(), &Request::Stat, Duration::from_secs(2)).unwrap();
+        }
+        assert!(t.elapsed() < Duration::from_millis(500), "{:?}", t.elapsed());
+        assert_eq!(h.served.load(Ordering::Relaxed), 3);
+        // Past the deadline every dripping client has been cut off, whatever it sends.
+        std::thread::sleep(Duration::from_millis(800));
+        for (stop, t) in drips {
+            assert!(t.is_finished(), "a dripping client still holds its slot after the deadline");
+            stop.store(true, Ordering::Release);
+            t.join().unwrap();
+        }
+    }
+
+    /// Clients that connect again whenever they find they were cut off
+    /// take slots from each other, not from a fresh client.
+    #[test]
+    fn reconnecting_clients_do_not_keep_the_owner_out() {
+        let (dir, h) = server_with(Duration::from_millis(500));
+        let stop = Arc::new(AtomicBool::new(false));
+        let drips: Vec<_> = (0..MAX_CLIENTS)
+            .map(|_| {
+                let (sock, stop) = (dir.path().join(tmem_ctl::SOCKET), Arc::clone(&stop));
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Acquire) {
+                        let Ok(mut s) = UnixStream::connect(&sock) else { return };
+                        while !stop.load(Ordering::Acquire) && s.write_all(b"{").is_ok() {
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
+                    }
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        for i in 0..10 {
+            let t = Instant::now();
+            let r = tmem_ctl::call_ok(dir.path(), &Request::Stat, Duration::from_secs(2));
+            assert!(r.is_ok() && t.elapsed() < Duration::from_millis(500), "call {i}: {r:?} after {:?}", t.elapsed());
+            std::thread::sleep(Duration::from_millis(70));
+        }
+        assert_eq!(h.served.load(Ordering::Relaxed), 10);
+        stop.store(true, Ordering::Release);
+        for t in drips {
+            t.join().unwrap();
+        }
+    }
+
+    /// A client cut off for slowness is told why when it is still listening.
+    #[test]
+    fn a_slow_request_is_refused_at_the_deadline() {
+        let (dir, h) = server_with(Duration::from_millis(300));
+        let mut s = UnixStream::connect(dir.path().join(tmem_ctl::SOCKET)).unwrap();
+        s.write_all(b"{\"cmd\":").unwrap();
+        let t = Instant::now();
+        let mut answer = String::new();
+        std::io::Read::read_to_string(&mut s, &mut answer).unwrap();
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        assert!(answer.contains("did not arrive whole within 0.3 s"), "{answer}");
+        assert_eq!(h.served.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn too_many_requests_being_handled_are_told_busy_at_once() {
+        let (dir, h) = server();
+        h.hold.store(true, Ordering::Release);
+        let held: Vec<_> = (0..MAX_CLIENTS)
+            .map(|_| {
+                let dir = dir.path().to_owned();
+                std::thread::spawn(move || tmem_ctl::call_ok(&dir, &Request::Stat, Duration::from_secs(10)))
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while h.entered.load(Ordering::Acquire) < MAX_CLIENTS as u64 {
+            assert!(Instant::now() < deadline, "the requests were not all taken");
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let t = Instant::now();
         let e = tmem_ctl::call_ok(dir.path(), &Request::Stat, Duration::from_secs(2)).unwrap_err();
         assert!(e.to_string().contains("busy"), "{e}");
-        assert!(t.elapsed() < Duration::from_secs(1));
-        drop(silent);
-        // Once they are gone, requests are served again.
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while tmem_ctl::call_ok(dir.path(), &Request::Stat, Duration::from_secs(2)).is_err() {
-            assert!(Instant::now() < deadline, "still busy after the clients left");
-            std::thread::sleep(Duration::from_millis(20));
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        h.hold.store(false, Ordering::Release);
+        for t in held {
+            t.join().unwrap().unwrap();
         }
+        // Once they are answered, requests are served again.
+        tmem_ctl::call_ok(dir.path(), &Request::Stat, Duration::from_secs(2)).unwrap();
     }
 
     #[test]
@@ -156,6 +352,6 @@ mod tests {
         let n = std::io::Read::read(&mut s, &mut answer).unwrap();
         let answer = String::from_utf8_lossy(&answer[..n]);
         assert!(answer.contains("longer than"), "{answer}");
-        assert_eq!(h.0.load(Ordering::Relaxed), 0);
+        assert_eq!(h.served.load(Ordering::Relaxed), 0);
     }
 }

@@ -281,7 +281,10 @@ pub(crate) fn serve(daemon: &Arc<Daemon>, rx: &mpsc::Receiver<Event>) {
             }
         }
     }
+    // What a later `swap up` does not need goes; the lock, the log and the
+    // mount point stay (README, "What stays in the runtime directory").
     let _ = daemon.dir.remove(tmem_ctl::SOCKET);
+    let _ = daemon.dir.remove(crate::handover::SOCKET);
     let _ = daemon.dir.remove(STATE_FILE);
     log("stopped");
 }
@@ -407,7 +410,7 @@ impl Daemon {
     fn start_metrics(&self, addr: std::net::SocketAddr) -> Result<(), DaemonError> {
         let (devices, caches) = (self.devices.clone(), self.caches.clone());
         let source: crate::metrics::Source = Arc::new(move || stats_of(&devices, &caches));
-        let server = crate::metrics::MetricsServer::start(&addr.to_string(), source)?;
+        let server = crate::metrics::MetricsServer::start(addr, self.spec.metrics_allow_remote, source)?;
         self.step(format!("Prometheus metrics at http://{}/metrics", server.addr()));
         self.lock().metrics = Some(server);
         Ok(())
@@ -504,6 +507,11 @@ impl Daemon {
         let exports = self.exports().into_iter().map(|(name, dev)| tmem_nbd::Export::new(&name, dev)).collect();
         let mut cfg = tmem_nbd::NbdConfig::new(exports, listen);
         cfg.allow_remote = self.spec.nbd_allow_remote;
+        let secs = |s: u64| (s > 0).then(|| std::time::Duration::from_secs(s));
+        if let Some(s) = self.spec.nbd_idle_reclaim {
+            cfg.idle_reclaim = secs(s);
+        }
+        cfg.idle_timeout = self.spec.nbd_idle_timeout.and_then(secs);
         Ok(cfg)
     }
 

@@ -34,7 +34,7 @@ use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, IntoRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicI32;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -154,6 +154,33 @@ pub fn wait_for_exit(pid: u32, within: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(5));
     }
     true
+}
+
+/// Who serves `dir` after a successor of daemon `old` did not take over,
+/// in words that are true now (finding: of three concurrent restarts, the
+/// two refused ones said the old pid "goes on serving" after it had
+/// handed over and exited). Waits up to 5 s for a daemon that is taking
+/// over to answer.
+pub fn who_serves(dir: &Path, old: u32) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = tmem_ctl::call_ok(dir, &tmem_ctl::Request::Status, Duration::from_secs(5))
+            .ok()
+            .and_then(|v| serde_json::from_value::<Status>(v).ok());
+        let old_runs = tmem_sys::process_runs(old);
+        match now {
+            Some(now) if now.pid == old => return format!("daemon pid {old} goes on serving"),
+            Some(now) => {
+                let old_state = if old_runs { "is exiting" } else { "has exited" };
+                return format!("another restart took over: daemon pid {} serves now (pid {old} {old_state})", now.pid);
+            }
+            None if old_runs => return format!("daemon pid {old} still runs but does not answer"),
+            None if Instant::now() >= deadline => {
+                return format!("daemon pid {old} has exited, and no daemon answers in {}", dir.display())
+            }
+            None => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
 }
 
 /// Listens for a successor on a thread of its own.
@@ -335,11 +362,20 @@ pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
     stream.set_read_timeout(Some(ANSWER_TIMEOUT)).map_err(err)?;
     let mut r = BufReader::with_capacity(1 << 20, stream.try_clone().map_err(err)?);
     let mut w = stream.try_clone().map_err(err)?;
+    let peer = rustix::net::sockopt::socket_peercred(&stream).map_err(err)?.pid;
     send(&mut w, HELLO, &serde_json::to_vec(&hello()).map_err(err)?)?;
-    let offer: Offer = match recv(&mut r)? {
-        (OFFER, body) => serde_json::from_slice(&body).map_err(err)?,
-        (REFUSE, why) => return Err(err(format!("the running daemon refused: {}", String::from_utf8_lossy(&why)))),
-        _ => return Err(err("unexpected answer to HELLO")),
+    let offer: Offer = match recv(&mut r) {
+        Ok((OFFER, body)) => serde_json::from_slice(&body).map_err(err)?,
+        Ok((REFUSE, why)) => return Err(err(format!("the running daemon refused: {}", String::from_utf8_lossy(&why)))),
+        Ok(_) => return Err(err("unexpected answer to HELLO")),
+        // It served another successor first (it serves one at a time) and exited.
+        Err(_) => {
+            let old = u32::try_from(peer.as_raw_nonzero().get()).unwrap_or(0);
+            return Err(err(format!(
+                "daemon pid {old} closed the hand-over socket without answering; {}",
+                who_serves(dir.path(), old)
+            )));
+        }
     };
     let started = Instant::now();
     match take(&dir, &stream, &mut r, &mut w, offer, started) {

@@ -32,7 +32,9 @@ pub fn set(store: &Store, key: &str, value: &str) -> Result<String, DaemonError>
             Ok(format!("codec is now {}{trained} (stored pages keep their own codec)", store.codec_name()))
         }
         "pool-limit" | "pool_limit" => {
-            match value.parse::<PoolLimit>()? {
+            let limit = value.parse::<PoolLimit>()?;
+            crate::limits::pool_limit("pool-limit", limit, store.policy().config().total_ram_bytes)?;
+            match limit {
                 PoolLimit::Percent(p) => {
                     store.set_policy("max_pool_percent", &p.to_string()).map_err(|e| invalid(&e))?;
                     store.set_policy("max_pool_bytes", "0").map_err(|e| invalid(&e))?;
@@ -79,6 +81,7 @@ mod tests {
             ("pool-limit", "0%"),
             ("pool-limit", "1"),
             ("pool-limit", "150%"),
+            ("pool-limit", "9G"),
             ("compact", "garbage"),
             ("codec", "gzip"),
             ("frozen", "maybe"),

@@ -8,6 +8,7 @@
 //! - [`daemon`]: the daemon's life: setup, serving, orderly teardown;
 //! - [`control`]: the control socket's server (the protocol is `tmem_ctl`);
 //! - [`launch`]: starting a daemon from the command line and waiting for it;
+//! - [`limits`]: what a command may ask of this machine (counts and sizes);
 //! - [`recover`]: cleaning up after a daemon that died;
 //! - [`knobs`]: run-time changes (`tmem set`);
 //! - [`tiers`]: the `--tier` options;
@@ -21,6 +22,7 @@ pub mod fault;
 pub mod handover;
 pub mod knobs;
 pub mod launch;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod recover;
@@ -39,6 +41,9 @@ pub enum DaemonError {
     /// A value given by the user is invalid.
     #[error("{0}")]
     Invalid(String),
+    /// A count or size is more than this machine can hold.
+    #[error(transparent)]
+    Limit(#[from] limits::LimitError),
     /// The runtime directory cannot be used.
     #[error(transparent)]
     Runtime(#[from] runtime::RuntimeError),

@@ -11,15 +11,13 @@
 //! current codec of each device is `tmem_device_info{device, codec} 1`.
 //! A test has a real Prometheus server scrape it.
 //!
-//! The server is `tiny_http` on one thread: scrapes are rare and small, and
-//! a slow client holds only that thread, never the page path.
+//! The endpoint's own limits and counters (`tmem_metrics_*`) are in
+//! [`server`].
 
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
@@ -27,7 +25,8 @@ use prometheus_client::registry::{Registry, Unit as PromUnit};
 use tmem_block::DeviceStats;
 use tmem_counters::{Counters, Def, Kind, Unit};
 
-use crate::DaemonError;
+pub mod server;
+pub use server::{MetricsServer, MetricsServerStats};
 
 /// The content type of the OpenMetrics text format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -39,81 +38,15 @@ pub const CLASSIC_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8
 /// Where the snapshot of every device comes from (the daemon's devices).
 pub type Source = Arc<dyn Fn() -> Vec<DeviceStats> + Send + Sync>;
 
-/// The running metrics endpoint; [`MetricsServer::stop`] ends it.
-pub struct MetricsServer {
-    server: Arc<tiny_http::Server>,
-    addr: SocketAddr,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl MetricsServer {
-    /// Listens on `addr` (e.g. `127.0.0.1:9848`) and serves `/metrics` from `source`.
-    pub fn start(addr: &str, source: Source) -> Result<Self, DaemonError> {
-        let server = tiny_http::Server::http(addr)
-            .map_err(|e| DaemonError::Setup(format!("metrics: cannot listen on {addr}: {e}")))?;
-        let addr = server
-            .server_addr()
-            .to_ip()
-            .ok_or_else(|| DaemonError::Setup(format!("metrics: {addr} is not an IP address")))?;
-        let server = Arc::new(server);
-        let s = Arc::clone(&server);
-        let thread = std::thread::Builder::new()
-            .name("tmem-metrics".into())
-            .spawn(move || serve(&s, &source))
-            .map_err(|e| DaemonError::Setup(format!("metrics: cannot start its thread: {e}")))?;
-        Ok(Self { server, addr, thread: Some(thread) })
-    }
-
-    /// The address it listens on (the port chosen, for `:0`).
-    #[must_use]
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Stops serving and joins the thread.
-    pub fn stop(mut self) {
-        self.server.unblock();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn serve(server: &tiny_http::Server, source: &Source) {
-    for req in server.incoming_requests() {
-        let path = req.url().split('?').next().unwrap_or_default();
-        let resp = if *req.method() != tiny_http::Method::Get {
-            tiny_http::Response::from_string("only GET\n").with_status_code(405)
-        } else if path == "/metrics" {
-            let openmetrics = req
-                .headers()
-                .iter()
-                .any(|h| h.field.equiv("Accept") && h.value.as_str().contains("application/openmetrics-text"));
-            match encode(&source()) {
-                Ok(text) if openmetrics => {
-                    tiny_http::Response::from_string(text).with_header(content_type(CONTENT_TYPE))
-                }
-                Ok(text) => {
-                    tiny_http::Response::from_string(to_classic(&text)).with_header(content_type(CLASSIC_CONTENT_TYPE))
-                }
-                Err(e) => tiny_http::Response::from_string(format!("encoding failed: {e}\n")).with_status_code(500),
-            }
-        } else {
-            tiny_http::Response::from_string("tmem: metrics are at /metrics\n").with_status_code(404)
-        };
-        let _ = req.respond(resp);
-    }
-}
-
-/// A `Content-Type` header; `value` is one of this module's constants, which are valid.
-fn content_type(value: &'static str) -> tiny_http::Header {
-    tiny_http::Header::from_bytes(&b"Content-Type"[..], value.as_bytes()).expect("a valid constant header")
-}
-
 /// The OpenMetrics text of `devs`.
 pub fn encode(devs: &[DeviceStats]) -> Result<String, std::fmt::Error> {
+    encode_with_server(devs, None)
+}
+
+/// The OpenMetrics text of `devs` and of the endpoint's own counters.
+pub fn encode_with_server(devs: &[DeviceStats], server: Option<MetricsServerStats>) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
-    registry.register_collector(Box::new(Snapshot(devs.to_vec())));
+    registry.register_collector(Box::new(Snapshot(devs.to_vec(), server)));
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)?;
     Ok(out)
@@ -151,9 +84,9 @@ pub fn to_classic(openmetrics: &str) -> String {
     out
 }
 
-/// One scrape's snapshot.
+/// One scrape's snapshot: the devices, and the endpoint's own counters.
 #[derive(Debug)]
-struct Snapshot(Vec<DeviceStats>);
+struct Snapshot(Vec<DeviceStats>, Option<MetricsServerStats>);
 
 /// Labels of one sample.
 type Labels = Vec<(&'static str, String)>;
@@ -169,6 +102,9 @@ impl Collector for Snapshot {
         family(&mut encoder, "backing", devs.iter().filter_map(|d| d.backing.as_ref().map(|b| (dev(d), b))))?;
         let tiers = devs.iter().flat_map(|d| d.store.tiers.iter().map(|t| (tier_labels(d, t), t)));
         family(&mut encoder, "tier", tiers)?;
+        if let Some(server) = &self.1 {
+            unlabeled(&mut encoder, "metrics", server)?;
+        }
         // An info metric as node_exporter writes them (a gauge of 1): the
         // Prometheus text format that promtool and older servers read has no
         // `info` type.
@@ -204,15 +140,29 @@ fn family<'a, C: Counters + 'a>(
         let mut fam = encoder.encode_descriptor(&name, def.help(), unit.as_ref(), metric_type(def))?;
         for (labels, c) in items.clone() {
             let v = c.values().nth(i).map_or(0, |(_, v)| v);
-            let sample = fam.encode_family(&labels)?;
-            match (def.kind, def.unit) {
-                (_, Unit::Micros) => ConstGauge::new(v as f64 / 1e6).encode(sample)?,
-                (Kind::Counter, _) => ConstCounter::new(v).encode(sample)?,
-                (Kind::Gauge | Kind::Max, _) => ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(sample)?,
-            }
+            sample(def, v, fam.encode_family(&labels)?)?;
         }
     }
     Ok(())
+}
+
+/// Encodes every counter of `c` as a family of one sample without labels
+/// (the daemon's own counters, not a device's).
+fn unlabeled<C: Counters>(encoder: &mut DescriptorEncoder, group: &str, c: &C) -> Result<(), std::fmt::Error> {
+    for (def, v) in c.values() {
+        let (name, unit) = metric_name(group, def);
+        sample(def, v, encoder.encode_descriptor(&name, def.help(), unit.as_ref(), metric_type(def))?)?;
+    }
+    Ok(())
+}
+
+/// One sample of counter `def`, value `v`.
+fn sample(def: &Def, v: u64, enc: MetricEncoder) -> Result<(), std::fmt::Error> {
+    match (def.kind, def.unit) {
+        (_, Unit::Micros) => ConstGauge::new(v as f64 / 1e6).encode(enc),
+        (Kind::Counter, _) => ConstCounter::new(v).encode(enc),
+        (Kind::Gauge | Kind::Max, _) => ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(enc),
+    }
 }
 
 fn metric_type(def: &Def) -> MetricType {

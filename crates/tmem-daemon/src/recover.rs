@@ -121,7 +121,7 @@ pub fn clean(dir: &Path) -> Result<Recovery, DaemonError> {
         swap::unmount_lazy(&mount).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
         r.steps.push(format!("umount --lazy {}", mount.display()));
     }
-    for name in [STATE_FILE, tmem_ctl::SOCKET, "nbd.sock"] {
+    for name in [STATE_FILE, tmem_ctl::SOCKET, crate::handover::SOCKET, "nbd.sock"] {
         rt.remove(name)?;
     }
     let _ = std::fs::remove_dir(rt.join(MOUNT_DIR));

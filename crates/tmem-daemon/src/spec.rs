@@ -9,7 +9,7 @@ use tmem_block::CacheConfig;
 use tmem_core::codec::CodecChoice;
 use tmem_core::{DictTraining, Eviction, Incompressible, PolicyConfig, RecompressConfig, StoreConfig};
 
-use crate::DaemonError;
+use crate::{limits, DaemonError};
 
 /// Fewest `/dev/fuse` worker threads by default: on 2 vCPUs 4 workers keep
 /// the loop device's queue busy while others wait in the kernel.
@@ -19,8 +19,11 @@ pub const MIN_DEFAULT_FUSE_THREADS: usize = 4;
 /// baseline) by default: one per online CPU, at least
 /// [`MIN_DEFAULT_FUSE_THREADS`]. Issue 11 measured, on a 16-core machine,
 /// 1.3-2.0x zram's time at 50 % with a fixed 4 and 1.1-1.2x with 12.
+/// Never more than [`crate::limits::fuse_threads`] allows here.
 pub fn default_fuse_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, usize::from).max(MIN_DEFAULT_FUSE_THREADS)
+    let n = std::thread::available_parallelism().map_or(1, usize::from).max(MIN_DEFAULT_FUSE_THREADS);
+    let max = crate::limits::Machine::this().map_or(crate::limits::MAX_FUSE_THREADS, |m| m.max_fuse_threads());
+    n.min(usize::try_from(max).unwrap_or(usize::MAX))
 }
 
 /// Smallest pool limit given in bytes.
@@ -196,6 +199,16 @@ pub struct DaemonSpec {
     /// Allow a non-loopback NBD TCP address.
     #[serde(default)]
     pub nbd_allow_remote: bool,
+    /// NBD: seconds without a request after which a connection may be
+    /// closed to make room for a new client (`tmem_nbd::NbdConfig::idle_reclaim`);
+    /// 0: never; `None`: the server's default (30).
+    #[serde(default)]
+    pub nbd_idle_reclaim: Option<u64>,
+    /// NBD: seconds without a request after which a connection is closed
+    /// even with slots free (`tmem_nbd::NbdConfig::idle_timeout`; breaks swap
+    /// on the kernel's client); `None` or 0: never.
+    #[serde(default)]
+    pub nbd_idle_timeout: Option<u64>,
     /// Swap priority.
     pub priority: i32,
     /// FUSE worker threads.
@@ -216,6 +229,9 @@ pub struct DaemonSpec {
     /// Serve Prometheus metrics on this address (`/metrics`), e.g. `127.0.0.1:9848`.
     #[serde(default)]
     pub metrics: Option<SocketAddr>,
+    /// Allow a non-loopback metrics address (`--allow-remote-metrics`).
+    #[serde(default)]
+    pub metrics_allow_remote: bool,
     /// The runtime directory's lock, inherited from the command that started
     /// the daemon (a descriptor number); `None`: the daemon takes it.
     #[serde(default)]
@@ -228,6 +244,18 @@ impl DaemonSpec {
     pub fn validate(&self, total_ram: u64) -> Result<(), DaemonError> {
         if self.devices.is_empty() && self.caches.is_empty() {
             return Err(DaemonError::Invalid("need at least one device".into()));
+        }
+        let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        limits::devices("devices", count(self.devices.len()), self.swap)?;
+        limits::caches("caches", count(self.caches.len()), count(self.devices.len()))?;
+        if self.fuse {
+            limits::range("fuse threads", count(self.fuse_threads), 1..=limits::MAX_FUSE_THREADS, "the most threads")?;
+            limits::range(
+                "fuse io_uring workers",
+                count(self.fuse_uring),
+                0..=limits::MAX_FUSE_URING,
+                "the most per CPU",
+            )?;
         }
         for c in &self.caches {
             if self.devices.iter().any(|d| d.name == c.name)
@@ -244,6 +272,7 @@ impl DaemonSpec {
                     c.backing.display()
                 )));
             }
+            limits::pool_limit(&format!("{}: pool limit", c.name), c.pool_limit, total_ram)?;
             if c.backing_latency_us > 1_000_000 {
                 return Err(DaemonError::Invalid(format!(
                     "{}: backing latency {} us is above the maximum of 1 s",
@@ -255,12 +284,17 @@ impl DaemonSpec {
         if self.swap {
             check_swap_size(self.devices.iter().map(|d| d.size), total_ram)?;
         }
+        limits::device_sizes(&self.devices.iter().map(|d| d.size).collect::<Vec<_>>(), total_ram)?;
         for d in &self.devices {
             if d.size < MIN_DEVICE_SIZE {
                 return Err(DaemonError::Invalid(format!("{}: size {} is below the minimum of 1 MiB", d.name, d.size)));
             }
+            limits::pool_limit(&format!("{}: pool limit", d.name), d.pool_limit, total_ram)?;
             store_config(d, total_ram)?.build().map_err(|e| DaemonError::Invalid(format!("{}: {e}", d.name)))?;
             d.recompress.config()?;
+        }
+        if let Some(addr) = self.metrics {
+            crate::metrics::server::check_address(addr, self.metrics_allow_remote)?;
         }
         self.tiers.validate(self.devices.len())
     }

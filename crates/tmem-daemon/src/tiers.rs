@@ -16,7 +16,7 @@ use std::time::Duration;
 use tmem_core::TierChain;
 use tmem_tier::seal::{MasterKey, Sealer};
 
-use crate::DaemonError;
+use crate::{limits, DaemonError};
 use tmem_tier::Tier;
 
 /// One `--tier` option.
@@ -110,10 +110,21 @@ impl TierArgs {
         if disks > 1 || remotes > 1 {
             return Err("at most one disk and one remote tier".into());
         }
+        let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
         for t in &self.tiers {
-            if let TierSpec::Disk(p) = t {
-                if devices > 1 && !p.is_dir() {
-                    return Err(format!("with several devices, disk={} must be a directory", p.display()));
+            match t {
+                TierSpec::Disk(p) => {
+                    if devices > 1 && !p.is_dir() {
+                        return Err(format!("with several devices, disk={} must be a directory", p.display()));
+                    }
+                    if let Some(cap) = self.disk_capacity {
+                        limits::disk_capacity("disk tier capacity", cap, count(devices), p)
+                            .map_err(|e| e.to_string())?;
+                    }
+                }
+                TierSpec::Remote(nodes) => {
+                    limits::remote_nodes("remote tier nodes", count(nodes.len())).map_err(|e| e.to_string())?;
+                    limits::replicas("replicas", count(self.replicas)).map_err(|e| e.to_string())?;
                 }
             }
         }
@@ -153,7 +164,10 @@ impl TierArgs {
                 }
                 TierSpec::Disk(p) => {
                     let path = if p.is_dir() { p.join(format!("{device}.back")) } else { p.clone() };
-                    Arc::new(disk_tier(&path, self.disk_capacity.unwrap_or(2 * size)).map_err(|e| e.to_string())?)
+                    Arc::new(
+                        disk_tier(&path, self.disk_capacity.unwrap_or(size.saturating_mul(2)))
+                            .map_err(|e| e.to_string())?,
+                    )
                 }
             });
         }
@@ -195,5 +209,23 @@ mod tests {
         let a = TierArgs { tiers: vec![TierSpec::Disk("/nonexistent/file".into())], ..Default::default() };
         assert!(a.validate(2).unwrap_err().to_string().contains("directory"));
         assert!(a.validate(1).is_ok());
+    }
+
+    #[test]
+    fn tier_counts_and_sizes_are_bounded() {
+        let nodes = (0..65).map(|i| format!("redis://h{i}:1")).collect();
+        let a = TierArgs { tiers: vec![TierSpec::Remote(nodes)], replicas: 2, ..Default::default() };
+        let e = a.validate(1).unwrap_err().to_string();
+        assert!(e.starts_with("remote tier nodes 65 is above the limit of 64"), "{e}");
+        let a =
+            TierArgs { tiers: vec![TierSpec::Remote(vec!["redis://h:1".into()])], replicas: 9, ..Default::default() };
+        assert!(a.validate(1).unwrap_err().to_string().starts_with("replicas 9 is above the limit of 8"));
+        let dir = tempfile::tempdir().unwrap();
+        let mut a = TierArgs { tiers: vec![TierSpec::Disk(dir.path().into())], ..Default::default() };
+        a.disk_capacity = Some(1 << 60);
+        let e = a.validate(2).unwrap_err().to_string();
+        assert!(e.starts_with("disk tier capacity 1.0 EiB (2.0 EiB for 2 devices) is above the limit of"), "{e}");
+        a.disk_capacity = Some(64 << 20);
+        a.validate(2).unwrap();
     }
 }

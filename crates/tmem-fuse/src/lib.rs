@@ -25,6 +25,8 @@ use tmem_block::BlockDevice;
 mod devloop;
 mod uring;
 
+pub use uring::possible_cpus;
+
 /// Largest read we accept from the kernel; also each worker's buffer size.
 pub const MAX_IO: u32 = 1 << 20;
 /// Largest write per request. The kernel splits a bigger direct write into

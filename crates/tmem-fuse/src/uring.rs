@@ -262,7 +262,7 @@ pub(crate) fn dispatch(
 }
 
 /// Number of ring queues the kernel expects: one per possible CPU.
-fn possible_cpus() -> io::Result<usize> {
+pub fn possible_cpus() -> io::Result<usize> {
     let s = std::fs::read_to_string("/sys/devices/system/cpu/possible")?;
     let mut n = 0;
     for part in s.trim().split(',') {

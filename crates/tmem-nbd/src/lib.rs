@@ -10,9 +10,11 @@
 //!   stream (sockets in the server, in-memory buffers in the fuzzer).
 //! - [`NbdServer`] / [`ServerHandle`]: the listener (unix socket by default,
 //!   loopback TCP on request), one thread per connection, with limits
-//!   against clients that hold connections or memory: a connection limit
-//!   with a polite refusal, handshake / idle / I/O timeouts, and a budget
-//!   of payload buffers across connections (see [`NbdConfig`]).
+//!   against clients that hold connections or memory: connection limits in
+//!   all and per client, with idle connections reclaimed for new clients
+//!   and a polite refusal, handshake / transfer / I/O timeouts, and a
+//!   budget of payload buffers across connections, one chunk per request
+//!   (see [`NbdConfig`]).
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -40,8 +42,9 @@ mod stats;
 
 pub use park::SessionState;
 pub use server::{
-    Listen, NbdConfig, NbdHandover, NbdServer, ServerHandle, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IO_TIMEOUT,
-    DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_CONNECTIONS,
+    Listen, NbdConfig, NbdHandover, NbdServer, ServerHandle, DEFAULT_BUFFER_WAIT, DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_IDLE_RECLAIM, DEFAULT_IO_TIMEOUT, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_PEER, DEFAULT_TRANSFER_TIMEOUT,
 };
 pub use session::{serve_connection, SessionEnd};
 pub use stats::{ExportStats, ServerStats};
@@ -56,6 +59,10 @@ pub enum NbdError {
     /// progress within the socket's timeout (`NbdConfig::io_timeout`).
     #[error("socket I/O timed out")]
     TimedOut,
+    /// A request found no room in the buffer budget within
+    /// `NbdConfig::buffer_wait`; it was answered with `ENOMEM`.
+    #[error("no buffer space within the wait deadline")]
+    BufferWait,
     /// The client broke the protocol; the session was dropped.
     #[error("protocol violation: {0}")]
     Protocol(String),

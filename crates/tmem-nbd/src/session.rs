@@ -7,8 +7,10 @@
 //! own requests from being read. Nothing a client sends can make it panic:
 //! every length is checked before it is used, and allocations are bounded
 //! by the device range check and the maximum block size. Under the server,
-//! payload buffers are also taken from the shared [`Budget`], and the
-//! connection's [`Watch`] bounds the handshake and idle waits.
+//! payload buffers are also taken from the shared [`Budget`], one
+//! [`CHUNK`] at most per request (reads are sent and writes stored piece by
+//! piece), and the connection's [`Watch`] bounds the handshake, the idle
+//! wait, the arrival of each request and the sending of each reply.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::time::Duration;
@@ -37,9 +39,19 @@ const READ_BUFFER: usize = 64 << 10;
 const KEEP_BUFFER: usize = 256 << 10;
 /// Reply header in front of read data: the larger of simple and structured.
 const READ_REPLY_HEAD: usize = STRUCTURED_HEADER_SIZE + 8;
+/// Payload bytes one request holds at once: a read is read from the device
+/// and sent, and a write received and stored, in pieces of this size, and
+/// a block status reply is kept within it. So a connection holds at most
+/// one chunk of the budget however large its requests, and 64 connections
+/// at most 64 MiB of the default 256 MiB: no client can take what others
+/// need, and a stalled client holds one chunk, not a whole request.
+pub(crate) const CHUNK: u32 = 1 << 20;
 /// Most bytes of payload buffer one request takes: the reply header in
-/// front of a maximum-size read (a block status reply is kept below it).
+/// front of a chunk of read data.
 pub(crate) const REQUEST_OVERHEAD: usize = READ_REPLY_HEAD;
+/// Time a transfer gets per MiB on top of `transfer_timeout`: 2 s, a floor
+/// rate of 512 KiB/s (a 32 MiB write has 74 s by default).
+const TRANSFER_MS_PER_MIB: u64 = 2000;
 /// Options a refused client may send before the server hangs up.
 const REFUSAL_OPTIONS: u32 = 16;
 
@@ -71,20 +83,30 @@ pub(crate) struct Limits<'a> {
     pub(crate) max_block: u32,
     /// Payload buffers are taken from it; none: not accounted.
     pub(crate) budget: Option<&'a Budget>,
+    /// Longest a request waits for budget; then it is answered `ENOMEM`
+    /// and the connection closed.
+    pub(crate) budget_wait: Duration,
     /// The connection's deadline, enforced by the accept loop. Without one
-    /// a socket read timeout is an error even between messages.
+    /// a socket read timeout is an error even between messages, and
+    /// transfers have no deadline.
     pub(crate) watch: Option<&'a Watch>,
-    /// Close after this long without a request in transmission (needs a
-    /// watch).
-    pub(crate) idle: Option<Duration>,
+    /// A request must arrive in full, and a reply with a payload go out,
+    /// within this plus 2 s per MiB of payload (needs a watch).
+    pub(crate) transfer: Duration,
     /// The server's pause switch for hand-overs; none: never paused.
     pub(crate) park: Option<crate::park::Park<'a>>,
 }
 
 impl Limits<'_> {
     /// The protocol's limits only (in-memory sessions, the fuzzer).
-    pub(crate) const NONE: Limits<'static> =
-        Limits { max_block: MAX_PAYLOAD, budget: None, watch: None, idle: None, park: None };
+    pub(crate) const NONE: Limits<'static> = Limits {
+        max_block: MAX_PAYLOAD,
+        budget: None,
+        budget_wait: Duration::MAX,
+        watch: None,
+        transfer: Duration::MAX,
+        park: None,
+    };
 }
 
 struct Session<'a, S: Read + Write> {
@@ -176,6 +198,17 @@ fn in_range(offset: u64, len: u32, size: u64) -> bool {
     offset.checked_add(u64::from(len)).is_some_and(|end| end <= size)
 }
 
+/// Runs `f` (the server's own work: device I/O) with the deadline of
+/// `timer` paused, so that only the client's time counts.
+fn paused<T>(watch: Option<&Watch>, timer: Timer, f: impl FnOnce() -> T) -> T {
+    let left = watch.and_then(Watch::pause);
+    let r = f();
+    if let (Some(w), Some(left)) = (watch, left) {
+        w.arm(timer, left);
+    }
+    r
+}
+
 fn block_errno(e: &BlockError) -> u32 {
     proto::nbd_errno(e.errno())
 }
@@ -219,15 +252,56 @@ impl<'a, S: Read + Write> Session<'a, S> {
     }
 
     /// Runs `f` holding `n` bytes of the budget for the payload buffer,
-    /// then frees the buffer if it grew and gives the bytes back.
-    fn with_buffer<T>(&mut self, n: usize, f: impl FnOnce(&mut Self) -> T) -> T {
-        let held: Option<Held<'a>> = self.limits.budget.map(|b| b.take(n));
+    /// then frees the buffer if it grew and gives the bytes back. If the
+    /// budget has no room within the wait deadline, `req` is answered with
+    /// `ENOMEM` and the session ends ([`NbdError::BufferWait`]).
+    fn with_buffer<T>(
+        &mut self,
+        entry: &ExportEntry,
+        req: &Request,
+        n: usize,
+        f: impl FnOnce(&mut Self) -> Result<T, NbdError>,
+    ) -> Result<T, NbdError> {
+        let held: Option<Held<'a>> = match self.limits.budget {
+            None => None,
+            Some(b) => match b.take(n, self.limits.budget_wait) {
+                Some(h) => Some(h),
+                None => {
+                    let ms = self.limits.budget_wait.as_millis();
+                    self.reply_err(entry, req, NBD_ENOMEM, &format!("no buffer space within {ms} ms"))?;
+                    return Err(NbdError::BufferWait);
+                }
+            },
+        };
         let r = f(self);
         if self.buf.capacity() > KEEP_BUFFER {
             self.buf = Vec::new();
         }
         drop(held);
         r
+    }
+
+    /// The deadline of a transfer of `len` payload bytes.
+    fn transfer_time(&self, len: usize) -> Duration {
+        let ms = len64(len).saturating_mul(TRANSFER_MS_PER_MIB) >> 20;
+        self.limits.transfer.saturating_add(Duration::from_millis(ms))
+    }
+
+    /// Arms the connection's deadline, if it has one; `false` if it fired.
+    fn arm(&self, timer: Timer, after: Duration) -> bool {
+        self.limits.watch.is_none_or(|w| w.arm(timer, after))
+    }
+
+    /// Removes the connection's deadline.
+    fn disarm(&self) {
+        if let Some(w) = self.limits.watch {
+            w.disarm();
+        }
+    }
+
+    /// Did the connection's `timer` fire?
+    fn fired(&self, timer: Timer) -> bool {
+        self.limits.watch.and_then(Watch::fired) == Some(timer)
     }
 
     /// Reads exactly `len` bytes into `self.buf` (reserving as data comes).
@@ -505,13 +579,11 @@ impl<'a, S: Read + Write> Session<'a, S> {
             }
         }
         let _active = Active(entry);
-        let watch = self.limits.watch;
-        // The handshake deadline no longer applies.
-        watch.inspect(|w| w.disarm());
-        let idle = watch.zip(self.limits.idle);
         loop {
-            if let Some((w, after)) = idle {
-                w.arm(Timer::Idle, after);
+            // Waiting for a request: the idle timeout, if any, applies, and
+            // the slot may be reclaimed for a new client.
+            if let Some(w) = self.limits.watch {
+                w.idle();
             }
             if let Some(p) = self.limits.park {
                 let state = crate::park::SessionState {
@@ -527,9 +599,14 @@ impl<'a, S: Read + Write> Session<'a, S> {
             if !self.wait_message()? {
                 return Ok(SessionEnd::Closed);
             }
-            idle.inspect(|(w, _)| w.disarm());
+            // Fails once the slot was reclaimed (the socket is being cut).
+            if !self.arm(Timer::Request, self.limits.transfer) {
+                return Ok(SessionEnd::Closed);
+            }
             let mut header = [0u8; REQUEST_SIZE];
             self.io.read_exact(&mut header)?;
+            // A write arms the deadline again for its payload.
+            self.disarm();
             let req = proto::parse_request(&header)?;
             match req.command {
                 CMD_DISC => {
@@ -610,7 +687,7 @@ impl<'a, S: Read + Write> Session<'a, S> {
         }
     }
 
-    fn cmd_read(&mut self, entry: &ExportEntry, req: &Request) -> io::Result<()> {
+    fn cmd_read(&mut self, entry: &ExportEntry, req: &Request) -> Result<(), NbdError> {
         bump(&entry.counters.reads, 1);
         let allowed = if self.structured { CMD_FLAG_FUA | CMD_FLAG_DF } else { CMD_FLAG_FUA };
         if self.bad_flags(entry, req, allowed)? {
@@ -618,37 +695,60 @@ impl<'a, S: Read + Write> Session<'a, S> {
         }
         if req.len > self.limits.max_block {
             let msg = format!("read of {} bytes exceeds the maximum block size {}", req.len, self.limits.max_block);
-            return self.reply_err(entry, req, NBD_EINVAL, &msg);
+            return Ok(self.reply_err(entry, req, NBD_EINVAL, &msg)?);
         }
         if self.out_of_range(entry, req, NBD_EINVAL)? {
             return Ok(());
         }
         if req.len == 0 {
-            return self.reply_ok(req);
+            return Ok(self.reply_ok(req)?);
         }
         let head = if self.structured { READ_REPLY_HEAD } else { SIMPLE_REPLY_SIZE };
-        self.with_buffer(head + to_usize(req.len), |s| s.read_reply(entry, req, head))
+        let piece = to_usize(req.len.min(CHUNK));
+        self.with_buffer(entry, req, head + piece, |s| s.read_reply(entry, req, head))
     }
 
-    /// Reads the data into `self.buf` after `head` bytes of reply header and
-    /// sends the reply.
-    fn read_reply(&mut self, entry: &ExportEntry, req: &Request, head: usize) -> io::Result<()> {
+    /// Reads the data a chunk at a time into `self.buf` (the first after
+    /// `head` bytes of reply header) and sends it, within the reply's
+    /// deadline. One reply, one structured chunk: an error on the first
+    /// piece is an error reply, on a later one (the header is out) a hard
+    /// disconnect, as the protocol asks.
+    fn read_reply(&mut self, entry: &ExportEntry, req: &Request, head: usize) -> Result<(), NbdError> {
+        let device = &entry.export.device;
+        let len = to_usize(req.len);
+        let first = len.min(to_usize(CHUNK));
         self.buf.clear();
-        self.buf.resize(head + to_usize(req.len), 0);
-        match entry.export.device.read_at(&mut self.buf[head..], req.offset) {
-            Ok(()) => {
-                if self.structured {
-                    let h = proto::structured_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.cookie, req.len + 8);
-                    self.buf[..STRUCTURED_HEADER_SIZE].copy_from_slice(&h);
-                    self.buf[STRUCTURED_HEADER_SIZE..head].copy_from_slice(&req.offset.to_be_bytes());
-                } else {
-                    self.buf[..head].copy_from_slice(&proto::simple_reply(0, req.cookie));
-                }
-                bump(&entry.counters.bytes_read, u64::from(req.len));
-                self.send_buf()
-            }
-            Err(e) => self.reply_err(entry, req, block_errno(&e), &e.to_string()),
+        self.buf.resize(head + first, 0);
+        if let Err(e) = device.read_at(&mut self.buf[head..], req.offset) {
+            return Ok(self.reply_err(entry, req, block_errno(&e), &e.to_string())?);
         }
+        if self.structured {
+            let h = proto::structured_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.cookie, req.len + 8);
+            self.buf[..STRUCTURED_HEADER_SIZE].copy_from_slice(&h);
+            self.buf[STRUCTURED_HEADER_SIZE..head].copy_from_slice(&req.offset.to_be_bytes());
+        } else {
+            self.buf[..head].copy_from_slice(&proto::simple_reply(0, req.cookie));
+        }
+        bump(&entry.counters.bytes_read, len64(first));
+        self.arm(Timer::Reply, self.transfer_time(len));
+        self.send_buf()?;
+        let mut done = first;
+        while done < len {
+            let n = (len - done).min(to_usize(CHUNK));
+            let at = req.offset + len64(done);
+            let piece = &mut self.buf[..n];
+            if let Err(e) = paused(self.limits.watch, Timer::Reply, || device.read_at(piece, at)) {
+                bump(&entry.counters.errors, 1);
+                return Err(NbdError::Io(io::Error::other(format!("read at {at} after {done} bytes sent: {e}"))));
+            }
+            bump(&entry.counters.bytes_read, len64(n));
+            let w = self.io.get_mut();
+            w.write_all(&self.buf[..n])?;
+            w.flush()?;
+            done += n;
+        }
+        self.disarm();
+        Ok(())
     }
 
     fn cmd_write(&mut self, entry: &ExportEntry, req: &Request) -> Result<(), NbdError> {
@@ -660,7 +760,9 @@ impl<'a, S: Read + Write> Session<'a, S> {
         let too_big = req.len > self.limits.max_block;
         if too_big || req.flags & !CMD_FLAG_FUA != 0 || !in_range(req.offset, req.len, entry.export.device.size()) {
             // Skipped without buffering, so the stream stays in sync.
+            self.arm(Timer::Request, self.transfer_time(to_usize(req.len)));
             self.discard(u64::from(req.len))?;
+            self.disarm();
             if too_big {
                 let max = self.limits.max_block;
                 let msg = format!("write of {} bytes exceeds the maximum block size {max}", req.len);
@@ -670,12 +772,41 @@ impl<'a, S: Read + Write> Session<'a, S> {
             }
             return Ok(());
         }
-        let result = self.with_buffer(to_usize(req.len), |s| -> io::Result<_> {
-            s.read_payload(req.len)?;
-            Ok(entry.export.device.write_at(&s.buf, req.offset))
-        })?;
+        let piece = to_usize(req.len.min(CHUNK));
+        let result = match self.with_buffer(entry, req, piece, |s| s.write_payload(entry, req)) {
+            Err(e) if self.fired(Timer::Request) => {
+                // The payload did not arrive in time: the accept loop shut
+                // the socket for reading. Say so (best effort) and close.
+                let ms = self.transfer_time(to_usize(req.len)).as_millis();
+                let _ = self.reply_err(entry, req, NBD_EIO, &format!("write payload not received within {ms} ms"));
+                return Err(e);
+            }
+            r => r?,
+        };
         self.finish_write(entry, req, result, &entry.counters.bytes_written)?;
         Ok(())
+    }
+
+    /// Receives a write's payload a chunk at a time, within its deadline,
+    /// and stores each chunk; after a device error the rest is received
+    /// and dropped. Returns the device's result.
+    fn write_payload(&mut self, entry: &ExportEntry, req: &Request) -> Result<Result<(), BlockError>, NbdError> {
+        let len = to_usize(req.len);
+        let mut result = Ok(());
+        let mut done = 0;
+        self.arm(Timer::Request, self.transfer_time(len));
+        while done < len {
+            let n = (len - done).min(to_usize(CHUNK));
+            self.read_payload(u32::try_from(n).unwrap_or(CHUNK))?;
+            if result.is_ok() {
+                let at = req.offset + len64(done);
+                let buf = &self.buf;
+                result = paused(self.limits.watch, Timer::Request, || entry.export.device.write_at(buf, at));
+            }
+            done += n;
+        }
+        self.disarm();
+        Ok(result)
     }
 
     fn cmd_flush(&mut self, entry: &ExportEntry, req: &Request) -> io::Result<()> {
@@ -726,16 +857,16 @@ impl<'a, S: Read + Write> Session<'a, S> {
 
     /// `NBD_CMD_BLOCK_STATUS` on `base:allocation`: holes are reported as
     /// `HOLE|ZERO`, stored pages as 0.
-    fn cmd_block_status(&mut self, i: usize, entry: &ExportEntry, req: &Request) -> io::Result<()> {
+    fn cmd_block_status(&mut self, i: usize, entry: &ExportEntry, req: &Request) -> Result<(), NbdError> {
         bump(&entry.counters.block_status, 1);
         if !self.structured || self.meta != Some(i) {
-            return self.reply_err(entry, req, NBD_EINVAL, "base:allocation was not negotiated for this export");
+            return Ok(self.reply_err(entry, req, NBD_EINVAL, "base:allocation was not negotiated for this export")?);
         }
         if self.bad_flags(entry, req, CMD_FLAG_FUA | CMD_FLAG_REQ_ONE)? {
             return Ok(());
         }
         if req.len == 0 {
-            return self.reply_err(entry, req, NBD_EINVAL, "block status of an empty range");
+            return Ok(self.reply_err(entry, req, NBD_EINVAL, "block status of an empty range")?);
         }
         if self.out_of_range(entry, req, NBD_EINVAL)? {
             return Ok(());
@@ -743,18 +874,25 @@ impl<'a, S: Read + Write> Session<'a, S> {
         let len = u64::from(req.len).min(BLOCK_STATUS_MAX);
         let extents = match entry.export.device.extents(req.offset, len) {
             Ok(x) => x,
-            Err(e) => return self.reply_err(entry, req, block_errno(&e), &e.to_string()),
+            Err(e) => return Ok(self.reply_err(entry, req, block_errno(&e), &e.to_string())?),
         };
-        // The chunk's payload stays within the maximum block size.
-        let fit = (to_usize(self.limits.max_block).saturating_sub(4) / 8).max(1);
+        // The chunk's payload stays within the maximum block size and a
+        // buffer chunk.
+        let fit = (to_usize(self.limits.max_block.min(CHUNK)).saturating_sub(4) / 8).max(1);
         let limit = if req.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS.min(fit) };
         let n = STRUCTURED_HEADER_SIZE + 4 + 8 * extents.len().clamp(1, limit);
-        self.with_buffer(n, |s| s.block_status_reply(req, len, extents, limit))
+        self.with_buffer(entry, req, n, |s| s.block_status_reply(req, len, extents, limit))
     }
 
     /// Builds the block status chunk of at most `limit` descriptors for
     /// `[req.offset, +len)` in `self.buf` and sends it.
-    fn block_status_reply(&mut self, req: &Request, len: u64, extents: Vec<Extent>, limit: usize) -> io::Result<()> {
+    fn block_status_reply(
+        &mut self,
+        req: &Request,
+        len: u64,
+        extents: Vec<Extent>,
+        limit: usize,
+    ) -> Result<(), NbdError> {
         self.buf.clear();
         self.buf.resize(STRUCTURED_HEADER_SIZE, 0);
         self.buf.extend_from_slice(&META_ID_BASE_ALLOCATION.to_be_bytes());
@@ -782,6 +920,9 @@ impl<'a, S: Read + Write> Session<'a, S> {
         let payload = u32::try_from(self.buf.len() - STRUCTURED_HEADER_SIZE).unwrap_or(u32::MAX);
         let h = proto::structured_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.cookie, payload);
         self.buf[..STRUCTURED_HEADER_SIZE].copy_from_slice(&h);
-        self.send_buf()
+        self.arm(Timer::Reply, self.transfer_time(self.buf.len()));
+        self.send_buf()?;
+        self.disarm();
+        Ok(())
     }
 }

@@ -97,35 +97,58 @@ counters! {
     }
 }
 
-/// Snapshot of a server's counters.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ServerStats {
-    /// Connections accepted and handed to a session thread.
-    pub connections_accepted: u64,
-    /// Connections turned away because `max_connections` sessions were
-    /// open (answered with `NBD_REP_ERR_SHUTDOWN`, or closed at once when
-    /// 8 refusals were already under way).
-    pub refused_connection_limit: u64,
-    /// Sessions cut because the handshake took longer than
-    /// `handshake_timeout`.
-    pub handshake_timeouts: u64,
-    /// Sessions closed after `idle_timeout` without a request.
-    pub idle_timeouts: u64,
-    /// Sessions dropped because a read inside a message or a reply write
-    /// made no progress for `io_timeout` (a client not reading replies).
-    pub io_timeouts: u64,
-    /// Sessions running now (handshake or transmission).
-    pub connections_active: u64,
-    /// Sessions that ended with a protocol or I/O error (timeouts are
-    /// counted above instead).
-    pub session_errors: u64,
-    /// Bytes of request / reply payload buffers held now (bounded by
-    /// `max_buffered_bytes`).
-    pub buffered_bytes: u64,
-    /// Most payload buffer bytes held at once since the server started.
-    pub buffered_bytes_peak: u64,
-    /// Requests that waited for others to free buffer budget.
-    pub buffer_waits: u64,
-    /// Per-export counters, in export order.
-    pub exports: Vec<ExportStats>,
+counters! {
+    /// Snapshot of a server's counters: its limits, how often each was
+    /// reached, and the buffers held.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+    pub struct ServerStats {
+        extra {
+            /// Per-export counters, in export order.
+            pub exports: Vec<ExportStats>,
+        }
+        /// Connections accepted and handed to a session thread.
+        connections_accepted: Counter(Events),
+        /// Sessions running now (handshake or transmission).
+        connections_active: Gauge(Objects),
+        /// The most sessions served at once (`max_connections`).
+        connections_max: Max(Objects),
+        /// The most sessions one client may hold: one user on a unix socket, one IPv4 address or IPv6 /64 on TCP
+        /// (`max_connections_per_peer`).
+        connections_per_peer_max: Max(Objects),
+        /// Connections turned away because `max_connections` sessions were open and none was idle long enough to make
+        /// room (answered with `NBD_REP_ERR_SHUTDOWN`, or closed at once when 8 refusals were already under way).
+        refused_connection_limit: Counter(Events),
+        /// Connections turned away because their client held `max_connections_per_peer` sessions, none idle long enough
+        /// to make room.
+        refused_peer_limit: Counter(Events),
+        /// New clients held before their greeting until an idle connection's slot could be reclaimed.
+        slot_waits: Counter(Events),
+        /// Connections closed after `idle_reclaim` without a request because a new client needed the slot.
+        idle_reclaims: Counter(Events),
+        /// Sessions cut because the handshake took longer than `handshake_timeout`.
+        handshake_timeouts: Counter(Events),
+        /// Sessions closed after `idle_timeout` without a request (off by default).
+        idle_timeouts: Counter(Events),
+        /// Sessions closed because a request (header and write payload) did not arrive in full within
+        /// `transfer_timeout` plus 2 s per MiB.
+        request_timeouts: Counter(Events),
+        /// Sessions cut because a reply with a payload was not read within `transfer_timeout` plus 2 s per MiB.
+        reply_timeouts: Counter(Events),
+        /// Sessions dropped because a read inside a message or a reply write made no progress for `io_timeout` (a
+        /// client not reading replies).
+        io_timeouts: Counter(Events),
+        /// Sessions that ended with a protocol or I/O error (timeouts are counted above instead).
+        session_errors: Counter(Events),
+        /// Bytes of request / reply payload buffers held now (bounded by `max_buffered_bytes`).
+        buffered_bytes: Gauge(Bytes),
+        /// Most payload buffer bytes held at once since the server started.
+        buffered_bytes_peak: Max(Bytes),
+        /// The budget of payload buffers across connections (`max_buffered_bytes`).
+        buffered_bytes_max: Max(Bytes),
+        /// Requests that waited for others to free buffer budget.
+        buffer_waits: Counter(Events),
+        /// Requests that gave up waiting for buffer budget after `buffer_wait` (answered with `ENOMEM`; the connection
+        /// is closed).
+        buffer_wait_timeouts: Counter(Events),
+    }
 }

@@ -1,16 +1,18 @@
 //! Hostile clients against the server's limits, over real sockets: silent
-//! and slow handshakes, the connection limit, idle and stalled sessions,
-//! and clients that never read their replies. Every client read has a
-//! timeout, so a missing limit fails a test instead of hanging it.
+//! and slow handshakes, the connection limits (in all and per client), idle
+//! and stalled sessions, trickled payloads and replies, and clients that
+//! never read their replies. Every client read has a timeout, so a missing
+//! limit fails a test instead of hanging it.
 
 mod common;
 
-use std::io::Write;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{be32, disk, eventually, go, info_data, pool_device, Client, TempDir};
+use common::{be32, be64, disk, eventually, go, info_data, pool_device, Client, TempDir};
 use tmem_nbd::proto::*;
 use tmem_nbd::{Listen, NbdConfig, NbdError, NbdServer, ServerHandle};
 
@@ -42,13 +44,25 @@ fn transmitting(sock: &Path) -> Client<UnixStream> {
 }
 
 /// Reads 512 bytes at 0 and checks the reply.
-fn read_ok(c: &mut Client<UnixStream>, cookie: u64) {
+fn read_ok<S: Read + Write>(c: &mut Client<S>, cookie: u64) {
     c.request(CMD_READ, 0, cookie, 0, 512, &[]);
     assert_eq!(c.simple(512), (0, cookie, vec![0; 512]));
 }
 
+/// A TCP client from the loopback address `from` (any of 127.0.0.0/8) to
+/// `to`, its reads bounded by [`CLIENT_WAIT`].
+fn tcp_from(from: &str, to: SocketAddr) -> Client<TcpStream> {
+    use rustix::net::{bind, connect, socket, AddressFamily, SocketType};
+    let fd = socket(AddressFamily::INET, SocketType::STREAM, None).expect("socket");
+    bind(&fd, &SocketAddr::new(from.parse().unwrap(), 0)).expect("bind the client's address");
+    connect(&fd, &to).expect("connect");
+    let s = TcpStream::from(fd);
+    s.set_read_timeout(Some(CLIENT_WAIT)).unwrap();
+    Client { s }
+}
+
 /// Waits for the server to close `c`; returns how long that took.
-fn eof_within(c: &mut Client<UnixStream>, what: &str) -> Duration {
+fn eof_within<S: Read + Write>(c: &mut Client<S>, what: &str) -> Duration {
     let t = Instant::now();
     c.expect_eof();
     let waited = t.elapsed();
@@ -262,17 +276,263 @@ fn max_block_size_is_advertised_and_enforced() {
     assert_eq!(server.stats().session_errors, 0);
 }
 
+/// (e) 64 clients that finish `NBD_OPT_GO` and then say nothing hold every
+/// slot. A fresh client is held (before its greeting) until one of them has
+/// been idle for `idle_reclaim`, then served in its slot. While slots are
+/// free, an idle connection is never closed: swap clients (the kernel's,
+/// QEMU's) send nothing between requests.
+#[test]
+fn idle_clients_give_way_to_a_fresh_client() {
+    const IDLE: Duration = Duration::from_secs(1);
+    let dir = TempDir::new("reclaim");
+    let server = server(&dir, |c| {
+        c.idle_reclaim = Some(IDLE);
+        c.max_connections_per_peer = 64; // all from this test's user
+    });
+    let sock = dir.join("nbd.sock");
+    let mut first = transmitting(&sock);
+    std::thread::sleep(IDLE + Duration::from_millis(500));
+    read_ok(&mut first, 1);
+    let idle: Vec<_> = (1..64).map(|_| transmitting(&sock)).collect();
+    // The first connection was busy last: it becomes reclaimable last.
+    read_ok(&mut first, 2);
+    assert_eq!(server.stats().connections_active, 64);
+
+    let t = Instant::now();
+    let mut fresh = client(&sock);
+    fresh.start(BOTH);
+    go(&mut fresh, "");
+    read_ok(&mut fresh, 3);
+    let waited = t.elapsed();
+    assert!(waited < IDLE + Duration::from_millis(1500), "served after {waited:?}");
+    read_ok(&mut first, 4);
+    eventually("the reclaimed session to end", || server.stats().connections_active == 64);
+    let st = server.stats();
+    assert_eq!((st.idle_reclaims, st.slot_waits, st.refused_connection_limit), (1, 1, 0), "{st:?}");
+    assert_eq!((st.idle_timeouts, st.session_errors, st.connections_max), (0, 0, 64));
+    drop(idle);
+}
+
+/// (f) One client (here: one loopback address) gets at most
+/// `max_connections_per_peer` slots; past it it is refused politely, while
+/// a client from another address gets a slot at once.
+#[test]
+fn one_client_cannot_take_every_slot() {
+    let mut cfg = NbdConfig::new(disk(pool_device("disk", 16 * MIB)), Listen::Tcp("127.0.0.1:0".parse().unwrap()));
+    cfg.max_connections = 8;
+    cfg.max_connections_per_peer = 4;
+    let server = ServerHandle::start(cfg).expect("start server");
+    let Listen::Tcp(addr) = *server.local_addr() else { unreachable!("a TCP server") };
+    // Silent connections, in their handshake: nothing to reclaim.
+    let hog: Vec<_> = (0..4).map(|_| tcp_from("127.0.0.1", addr)).collect();
+    eventually("the hog's connections to be accepted", || server.stats().connections_active == 4);
+
+    let t = Instant::now();
+    let mut c = tcp_from("127.0.0.1", addr);
+    c.start(BOTH);
+    c.opt(OPT_GO, &info_data("", &[]));
+    let r = c.opt_reply();
+    assert_eq!((r.option, r.kind), (OPT_GO, REP_ERR_SHUTDOWN));
+    assert_eq!(String::from_utf8_lossy(&r.data), "tmem: connection limit per client (4) reached");
+    let mut other = tcp_from("127.0.0.2", addr);
+    other.start(BOTH);
+    go(&mut other, "");
+    read_ok(&mut other, 1);
+    assert!(t.elapsed() < Duration::from_secs(2), "took {:?}", t.elapsed());
+    let st = server.stats();
+    assert_eq!((st.refused_peer_limit, st.refused_connection_limit, st.connections_per_peer_max), (1, 0, 4));
+    drop(hog);
+}
+
+/// (g) Eight clients send the header of a 32 MiB WRITE and then stall.
+/// Each holds one chunk of the budget, not its whole request: another
+/// client's 4 KiB read is answered at once.
+#[test]
+fn stalled_writes_leave_budget_for_others() {
+    let dir = TempDir::new("stallwrite");
+    let server =
+        ServerHandle::start(NbdConfig::new(disk(pool_device("disk", 64 * MIB)), Listen::Unix(dir.join("nbd.sock"))))
+            .expect("start server");
+    let sock = dir.join("nbd.sock");
+    let mut stalled: Vec<_> = (0..8).map(|_| transmitting(&sock)).collect();
+    for (cookie, c) in (0..).zip(&mut stalled) {
+        c.request(CMD_WRITE, 0, cookie, 0, 32 << 20, &[]);
+    }
+    eventually("the writes to be read", || server.stats().exports[0].writes == 8);
+    eventually("the stalled writes to hold their buffers", || server.stats().buffered_bytes >= 8 * MIB);
+    std::thread::sleep(Duration::from_millis(100));
+    let mut good = transmitting(&sock);
+    let t = Instant::now();
+    good.request(CMD_READ, 0, 9, 0, 4096, &[]);
+    assert_eq!(good.simple(4096), (0, 9, vec![0; 4096]));
+    assert!(t.elapsed() < Duration::from_secs(1), "read took {:?}", t.elapsed());
+    // The read gives its buffer back just after its reply went out.
+    eventually("one chunk held per stalled write", || server.stats().buffered_bytes == 8 * MIB);
+    let st = server.stats();
+    assert_eq!((st.buffer_waits, st.session_errors), (0, 0));
+    drop(stalled);
+}
+
+/// (h) A request that finds no room in the budget within `buffer_wait` is
+/// answered with `ENOMEM`, and its connection is closed.
+#[test]
+fn buffer_wait_gives_up_with_an_error_reply() {
+    const BLOCK: u32 = 1 << 20;
+    let dir = TempDir::new("bufwait");
+    let server = server(&dir, |c| {
+        c.max_block_size = BLOCK;
+        c.max_buffered_bytes = usize::try_from(BLOCK).unwrap() + 1024;
+        c.buffer_wait = Duration::from_millis(300);
+    });
+    let sock = dir.join("nbd.sock");
+    // A client that does not read its replies holds the whole budget.
+    let mut hog = transmitting(&sock);
+    for cookie in 0..4 {
+        hog.request(CMD_READ, 0, cookie, 0, BLOCK, &[]);
+    }
+    eventually("the budget to be held", || server.stats().buffered_bytes > u64::from(BLOCK));
+    let mut c = transmitting(&sock);
+    let t = Instant::now();
+    c.request(CMD_READ, 0, 7, 0, 4096, &[]);
+    assert_eq!(c.simple(0), (NBD_ENOMEM, 7, vec![]));
+    let waited = t.elapsed();
+    eof_within(&mut c, "a connection after its buffer wait ran out");
+    assert!(waited >= Duration::from_millis(250) && waited < Duration::from_secs(3), "answered after {waited:?}");
+    let st = server.stats();
+    assert_eq!((st.buffer_wait_timeouts, st.session_errors, st.io_timeouts), (1, 0, 0), "{st:?}");
+    drop(hog);
+}
+
+/// (i) A WRITE whose payload comes a byte at a time (each byte well within
+/// `io_timeout`) is cut once its transfer deadline passed: an `EIO` reply,
+/// then the connection is closed. A request header sent the same way is
+/// cut without a reply.
+#[test]
+fn trickled_payload_is_cut_at_its_deadline() {
+    let dir = TempDir::new("trickle");
+    let server = server(&dir, |c| c.transfer_timeout = Duration::from_millis(500));
+    let sock = dir.join("nbd.sock");
+    let trickle = |c: &Client<UnixStream>| {
+        let mut w = c.s.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            // Stops once the server shut its side (EPIPE) or after 4 s.
+            while t.elapsed() < Duration::from_secs(4) && w.write_all(&[7]).is_ok() {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+
+    let mut c = transmitting(&sock);
+    let t = Instant::now();
+    c.request(CMD_WRITE, 0, 9, 0, 4096, &[]);
+    let writer = trickle(&c);
+    assert_eq!(c.simple(0), (NBD_EIO, 9, vec![]));
+    eof_within(&mut c, "a trickled write");
+    let waited = t.elapsed();
+    assert!(waited >= Duration::from_millis(450) && waited < Duration::from_secs(3), "cut after {waited:?}");
+    writer.join().unwrap();
+
+    let mut c = transmitting(&sock);
+    let t = Instant::now();
+    c.send(&encode_request(&Request { flags: 0, command: CMD_READ, cookie: 1, offset: 0, len: 512 })[..1]);
+    let writer = trickle(&c);
+    eof_within(&mut c, "a trickled request header");
+    assert!(t.elapsed() >= Duration::from_millis(450), "cut after {:?}", t.elapsed());
+    writer.join().unwrap();
+
+    // A write that arrives in time is untouched.
+    let mut c = transmitting(&sock);
+    c.request(CMD_WRITE, 0, 2, 0, 4096, &[5; 4096]);
+    assert_eq!(c.simple(0), (0, 2, vec![]));
+    eventually("the timeouts to be counted", || server.stats().request_timeouts == 2);
+    let st = server.stats();
+    assert_eq!((st.io_timeouts, st.session_errors, st.reply_timeouts), (0, 0, 0), "{st:?}");
+}
+
+/// (j) A client that reads a reply a byte at a time is cut at the reply's
+/// deadline, freeing its buffer.
+#[test]
+fn slowly_read_reply_is_cut_at_its_deadline() {
+    let dir = TempDir::new("slowread");
+    let server = server(&dir, |c| c.transfer_timeout = Duration::from_millis(500));
+    let mut c = transmitting(&dir.join("nbd.sock"));
+    let t = Instant::now();
+    // 1 MiB: far more than the socket buffers; its deadline is 2.5 s.
+    c.request(CMD_READ, 0, 1, 0, 1 << 20, &[]);
+    let mut r = c.s.try_clone().unwrap();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = std::sync::Arc::clone(&done);
+    let reader = std::thread::spawn(move || {
+        let mut b = [0u8; 1];
+        // What was queued before the cut still comes: stop when told.
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) && matches!(r.read(&mut b), Ok(1)) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    eventually("the reply to be cut", || server.stats().reply_timeouts == 1);
+    let waited = t.elapsed();
+    assert!(waited >= Duration::from_secs(2), "cut after {waited:?}");
+    eventually("the buffer to be given back", || server.stats().buffered_bytes == 0);
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    reader.join().unwrap();
+    let st = server.stats();
+    assert_eq!((st.io_timeouts, st.session_errors, st.request_timeouts), (0, 0, 0), "{st:?}");
+}
+
+/// Requests larger than a chunk are received, stored, read and sent a
+/// chunk at a time: the data round-trips (simple and structured replies,
+/// one `OFFSET_DATA` chunk), and the connection holds one chunk of the
+/// budget at most.
+#[test]
+fn large_requests_go_in_chunks() {
+    const LEN: usize = (5 << 20) + 123;
+    let dir = TempDir::new("chunks");
+    let server =
+        ServerHandle::start(NbdConfig::new(disk(pool_device("disk", 16 * MIB)), Listen::Unix(dir.join("nbd.sock"))))
+            .expect("start server");
+    let data: Vec<u8> = (0..LEN).map(|i| u8::try_from(i % 251).unwrap()).collect();
+    let len = u32::try_from(LEN).unwrap();
+    let mut c = client(&dir.join("nbd.sock"));
+    c.start(BOTH);
+    c.opt(OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(c.opt_reply().kind, REP_ACK);
+    go(&mut c, "");
+    c.request(CMD_WRITE, CMD_FLAG_FUA, 1, 4097, len, &data);
+    let ch = c.chunk();
+    assert_eq!((ch.flags, ch.kind, ch.cookie), (REPLY_FLAG_DONE, REPLY_TYPE_NONE, 1));
+    c.request(CMD_READ, CMD_FLAG_DF, 2, 4097, len, &[]);
+    let ch = c.chunk();
+    assert_eq!((ch.flags, ch.kind, ch.cookie, ch.payload.len()), (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, 2, LEN + 8));
+    assert_eq!(be64(&ch.payload), 4097);
+    assert!(ch.payload[8..] == data[..], "structured read differs");
+    let mut s = transmitting(&dir.join("nbd.sock"));
+    s.request(CMD_READ, 0, 3, 4097, len, &[]);
+    let (err, cookie, got) = s.simple(LEN);
+    assert_eq!((err, cookie), (0, 3));
+    assert!(got == data, "simple read differs");
+    let st = server.stats();
+    assert!(st.buffered_bytes_peak <= MIB + 28, "peak {} bytes buffered", st.buffered_bytes_peak);
+    let e = &st.exports[0];
+    assert_eq!((e.bytes_written, e.bytes_read, st.session_errors), (u64::from(len), 2 * u64::from(len), 0));
+}
+
 #[test]
 fn limits_are_validated() {
     let dir = TempDir::new("limitcfg");
     type Change = fn(&mut NbdConfig);
-    let cases: [(&str, Change); 6] = [
+    let cases: [(&str, Change); 11] = [
         ("zero handshake timeout", |c| c.handshake_timeout = Duration::ZERO),
         ("zero io timeout", |c| c.io_timeout = Duration::ZERO),
         ("zero idle timeout", |c| c.idle_timeout = Some(Duration::ZERO)),
+        ("zero idle reclaim", |c| c.idle_reclaim = Some(Duration::ZERO)),
+        ("zero transfer timeout", |c| c.transfer_timeout = Duration::ZERO),
+        ("zero buffer wait", |c| c.buffer_wait = Duration::ZERO),
+        ("no connections", |c| c.max_connections = 0),
+        ("no connections per client", |c| c.max_connections_per_peer = 0),
         ("block size below 4096", |c| c.max_block_size = 2048),
         ("block size over 32 MiB", |c| c.max_block_size = MAX_PAYLOAD + 4096),
-        ("budget below one request", |c| c.max_buffered_bytes = 1 << 20),
+        ("budget below one chunk", |c| c.max_buffered_bytes = 1 << 20),
     ];
     for (what, f) in cases {
         let mut cfg = NbdConfig::new(disk(pool_device("d", MIB)), Listen::Unix(dir.join("nbd.sock")));
@@ -286,4 +546,6 @@ fn limits_are_validated() {
         (64, Duration::from_secs(10), None, Duration::from_secs(30))
     );
     assert_eq!((cfg.max_block_size, cfg.max_buffered_bytes), (32 << 20, 256 << 20));
+    assert_eq!((cfg.max_connections_per_peer, cfg.idle_reclaim), (32, Some(Duration::from_secs(30))));
+    assert_eq!((cfg.transfer_timeout, cfg.buffer_wait), (Duration::from_secs(10), Duration::from_secs(30)));
 }

@@ -10,6 +10,7 @@ use tmem_block::DeviceStats;
 use tmem_counters::Counters;
 use tmem_ctl::{self as ctl, Request};
 use tmem_daemon::config::Config;
+use tmem_daemon::limits::{self, LimitError, Machine};
 use tmem_daemon::spec::default_fuse_threads;
 use tmem_daemon::spec::{cache_specs, device_specs, CacheArgs};
 use tmem_daemon::{human, launch, recover, DaemonError, DaemonSpec, PoolLimit};
@@ -54,6 +55,9 @@ pub struct UpArgs {
     /// Serve Prometheus metrics (OpenMetrics text at /metrics) on this address, e.g. 127.0.0.1:9848.
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
+    /// Allow a non-loopback --metrics address (/metrics has no authentication: trusted networks only).
+    #[arg(long, requires = "metrics")]
+    allow_remote_metrics: bool,
     /// Configuration file (TOML); flags given here override it. Default: /etc/tmem/tmem.toml if it exists.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -97,6 +101,11 @@ impl UpArgs {
             runtime_dir: pick(given("runtime_dir"), &self.runtime_dir, &c.runtime_dir),
             wait: pick(given("wait"), &self.wait, &c.wait),
             metrics: pick(given("metrics"), &self.metrics, &c.metrics.map(Some)),
+            allow_remote_metrics: pick(
+                given("allow_remote_metrics"),
+                &self.allow_remote_metrics,
+                &c.allow_remote_metrics,
+            ),
             config: self.config.clone(),
             foreground: self.foreground,
             cache_backing: self.cache_backing.clone(),
@@ -128,12 +137,34 @@ pub struct DaemonArgs {
     pub runtime_dir: PathBuf,
 }
 
+/// A count as `u64` for [`limits`] (a `usize` always fits).
+fn count(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
+}
+
+impl UpArgs {
+    /// Checks every count and size against this machine before anything is
+    /// built from them; a value from the configuration file passed the same
+    /// checks there, so a refusal here names the flag.
+    fn check_limits(&self, m: &Machine) -> Result<(), LimitError> {
+        limits::devices("--devices", count(self.devices), true)?;
+        limits::caches("--cache-backing", count(self.cache_backing.len()), count(self.devices))?;
+        limits::pool_limit("--pool-limit", self.pool_limit, m.total_ram)?;
+        limits::fuse_threads("--fuse-threads", count(self.fuse_threads), m)?;
+        limits::fuse_uring("--fuse-uring", count(self.fuse_uring), m)?;
+        limits::wait("--wait", self.wait)?;
+        limits::replicas("--replicas", count(self.tiers.replicas))?;
+        Ok(())
+    }
+}
+
 /// `tmem swap up`: starts the daemon and waits until swap is on.
 pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
+    let a = &a.with_config(&Config::load_default_or(a.config.as_deref())?, m);
+    a.check_limits(&Machine::this()?)?;
     if !tmem_sys::is_root() {
         anyhow::bail!("tmem swap up needs root (it mounts FUSE, attaches loop devices and runs swapon)");
     }
-    let a = &a.with_config(&Config::load_default_or(a.config.as_deref())?, m);
     let spec = DaemonSpec {
         runtime_dir: a.runtime_dir.clone(),
         devices: device_specs("swap", a.devices, a.size, &a.codec, a.pool_limit, &a.recompress),
@@ -142,6 +173,8 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
         swap: true,
         nbd: None,
         nbd_allow_remote: false,
+        nbd_idle_reclaim: None,
+        nbd_idle_timeout: None,
         priority: a.priority,
         fuse_threads: a.fuse_threads,
         fuse_uring: a.fuse_uring,
@@ -149,6 +182,7 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
         recycle_idle_swap: a.recycle_idle_swap,
         tiers: a.tiers.clone(),
         metrics: a.metrics,
+        metrics_allow_remote: a.allow_remote_metrics,
         lock_fd: None,
     };
     // Check everything here, where the user sees the error.
@@ -430,12 +464,24 @@ pub struct ServeNbdArgs {
     /// Allow a non-loopback TCP address (NBD has no authentication: trusted networks only).
     #[arg(long)]
     allow_remote: bool,
+    /// Seconds without a request after which an NBD connection is closed when a new client needs its
+    /// slot (all taken, or the client's share); never while slots are free, so idle swap clients keep
+    /// theirs. 0: never.
+    #[arg(long, value_name = "SECS", default_value_t = tmem_nbd::DEFAULT_IDLE_RECLAIM.as_secs())]
+    nbd_idle_reclaim: u64,
+    /// Seconds without a request after which any NBD connection is closed, even with slots free.
+    /// 0 (default): never. Not for swap clients: the kernel's NBD client sends nothing while idle.
+    #[arg(long, value_name = "SECS", default_value_t = 0)]
+    nbd_idle_timeout: u64,
     /// Runtime directory (control socket for `tmem stat`/`tmem set`).
     #[arg(long, default_value = ctl::RUNTIME_DIR)]
     runtime_dir: PathBuf,
     /// Serve Prometheus metrics (OpenMetrics text at /metrics) on this address, e.g. 127.0.0.1:9848.
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
+    /// Allow a non-loopback --metrics address (/metrics has no authentication: trusted networks only).
+    #[arg(long, requires = "metrics")]
+    allow_remote_metrics: bool,
     #[command(flatten)]
     recompress: tmem_daemon::spec::RecompressArgs,
     #[command(flatten)]
@@ -444,6 +490,12 @@ pub struct ServeNbdArgs {
 
 /// `tmem serve nbd`: exports devices over NBD in the foreground until SIGINT/SIGTERM.
 pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
+    let machine = Machine::this()?;
+    let devices = a.devices.unwrap_or(usize::from(a.backing.is_empty()));
+    limits::devices("--devices", count(devices), false)?;
+    limits::caches("--backing", count(a.backing.len()), count(devices))?;
+    limits::pool_limit("--pool-limit", a.pool_limit, machine.total_ram)?;
+    limits::replicas("--replicas", count(a.tiers.replicas))?;
     let listen = match (&a.tcp, &a.socket) {
         (Some(addr), _) => format!("tcp:{addr}"),
         (None, Some(p)) => p.display().to_string(),
@@ -451,19 +503,14 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
     };
     let spec = DaemonSpec {
         runtime_dir: a.runtime_dir.clone(),
-        devices: device_specs(
-            "disk",
-            a.devices.unwrap_or(usize::from(a.backing.is_empty())),
-            a.size,
-            &a.codec,
-            a.pool_limit,
-            &a.recompress,
-        ),
+        devices: device_specs("disk", devices, a.size, &a.codec, a.pool_limit, &a.recompress),
         caches: cache_specs(&a.backing, &a.codec, a.pool_limit, &a.cache),
         fuse: false,
         swap: false,
         nbd: Some(listen),
         nbd_allow_remote: a.allow_remote,
+        nbd_idle_reclaim: Some(a.nbd_idle_reclaim),
+        nbd_idle_timeout: Some(a.nbd_idle_timeout),
         priority: 0,
         fuse_threads: 0,
         fuse_uring: 0,
@@ -471,6 +518,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
         recycle_idle_swap: false,
         tiers: a.tiers.clone(),
         metrics: a.metrics,
+        metrics_allow_remote: a.allow_remote_metrics,
         lock_fd: None,
     };
     spec.validate(tmem_sys::swap::total_ram_bytes()?)?;
@@ -509,6 +557,9 @@ pub struct CacheUpArgs {
     /// Serve Prometheus metrics (OpenMetrics text at /metrics) on this address.
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
+    /// Allow a non-loopback --metrics address (/metrics has no authentication: trusted networks only).
+    #[arg(long, requires = "metrics")]
+    allow_remote_metrics: bool,
     /// Run the daemon in this process instead of in the background.
     #[arg(long)]
     foreground: bool,
@@ -518,6 +569,11 @@ pub struct CacheUpArgs {
 /// compressed cache, as a /dev/loopN to mkfs or mount. To share one memory
 /// budget with swap, use `tmem swap up --cache-backing` instead.
 pub fn cache_up(a: &CacheUpArgs) -> anyhow::Result<()> {
+    let machine = Machine::this()?;
+    limits::caches("--backing", count(a.backing.len()), 0)?;
+    limits::pool_limit("--pool-limit", a.pool_limit, machine.total_ram)?;
+    limits::fuse_threads("--fuse-threads", count(a.fuse_threads), &machine)?;
+    limits::wait("--wait", a.wait)?;
     if !tmem_sys::is_root() {
         anyhow::bail!("tmem cache up needs root (it mounts FUSE and attaches loop devices)");
     }
@@ -529,6 +585,8 @@ pub fn cache_up(a: &CacheUpArgs) -> anyhow::Result<()> {
         swap: false,
         nbd: None,
         nbd_allow_remote: false,
+        nbd_idle_reclaim: None,
+        nbd_idle_timeout: None,
         priority: 0,
         fuse_threads: a.fuse_threads,
         fuse_uring: 0,
@@ -536,9 +594,10 @@ pub fn cache_up(a: &CacheUpArgs) -> anyhow::Result<()> {
         recycle_idle_swap: false,
         tiers: tmem_daemon::tiers::TierArgs::default(),
         metrics: a.metrics,
+        metrics_allow_remote: a.allow_remote_metrics,
         lock_fd: None,
     };
-    spec.validate(tmem_sys::swap::total_ram_bytes()?)?;
+    spec.validate(machine.total_ram)?;
     start(spec, a.foreground, a.wait, "cache")
 }
 
@@ -556,6 +615,7 @@ pub struct RestartArgs {
 /// `tmem swap restart`: a new daemon process takes over from the running
 /// one (see `tmem_daemon::handover`); if it cannot, the running one goes on.
 pub fn restart(a: &RestartArgs) -> anyhow::Result<()> {
+    limits::wait("--wait", a.wait)?;
     let st = |v| serde_json::from_value::<tmem_ctl::Status>(v);
     let old = st(ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(10))?)?;
     // The new daemon logs where `swap up`'s does (a foreground daemon logs to its terminal; then the file starts here).
@@ -578,11 +638,18 @@ pub fn restart(a: &RestartArgs) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + Duration::from_secs(a.wait);
     loop {
         if let Some(status) = child.try_wait()? {
+            if status.success() {
+                // A successor exits 0 only after serving: it took over, and
+                // another restart (or a swap down) has replaced it since.
+                let now = tmem_daemon::handover::who_serves(&a.runtime_dir, new);
+                println!("tmem swap restarted: daemon pid {} -> {new}; since then, {now}", old.pid);
+                return Ok(());
+            }
             let tail =
                 tmem_daemon::runtime::RuntimeDir::open(&a.runtime_dir).map(|d| d.log_tail(5)).unwrap_or_default();
             anyhow::bail!(
-                "the new daemon (pid {new}) exited ({status}) without taking over; daemon pid {} goes on serving. Its log:\n{tail}",
-                old.pid
+                "the new daemon (pid {new}) exited ({status}) without taking over; {}. Its log:\n{tail}",
+                tmem_daemon::handover::who_serves(&a.runtime_dir, old.pid)
             );
         }
         if let Ok(v) = ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(5)) {

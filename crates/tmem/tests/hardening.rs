@@ -93,17 +93,24 @@ impl Drop for Scratch {
     }
 }
 
+/// A scratch directory with `tmem serve nbd ARGS` running in it, and its
+/// runtime directory; `None` (a skip) where the daemon cannot run.
+fn serving(args: &[&str]) -> Option<(Scratch, PathBuf)> {
+    if !is_root() {
+        skip(Feature::Root, "the daemon calls mlockall, which needs root here");
+        return None;
+    }
+    let mut s = Scratch::new();
+    let run = s.serve(args);
+    Some((s, run))
+}
+
 /// Finding 2: one silent control client blocked `tmem stat`, and a second
 /// daemon took over the socket. Also finding 6: `tmem set` accepted values
 /// that `swap up` refuses.
 #[test]
 fn control_socket_cannot_be_held_or_taken_over() {
-    if !is_root() {
-        skip(Feature::Root, "the daemon calls mlockall, which needs root here");
-        return;
-    }
-    let mut s = Scratch::new();
-    let run = s.serve(&["--size", "64M"]);
+    let Some((_scratch, run)) = serving(&["--size", "64M"]) else { return };
     let run_s = run.to_str().unwrap().to_owned();
     let sock = run.join(tmem_ctl::SOCKET);
     let inode = std::fs::metadata(&sock).unwrap().ino();
@@ -301,4 +308,313 @@ fn swap_up_that_gives_up_leaves_nothing_behind() {
     // The directory is free for the next daemon.
     let (out, text, _) = tmem(&["stat", "--runtime-dir", run_s]);
     assert!(!out.status.success() && text.contains("no tmem daemon"), "{text}");
+}
+
+/// One run of the binary, measured by `wait4`.
+struct Measured {
+    status: std::process::ExitStatus,
+    stderr: String,
+    took: Duration,
+    /// Peak resident set, bytes.
+    max_rss: u64,
+}
+
+/// Runs `tmem ARGS` and measures its time and peak RSS; kills it after 20 s.
+fn measured(args: &[&str]) -> Measured {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let err = dir.path().join("stderr");
+    let t = Instant::now();
+    #[expect(clippy::zombie_processes, reason = "reaped below by wait4, for its rusage")]
+    let child = Command::new(TMEM)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let pid = i32::try_from(child.id()).unwrap();
+    let mut status = 0;
+    // SAFETY: `rusage` is plain integers, for which all zeroes is valid.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: `pid` is our child, not yet waited for; `status` and `ru` are valid for writes.
+        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut ru) };
+        if r == pid {
+            break;
+        }
+        assert_eq!(r, 0, "wait4: {}", std::io::Error::last_os_error());
+        if t.elapsed() > Duration::from_secs(20) {
+            // SAFETY: as above; the child is killed, then reaped blocking.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::wait4(pid, &mut status, 0, &mut ru);
+            }
+            panic!("tmem {args:?} did not exit within 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let took = t.elapsed();
+    Measured {
+        status: std::process::ExitStatus::from_raw(status),
+        stderr: std::fs::read_to_string(&err).unwrap(),
+        took,
+        max_rss: u64::try_from(ru.ru_maxrss).unwrap() * 1024,
+    }
+}
+
+/// Asserts that `tmem ARGS` is refused: exit 1 (not a signal, not a
+/// panic's 101), one line on stderr holding every one of `needles`, in
+/// under 1 s and 50 MB of RSS.
+fn assert_refused(args: &[&str], needles: &[&str]) {
+    let m = measured(args);
+    let what = format!("tmem {}: {:?}", args.join(" "), m.stderr);
+    assert_eq!(m.status.code(), Some(1), "{what}: {} (a signal is an abort)", m.status);
+    assert_eq!(m.stderr.lines().count(), 1, "{what}: one line");
+    for n in needles {
+        assert!(m.stderr.contains(n), "{what}: no {n:?}");
+    }
+    assert!(m.took < Duration::from_secs(1), "{what}: took {:?}", m.took);
+    assert!(m.max_rss < 50 << 20, "{what}: peak RSS {} MiB", m.max_rss >> 20);
+}
+
+/// Findings: `--devices 4294967296` aborted on a 446 GB allocation (`swap
+/// up` and `serve nbd`), `devices = 9223372036854775807` in the
+/// configuration panicked, `--devices 10000000` peaked at 1.6 GB of RSS
+/// before it was refused, and `--config` on a FIFO blocked in `open()`.
+#[test]
+fn counts_sizes_and_config_files_are_refused_at_once() {
+    let s = Scratch::new();
+    let run = s.path("run");
+    let rd = run.to_str().unwrap();
+    let config = s.path("tmem.toml");
+    std::fs::write(&config, "[swap]\ndevices = 9223372036854775807\n").unwrap();
+    let config = config.to_str().unwrap();
+    let fifo = s.path("fifo.toml");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let fifo = fifo.to_str().unwrap();
+    for (args, needles) in [
+        (vec!["swap", "up", "--devices", "4294967296"], vec!["--devices 4294967296", "limit of 32"]),
+        (vec!["serve", "nbd", "--devices", "4294967296"], vec!["--devices 4294967296", "limit of 256"]),
+        (vec!["swap", "up", "--devices", "10000000"], vec!["--devices 10000000", "limit of 32"]),
+        (vec!["serve", "nbd", "--devices", "10000000"], vec!["--devices 10000000", "limit of 256"]),
+        (vec!["swap", "up", "--config", config], vec!["swap.devices: 9223372036854775807", "limit of 32"]),
+        (vec!["swap", "up", "--config", fifo], vec![fifo, "a FIFO", "not a regular file of at most 1 MiB"]),
+        (vec!["swap", "up", "--fuse-threads", "4294967296"], vec!["--fuse-threads 4294967296", "limit of"]),
+        (vec!["swap", "up", "--fuse-uring", "4294967296"], vec!["--fuse-uring 4294967296", "limit of"]),
+        (vec!["swap", "up", "--wait", "18446744073709551615"], vec!["--wait 18446744073709551615", "limit of 86400"]),
+        (vec!["swap", "up", "--replicas", "1000"], vec!["--replicas 1000", "limit of 8"]),
+        (vec!["swap", "up", "--pool-limit", "99999T"], vec!["--pool-limit 97.7 PiB", "above the limit of"]),
+        (vec!["serve", "nbd", "--size", "99999T"], vec!["device size 97.7 PiB in all", "above the limit of"]),
+        (vec!["serve", "nbd", "--pool-limit", "99999T"], vec!["--pool-limit 97.7 PiB", "above the limit of"]),
+    ] {
+        let mut args = args;
+        args.extend(["--runtime-dir", rd]);
+        assert_refused(&args, &needles);
+        assert!(!run.exists(), "{args:?}: nothing was started");
+    }
+}
+
+/// Finding: a `.tcorp` zstd stream with no recorded size was refused only
+/// after 320 MiB, at 335 MB of RSS, from an 11 KB file.
+#[test]
+fn corpus_streams_stop_at_the_file_and_the_claim() {
+    let s = Scratch::new();
+    let streamed: u64 = 320 << 20;
+    for (claim, needle) in [(1u64 << 40, "a zstd stream of this file's size can hold"), (streamed / 4096 + 1, "")] {
+        let meta = tmem_corpus::CorpusMeta {
+            program: "x".into(),
+            source: "x".into(),
+            captured_unix: 0,
+            kernel: "x".into(),
+            pages: claim,
+        };
+        let json = serde_json::to_vec(&meta).unwrap();
+        let mut z = zstd::stream::write::Encoder::new(Vec::new(), 1).unwrap();
+        let mut header = tmem_corpus::MAGIC.to_vec();
+        for field in [&1u32.to_le_bytes()[..], &4096u32.to_le_bytes(), &claim.to_le_bytes()] {
+            header.extend_from_slice(field);
+        }
+        header.extend_from_slice(&u32::try_from(json.len()).unwrap().to_le_bytes());
+        header.extend_from_slice(&json);
+        std::io::Write::write_all(&mut z, &header).unwrap();
+        std::io::copy(&mut std::io::Read::take(std::io::repeat(0), streamed), &mut z).unwrap();
+        let bytes = z.finish().unwrap();
+        assert!(bytes.len() < 16 << 10, "{} bytes", bytes.len());
+        let file = s.path("bomb.tcorp");
+        std::fs::write(&file, &bytes).unwrap();
+        assert_refused(&["corpus", "info", file.to_str().unwrap()], &["invalid corpus file", needle]);
+    }
+}
+
+/// Finding: 16 control clients that each sent a byte every 4 s (under the
+/// 5 s timeout, which was per read) kept `stat`, `set` and `swap down`
+/// answering "busy" indefinitely.
+#[test]
+fn dripping_control_clients_cannot_keep_the_owner_out() {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let Some((_scratch, run)) = serving(&["--size", "64M"]) else { return };
+    let rd = run.to_str().unwrap().to_owned();
+    let stop = Arc::new(AtomicBool::new(false));
+    // Each client sends a byte a second, never a whole request, and
+    // connects again when it is cut off.
+    let drips: Vec<_> = (0..16)
+        .map(|_| {
+            let (sock, stop) = (run.join(tmem_ctl::SOCKET), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    let Ok(mut c) = UnixStream::connect(&sock) else { return };
+                    while !stop.load(Ordering::Acquire) && c.write_all(b"{").is_ok() {
+                        std::thread::sleep(Duration::from_millis(1000));
+                    }
+                }
+            })
+        })
+        .collect();
+    /// Stops the dripping clients even when an assertion fails.
+    struct Stop(Arc<AtomicBool>, Vec<std::thread::JoinHandle<()>>);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+            for t in self.1.drain(..) {
+                let _ = t.join();
+            }
+        }
+    }
+    let stop = Stop(stop, drips);
+    std::thread::sleep(Duration::from_millis(500));
+    // Before and after the 5 s deadline of the first clients.
+    for round in 0..2 {
+        let (out, text, took) = tmem(&["stat", "--json", "--runtime-dir", &rd]);
+        assert!(out.status.success() && took < Duration::from_secs(3), "round {round}: stat took {took:?}: {text}");
+        let (out, text, took) = tmem(&["set", "--runtime-dir", &rd, "disk0", "pool-limit=2%"]);
+        assert!(out.status.success() && took < Duration::from_secs(3), "round {round}: set took {took:?}: {text}");
+        std::thread::sleep(Duration::from_secs(6));
+    }
+    let (out, text, took) = tmem(&["swap", "down", "--runtime-dir", &rd]);
+    assert!(out.status.success() && took < Duration::from_secs(10), "down took {took:?}: {text}");
+    drop(stop);
+}
+
+/// Finding: of three concurrent `tmem swap restart`s, the two refused ones
+/// said the old pid "goes on serving" after it had handed over and exited.
+#[test]
+fn concurrent_restarts_say_who_serves() {
+    let Some((s, run)) = serving(&["--size", "64M"]) else { return };
+    let rd = run.to_str().unwrap().to_owned();
+    /// Stops whichever daemon serves the directory at the end.
+    struct Down(String);
+    impl Drop for Down {
+        fn drop(&mut self) {
+            let _ = Command::new(TMEM).args(["swap", "down", "--runtime-dir", &self.0]).output();
+        }
+    }
+    let _down = Down(rd.clone());
+    let old = s.servers[0].id();
+    let restarts: Vec<_> = (0..3)
+        .map(|_| {
+            let rd = rd.clone();
+            std::thread::spawn(move || tmem(&["swap", "restart", "--runtime-dir", &rd]))
+        })
+        .collect();
+    let outputs: Vec<(bool, String)> =
+        restarts.into_iter().map(|t| t.join().unwrap()).map(|(o, text, _)| (o.status.success(), text)).collect();
+    let serving: tmem_ctl::Status =
+        serde_json::from_value(tmem_ctl::call_ok(&run, &tmem_ctl::Request::Status, Duration::from_secs(10)).unwrap())
+            .unwrap();
+    assert_ne!(serving.pid, old, "{outputs:?}");
+    assert!(outputs.iter().any(|(ok, _)| *ok), "one restart took over: {outputs:?}");
+    for (ok, text) in &outputs {
+        assert!(!text.contains(&format!("daemon pid {old} goes on serving")), "pid {old} has exited: {text}");
+        if !ok {
+            assert!(text.contains("another restart took over: daemon pid"), "{text}");
+        }
+    }
+}
+
+/// A free loopback port for `--metrics` (bound, then let go).
+fn free_port() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+}
+
+/// Opens a connection to `addr` that pipelines GETs and never reads a reply.
+fn unread_pipeline(addr: std::net::SocketAddr) -> std::net::TcpStream {
+    use std::io::Write;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut s = loop {
+        match std::net::TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(e) => assert!(Instant::now() < deadline, "metrics at {addr}: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    s.set_nonblocking(true).unwrap();
+    let gets = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(2000);
+    let _ = s.write(&gets);
+    std::thread::sleep(Duration::from_millis(300));
+    s
+}
+
+/// One scrape on a fresh connection: its answer and how long it took.
+fn scrape(addr: std::net::SocketAddr) -> (String, Duration) {
+    use std::io::{Read, Write};
+    let t = Instant::now();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut r = String::new();
+    let _ = s.read_to_string(&mut r);
+    (r, t.elapsed())
+}
+
+/// Finding: a metrics client that pipelined GETs and never read the
+/// replies made every later scrape hang, kept `serve nbd` from ending on
+/// SIGTERM for over 60 s, and kept `swap down` from unmounting for 62 s.
+#[test]
+fn an_unread_metrics_pipeline_delays_no_scrape_and_no_shutdown() {
+    let addr = free_port();
+    let Some((mut s, _)) = serving(&["--size", "64M", "--metrics", &addr.to_string()]) else { return };
+    let stalled = unread_pipeline(addr);
+    let (answer, took) = scrape(addr);
+    assert!(answer.starts_with("HTTP/1.1 200") && took < Duration::from_secs(1), "{took:?}: {answer:.100}");
+    let server = s.servers.last_mut().unwrap();
+    let t = Instant::now();
+    rustix::process::kill_process(rustix::process::Pid::from_child(server), rustix::process::Signal::TERM).unwrap();
+    let status = tmem_testkit::wait_timeout(server, Duration::from_secs(30));
+    assert!(status.is_some() && t.elapsed() < Duration::from_secs(2), "SIGTERM took {:?}", t.elapsed());
+    eprintln!("serve nbd: scrape beside an unread pipeline {took:?}, SIGTERM to exit {:?}", t.elapsed());
+    drop(stalled);
+
+    if !can_swap_up() {
+        return;
+    }
+    let run = s.path("swap-run");
+    let rd = run.to_str().unwrap();
+    let addr = free_port();
+    let (out, text, _) = tmem(&["swap", "up", "--size", "64M", "--metrics", &addr.to_string(), "--runtime-dir", rd]);
+    /// Takes swap down even when an assertion fails.
+    struct Down<'a>(&'a str);
+    impl Drop for Down<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new(TMEM).args(["swap", "down", "--runtime-dir", self.0]).output();
+        }
+    }
+    let _down = Down(rd);
+    assert!(out.status.success(), "{text}");
+    let stalled = unread_pipeline(addr);
+    let (answer, took) = scrape(addr);
+    assert!(answer.starts_with("HTTP/1.1 200") && took < Duration::from_secs(1), "{took:?}: {answer:.100}");
+    let (out, text, took) = tmem(&["swap", "down", "--runtime-dir", rd]);
+    assert!(out.status.success() && took < Duration::from_secs(5), "swap down took {took:?}: {text}");
+    eprintln!("swap up: swap down beside an unread pipeline {took:?}");
+    drop(stalled);
+    // Only what a later `swap up` needs stays (README): the lock, and the
+    // log for whoever asks what happened. No socket (`handover.sock` was
+    // left behind), no state file, no mount point.
+    let mut left: Vec<String> =
+        std::fs::read_dir(&run).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    left.sort();
+    assert_eq!(left, ["daemon.lock", "daemon.log"], "left in {rd}");
 }

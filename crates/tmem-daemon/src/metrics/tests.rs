@@ -6,8 +6,12 @@ use tmem_core::{PoolStats, StoreConfig};
 
 use super::*;
 
+/// Any free port on loopback.
+pub(super) const LOOPBACK: std::net::SocketAddr =
+    std::net::SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
+
 /// A real device with some pages written, and its snapshot.
-fn device(name: &str) -> DeviceStats {
+pub(super) fn device(name: &str) -> DeviceStats {
     let dev =
         DeviceConfig { name: name.into(), size: 8 << 20, store: StoreConfig::default(), tiers: None, recompress: None }
             .build()
@@ -58,7 +62,7 @@ fn a_real_prometheus_scrapes_it() {
         tmem_testkit::skip(tmem_testkit::Feature::Tools, "prometheus not installed");
         return;
     }
-    let server = MetricsServer::start("127.0.0.1:0", Arc::new(|| vec![device("swap0")])).unwrap();
+    let server = MetricsServer::start(LOOPBACK, false, Arc::new(|| vec![device("swap0")])).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("prometheus.yml");
     std::fs::write(
@@ -106,8 +110,10 @@ fn promtool_accepts_the_classic_format() {
         tmem_testkit::skip(tmem_testkit::Feature::Tools, "promtool not installed");
         return;
     }
-    let text = to_classic(&encode(&[device("swap0"), device("swap1")]).unwrap());
+    let server = Some(MetricsServerStats { connections_max: 16, ..MetricsServerStats::default() });
+    let text = to_classic(&encode_with_server(&[device("swap0"), device("swap1")], server).unwrap());
     assert!(text.contains("# TYPE tmem_pool_succ_puts_total counter\n"), "{text}");
+    assert!(text.contains("\ntmem_metrics_connections_max 16\n"), "{text}");
     assert!(!text.contains("# EOF") && !text.contains("# UNIT"), "{text}");
     let mut child = Command::new("promtool")
         .args(["check", "metrics"])
@@ -125,7 +131,7 @@ fn promtool_accepts_the_classic_format() {
 #[test]
 fn serves_metrics_over_http_and_nothing_else() {
     let source: Source = Arc::new(|| vec![device("swap0")]);
-    let server = MetricsServer::start("127.0.0.1:0", source).unwrap();
+    let server = MetricsServer::start(LOOPBACK, false, source).unwrap();
     let get = |path: &str| http_get(server.addr(), path);
     let ok = get("/metrics");
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
