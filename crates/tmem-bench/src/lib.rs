@@ -1,12 +1,14 @@
 //! tmem's benchmarks, each measured against the kernel on the same machine in
 //! the same run: the store against zram on the same real pages ([`store`]),
-//! the tiers on loopback ([`tier`]), and the zcache/RAMster memory-pressure
-//! ladder against disk swap, zram and zswap ([`pressure`]). The `tmem bench`
-//! subcommands call them; [`zram`] is the kernel-side harness of the store
-//! benchmark and [`redis`] starts the throwaway servers of the remote tier.
+//! the tiers on loopback ([`tier`]), the zcache/RAMster memory-pressure
+//! ladder against disk swap, zram and zswap ([`pressure`]), and the swap-in
+//! round trip alone ([`fault`]). The `tmem bench` subcommands call them;
+//! [`zram`] is the kernel-side harness of the store benchmark and [`redis`]
+//! starts the throwaway servers of the remote tier.
 
 pub mod cache;
 pub mod capacity;
+pub mod fault;
 pub mod machine;
 pub mod plot;
 pub mod pressure;

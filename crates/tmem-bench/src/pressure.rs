@@ -541,7 +541,7 @@ fn limit_for(level: u32, peak: u64) -> Option<u64> {
 }
 
 /// Active swap areas that are not `ours`.
-fn foreign_swap(ours: &[PathBuf]) -> Vec<String> {
+pub(crate) fn foreign_swap(ours: &[PathBuf]) -> Vec<String> {
     swap::swaps()
         .map(|v| v.into_iter().filter(|a| !ours.contains(&a.path)).map(|a| a.path.display().to_string()).collect())
         .unwrap_or_default()

@@ -121,6 +121,10 @@ enum BenchCommand {
     /// memory limit; its throughput and swap rate per step over disk swap,
     /// zswap, zram and tmem.
     Ramp(Box<tmem_bench::ramp::RampArgs>),
+    /// The swap-in round trip alone: pages pushed to swap with
+    /// MADV_PAGEOUT, then touched one at a time (random and sequential);
+    /// fault latency and swap readahead over zram, fuse-ram and tmem.
+    Fault(Box<tmem_bench::fault::FaultArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -150,6 +154,7 @@ fn main() -> ExitCode {
         Command::Bench { what: BenchCommand::Cache(args) } => tmem_bench::cache::run(&args),
         Command::Bench { what: BenchCommand::Capacity(args) } => tmem_bench::capacity::run(&args),
         Command::Bench { what: BenchCommand::Ramp(args) } => tmem_bench::ramp::run(&args),
+        Command::Bench { what: BenchCommand::Fault(args) } => tmem_bench::fault::run(&args),
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),
