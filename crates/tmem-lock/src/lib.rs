@@ -90,6 +90,10 @@ pub enum Rank {
     UringFailure,
     /// The `/dev/fuse` workers' pause waits (with their condition variable).
     FuseLoop,
+    /// A front's policy thread: its stop flag (with its condition variable).
+    FrontStop,
+    /// A front's policy: its latest counters (a leaf).
+    FrontStats,
     /// Nonce audit of sealing (test builds only).
     SealAudit,
 }

@@ -95,6 +95,49 @@ impl FromStr for ZramMmStat {
     }
 }
 
+/// `/sys/block/zramN/bd_stat`: the backing device's use, in 4 KiB pages.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct BdStat {
+    /// Pages on the backing device now.
+    pub count: u64,
+    /// Pages read back from it.
+    pub reads: u64,
+    /// Pages written to it.
+    pub writes: u64,
+}
+
+impl BdStat {
+    /// Parses `bd_stat` (three numbers).
+    pub fn parse(text: &str) -> Result<Self, ZramError> {
+        let err = |reason: String| ZramError::Parse { what: "bd_stat", reason, input: text.to_owned() };
+        let v: Vec<u64> = text
+            .split_whitespace()
+            .map(|w| w.parse::<u64>().map_err(|e| err(format!("{w:?}: {e}"))))
+            .collect::<Result<_, _>>()?;
+        match v[..] {
+            [count, reads, writes, ..] => Ok(Self { count, reads, writes }),
+            _ => Err(err(format!("{} fields, expected 3", v.len()))),
+        }
+    }
+}
+
+/// The zram devices whose backing device is `dev` (by `backing_dev`, which
+/// names the block device's node): what a dead daemon's zram front left.
+#[must_use]
+pub fn backed_by(dev: &Path) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/sys/block") else { return Vec::new() };
+    let mut ids: Vec<u32> = dir
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            let id = name.strip_prefix("zram")?.parse::<u32>().ok()?;
+            let backing = std::fs::read_to_string(sysfs_dir(&name).join("backing_dev")).ok()?;
+            (Path::new(backing.trim()) == dev).then_some(id)
+        })
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
 /// Everything that can go wrong with zram.
 #[derive(Debug, thiserror::Error)]
 pub enum ZramError {
@@ -241,6 +284,101 @@ impl ZramDevice {
     /// [`ZramDevice::configure`].
     pub fn set_mem_limit(&self, bytes: u64) -> Result<(), ZramError> {
         write_attr(&self.name, "mem_limit", &bytes.to_string())
+    }
+
+    /// Takes over device `zramN` made by another process of ours (a
+    /// daemon handing over to its successor): it is removed on drop like
+    /// one hot-added here. Fails if the device does not exist.
+    pub fn adopt(id: u32) -> Result<Self, ZramError> {
+        let dev = Self { id, name: format!("zram{id}"), removed: false };
+        if let Err(why) = check_present(&dev.name) {
+            // Not ours to remove: it is not there.
+            std::mem::forget(dev);
+            return Err(ZramError::Unavailable(why));
+        }
+        Ok(dev)
+    }
+
+    /// Gives the device up without removing it (for a successor to
+    /// [`ZramDevice::adopt`]); returns its id.
+    #[must_use]
+    pub fn release(mut self) -> u32 {
+        self.removed = true;
+        self.id
+    }
+
+    /// Whether the kernel built zram with writeback (`CONFIG_ZRAM_WRITEBACK`):
+    /// the device has a `backing_dev` attribute.
+    #[must_use]
+    pub fn has_writeback(&self) -> bool {
+        sysfs_dir(&self.name).join("backing_dev").is_file()
+    }
+
+    /// Sets the backing device that `writeback` writes pages to (a block
+    /// device). Only before [`ZramDevice::configure`] sets `disksize`;
+    /// `configure` resets the device, which keeps the backing device.
+    pub fn set_backing_dev(&self, dev: &Path) -> Result<(), ZramError> {
+        write_attr(&self.name, "backing_dev", &dev.to_string_lossy())
+    }
+
+    /// Selects `algorithm` and sets `disksize` without the reset that
+    /// [`ZramDevice::configure`] does first (so a backing device set before
+    /// stays). The device must be fresh or reset.
+    pub fn initialise(&self, algorithm: &str, disksize: u64) -> Result<(), ZramError> {
+        let (available, _) = self.algorithms()?;
+        if !available.iter().any(|a| a == algorithm) {
+            return Err(ZramError::UnknownAlgorithm {
+                dev: self.name.clone(),
+                algorithm: algorithm.to_owned(),
+                available,
+            });
+        }
+        write_attr(&self.name, "comp_algorithm", algorithm)?;
+        write_attr(&self.name, "disksize", &disksize.to_string())
+    }
+
+    /// Its `bd_stat`: pages on the backing device now, read from it and
+    /// written to it since `disksize` was set.
+    pub fn bd_stat(&self) -> Result<BdStat, ZramError> {
+        BdStat::parse(&read_attr(&self.name, "bd_stat")?)
+    }
+
+    /// Marks pages idle: every stored page (`age` `None`, `echo all > idle`),
+    /// or those not accessed for `age` seconds (`echo SECS > idle`, where
+    /// the kernel tracks access times: `CONFIG_ZRAM_TRACK_ENTRY_ACTIME`).
+    /// An access clears a page's mark. Returns `Ok(false)` when the kernel
+    /// refuses an age (no access times), so the caller marks `all` instead.
+    pub fn mark_idle(&self, age: Option<u64>) -> Result<bool, ZramError> {
+        match age {
+            None => write_attr(&self.name, "idle", "all").map(|()| true),
+            Some(secs) => match write_attr(&self.name, "idle", &secs.to_string()) {
+                Err(ZramError::SysfsWrite { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+                other => other.map(|()| true),
+            },
+        }
+    }
+
+    /// Writes back pages of the given kind (`idle`, `huge`, `huge_idle`,
+    /// `incompressible`) to the backing device, at most the writeback
+    /// limit. The kernel answers `EIO` when the limit is spent and
+    /// `ENOMEM`/`EAGAIN` when the backing device is full or busy: none is a
+    /// failure here, the caller reads what moved from [`ZramDevice::bd_stat`].
+    pub fn writeback(&self, kind: &str) -> Result<(), ZramError> {
+        match write_attr(&self.name, "writeback", kind) {
+            Err(ZramError::SysfsWrite { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::EIO | libc::ENOMEM | libc::EAGAIN)) =>
+            {
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// Bounds the pages [`ZramDevice::writeback`] may write from now on
+    /// (`writeback_limit_enable` 1, `writeback_limit` in 4 KiB pages).
+    pub fn set_writeback_limit(&self, pages: u64) -> Result<(), ZramError> {
+        write_attr(&self.name, "writeback_limit_enable", "1")?;
+        write_attr(&self.name, "writeback_limit", &pages.to_string())
     }
 
     /// Resets the device (frees its pages, `disksize` 0), retrying for a

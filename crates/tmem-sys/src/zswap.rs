@@ -181,6 +181,27 @@ impl ZswapSettings {
         Ok(Self { dir: dir.to_owned(), original: read_params(dir)?, changed: Vec::new() })
     }
 
+    /// Settings saved by another process (a daemon that died, or that hands
+    /// over to its successor): `original` values, and the parameters it
+    /// changed. [`ZswapSettings::restore`] (or drop) puts them back.
+    #[must_use]
+    pub fn resume(original: BTreeMap<String, String>, changed: Vec<String>) -> Self {
+        Self { dir: PathBuf::from(PARAMS_DIR), original, changed }
+    }
+
+    /// Gives the settings up without restoring them (for a successor to
+    /// [`ZswapSettings::resume`]): the original values and what changed.
+    #[must_use]
+    pub fn release(mut self) -> (BTreeMap<String, String>, Vec<String>) {
+        (std::mem::take(&mut self.original), std::mem::take(&mut self.changed))
+    }
+
+    /// The parameters changed so far.
+    #[must_use]
+    pub fn changed(&self) -> &[String] {
+        &self.changed
+    }
+
     /// The values found when saved.
     #[must_use]
     pub fn original(&self) -> &BTreeMap<String, String> {

@@ -149,3 +149,15 @@ fn dropping_the_device_removes_it_even_in_a_panic() {
     let id = id.lock().unwrap().expect("the device was created");
     assert!(removed_since(since, id), "zram{id} was not removed");
 }
+
+#[test]
+fn bd_stat_parses_three_fields_and_refuses_fewer() {
+    assert_eq!(BdStat::parse("       12        3       40\n").unwrap(), BdStat { count: 12, reads: 3, writes: 40 });
+    assert!(matches!(BdStat::parse("1 2"), Err(ZramError::Parse { what: "bd_stat", .. })));
+    assert!(matches!(BdStat::parse("1 x 3"), Err(ZramError::Parse { what: "bd_stat", .. })));
+}
+
+#[test]
+fn no_zram_device_is_backed_by_a_path_that_is_no_device() {
+    assert!(backed_by(std::path::Path::new("/nonexistent/tmem-test")).is_empty());
+}

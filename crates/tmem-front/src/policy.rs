@@ -1,0 +1,372 @@
+//! What goes down from the front to tmem, and when.
+//!
+//! Every tick (1 s) the policy samples the front: its pool, the pages it
+//! wrote back to tmem's device and the pages it read back from it. Then:
+//!
+//! * **Fill level.** Nothing goes down while the front's pool is below
+//!   `fill_percent` of its budget: a front with room keeps every page, and
+//!   a job that fits loses nothing to tiering.
+//! * **Idle age.** Above it, pages not accessed for `idle_age` go down, at
+//!   most `rate` pages a second (zram's `writeback_limit`). A page read
+//!   again within the age is not idle, so a hot page stays in the front.
+//! * **Learning from reads back.** The pages written back and the pages
+//!   read back are averaged with a decay of [`DECAY`] per tick (a horizon
+//!   of about ten ticks; reads lag the writes they answer, so they are
+//!   weighed against recent writes, not the same tick's). Every
+//!   [`JUDGE_TICKS`] ticks, when more than `backoff_percent` of what went
+//!   down came back, the age doubles and the rate halves (up to
+//!   `max_idle_age`, down to `min_rate`); at both bounds writeback pauses
+//!   for one age. Under a quarter of that, age and rate step back towards
+//!   their configured values. A uniformly hot job (every page read at each
+//!   pass) thus stops tiering after its first pages come back.
+//! * **Emergency.** At [`EMERGENCY_PERCENT`] of the budget the front is
+//!   about to refuse pages (zram's `mem_limit`): the shortest age and the
+//!   full rate apply, pause or not.
+//!
+//! [`Policy`] is plain arithmetic over [`Sample`]s (tested against a
+//! simulated front); [`PolicyThread`] runs it against a real front through
+//! [`FrontOps`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tmem_lock::{Condvar, Mutex, Rank};
+
+use crate::{FrontError, FrontStats};
+
+/// Decay of the averaged written and read-back pages per tick.
+pub const DECAY: f64 = 0.9;
+/// Ticks between two judgements of the reads back.
+pub const JUDGE_TICKS: u64 = 5;
+/// Averaged pages written back below which there is nothing to judge.
+const MIN_JUDGED_PAGES: f64 = 64.0;
+/// Fill level (% of the budget) at which the front is about to refuse pages.
+pub const EMERGENCY_PERCENT: u64 = 90;
+
+/// One look at the front: its pool now, and cumulative page counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sample {
+    /// Memory of the front's pool, bytes.
+    pub pool_bytes: u64,
+    /// Uncompressed bytes it holds.
+    pub stored_bytes: u64,
+    /// Pages it wrote back to tmem's device, since it was set up.
+    pub written: u64,
+    /// Pages it read back from tmem's device, since it was set up.
+    pub read_back: u64,
+}
+
+/// What a front does for the policy.
+pub trait FrontOps: Send + Sync {
+    /// Samples the front.
+    fn sample(&self) -> Result<Sample, FrontError>;
+    /// Writes back up to `max_pages` pages not accessed for `age`; returns
+    /// how many times it marked pages idle to do so.
+    fn write_back_idle(&self, age: Duration, max_pages: u64) -> Result<u64, FrontError>;
+    /// Lets the front write back on its own, or stops it (zswap's
+    /// shrinker); fronts that write back only when told ignore it.
+    fn allow_writeback(&self, on: bool) -> Result<(), FrontError>;
+}
+
+/// The policy's settings.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PolicyConfig {
+    /// How often it looks.
+    pub tick: Duration,
+    /// Idle age a page must reach to go down (the shortest it uses).
+    pub idle_age: Duration,
+    /// The longest age backing off may reach.
+    pub max_idle_age: Duration,
+    /// The front's budget, bytes.
+    pub budget: u64,
+    /// Fill level of the budget, %, below which nothing goes down.
+    pub fill_percent: u64,
+    /// Pages a second it may write back (the most).
+    pub rate: u64,
+    /// The least rate backing off may reach.
+    pub min_rate: u64,
+    /// Share of written-back pages read back, %, above which it backs off.
+    pub backoff_percent: u64,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            tick: Duration::from_secs(1),
+            idle_age: Duration::from_secs(30),
+            max_idle_age: Duration::from_secs(30 * 32),
+            budget: 256 << 20,
+            fill_percent: 50,
+            rate: 25_600,
+            min_rate: 256,
+            backoff_percent: 25,
+        }
+    }
+}
+
+/// What to do this tick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// Write back up to this many pages idle for this long.
+    pub write_back: Option<(Duration, u64)>,
+    /// Whether the front may write back on its own.
+    pub allow_writeback: bool,
+}
+
+/// Why the policy does what it does now (for `tmem stat`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum State {
+    /// Below the fill level: nothing goes down.
+    BelowFill,
+    /// Writing back idle pages.
+    WritingBack,
+    /// Paused until the given tick: written-back pages came back.
+    Paused(u64),
+    /// At the emergency fill level.
+    Emergency,
+}
+
+/// The policy: plain arithmetic over samples.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    cfg: PolicyConfig,
+    age: Duration,
+    rate: u64,
+    tick: u64,
+    prev: Option<Sample>,
+    /// Decayed averages of pages written back and read back per tick.
+    avg_written: f64,
+    avg_read: f64,
+    state: State,
+    last_ratio_percent: u64,
+    stats: FrontStats,
+}
+
+impl Policy {
+    /// A policy at its configured age and rate.
+    #[must_use]
+    pub fn new(cfg: PolicyConfig) -> Self {
+        let stats = FrontStats { budget_bytes: cfg.budget, ..FrontStats::default() };
+        Self {
+            age: cfg.idle_age,
+            rate: cfg.rate,
+            tick: 0,
+            prev: None,
+            avg_written: 0.0,
+            avg_read: 0.0,
+            state: State::BelowFill,
+            last_ratio_percent: 0,
+            stats,
+            cfg,
+        }
+    }
+
+    /// The current idle age.
+    #[must_use]
+    pub fn age(&self) -> Duration {
+        self.age
+    }
+
+    /// The current rate, pages a second.
+    #[must_use]
+    pub fn rate(&self) -> u64 {
+        self.rate
+    }
+
+    /// What it does now.
+    #[must_use]
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// Counts idle marks the front made for a decision.
+    pub fn count_marks(&mut self, marks: u64) {
+        self.stats.idle_marks += marks;
+    }
+
+    /// Its counters, with `base`'s descriptive fields.
+    #[must_use]
+    pub fn stats(&self, base: &FrontStats) -> FrontStats {
+        FrontStats {
+            front: base.front.clone(),
+            node: base.node.clone(),
+            reason: base.reason.clone(),
+            state: self.state_line(),
+            idle_age_us: u64::try_from(self.age.as_micros()).unwrap_or(u64::MAX),
+            rate_pages: self.rate,
+            ..self.stats.clone()
+        }
+    }
+
+    fn state_line(&self) -> String {
+        match self.state {
+            State::BelowFill => format!("below {}% of the budget: nothing goes down", self.cfg.fill_percent),
+            State::WritingBack => format!(
+                "writing back pages idle for {} s, at most {} pages/s ({}% of recent ones came back)",
+                self.age.as_secs(),
+                self.rate,
+                self.last_ratio_percent
+            ),
+            State::Paused(until) => format!(
+                "paused for {} s: {}% of the pages written back came back",
+                until.saturating_sub(self.tick) * self.cfg.tick.as_secs().max(1),
+                self.last_ratio_percent
+            ),
+            State::Emergency => format!("at {EMERGENCY_PERCENT}% of the budget: writing back at the shortest age"),
+        }
+    }
+
+    /// One tick: takes the sample, learns, decides.
+    pub fn step(&mut self, s: &Sample) -> Decision {
+        self.tick += 1;
+        let (dw, dr) = match self.prev {
+            Some(p) => (s.written.saturating_sub(p.written), s.read_back.saturating_sub(p.read_back)),
+            None => (0, 0),
+        };
+        self.prev = Some(*s);
+        self.stats.written_back += dw;
+        self.stats.read_back += dr;
+        self.stats.pool_bytes = s.pool_bytes;
+        self.stats.stored_bytes = s.stored_bytes;
+        self.avg_written = self.avg_written * DECAY + dw as f64;
+        self.avg_read = self.avg_read * DECAY + dr as f64;
+        if self.tick.is_multiple_of(JUDGE_TICKS) && self.avg_written >= MIN_JUDGED_PAGES {
+            self.judge();
+        }
+        let budget = self.cfg.budget.max(1);
+        let fill = s.pool_bytes.saturating_mul(100) / budget;
+        let paused = matches!(self.state, State::Paused(until) if until > self.tick);
+        let ticks_per_sec = 1.0 / self.cfg.tick.as_secs_f64().max(1e-3);
+        let per_tick = |rate: u64| whole(rate as f64 / ticks_per_sec).max(1);
+        let (state, write_back) = if fill >= EMERGENCY_PERCENT {
+            (State::Emergency, Some((self.cfg.idle_age.min(self.age), per_tick(self.cfg.rate))))
+        } else if paused {
+            (self.state, None)
+        } else if fill >= self.cfg.fill_percent {
+            (State::WritingBack, Some((self.age, per_tick(self.rate))))
+        } else {
+            (State::BelowFill, None)
+        };
+        self.state = state;
+        if write_back.is_some() {
+            self.stats.writeback_runs += 1;
+        }
+        Decision { write_back, allow_writeback: !matches!(state, State::Paused(_)) }
+    }
+
+    /// Backs off or relaxes by the share of written-back pages read back.
+    fn judge(&mut self) {
+        let ratio = whole(self.avg_read * 100.0 / self.avg_written);
+        self.last_ratio_percent = ratio;
+        if ratio > self.cfg.backoff_percent {
+            self.stats.backoffs += 1;
+            if self.age >= self.cfg.max_idle_age && self.rate <= self.cfg.min_rate {
+                let ticks = whole(self.age.as_secs_f64() / self.cfg.tick.as_secs_f64().max(1e-3));
+                self.state = State::Paused(self.tick + ticks.max(1));
+            }
+            self.age = (self.age * 2).min(self.cfg.max_idle_age);
+            self.rate = (self.rate / 2).max(self.cfg.min_rate);
+        } else if ratio * 4 <= self.cfg.backoff_percent && (self.age > self.cfg.idle_age || self.rate < self.cfg.rate) {
+            self.stats.relaxes += 1;
+            self.age = (self.age / 2).max(self.cfg.idle_age);
+            self.rate = (self.rate * 2).min(self.cfg.rate);
+        }
+    }
+}
+
+/// `x` rounded up to a whole number (`as` saturates: negative or NaN is 0).
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn whole(x: f64) -> u64 {
+    x.ceil() as u64
+}
+
+/// Stop flag of a [`PolicyThread`].
+type Stop = Arc<(Mutex<bool>, Condvar)>;
+
+/// A [`Policy`] running on a thread of its own against a front.
+pub struct PolicyThread {
+    stop: Stop,
+    stats: Arc<Mutex<FrontStats>>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PolicyThread {
+    /// Starts the policy against `ops`; `base` carries the front's name,
+    /// node and reason into its counters.
+    pub fn spawn(ops: Arc<dyn FrontOps>, cfg: PolicyConfig, base: FrontStats) -> Result<Self, FrontError> {
+        let stop: Stop = Arc::new((Mutex::new(Rank::FrontStop, false), Condvar::new()));
+        let mut policy = Policy::new(cfg.clone());
+        let stats = Arc::new(Mutex::new(Rank::FrontStats, policy.stats(&base)));
+        let (stop2, stats2) = (Arc::clone(&stop), Arc::clone(&stats));
+        let handle = std::thread::Builder::new()
+            .name("tmem-front".into())
+            .spawn(move || {
+                let mut allowed = true;
+                let mut last_error = String::new();
+                loop {
+                    {
+                        let mut stopped = stop2.0.lock();
+                        if !*stopped {
+                            stop2.1.wait_for(&mut stopped, cfg.tick);
+                        }
+                        if *stopped {
+                            return;
+                        }
+                    }
+                    let result = ops.sample().and_then(|s| {
+                        let d = policy.step(&s);
+                        if d.allow_writeback != allowed {
+                            ops.allow_writeback(d.allow_writeback)?;
+                            allowed = d.allow_writeback;
+                        }
+                        if let Some((age, pages)) = d.write_back {
+                            let marks = ops.write_back_idle(age, pages)?;
+                            policy.count_marks(marks);
+                        }
+                        Ok(())
+                    });
+                    match result {
+                        Ok(()) => last_error.clear(),
+                        Err(e) => {
+                            let e = e.to_string();
+                            if e != last_error {
+                                tracing::warn!("front policy: {e}");
+                                last_error = e;
+                            }
+                        }
+                    }
+                    *stats2.lock() = policy.stats(&base);
+                }
+            })
+            .map_err(FrontError::Spawn)?;
+        Ok(Self { stop, stats, handle: Some(handle) })
+    }
+
+    /// Its latest counters.
+    #[must_use]
+    pub fn stats(&self) -> FrontStats {
+        self.stats.lock().clone()
+    }
+
+    /// Stops the thread and waits for it.
+    pub fn stop(mut self) {
+        self.stop_now();
+    }
+
+    fn stop_now(&mut self) {
+        *self.stop.0.lock() = true;
+        self.stop.1.notify_all();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for PolicyThread {
+    fn drop(&mut self) {
+        self.stop_now();
+    }
+}
+
+#[cfg(test)]
+mod tests;

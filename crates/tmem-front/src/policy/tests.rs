@@ -1,0 +1,169 @@
+//! The policy against a simulated front: pages with a last-access tick,
+//! some of them down in tmem; a page accessed while down is read back.
+
+use super::*;
+
+/// Bytes one page costs in the simulated front.
+const PAGE_COST: u64 = 1000;
+
+struct SimFront {
+    /// (last access tick, down in tmem).
+    pages: Vec<(u64, bool)>,
+    now: u64,
+    written: u64,
+    read_back: u64,
+}
+
+impl SimFront {
+    fn new(pages: usize) -> Self {
+        Self { pages: vec![(0, false); pages], now: 0, written: 0, read_back: 0 }
+    }
+
+    fn access(&mut self, i: usize) {
+        let p = &mut self.pages[i];
+        if p.1 {
+            p.1 = false;
+            self.read_back += 1;
+        }
+        p.0 = self.now;
+    }
+
+    fn sample(&self) -> Sample {
+        let up = self.pages.iter().filter(|p| !p.1).count() as u64;
+        Sample { pool_bytes: up * PAGE_COST, stored_bytes: up * 4096, written: self.written, read_back: self.read_back }
+    }
+
+    /// Applies a decision (one tick is one second here).
+    fn apply(&mut self, d: Decision) {
+        let Some((age, mut max)) = d.write_back else { return };
+        for p in &mut self.pages {
+            if max == 0 {
+                break;
+            }
+            if !p.1 && self.now.saturating_sub(p.0) >= age.as_secs() {
+                p.1 = true;
+                self.written += 1;
+                max -= 1;
+            }
+        }
+    }
+}
+
+fn cfg(pages: u64) -> PolicyConfig {
+    PolicyConfig {
+        idle_age: Duration::from_secs(5),
+        max_idle_age: Duration::from_secs(80),
+        budget: pages * PAGE_COST * 2,
+        fill_percent: 20,
+        rate: 2000,
+        min_rate: 64,
+        ..PolicyConfig::default()
+    }
+}
+
+/// Runs `ticks` ticks; `touch(front, tick)` is the job.
+fn run(policy: &mut Policy, f: &mut SimFront, ticks: u64, mut touch: impl FnMut(&mut SimFront, u64)) {
+    for t in 1..=ticks {
+        f.now = t;
+        touch(f, t);
+        let d = policy.step(&f.sample());
+        f.apply(d);
+    }
+}
+
+#[test]
+fn a_job_that_touches_every_page_within_the_age_sends_nothing_down() {
+    let mut f = SimFront::new(4000);
+    let mut p = Policy::new(cfg(4000));
+    // Every page every 4 ticks (age 5).
+    run(&mut p, &mut f, 200, |f, t| (0..4000).filter(|i| i % 4 == (t % 4) as usize).for_each(|i| f.access(i)));
+    assert_eq!(f.written, 0);
+    assert_eq!(p.state(), State::WritingBack, "above the fill level, but nothing is idle");
+}
+
+#[test]
+fn a_uniformly_hot_job_slower_than_the_age_stops_being_tiered() {
+    let mut f = SimFront::new(4000);
+    let mut p = Policy::new(cfg(4000));
+    // Every page every 10 ticks: idle past the first age, read back soon after.
+    run(&mut p, &mut f, 400, |f, t| (0..4000).filter(|i| i % 10 == (t % 10) as usize).for_each(|i| f.access(i)));
+    let first = f.written;
+    assert!(first > 0, "the first age is shorter than the job's period");
+    assert!(p.age() > Duration::from_secs(10), "backed off past the period: {:?}", p.age());
+    // Once backed off, nothing more goes down.
+    run(&mut p, &mut f, 200, |f, t| (0..4000).filter(|i| i % 10 == (t % 10) as usize).for_each(|i| f.access(i)));
+    assert_eq!(f.written, first, "pages still went down after the back-off");
+    assert!(p.stats(&FrontStats::default()).backoffs > 0);
+}
+
+#[test]
+fn cold_pages_go_down_and_hot_ones_stay() {
+    let mut f = SimFront::new(4000);
+    let mut p = Policy::new(cfg(4000));
+    // The first 3000 pages are never touched again; the last 1000 every 2 ticks.
+    run(&mut p, &mut f, 120, |f, t| (3000..4000).filter(|i| i % 2 == (t % 2) as usize).for_each(|i| f.access(i)));
+    assert_eq!(f.pages[..3000].iter().filter(|p| p.1).count(), 3000, "every cold page went down");
+    assert_eq!(f.pages[3000..].iter().filter(|p| p.1).count(), 0, "no hot page went down");
+    assert_eq!(f.read_back, 0);
+    assert_eq!(p.stats(&FrontStats::default()).backoffs, 0);
+}
+
+#[test]
+fn below_the_fill_level_nothing_goes_down() {
+    let mut f = SimFront::new(4000);
+    let mut c = cfg(4000);
+    c.budget = 100 * 4000 * PAGE_COST;
+    let mut p = Policy::new(c);
+    run(&mut p, &mut f, 100, |_, _| {});
+    assert_eq!(f.written, 0);
+    assert_eq!(p.state(), State::BelowFill);
+}
+
+#[test]
+fn the_rate_bounds_each_tick() {
+    let mut f = SimFront::new(4000);
+    let mut p = Policy::new(cfg(4000));
+    run(&mut p, &mut f, 5, |_, _| {});
+    assert!(f.written <= 2000, "at most the rate in the one tick past the age: {}", f.written);
+    run(&mut p, &mut f, 1, |_, _| {});
+    assert!(f.written <= 4000);
+}
+
+#[test]
+fn the_emergency_level_writes_back_even_when_paused() {
+    let mut f = SimFront::new(4000);
+    let mut c = cfg(4000);
+    c.max_idle_age = c.idle_age;
+    c.min_rate = c.rate;
+    let mut p = Policy::new(c.clone());
+    // Force a pause: everything written comes back at once.
+    run(&mut p, &mut f, 60, |f, t| {
+        if t > 6 {
+            (0..4000).for_each(|i| {
+                if f.pages[i].1 {
+                    f.access(i)
+                }
+            });
+        }
+    });
+    assert!(matches!(p.state(), State::Paused(_) | State::Emergency), "{:?}", p.state());
+    // A budget the pool fills: emergency.
+    let mut full = Policy::new(PolicyConfig { budget: 4000 * PAGE_COST, ..c });
+    let mut g = SimFront::new(4000);
+    g.now = 10;
+    let d = full.step(&g.sample());
+    assert_eq!(full.state(), State::Emergency);
+    assert!(d.write_back.is_some());
+}
+
+#[test]
+fn relaxes_back_to_the_configured_age_when_reads_stop() {
+    let mut f = SimFront::new(4000);
+    let mut p = Policy::new(cfg(4000));
+    run(&mut p, &mut f, 200, |f, t| (0..4000).filter(|i| i % 10 == (t % 10) as usize).for_each(|i| f.access(i)));
+    assert!(p.age() > Duration::from_secs(5));
+    // The job stops touching anything: what goes down stays down.
+    run(&mut p, &mut f, 600, |_, _| {});
+    assert_eq!(p.age(), Duration::from_secs(5), "relaxed back");
+    assert!(p.stats(&FrontStats::default()).relaxes > 0);
+}

@@ -1,0 +1,173 @@
+//! zram in front: a zram device of tmem's own whose backing device is
+//! tmem's device; the kernel swaps on the zram device alone.
+//!
+//! zram keeps every page compressed and answers its faults in the kernel;
+//! `writeback` moves idle pages to the backing device, one page a bio, and
+//! a fault on such a page reads it back from there (`bd_stat` counts
+//! both). zram frees a page's memory the moment the kernel frees its swap
+//! slot; a written-back page's block on the backing device is only marked
+//! free in zram's bitmap, and the lowest free block is taken first, so
+//! tmem keeps at most the high-water mark of written-back blocks, and
+//! stale ones are overwritten first.
+//!
+//! Idle marking: where the kernel tracks access times
+//! (`CONFIG_ZRAM_TRACK_ENTRY_ACTIME`, Debian 13's 6.12), `echo SECS > idle`
+//! marks the pages not accessed for that long, and writeback follows at
+//! once. Elsewhere (Debian 12's 6.1) `echo all > idle` marks every page,
+//! an access clears the mark, and the next writeback one age later takes
+//! the pages still marked: the same age, in two steps.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+use tmem_sys::zram::ZramDevice;
+
+use crate::policy::{FrontOps, Sample};
+use crate::FrontError;
+
+/// The zram device's settings.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ZramFrontConfig {
+    /// Compression algorithm (`comp_algorithm`).
+    pub algorithm: String,
+    /// `disksize`: the swap area the kernel sees (tmem's device size).
+    pub disksize: u64,
+    /// `mem_limit`, bytes (0: none).
+    pub mem_limit: u64,
+}
+
+/// Whether the kernel takes an age in `idle`.
+const AGES_UNKNOWN: u8 = 0;
+const AGES_YES: u8 = 1;
+const AGES_NO: u8 = 2;
+/// No `echo all > idle` made yet.
+const NEVER: u64 = u64::MAX;
+
+/// tmem's zram device in front of its own device.
+#[derive(Debug)]
+pub struct ZramFront {
+    dev: ZramDevice,
+    backing: PathBuf,
+    ages: AtomicU8,
+    /// Milliseconds after `born` of the last `echo all > idle`.
+    last_mark_ms: AtomicU64,
+    born: Instant,
+}
+
+impl ZramFront {
+    /// Hot-adds a zram device, makes `backing` (a block device: tmem's
+    /// loop device) its backing device, and initialises it. The device is
+    /// removed again if a step fails.
+    pub fn create(cfg: &ZramFrontConfig, backing: &Path) -> Result<Self, FrontError> {
+        let dev = ZramDevice::hot_add()?;
+        if !dev.has_writeback() {
+            return Err(FrontError::Unavailable {
+                front: "zram",
+                why: "this kernel's zram has no writeback (no backing_dev attribute)".into(),
+            });
+        }
+        dev.set_backing_dev(backing)?;
+        dev.initialise(&cfg.algorithm, cfg.disksize)?;
+        if cfg.mem_limit > 0 {
+            dev.set_mem_limit(cfg.mem_limit)?;
+        }
+        dev.set_writeback_limit(0)?;
+        Ok(Self::of(dev, backing))
+    }
+
+    /// Takes over `zramN`, set up by a predecessor over `backing`.
+    pub fn adopt(id: u32, backing: &Path) -> Result<Self, FrontError> {
+        Ok(Self::of(ZramDevice::adopt(id)?, backing))
+    }
+
+    fn of(dev: ZramDevice, backing: &Path) -> Self {
+        Self {
+            dev,
+            backing: backing.to_owned(),
+            ages: AtomicU8::new(AGES_UNKNOWN),
+            last_mark_ms: AtomicU64::new(NEVER),
+            born: Instant::now(),
+        }
+    }
+
+    /// `/dev/zramN`.
+    #[must_use]
+    pub fn node(&self) -> PathBuf {
+        self.dev.node()
+    }
+
+    /// N of `zramN`.
+    #[must_use]
+    pub fn id(&self) -> u32 {
+        self.dev.id()
+    }
+
+    /// Its backing device.
+    #[must_use]
+    pub fn backing(&self) -> &Path {
+        &self.backing
+    }
+
+    /// Gives the device up without removing it (a hand-over); returns its id.
+    #[must_use]
+    pub fn release(self) -> u32 {
+        self.dev.release()
+    }
+
+    /// Removes the device (it must no longer be swap): its pages, and the
+    /// hold on the backing device, go.
+    pub fn remove(self) -> Result<(), FrontError> {
+        Ok(self.dev.remove()?)
+    }
+
+    fn since_born_ms(&self) -> u64 {
+        u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
+    }
+}
+
+impl FrontOps for ZramFront {
+    fn sample(&self) -> Result<Sample, FrontError> {
+        let mm = self.dev.mm_stat()?;
+        let bd = self.dev.bd_stat()?;
+        Ok(Sample {
+            pool_bytes: mm.mem_used_total,
+            stored_bytes: mm.orig_data_size,
+            written: bd.writes,
+            read_back: bd.reads,
+        })
+    }
+
+    fn write_back_idle(&self, age: Duration, max_pages: u64) -> Result<u64, FrontError> {
+        if self.ages.load(Ordering::Relaxed) != AGES_NO {
+            match self.dev.mark_idle(Some(age.as_secs().max(1)))? {
+                true => {
+                    self.ages.store(AGES_YES, Ordering::Relaxed);
+                    self.dev.set_writeback_limit(max_pages)?;
+                    self.dev.writeback("idle")?;
+                    return Ok(1);
+                }
+                false => self.ages.store(AGES_NO, Ordering::Relaxed),
+            }
+        }
+        let now = self.since_born_ms();
+        let last = self.last_mark_ms.load(Ordering::Relaxed);
+        let age_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+        if last != NEVER && now.saturating_sub(last) < age_ms {
+            return Ok(0);
+        }
+        if last != NEVER {
+            // Marked one age ago: what is still marked was not accessed since.
+            self.dev.set_writeback_limit(max_pages)?;
+            self.dev.writeback("idle")?;
+        }
+        self.dev.mark_idle(None)?;
+        self.last_mark_ms.store(now, Ordering::Relaxed);
+        Ok(1)
+    }
+
+    fn allow_writeback(&self, _on: bool) -> Result<(), FrontError> {
+        // zram writes back only when told.
+        Ok(())
+    }
+}
