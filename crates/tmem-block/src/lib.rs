@@ -278,6 +278,7 @@ impl IoCounters {
             name: name.to_owned(),
             store,
             backing: None,
+            front: None,
             disksize: size,
             read_ios: self.read_ios.load(r),
             write_ios: self.write_ios.load(r),
@@ -308,6 +309,10 @@ counters! {
             /// A cache device's backing store (absent for swap devices).
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub backing: Option<BackingStats>,
+            /// The kernel's pool in front of the device, when there is one
+            /// (filled in by the daemon).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub front: Option<tmem_front::FrontStats>,
         }
         /// Size in bytes (zram `disksize`).
         disksize: Gauge(Bytes),

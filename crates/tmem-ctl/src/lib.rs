@@ -137,6 +137,12 @@ pub struct Status {
     /// When this was taken (seconds since the epoch).
     #[serde(default)]
     pub taken_unix: u64,
+    /// The front in use (`zram`, `zswap`; empty: none chosen yet).
+    #[serde(default)]
+    pub front: String,
+    /// Why that front.
+    #[serde(default)]
+    pub front_reason: String,
 }
 
 /// One device's plumbing.
@@ -148,8 +154,14 @@ pub struct DeviceStatus {
     pub file: PathBuf,
     /// Loop device, when attached.
     pub loop_dev: Option<PathBuf>,
-    /// Whether swap is on.
+    /// Whether swap is on (on the front's device where there is one).
     pub swap: bool,
+    /// The front's device swap is on, in front of the loop device (zram).
+    #[serde(default)]
+    pub front_node: Option<PathBuf>,
+    /// N of that `zramN`.
+    #[serde(default)]
+    pub front_zram: Option<u32>,
 }
 
 /// Path of the control socket in `dir`.

@@ -26,6 +26,15 @@
 //! cluster-id = "tmem"
 //! host-id = "web1"
 //! disk-capacity = "16G"
+//!
+//! [front]                  # the kernel's compressed swap in front of tmem
+//! kind = "auto"            # zram, zswap, none
+//! limit = "10%"            # its budget (and zram's mem_limit)
+//! algorithm = "lz4"        # zram comp_algorithm / zswap compressor
+//! idle-age = 30            # seconds unaccessed before a page goes down
+//! fill = 50                # % of the budget below which nothing goes down
+//! rate = 25600             # pages a second at most
+//! cgroups = ["/sys/fs/cgroup/jobs"]  # zswap on cgroup v2: memory.zswap.max
 //! ```
 //!
 //! Flags given on the command line override the file. A bad file gets one
@@ -81,6 +90,20 @@ struct RawFile {
     swap: RawSwap,
     #[serde(default)]
     tiers: RawTiers,
+    #[serde(default)]
+    front: RawFront,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawFront {
+    kind: Option<Spanned<String>>,
+    limit: Option<Spanned<String>>,
+    algorithm: Option<Spanned<String>>,
+    idle_age: Option<Spanned<f64>>,
+    fill: Option<Spanned<u64>>,
+    rate: Option<Spanned<u64>>,
+    cgroups: Option<Spanned<Vec<PathBuf>>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -161,6 +184,20 @@ pub struct Config {
     pub host_id: Option<String>,
     /// `tiers.disk-capacity`, bytes.
     pub disk_capacity: Option<u64>,
+    /// `front.kind`.
+    pub front: Option<tmem_front::FrontKind>,
+    /// `front.limit`.
+    pub front_limit: Option<PoolLimit>,
+    /// `front.algorithm`.
+    pub front_algorithm: Option<String>,
+    /// `front.idle-age`, seconds.
+    pub front_idle_age: Option<f64>,
+    /// `front.fill`, %.
+    pub front_fill: Option<u64>,
+    /// `front.rate`, pages a second.
+    pub front_rate: Option<u64>,
+    /// `front.cgroups`.
+    pub front_cgroups: Option<Vec<PathBuf>>,
 }
 
 impl Config {
@@ -227,6 +264,7 @@ impl Config {
         let detail = |e: LimitError| e.detail();
         let s = raw.swap;
         let t = raw.tiers;
+        let f = raw.front;
         Ok(Self {
             path: Some(path.to_owned()),
             devices: checked!(s.devices, "swap.devices", |n: u64| match n {
@@ -280,6 +318,26 @@ impl Config {
             cluster_id: checked!(t.cluster_id, "tiers.cluster-id", |v: String| Ok::<_, String>(v)),
             host_id: checked!(t.host_id, "tiers.host-id", |v: String| Ok::<_, String>(v)),
             disk_capacity: checked!(t.disk_capacity, "tiers.disk-capacity", |v: String| tmem_corpus::parse_size(&v)),
+            front: checked!(f.kind, "front.kind", |v: String| v
+                .parse::<tmem_front::FrontKind>()
+                .map_err(|e| e.to_string())),
+            front_limit: checked!(f.limit, "front.limit", |v: String| v
+                .parse::<PoolLimit>()
+                .map_err(|e| e.to_string())
+                .and_then(|l| limits::pool_limit("", l, machine.total_ram).map_err(detail))),
+            front_algorithm: checked!(f.algorithm, "front.algorithm", |v: String| match v.is_empty() || v.len() > 64 {
+                true => Err("expected a compressor's name".to_owned()),
+                false => Ok(v),
+            }),
+            front_idle_age: checked!(f.idle_age, "front.idle-age", crate::front::check_age),
+            front_fill: checked!(f.fill, "front.fill", |n: u64| limits::range("", n, 0..=100, "a percentage")
+                .map_err(detail)),
+            front_rate: checked!(f.rate, "front.rate", |n: u64| limits::range("", n, 1..=10_000_000, "pages a second")
+                .map_err(detail)),
+            front_cgroups: checked!(f.cgroups, "front.cgroups", |v: Vec<PathBuf>| match v.iter().all(|p| p.is_absolute()) {
+                true => Ok(v),
+                false => Err("every cgroup must be an absolute path".to_owned()),
+            }),
         })
     }
 }
@@ -341,9 +399,23 @@ key-file = "/etc/tmem/key"
 cluster-id = "c"
 host-id = "h"
 disk-capacity = "16G"
+
+[front]
+kind = "zswap"
+limit = "256M"
+algorithm = "zstd"
+idle-age = 5
+fill = 20
+rate = 1000
+cgroups = ["/sys/fs/cgroup/jobs"]
 "#,
         )
         .unwrap();
+        assert_eq!(c.front, Some(tmem_front::FrontKind::Zswap));
+        assert_eq!(c.front_limit, Some(PoolLimit::Bytes(256 << 20)));
+        assert_eq!((c.front_algorithm.as_deref(), c.front_idle_age), (Some("zstd"), Some(5.0)));
+        assert_eq!((c.front_fill, c.front_rate), (Some(20), Some(1000)));
+        assert_eq!(c.front_cgroups, Some(vec![PathBuf::from("/sys/fs/cgroup/jobs")]));
         assert_eq!(c.devices, Some(2));
         assert_eq!(c.size, Some(4 << 30));
         assert_eq!(c.pool_limit, Some(PoolLimit::Percent(30)));
@@ -384,6 +456,11 @@ disk-capacity = "16G"
                 "[swap]\nmetrics = \"localhost\"\n",
                 "/etc/tmem/tmem.toml:2:11: swap.metrics: \"localhost\" is not an IP address and port",
             ),
+            ("[front]\nkind = \"zcache\"\n", "/etc/tmem/tmem.toml:2:8: front.kind: unknown front \"zcache\""),
+            ("[front]\nidle-age = 0.5\n", "front.idle-age: 0.5 seconds is below the shortest idle age, 1 s"),
+            ("[front]\nfill = 101\n", "front.fill: 101 is above the limit of 100"),
+            ("[front]\nrate = 0\n", "front.rate: 0 is below the minimum of 1"),
+            ("[front]\ncgroups = [\"jobs\"]\n", "front.cgroups: every cgroup must be an absolute path"),
         ] {
             let e = parse(text).unwrap_err();
             assert!(e.contains(want), "{text:?}: {e}");

@@ -80,11 +80,25 @@ pub struct Daemon {
     pub(crate) predecessor: Option<u32>,
     /// Set while a successor takes over: the state file is the successor's to write.
     pub(crate) handing_over: AtomicBool,
+    /// The fronts (`--front`) and their policies; shared with the metrics thread.
+    pub(crate) fronts: Arc<Mutex<crate::front::Fronts>>,
 }
 
-/// Counters of `devices`, then of `caches`.
-fn stats_of(devices: &[Arc<PoolDevice>], caches: &[Arc<CacheDevice>]) -> Vec<DeviceStats> {
-    devices.iter().map(|d| d.stats()).chain(caches.iter().map(|c| c.stats())).collect()
+/// Counters of `devices` (with their fronts'), then of `caches`.
+fn stats_of(
+    devices: &[Arc<PoolDevice>],
+    caches: &[Arc<CacheDevice>],
+    fronts: &Mutex<crate::front::Fronts>,
+) -> Vec<DeviceStats> {
+    let mut stats: Vec<DeviceStats> = devices.iter().map(|d| d.stats()).collect();
+    {
+        let fronts = fronts.lock();
+        for (i, s) in stats.iter_mut().enumerate() {
+            s.front = fronts.stats(i);
+        }
+    }
+    stats.extend(caches.iter().map(|c| c.stats()));
+    stats
 }
 
 /// Logs one line (a step, a start or stop, a recovered error) at info level.
@@ -182,8 +196,23 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         ));
         caches.push(Arc::new(dev));
     }
-    let status = Status { state: "starting".into(), pid: std::process::id(), steps, ..Status::default() };
+    let fronts = match spec.swap {
+        true => crate::front::Fronts::choose(&spec.front)?,
+        false => crate::front::Fronts::default(),
+    };
+    if spec.swap {
+        steps.push(format!("front: {} ({})", fronts.front().as_str(), fronts.choice.reason));
+    }
+    let status = Status {
+        state: "starting".into(),
+        pid: std::process::id(),
+        steps,
+        front: fronts.front().as_str().into(),
+        front_reason: fronts.choice.reason.clone(),
+        ..Status::default()
+    };
     let daemon = Arc::new(Daemon::new(spec, dir, lock_file, (devices, caches), status, tx, signalled));
+    *daemon.fronts.lock() = fronts;
     bind_control(&daemon)?;
 
     if let Err(e) = daemon.setup() {
@@ -248,7 +277,7 @@ pub(crate) fn serve(daemon: &Arc<Daemon>, rx: &mpsc::Receiver<Event>) {
                     .devices
                     .iter()
                     .zip(&status.devices)
-                    .map(|(d, s)| (d.as_ref(), s.loop_dev.as_deref().filter(|_| s.swap)))
+                    .map(|(d, s)| (d.as_ref(), s.loop_dev.as_deref().filter(|_| s.swap && s.front_node.is_none())))
                     .collect();
                 let recycle = daemon.spec.recycle_idle_swap.then(crate::stale::Recycle::default);
                 let checked = stale.check(&swaps, recycle.as_ref());
@@ -380,6 +409,7 @@ impl Daemon {
             exited: AtomicBool::new(false),
             predecessor: None,
             handing_over: AtomicBool::new(false),
+            fronts: Arc::new(Mutex::new(Rank::DaemonFronts, crate::front::Fronts::default())),
         }
     }
 
@@ -408,8 +438,8 @@ impl Daemon {
 
     /// Serves Prometheus metrics on `addr`.
     fn start_metrics(&self, addr: std::net::SocketAddr) -> Result<(), DaemonError> {
-        let (devices, caches) = (self.devices.clone(), self.caches.clone());
-        let source: crate::metrics::Source = Arc::new(move || stats_of(&devices, &caches));
+        let (devices, caches, fronts) = (self.devices.clone(), self.caches.clone(), Arc::clone(&self.fronts));
+        let source: crate::metrics::Source = Arc::new(move || stats_of(&devices, &caches, &fronts));
         let server = crate::metrics::MetricsServer::start(addr, self.spec.metrics_allow_remote, source)?;
         self.step(format!("Prometheus metrics at http://{}/metrics", server.addr()));
         self.lock().metrics = Some(server);
@@ -426,7 +456,7 @@ impl Daemon {
 
     /// Counters of every device, caches last.
     fn all_stats(&self) -> Vec<DeviceStats> {
-        stats_of(&self.devices, &self.caches)
+        stats_of(&self.devices, &self.caches, &self.fronts)
     }
 
     /// Every exported device by name: devices, then caches.
@@ -557,6 +587,13 @@ impl Daemon {
             mnt.display(),
             self.spec.fuse_threads
         ));
+        let front = self.fronts.lock().front();
+        if self.spec.swap && front == tmem_front::Front::Zswap {
+            self.check_signal()?;
+            let reads = crate::front::pages_read(self.devices.clone());
+            let line = self.fronts.lock().zswap_up(&self.dir, &self.spec.front, self.total_ram()?, reads)?;
+            self.step(line);
+        }
         for (i, (name, file)) in files.iter().enumerate() {
             let cache = i >= self.devices.len();
             if !(cache || self.spec.swap) {
@@ -573,13 +610,48 @@ impl Daemon {
                 self.step(format!("{name}: {set} (no writeback throttling in front of swap)"));
             }
             self.check_signal()?;
-            self.step(self.make_swap(name, &dev).map_err(setup_err)?);
+            let swap_dev = match front {
+                tmem_front::Front::Zram => self.zram_up(i, name, &dev)?,
+                tmem_front::Front::Zswap | tmem_front::Front::None => dev,
+            };
+            self.step(self.make_swap(name, &swap_dev).map_err(setup_err)?);
             #[cfg(feature = "fault-injection")]
             crate::fault::stall_setup(&self.signalled);
             self.check_signal()?;
-            self.step(self.swap_on(i, &dev, true).map_err(setup_err)?);
+            self.step(self.swap_on(i, &swap_dev, true).map_err(setup_err)?);
         }
         Ok(())
+    }
+
+    fn total_ram(&self) -> Result<u64, DaemonError> {
+        swap::total_ram_bytes().map_err(setup_err)
+    }
+
+    /// Puts a zram device of its own in front of device `i`'s loop device
+    /// `backing`; returns the zram device's node, which becomes the swap area.
+    fn zram_up(&self, i: usize, name: &str, backing: &Path) -> Result<PathBuf, DaemonError> {
+        let size = self.devices[i].size();
+        let total_ram = self.total_ram()?;
+        let (node, id) = self.fronts.lock().zram_up(i, backing, size, &self.spec.front, total_ram)?;
+        {
+            let mut g = self.lock();
+            g.status.devices[i].front_node = Some(node.clone());
+            g.status.devices[i].front_zram = Some(id);
+        }
+        let f = &self.spec.front;
+        self.step(format!(
+            "{name}: {} in front (comp_algorithm {}, disksize {}, mem_limit {}), backing_dev {}; idle pages go down \
+             after {} s past {}% of the limit, at most {} pages/s",
+            node.display(),
+            f.front_algorithm,
+            human(size),
+            human(f.budget(total_ram)),
+            backing.display(),
+            f.front_idle_age,
+            f.front_fill,
+            f.front_rate
+        ));
+        Ok(node)
     }
 
     /// mkswap on device `name`'s loop device; says what it did.
@@ -687,7 +759,33 @@ impl Daemon {
         let devs = self.lock().status.devices.clone();
         for (i, d) in devs.iter().enumerate() {
             let Some(dev) = &d.loop_dev else { continue };
-            if d.swap || swap::is_swap(dev).unwrap_or(false) {
+            if let Some(node) = &d.front_node {
+                if d.swap || swap::is_swap(node).unwrap_or(false) {
+                    self.step(format!(
+                        "{}: swapoff {} (the kernel reads its pages back, those in tmem through zram)",
+                        d.name,
+                        node.display()
+                    ));
+                    if let Err(e) = swap::swapoff(node) {
+                        self.lock().status.state = "up".into();
+                        return Err(DaemonError::Teardown(format!(
+                            "swapoff {} failed, so the daemon keeps serving to lose no page: {e}",
+                            node.display()
+                        )));
+                    }
+                    self.lock().status.devices[i].swap = false;
+                }
+                // Bound first: the fronts' lock must be dropped before step() takes the state's.
+                let removed = self.fronts.lock().zram_down(i)?;
+                if let Some(line) = removed {
+                    self.step(format!("{}: {line}", d.name));
+                }
+                {
+                    let mut g = self.lock();
+                    g.status.devices[i].front_node = None;
+                    g.status.devices[i].front_zram = None;
+                }
+            } else if d.swap || swap::is_swap(dev).unwrap_or(false) {
                 self.step(format!("{}: swapoff {} (the kernel reads its pages back)", d.name, dev.display()));
                 if let Err(e) = swap::swapoff(dev) {
                     self.lock().status.state = "up".into();
@@ -706,6 +804,10 @@ impl Daemon {
             }
             self.lock().status.devices[i].loop_dev = None;
             self.step(format!("{}: losetup --detach {}", d.name, dev.display()));
+        }
+        let restored = self.fronts.lock().zswap_down(&self.dir)?;
+        if let Some(line) = restored {
+            self.step(line);
         }
         let metrics = self.lock().metrics.take();
         if let Some(m) = metrics {

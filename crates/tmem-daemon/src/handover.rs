@@ -281,6 +281,8 @@ impl Daemon {
                     "handed over after {} ms; this process exits and leaves the mount and sockets",
                     paused.elapsed().as_millis()
                 ));
+                // The successor adopted the fronts as they are.
+                self.fronts.lock().release();
                 let mut g = self.lock();
                 if let Some(f) = g.fuse.take() {
                     f.leave_mounted();
@@ -483,11 +485,13 @@ fn take(
         took.as_millis()
     ));
     log(steps.last().map_or("", String::as_str));
-    let status = Status { state: "up".into(), pid: std::process::id(), steps, ..old };
+    let status = Status { state: "up".into(), pid: std::process::id(), steps, ..old.clone() };
     let dir = RuntimeDir::open(dir.path())?;
     let daemon = Daemon::new(spec, dir, lock_file, (devices, caches), status, tx, signalled);
     daemon.lock().fuse = fuse;
     let daemon = Arc::new(Daemon { predecessor: Some(old.pid), ..daemon });
+    let fronts = adopt_fronts(&daemon, &old, total_ram)?;
+    *daemon.fronts.lock() = fronts;
     if let (Some(listen), Some((listener, sessions))) = (&daemon.spec.nbd, nbd) {
         let cfg = daemon.nbd_config(listen)?;
         let server =
@@ -499,4 +503,25 @@ fn take(
     crate::daemon::bind_control(&daemon)?;
     listen(&daemon)?;
     Ok((daemon, rx))
+}
+
+/// The predecessor's fronts, as its status names them: its zram devices
+/// and their policies, or the zswap values it saved.
+fn adopt_fronts(daemon: &Daemon, old: &Status, total_ram: u64) -> Result<crate::front::Fronts, DaemonError> {
+    let front = match old.front.as_str() {
+        "zram" => tmem_front::Front::Zram,
+        "zswap" => tmem_front::Front::Zswap,
+        _ => tmem_front::Front::None,
+    };
+    let mut fronts = crate::front::Fronts::chosen(tmem_front::Choice { front, reason: old.front_reason.clone() });
+    for (i, d) in old.devices.iter().enumerate() {
+        if let (Some(id), Some(backing)) = (d.front_zram, &d.loop_dev) {
+            fronts.zram_adopt(i, id, backing, &daemon.spec.front, total_ram)?;
+        }
+    }
+    if front == tmem_front::Front::Zswap {
+        let reads = crate::front::pages_read(daemon.devices.clone());
+        fronts.zswap_adopt(&daemon.dir, &daemon.spec.front, total_ram, reads)?;
+    }
+    Ok(fronts)
 }

@@ -12,6 +12,7 @@
 //! - [`recover`]: cleaning up after a daemon that died;
 //! - [`knobs`]: run-time changes (`tmem set`);
 //! - [`tiers`]: the `--tier` options;
+//! - [`front`]: the kernel's zram or zswap in front of the devices (`--front`);
 //! - `fault` (feature `fault-injection`, test builds only): injected faults.
 
 pub mod config;
@@ -19,6 +20,7 @@ pub mod control;
 pub mod daemon;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+pub mod front;
 pub mod handover;
 pub mod knobs;
 pub mod launch;

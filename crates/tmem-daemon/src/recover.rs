@@ -32,6 +32,10 @@ pub struct Leftovers {
     pub mounted: bool,
     /// Its state file, when it left one.
     pub state: Option<Status>,
+    /// Its zram fronts: (N of `zramN`, the loop device behind it).
+    pub zram_fronts: Vec<(u32, PathBuf)>,
+    /// zswap's values from before it changed them, when it left them.
+    pub zswap_saved: Option<tmem_front::zswap::Saved>,
 }
 
 impl Leftovers {
@@ -50,6 +54,10 @@ impl Leftovers {
         let swapping: Vec<&PathBuf> = self.swap_areas.iter().map(|a| &a.path).collect();
         parts
             .extend(self.loops.iter().filter(|(d, _)| !swapping.contains(&d)).map(|(d, _)| format!("{}", d.display())));
+        parts.extend(self.zram_fronts.iter().map(|(id, _)| format!("its zram front /dev/zram{id}")));
+        if self.zswap_saved.is_some() {
+            parts.push("zswap's changed settings".into());
+        }
         if self.mounted {
             parts.push("its FUSE mount".into());
         }
@@ -112,6 +120,19 @@ pub fn clean(dir: &Path) -> Result<Recovery, DaemonError> {
             human(area.used)
         ));
     }
+    for (id, backing) in &left.zram_fronts {
+        // Its swap area went with the others above; the device goes now,
+        // before the loop device it holds.
+        tmem_sys::zram::ZramDevice::adopt(*id)
+            .and_then(tmem_sys::zram::ZramDevice::remove)
+            .map_err(|e| DaemonError::Lifecycle(format!("removing its zram front zram{id}: {e}")))?;
+        r.steps.push(format!("removed its zram front /dev/zram{id} (backing device {})", backing.display()));
+    }
+    if let Some(saved) = left.zswap_saved.clone() {
+        tmem_front::zswap::restore_saved(saved).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
+        rt.remove(crate::front::FRONT_FILE)?;
+        r.steps.push("put zswap's settings back as they were before it".into());
+    }
     for (dev, file) in &left.loops {
         swap::loop_detach(dev).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
         r.steps.push(format!("losetup --detach {} (was {})", dev.display(), file.display()));
@@ -135,14 +156,26 @@ fn leftovers(rt: &RuntimeDir, lock_pid: Option<u32>) -> Result<Option<Leftovers>
     let state: Option<Status> = rt.read_file(STATE_FILE, 1 << 20)?.and_then(|text| serde_json::from_str(&text).ok());
     let lifecycle = |e: swap::SwapError| DaemonError::Lifecycle(e.to_string());
     let loops = swap::loops_under(&rt.join(MOUNT_DIR)).map_err(lifecycle)?;
-    let swap_areas =
-        swap::swaps().map_err(lifecycle)?.into_iter().filter(|a| loops.iter().any(|(d, _)| *d == a.path)).collect();
+    // Found from the kernel (zram's backing_dev), so also without a state file.
+    let zram_fronts: Vec<(u32, PathBuf)> = loops
+        .iter()
+        .flat_map(|(d, _)| tmem_sys::zram::backed_by(d).into_iter().map(move |id| (id, d.clone())))
+        .collect();
+    let fronted = |p: &Path| zram_fronts.iter().any(|(id, _)| p == Path::new(&format!("/dev/zram{id}")));
+    let swap_areas = swap::swaps()
+        .map_err(lifecycle)?
+        .into_iter()
+        .filter(|a| loops.iter().any(|(d, _)| *d == a.path) || fronted(&a.path))
+        .collect();
     let left = Leftovers {
         pid: state.as_ref().map(|s| s.pid).or(lock_pid),
         loops,
         swap_areas,
         mounted: rt.is_mounted(MOUNT_DIR)?,
         state,
+        zram_fronts,
+        zswap_saved: crate::front::read_saved(rt)?,
     };
-    Ok((!left.loops.is_empty() || left.mounted || left.state.is_some()).then_some(left))
+    let any = !left.loops.is_empty() || left.mounted || left.state.is_some() || left.zswap_saved.is_some();
+    Ok(any.then_some(left))
 }

@@ -226,6 +226,9 @@ pub struct DaemonSpec {
     /// Tiers below each device's pool.
     #[serde(default)]
     pub tiers: crate::tiers::TierArgs,
+    /// The kernel's compressed swap in front of the devices (`--front`).
+    #[serde(default)]
+    pub front: crate::front::FrontArgs,
     /// Serve Prometheus metrics on this address (`/metrics`), e.g. `127.0.0.1:9848`.
     #[serde(default)]
     pub metrics: Option<SocketAddr>,
@@ -295,6 +298,14 @@ impl DaemonSpec {
         }
         if let Some(addr) = self.metrics {
             crate::metrics::server::check_address(addr, self.metrics_allow_remote)?;
+        }
+        if self.swap {
+            self.front.validate(total_ram)?;
+        } else if !matches!(self.front.front, tmem_front::FrontKind::Auto | tmem_front::FrontKind::None) {
+            return Err(DaemonError::Invalid(format!(
+                "--front {} puts the kernel's swap in front of tmem's: it needs swap devices (tmem swap up)",
+                self.front.front.as_str()
+            )));
         }
         self.tiers.validate(self.devices.len())
     }

@@ -27,6 +27,8 @@ pub enum Rank {
     DaemonState,
     /// `Daemon::events`: the sender that wakes the main thread.
     DaemonEvents,
+    /// `Daemon::fronts`: the fronts and their policy threads.
+    DaemonFronts,
     /// The control socket's clients being served (a leaf: nothing is taken under it).
     ControlClients,
     /// `tmem_nbd` server: its list of connections.
