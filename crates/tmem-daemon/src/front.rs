@@ -116,7 +116,10 @@ impl FrontArgs {
             return bad("--front-rate must be at least 1 page a second".into());
         }
         if self.budget(total_ram) > total_ram {
-            return bad(format!("--front-limit {} is more than this machine's RAM", crate::human(self.budget(total_ram))));
+            return bad(format!(
+                "--front-limit {} is more than this machine's RAM",
+                crate::human(self.budget(total_ram))
+            ));
         }
         if self.front_algorithm.is_empty() || self.front_algorithm.len() > 64 {
             return bad(format!("--front-algorithm {:?}: expected a compressor's name", self.front_algorithm));
@@ -184,12 +187,7 @@ fn front_err(e: tmem_front::FrontError) -> DaemonError {
 }
 
 fn base(choice: &Choice, node: String) -> FrontStats {
-    FrontStats {
-        front: choice.front.as_str().into(),
-        node,
-        reason: choice.reason.clone(),
-        ..FrontStats::default()
-    }
+    FrontStats { front: choice.front.as_str().into(), node, reason: choice.reason.clone(), ..FrontStats::default() }
 }
 
 impl Fronts {
@@ -227,11 +225,8 @@ impl Fronts {
         args: &FrontArgs,
         total_ram: u64,
     ) -> Result<(PathBuf, u32), DaemonError> {
-        let cfg = ZramFrontConfig {
-            algorithm: args.front_algorithm.clone(),
-            disksize,
-            mem_limit: args.budget(total_ram),
-        };
+        let cfg =
+            ZramFrontConfig { algorithm: args.front_algorithm.clone(), disksize, mem_limit: args.budget(total_ram) };
         let front = ZramFront::create(&cfg, backing).map_err(front_err)?;
         let (node, id) = (front.node(), front.id());
         self.zram_policy(i, front, args, total_ram)?;
@@ -270,8 +265,19 @@ impl Fronts {
     ) -> Result<String, DaemonError> {
         let budget = args.budget(total_ram);
         let percent = u32::try_from((budget.saturating_mul(100) / total_ram.max(1)).clamp(1, 100)).unwrap_or(100);
+        // zswap takes only what the kernel's crypto API offers; elsewhere it keeps its own.
+        let offered = tmem_sys::zswap::compressors();
+        let compressor = offered.contains(&args.front_algorithm).then(|| args.front_algorithm.clone());
+        let compressor_note = match &compressor {
+            Some(c) => format!("compressor {c}"),
+            None => format!(
+                "compressor left as it is ({} is not in this kernel's crypto API, which offers {})",
+                args.front_algorithm,
+                offered.join(", ")
+            ),
+        };
         let cfg = ZswapFrontConfig {
-            compressor: Some(args.front_algorithm.clone()),
+            compressor,
             max_pool_percent: percent,
             cgroups: args.front_cgroups.clone(),
             cgroup_max: Some(budget),
@@ -285,11 +291,18 @@ impl Fronts {
                     source,
                 })
         };
-        let front = ZswapFront::apply(&cfg, &save, reads).map_err(front_err)?;
+        let front = match ZswapFront::apply(&cfg, &save, reads) {
+            Ok(f) => f,
+            Err(e) => {
+                // What was set went back when the front dropped.
+                let _ = dir.remove(FRONT_FILE);
+                return Err(front_err(e));
+            }
+        };
         self.zswap_policy(front, args, total_ram)?;
         Ok(format!(
-            "zswap in front: compressor {}, max_pool_percent {percent}, shrinker on{} (values before saved in {FRONT_FILE})",
-            args.front_algorithm,
+            "zswap in front: {compressor_note}, max_pool_percent {percent}, shrinker on{} (values before saved in \
+             {FRONT_FILE})",
             match args.front_cgroups.len() {
                 0 => String::new(),
                 n => format!(", memory.zswap.max {} in {n} cgroup(s)", crate::human(budget)),
@@ -378,6 +391,9 @@ pub fn pages_read(devices: Vec<Arc<tmem_block::PoolDevice>>) -> Box<dyn Fn() -> 
 pub fn read_saved(dir: &RuntimeDir) -> Result<Option<Saved>, DaemonError> {
     let Some(text) = dir.read_file(FRONT_FILE, 1 << 20)? else { return Ok(None) };
     serde_json::from_str(&text).map(Some).map_err(|e| {
-        DaemonError::Invalid(format!("{}: {e} (it records zswap's values before tmem changed them)", dir.join(FRONT_FILE).display()))
+        DaemonError::Invalid(format!(
+            "{}: {e} (it records zswap's values before tmem changed them)",
+            dir.join(FRONT_FILE).display()
+        ))
     })
 }

@@ -100,6 +100,7 @@ impl Collector for Snapshot {
         family(&mut encoder, "pool", devs.iter().map(|d| (dev(d), &d.store.total)))?;
         family(&mut encoder, "alloc", devs.iter().map(|d| (dev(d), &d.store.alloc)))?;
         family(&mut encoder, "backing", devs.iter().filter_map(|d| d.backing.as_ref().map(|b| (dev(d), b))))?;
+        family(&mut encoder, "front", devs.iter().filter_map(|d| d.front.as_ref().map(|f| (dev(d), f))))?;
         let tiers = devs.iter().flat_map(|d| d.store.tiers.iter().map(|t| (tier_labels(d, t), t)));
         family(&mut encoder, "tier", tiers)?;
         if let Some(server) = &self.1 {

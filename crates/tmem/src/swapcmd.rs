@@ -74,6 +74,8 @@ pub struct UpArgs {
     recompress: tmem_daemon::spec::RecompressArgs,
     #[command(flatten)]
     tiers: tmem_daemon::tiers::TierArgs,
+    #[command(flatten)]
+    front: tmem_daemon::front::FrontArgs,
 }
 
 impl UpArgs {
@@ -88,6 +90,7 @@ impl UpArgs {
             }
         }
         let t = &self.tiers;
+        let f = &self.front;
         Self {
             size: pick(given("size"), &self.size, &c.size),
             pool_limit: pick(given("pool_limit"), &self.pool_limit, &c.pool_limit),
@@ -124,6 +127,15 @@ impl UpArgs {
                 cluster_id: pick(given("cluster_id"), &t.cluster_id, &c.cluster_id),
                 host_id: pick(given("host_id"), &t.host_id, &c.host_id.clone().map(Some)),
                 disk_capacity: pick(given("disk_capacity"), &t.disk_capacity, &c.disk_capacity.map(Some)),
+            },
+            front: tmem_daemon::front::FrontArgs {
+                front: pick(given("front"), &f.front, &c.front),
+                front_limit: pick(given("front_limit"), &f.front_limit, &c.front_limit),
+                front_algorithm: pick(given("front_algorithm"), &f.front_algorithm, &c.front_algorithm),
+                front_idle_age: pick(given("front_idle_age"), &f.front_idle_age, &c.front_idle_age),
+                front_fill: pick(given("front_fill"), &f.front_fill, &c.front_fill),
+                front_rate: pick(given("front_rate"), &f.front_rate, &c.front_rate),
+                front_cgroups: pick(given("front_cgroups"), &f.front_cgroups, &c.front_cgroups),
             },
         }
     }
@@ -183,6 +195,7 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
         tiers: a.tiers.clone(),
         metrics: a.metrics,
         metrics_allow_remote: a.allow_remote_metrics,
+        front: a.front.clone(),
         lock_fd: None,
     };
     // Check everything here, where the user sees the error.
@@ -299,6 +312,9 @@ fn print_counters(devs: &[DeviceStats]) {
         if let Some(b) = &d.backing {
             rows(&mut t, &d.name, "backing", b);
         }
+        if let Some(f) = &d.front {
+            rows(&mut t, &d.name, "front", f);
+        }
         for tier in &d.store.tiers {
             rows(&mut t, &d.name, &format!("tier {}", tier.name), tier);
         }
@@ -345,6 +361,37 @@ pub fn print_stat_table(devs: &[DeviceStats]) {
     println!("{t}");
     print_codec_table(devs);
     print_cache_table(devs);
+    print_front_table(devs);
+}
+
+/// The front in front of each device, and what its policy did.
+fn print_front_table(devs: &[DeviceStats]) {
+    let fronts: Vec<(&DeviceStats, &tmem_front::FrontStats)> =
+        devs.iter().filter_map(|d| d.front.as_ref().map(|f| (d, f))).collect();
+    if fronts.is_empty() {
+        return;
+    }
+    let mut t = tmem_bench::table::plain([
+        "NAME", "FRONT", "DEVICE", "POOL", "DATA", "BUDGET", "WRITTEN", "READ", "AGE", "RATE",
+    ]);
+    for (d, f) in &fronts {
+        t.add_row([
+            d.name.clone(),
+            f.front.clone(),
+            f.node.clone(),
+            human(f.pool_bytes),
+            human(f.stored_bytes),
+            human(f.budget_bytes),
+            f.written_back.to_string(),
+            f.read_back.to_string(),
+            format!("{} s", f.idle_age_us / 1_000_000),
+            format!("{}/s", f.rate_pages),
+        ]);
+    }
+    println!("{t}");
+    for (d, f) in fronts {
+        println!("{}: {} ({}); policy: {}", d.name, f.front, f.reason, f.state);
+    }
 }
 
 /// Hits, misses and backing I/O of cache devices.
@@ -520,6 +567,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
         metrics: a.metrics,
         metrics_allow_remote: a.allow_remote_metrics,
         lock_fd: None,
+        front: tmem_daemon::front::FrontArgs::default(),
     };
     spec.validate(tmem_sys::swap::total_ram_bytes()?)?;
     Ok(tmem_daemon::run(spec)?)
@@ -596,6 +644,7 @@ pub fn cache_up(a: &CacheUpArgs) -> anyhow::Result<()> {
         metrics: a.metrics,
         metrics_allow_remote: a.allow_remote_metrics,
         lock_fd: None,
+        front: tmem_daemon::front::FrontArgs::default(),
     };
     spec.validate(machine.total_ram)?;
     start(spec, a.foreground, a.wait, "cache")

@@ -130,6 +130,10 @@ impl Setup {
     /// `swap up` with `env` set for the daemon (fault injection in test builds).
     fn swap_up_env(&mut self, pool_limit: &str, extra: &[&str], env: &[(&str, &str)]) -> String {
         let mut args = vec!["swap", "up", "--size", "2G", "--pool-limit", pool_limit, "--runtime-dir", self.dir()];
+        // These tests are of tmem's own path: no front unless one is asked for.
+        if !extra.contains(&"--front") {
+            args.extend(["--front", "none"]);
+        }
         args.extend_from_slice(extra);
         let (ok, out) = tmem_env(&args, env);
         self.up = ok;
@@ -707,5 +711,89 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
     assert_eq!(st[0]["failed_reads"].as_u64(), Some(0));
     assert_eq!(st[0]["failed_writes"].as_u64(), Some(0));
     s.swap_down();
+    assert_clean(&s);
+}
+
+/// zswap's parameters now.
+fn zswap_params() -> std::collections::BTreeMap<String, String> {
+    tmem_sys::zswap::read_params(Path::new(tmem_sys::zswap::PARAMS_DIR)).unwrap()
+}
+
+/// `--front zswap`: zswap's parameters are set while tmem runs, a job runs
+/// through zswap and tmem's device, and after the daemon is killed,
+/// `swap down` puts every parameter back and leaves nothing.
+#[test]
+fn zswap_in_front_is_put_back_after_a_crash() {
+    if !can_run() {
+        return;
+    }
+    if !tmem_sys::zswap::available() {
+        tmem_testkit::skip(tmem_testkit::Feature::Swap, "this kernel has no zswap");
+        return;
+    }
+    let before = zswap_params();
+    let mut s = Setup::new("zswapfront");
+    let up = s.swap_up_with("1G", &["--front", "zswap", "--front-limit", "64M"]);
+    assert!(up.contains("front: zswap") && up.contains("zswap in front"), "{up}");
+    assert!(tmem_sys::zswap::is_on(&zswap_params()["enabled"]), "zswap is on while tmem runs");
+    assert!(s.dir.join("front.json").exists(), "the values before are saved first");
+    let out = s.run_hog(256, 192);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.starts_with("OK "), "job: {:?} {stdout}", out.status);
+    let front = s.stat()[0]["front"].clone();
+    assert_eq!(front["front"], "zswap", "{front}");
+    assert_eq!(front["budget_bytes"].as_u64(), Some(64 << 20), "{front}");
+    let pid = s.daemon_pid();
+    // SAFETY: kill(2) on the daemon our `swap up` started, by its pid.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(std::time::Instant::now() < deadline, "the killed daemon is still there");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let (ok, text) = tmem(&["swap", "down", "--runtime-dir", s.dir()]);
+    assert!(ok && text.contains("put zswap's settings back"), "{text}");
+    s.up = false;
+    assert_eq!(zswap_params(), before, "every zswap parameter is back");
+    assert!(!s.dir.join("front.json").exists());
+    assert_clean(&s);
+}
+
+/// `--front zram` needs zram writeback. Without it (this kernel) it is
+/// refused with the reason and nothing is left; with it, a job runs over
+/// zram, idle pages go down to tmem, and `swap down` removes the zram
+/// device. `auto` names its choice and why.
+#[test]
+fn zram_in_front_writes_idle_pages_to_tmem_or_is_refused_with_the_reason() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::new("zramfront");
+    let writeback = tmem_front::KernelFronts::probe().zram_writeback;
+    let args = ["--front", "zram", "--front-limit", "48M", "--front-idle-age", "1", "--front-fill", "0"];
+    if let Err(why) = &writeback {
+        let mut cmd = vec!["swap", "up", "--size", "512M", "--runtime-dir", s.dir()];
+        cmd.extend(args);
+        let (ok, text) = tmem(&cmd);
+        assert!(!ok && text.contains("--front zram is not available here") && text.contains(why.as_str()), "{text}");
+        assert_clean(&s);
+        let up = s.swap_up_with("1G", &["--front", "auto"]);
+        assert!(up.contains("front: none (--front auto: no front"), "{up}");
+        assert_eq!(s.stat()[0].get("front"), None, "no front, no front counters");
+        s.swap_down();
+        assert_clean(&s);
+        return;
+    }
+    let up = s.swap_up_with("1G", &args);
+    assert!(up.contains("front: zram") && up.contains("backing_dev /dev/loop"), "{up}");
+    let node = s.stat()[0]["front"]["node"].as_str().unwrap().to_owned();
+    let out = s.run_hog(256, 128);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.starts_with("OK "), "job: {:?} {stdout}", out.status);
+    let front = s.stat()[0]["front"].clone();
+    assert!(front["written_back"].as_u64().unwrap() > 0, "idle pages went down to tmem: {front}");
+    let down = s.swap_down();
+    assert!(down.contains(&format!("{node}: removed")), "{down}");
+    assert!(!Path::new(&node).exists() || tmem_sys::zram::backed_by(Path::new("/dev/loop0")).is_empty());
     assert_clean(&s);
 }
