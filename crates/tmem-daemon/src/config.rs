@@ -334,7 +334,10 @@ impl Config {
                 .map_err(detail)),
             front_rate: checked!(f.rate, "front.rate", |n: u64| limits::range("", n, 1..=10_000_000, "pages a second")
                 .map_err(detail)),
-            front_cgroups: checked!(f.cgroups, "front.cgroups", |v: Vec<PathBuf>| match v.iter().all(|p| p.is_absolute()) {
+            front_cgroups: checked!(f.cgroups, "front.cgroups", |v: Vec<PathBuf>| match v
+                .iter()
+                .all(|p| p.is_absolute())
+            {
                 true => Ok(v),
                 false => Err("every cgroup must be an absolute path".to_owned()),
             }),
@@ -532,5 +535,7 @@ mod shipped {
         assert_eq!(c.size, Some(8 << 30));
         assert_eq!(c.pool_limit, Some(PoolLimit::Percent(25)));
         assert_eq!(c.tiers, None);
+        assert_eq!(c.front, Some(tmem_front::FrontKind::Auto));
+        assert_eq!(c.front_limit, Some(PoolLimit::Percent(10)));
     }
 }

@@ -99,7 +99,7 @@ impl FrontArgs {
     pub fn budget(&self, total_ram: u64) -> u64 {
         match self.front_limit {
             PoolLimit::Bytes(b) => b,
-            PoolLimit::Percent(p) => total_ram / 100 * u64::from(p),
+            PoolLimit::Percent(p) => total_ram.saturating_mul(u64::from(p)) / 100,
         }
     }
 
@@ -396,4 +396,39 @@ pub fn read_saved(dir: &RuntimeDir) -> Result<Option<Saved>, DaemonError> {
             dir.join(FRONT_FILE).display()
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn bad_settings_name_the_flag() {
+        let bad = |f: FrontArgs| f.validate(8 * GIB).unwrap_err().to_string();
+        let d = FrontArgs::default;
+        assert!(bad(FrontArgs { front_idle_age: 0.5, ..d() }).contains("--front-idle-age"));
+        assert!(bad(FrontArgs { front_limit: PoolLimit::Bytes(9 * GIB), ..d() }).contains("--front-limit"));
+        assert!(bad(FrontArgs { front_algorithm: String::new(), ..d() }).contains("--front-algorithm"));
+        let e = bad(FrontArgs { front_cgroups: vec!["/sys/fs/cgroup/x".into()], ..d() });
+        assert!(e.contains("--front-cgroup") && e.contains("--front zswap"), "{e}");
+        let e = bad(FrontArgs { front: FrontKind::Zswap, front_cgroups: vec!["/nonexistent/tmem-test".into()], ..d() });
+        assert!(e.contains("no memory.zswap.max"), "{e}");
+        d().validate(8 * GIB).unwrap();
+    }
+
+    #[test]
+    fn the_policy_follows_the_flags() {
+        let f = FrontArgs {
+            front_limit: PoolLimit::Percent(10),
+            front_idle_age: 5.0,
+            front_rate: 6400,
+            ..FrontArgs::default()
+        };
+        let p = f.policy(10 * GIB);
+        assert_eq!(p.budget, GIB);
+        assert_eq!((p.idle_age, p.max_idle_age), (Duration::from_secs(5), Duration::from_secs(160)));
+        assert_eq!((p.rate, p.min_rate, p.fill_percent), (6400, 100, 50));
+    }
 }
