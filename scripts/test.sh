@@ -68,6 +68,9 @@ echo "== smoke: tmem bench tier (2000 pages; mem, three Redis servers, a three-m
 cargo run -q -p tmem -- bench tier --tiers mem,remote,remote-cluster --pages 2000 --latency-samples 200
 echo "== smoke: tmem bench fault (32 MiB paged out and touched; zram, fuse-ram, tmem)"
 cargo run -q -p tmem -- bench fault --mib 32 --backends zram,fuse-ram,tmem
+echo "== smoke: tmem bench pressure --cold-share 50 (128 MiB at 50%; the front rows run in the VM test, where zram has writeback)"
+cargo run -q -p tmem -- bench pressure --workload-mib 128 --levels 50 --runs 1 --passes 1 --cold-share 50 \
+    --backends zram,tmem --allow-other-swap
 
 prune target/debug
 

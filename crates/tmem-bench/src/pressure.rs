@@ -13,11 +13,18 @@
 //! the whole machine's busy time, also for the reference run, so that what
 //! swapping cost per page can be given for every backend) are recorded.
 //!
+//! With `--cold-share N` each job builds N % of its heap first and leaves it
+//! alone until its checksum (a cold part, as real programs have); the front
+//! rows (`zram+tmem`, `zram+disk`, `zswap+tmem`, see [`front`]) put the
+//! kernel's compressed swap in front of tmem or of a disk file, and report
+//! the pages written back and read back.
+//!
 //! Every kernel setting touched is put back at the end, on error, on panic
 //! and on Ctrl-C/SIGTERM (the signal only sets a flag; the run in progress is
 //! killed and the guards undo what was set up). See docs/PRESSURE.md.
 
 pub(crate) mod backend;
+pub(crate) mod front;
 mod net;
 pub(crate) mod report;
 mod throttle;
@@ -38,6 +45,8 @@ use tmem_sys::{swap, zswap};
 
 pub use backend::BackendKind;
 use backend::{Backend, BackendConfig, PoolSample};
+pub use front::FrontArgs;
+use front::{Availability, BlockReads, Skipped};
 pub use net::NetProfile;
 use report::{Outcome, RunRecord};
 pub use throttle::DiskProfile;
@@ -57,6 +66,11 @@ pub struct PressureArgs {
     /// Passes the workload makes over its heap (read + modify).
     #[arg(long, default_value_t = 3)]
     pub passes: u32,
+    /// % of each job's heap built first, as records of its own, and then
+    /// not touched again until the final checksum; the passes touch only
+    /// the rest (0: every record is touched at every pass).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=i64::from(workload::MAX_COLD_SHARE)))]
+    pub cold_share: u32,
     /// Pressure levels: memory limit in % of the measured peak (100 = no limit).
     #[arg(long, value_delimiter = ',', default_value = "100,75,50,35,25")]
     pub levels: Vec<u32>,
@@ -145,6 +159,10 @@ pub struct PressureArgs {
     /// tmem+remote-kill: kill a Redis node once the tier holds this many pages.
     #[arg(long, default_value_t = 2000)]
     pub kill_node_at_tier_pages: u64,
+    /// The front rows' budget and policy.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub front: FrontArgs,
 }
 
 /// Set by SIGINT/SIGTERM/SIGHUP.
@@ -228,6 +246,12 @@ struct Measured {
     refused_writes: Option<u64>,
     /// The Redis node the run killed (tmem+remote-kill).
     killed_node: Option<KilledNode>,
+    /// The backend's last sample as the jobs ended (the front's counters).
+    last: PoolSample,
+    /// Mean read time of the device below the front, µs, and the reads.
+    backing_reads: Option<(f64, u64)>,
+    /// The front's counters as the jobs ended.
+    front_stats: Option<serde_json::Value>,
 }
 
 /// A Redis node a run killed.
@@ -245,15 +269,10 @@ pub(crate) fn swap_used(ours: &[std::path::PathBuf]) -> u64 {
 }
 
 impl Ctx<'_> {
-    /// Runs the workload once in a fresh cgroup limited to `limit`, sampling `backend`'s pool.
-    fn measure(
-        &mut self,
-        mut backend: Option<&mut Backend>,
-        limit: Option<u64>,
-        label: &str,
-    ) -> anyhow::Result<Measured> {
-        let ours = backend.as_deref().map(Backend::swap_paths).unwrap_or_default();
-        let mut foreign = foreign_swap(&ours);
+    /// A fresh memory cgroup for one run, limited to `limit`. Made before
+    /// the backend's swap comes up, so that zswap+tmem can name it to the
+    /// daemon (cgroup v2), whose zswap limit then wins over the `max` set here.
+    fn run_cgroup(&mut self, limit: Option<u64>) -> anyhow::Result<MemCgroup> {
         let cg = MemCgroup::create(&self.layout, &self.cgroup_name)?;
         match cg.version() {
             Version::V1 => {
@@ -268,6 +287,16 @@ impl Ctx<'_> {
             },
         }
         cg.set_limit(limit)?;
+        Ok(cg)
+    }
+
+    /// Runs the workload once in `cg` (from [`Ctx::run_cgroup`], removed
+    /// here), sampling `backend`'s pool.
+    fn measure(&mut self, mut backend: Option<&mut Backend>, cg: MemCgroup, label: &str) -> anyhow::Result<Measured> {
+        let ours = backend.as_deref().map(Backend::swap_paths).unwrap_or_default();
+        let mut foreign = foreign_swap(&ours);
+        let below = backend.as_deref().and_then(Backend::backing_dev);
+        let reads_before = below.as_deref().and_then(BlockReads::of);
         let before = SwapCounters::now()?;
         let server = backend.as_deref().and_then(Backend::server_pid);
         let server_before = server.and_then(ProcessCpu::of_pid);
@@ -329,6 +358,7 @@ impl Ctx<'_> {
             std::thread::sleep(Duration::from_millis(10));
         }
         let wall = start.elapsed();
+        let reads_after = below.as_deref().and_then(BlockReads::of);
         let cpu_after = CpuTimes::now();
         let daemon_cpu = server_before.zip(server.and_then(ProcessCpu::of_pid)).map(|(b, a)| a.since(&b));
         let vmstat = SwapCounters::now()?.since(&before);
@@ -338,8 +368,10 @@ impl Ctx<'_> {
         if let Some(hw) = backend.as_deref().and_then(Backend::pool_high_water) {
             peak.pool_bytes = peak.pool_bytes.max(hw);
         }
-        let refused_writes =
-            failed_before.zip(backend.as_deref()).map(|(b, be)| be.sample().failed_writes.saturating_sub(b));
+        let last = backend.as_deref().map(Backend::sample).unwrap_or_default();
+        let front_stats = backend.as_deref().and_then(Backend::front_stats);
+        let backing_reads = reads_before.zip(reads_after).and_then(|(b, a)| a.mean_since(&b));
+        let refused_writes = failed_before.map(|b| last.failed_writes.saturating_sub(b));
         let after_exit = match backend.as_deref() {
             Some(b) if !timed_out && !ours.is_empty() => {
                 let secs = self.args.after_exit_secs;
@@ -367,6 +399,9 @@ impl Ctx<'_> {
             after_exit,
             refused_writes,
             killed_node,
+            last,
+            backing_reads,
+            front_stats,
         };
         drop(running);
         cg.remove()?;
@@ -447,6 +482,8 @@ impl Ctx<'_> {
         label: &str,
     ) -> anyhow::Result<RunRecord> {
         let limit = limit_for(level, peak);
+        let cg = self.run_cgroup(limit)?;
+        backend.set_run_cgroup((cg.version() == Version::V2).then(|| cg.path()));
         let t = Instant::now();
         if let Err(e) = backend.activate() {
             if let Err(d) = backend.deactivate() {
@@ -457,7 +494,7 @@ impl Ctx<'_> {
         let setup_secs = t.elapsed().as_secs_f64();
         let counters_before = backend.counters();
         self.kill_node_at = (name == BackendKind::TmemRemoteKill.name()).then_some(self.args.kill_node_at_tier_pages);
-        let measured = self.measure(Some(&mut *backend), limit, label);
+        let measured = self.measure(Some(&mut *backend), cg, label);
         let counters = backend.counters().map(|after| counter_deltas(counters_before.as_ref(), &after));
         let t = Instant::now();
         let down = backend.deactivate();
@@ -480,6 +517,14 @@ impl Ctx<'_> {
             swap_used_after_exit_bytes: m.after_exit.map(|(_, u)| u),
             refused_writes: m.refused_writes,
             killed_node: m.killed_node.clone(),
+            front: backend_has_front(name).then(|| report::FrontRecord {
+                pool_bytes_at_peak: m.peak.front_pool_bytes,
+                written_back_pages: m.last.written_back,
+                read_back_pages: m.last.read_back,
+                read_back_mean_us: m.backing_reads.map(|(us, _)| us),
+                backing_reads: m.backing_reads.map_or(0, |(_, n)| n),
+                stats: m.front_stats.clone(),
+            }),
             pool_samples: m.samples,
             cgroup_max_usage_bytes: m.max_usage,
             cgroup_failcnt: m.failcnt,
@@ -502,6 +547,11 @@ impl Ctx<'_> {
         }
         Ok(r)
     }
+}
+
+/// Whether the row `name` has a front.
+fn backend_has_front(name: &str) -> bool {
+    backend::FRONT_ROWS.contains(&name)
 }
 
 /// How a run ended, given the reference outputs: a wrong checksum beats
@@ -609,7 +659,9 @@ fn preflight(a: &PressureArgs) -> anyhow::Result<Layout> {
             BackendKind::TmemRemote | BackendKind::TmemRemoteKill if crate::redis::redis_server_binary().is_none() => {
                 return Err(anyhow!("tmem+remote backend: redis-server is not installed (apt install redis-server)"));
             }
-            BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk if !a.swap_dir.is_dir() => {
+            BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk | BackendKind::ZramDisk
+                if !a.swap_dir.is_dir() =>
+            {
                 return Err(anyhow!("--swap-dir {} is not a directory", a.swap_dir.display()));
             }
             _ => {}
@@ -620,8 +672,10 @@ fn preflight(a: &PressureArgs) -> anyhow::Result<Layout> {
         cmd("ip", &["netns", "list"]).map_err(|e| anyhow!("--net {}: needs ip (iproute2): {e}", a.net.describe()))?;
         cmd("tc", &["-V"]).map_err(|e| anyhow!("--net {}: needs tc (iproute2): {e}", a.net.describe()))?;
     }
-    let on_disk =
-        a.backends.iter().any(|b| matches!(b, BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk));
+    let on_disk = a
+        .backends
+        .iter()
+        .any(|b| matches!(b, BackendKind::Disk | BackendKind::Zswap | BackendKind::TmemDisk | BackendKind::ZramDisk));
     if on_disk && a.disk_profile != DiskProfile::Host && crate::cache::setup::blkio_root().is_none() {
         return Err(anyhow!(
             "--disk-profile {:?} needs the cgroup v1 blkio hierarchy (it throttles at its root); not built for cgroup v2",
@@ -696,6 +750,13 @@ struct JsonOut<'a> {
     disk: String,
     /// Runs that swapped fewer pages than this get no per-page CPU figures.
     min_swapped_pages_for_cpu_per_page: u64,
+    /// % of each job's heap built first and left alone by its passes.
+    cold_share_percent: u32,
+    /// The front rows' budget and policy (where one ran).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    front: Option<&'a front::FrontConfig>,
+    /// Rows not run, and why (zram without writeback).
+    skipped: &'a [Skipped],
     reference: &'a RunRecord,
     runs: &'a [RunRecord],
     summary: &'a [report::Summary],
@@ -715,8 +776,21 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         a.workload_mib,
         a.jobs,
         a.passes,
+        a.cold_share,
     )?;
-    let total = 1 + a.backends.len() * a.levels.len() * usize::try_from(a.runs).unwrap_or(usize::MAX);
+    // Rows this kernel cannot run (zram without writeback) are skipped, with the reason.
+    let available = Availability::probe(&a.backends);
+    let skipped: Vec<Skipped> = a
+        .backends
+        .iter()
+        .filter_map(|&k| available.why_not(k).map(|reason| Skipped { backend: k.name().to_owned(), reason }))
+        .collect();
+    let kinds: Vec<BackendKind> =
+        a.backends.iter().copied().filter(|k| !skipped.iter().any(|s| s.backend == k.name())).collect();
+    for s in &skipped {
+        println!("{s}");
+    }
+    let total = 1 + kinds.len() * a.levels.len() * usize::try_from(a.runs).unwrap_or(usize::MAX);
     let mut ctx = Ctx {
         args: a,
         workload,
@@ -731,7 +805,8 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
 
     // Reference run: no limit, no swap of ours; gives the peak and the checksums.
     ctx.progress.show("reference run (no limit, no swap)", true);
-    let m = ctx.measure(None, None, "reference run")?;
+    let cg = ctx.run_cgroup(None)?;
+    let m = ctx.measure(None, cg, "reference run")?;
     if m.timed_out || m.oom_kills > 0 || m.jobs.iter().any(|j| j.code != Some(0) || j.output.is_empty()) {
         return Err(anyhow!("the reference run failed: {:?}", m.jobs));
     }
@@ -755,6 +830,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         swap_used_after_exit_bytes: None,
         refused_writes: None,
         killed_node: None,
+        front: None,
         pool_samples: 0,
         cgroup_max_usage_bytes: m.max_usage,
         cgroup_failcnt: m.failcnt,
@@ -794,13 +870,14 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
         disk_profile: a.disk_profile,
         net_profile: a.net,
+        front: a.front.config(peak),
         ..BackendConfig::new(swap_size, &a.swap_dir)
     };
     let mut runs: Vec<RunRecord> = Vec::new();
     let mut errors: Vec<String> = Vec::new();
     let mut zram_device = None;
     let mut net_delay_applied = None;
-    'backends: for &kind in &a.backends {
+    'backends: for &kind in &kinds {
         if interrupted() {
             break;
         }
@@ -863,9 +940,10 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
     }
     ctx.progress.finish();
 
-    let names: Vec<&str> = a.backends.iter().map(|b| b.name()).collect();
+    let names: Vec<&str> = kinds.iter().map(|b| b.name()).collect();
     let summary = report::summarize(&runs, &names, &a.levels);
-    print_report(a, &ctx.layout, &reference, peak, &runs, &summary, &names, zram_device.as_deref(), net_delay_applied);
+    let shown = Shown { zram_device: zram_device.as_deref(), net_delay_applied, front: &cfg.front, skipped: &skipped };
+    print_report(a, &ctx.layout, &reference, peak, &runs, &summary, &names, &shown);
     if let Some(path) = &a.plot {
         plot(path, a, &summary, &names)?;
         println!("figures: {}", path.display());
@@ -885,6 +963,9 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
             net_delay_applied,
             disk: a.disk_profile.describe(),
             min_swapped_pages_for_cpu_per_page: report::MIN_SWAPPED_PAGES,
+            cold_share_percent: a.cold_share,
+            front: kinds.iter().any(|k| k.has_front()).then_some(&cfg.front),
+            skipped: &skipped,
             reference: &reference,
             runs: &runs,
             summary: &summary,
@@ -901,6 +982,30 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
     bench_result(&errors)
 }
 
+/// What the report says besides the runs.
+struct Shown<'a> {
+    zram_device: Option<&'a str>,
+    net_delay_applied: Option<bool>,
+    front: &'a front::FrontConfig,
+    skipped: &'a [Skipped],
+}
+
+/// The report's first line: the job, its cold share and its peak.
+fn headline(a: &PressureArgs, peak: u64, wall_secs: f64) -> String {
+    let cold = match a.cold_share {
+        0 => "cold share 0 % (every record touched at every pass)".to_owned(),
+        n => format!("cold share {n} % (built first, untouched until the checksum)"),
+    };
+    format!(
+        "tmem bench pressure: workload {} MiB in {} job(s), {} pass(es), {cold}; measured peak {} in {:.1} s (no limit, no swap)",
+        a.workload_mib,
+        a.jobs,
+        a.passes,
+        tmem_daemon::human(peak),
+        wall_secs
+    )
+}
+
 #[allow(clippy::too_many_arguments)]
 fn print_report(
     a: &PressureArgs,
@@ -910,17 +1015,10 @@ fn print_report(
     runs: &[RunRecord],
     summary: &[report::Summary],
     names: &[&str],
-    zram_device: Option<&str>,
-    net_delay_applied: Option<bool>,
+    shown: &Shown<'_>,
 ) {
-    println!(
-        "tmem bench pressure: workload {} MiB in {} job(s), {} pass(es); measured peak {} in {:.1} s (no limit, no swap)",
-        a.workload_mib,
-        a.jobs,
-        a.passes,
-        tmem_daemon::human(peak),
-        reference.wall_secs
-    );
+    let (zram_device, net_delay_applied) = (shown.zram_device, shown.net_delay_applied);
+    println!("{}", headline(a, peak, reference.wall_secs));
     println!(
         "backends: disk = swap file in {} (prio {}); zram = /dev/{} (hot-added for the bench) {} (prio {}); \
          zswap = {} max_pool_percent {} over the disk file; \
@@ -982,8 +1080,41 @@ fn print_report(
             backend::RAM_PRIORITY
         );
     }
+    if names.iter().any(|n| backend_has_front(n)) {
+        println!("front rows, one policy: {}.", shown.front.describe());
+        if names.contains(&"zram+tmem") {
+            println!(
+                "zram+tmem = tmem swap up --front zram (zram {} in front, tmem's device its backing device); \
+                 pool = zram's + tmem's.",
+                a.zram_algorithm
+            );
+        }
+        if names.contains(&"zram+disk") {
+            println!(
+                "zram+disk = a zram device ({}) of the bench's, writing back to a loop device over a file in {} \
+                 ({}), the same policy run by the bench; pool = zram's.",
+                a.zram_algorithm,
+                a.swap_dir.display(),
+                a.disk_profile.describe()
+            );
+        }
+        if names.contains(&"zswap+tmem") {
+            println!(
+                "zswap+tmem = tmem swap up --front zswap (zswap {} in front of tmem's device{}); pool = zswap's + tmem's.",
+                a.zswap_compressor,
+                if layout.memory_hierarchy().1 == Version::V2 {
+                    ", --front-cgroup the run's cgroup"
+                } else {
+                    "; cgroup v1: no per-cgroup zswap limit, only max_pool_percent"
+                }
+            );
+        }
+    }
     println!();
     print!("{}", report::render_table(summary, names, &a.levels));
+    for s in shown.skipped {
+        println!("{s}");
+    }
     println!();
     let (_, version) = layout.memory_hierarchy();
     println!("cgroups: {} layout; the workload's group is a cgroup {version:?} memory group.", layout.name());
@@ -1073,7 +1204,10 @@ fn plot(path: &std::path::Path, a: &PressureArgs, summary: &[report::Summary], n
         }),
         panel("peak pool memory", "MiB", |s| s.median_pool_peak_mib),
     ];
-    let caption = format!("tmem bench pressure: {} MiB workload, {} job(s)", a.workload_mib, a.jobs);
+    let caption = format!(
+        "tmem bench pressure: {} MiB workload, {} job(s), cold share {} %",
+        a.workload_mib, a.jobs, a.cold_share
+    );
     crate::plot::draw(path, &caption, &panels)
 }
 
@@ -1105,6 +1239,9 @@ mod tests {
             after_exit: None,
             refused_writes: None,
             killed_node: None,
+            last: PoolSample::default(),
+            backing_reads: None,
+            front_stats: None,
         }
     }
 
@@ -1147,6 +1284,33 @@ mod tests {
         assert_eq!(d["pool_total_size"], 50);
         assert_eq!(d["reject_alloc_fail"], 2);
         assert_eq!(d["new"], 1);
+    }
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: PressureArgs,
+    }
+
+    #[test]
+    fn the_cold_share_is_an_argument_in_the_header_and_the_json() {
+        use clap::Parser;
+        let a = Cli::parse_from(["pressure"]).args;
+        assert_eq!(a.cold_share, 0, "the default job is today's uniform one");
+        assert!(headline(&a, 1 << 30, 12.0).contains("cold share 0 %"), "{}", headline(&a, 1 << 30, 12.0));
+        let a =
+            Cli::parse_from(["pressure", "--cold-share", "75", "--backends", "zram,zram+tmem,zram+disk,zswap+tmem"])
+                .args;
+        let h = headline(&a, 1 << 30, 12.0);
+        assert!(h.contains("cold share 75 % (built first, untouched until the checksum)"), "{h}");
+        let json = serde_json::to_value(&a).unwrap();
+        assert_eq!(json["cold_share"], 75);
+        assert_eq!(json["front_idle_age"], 5, "the front's flags are flattened into the args: {json}");
+        assert_eq!(json["backends"][1], "zram+tmem");
+        assert!(Cli::try_parse_from(["pressure", "--cold-share", "91"]).is_err());
+        let kinds: Vec<BackendKind> = a.backends.clone();
+        assert!(kinds.iter().all(|k| k.has_front() == backend_has_front(k.name())));
+        assert_eq!(kinds.iter().filter(|k| k.needs_zram_writeback()).count(), 2);
     }
 
     #[test]

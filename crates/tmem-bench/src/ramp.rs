@@ -13,7 +13,9 @@
 //! sum it recorded when it made it: a page swapped back wrong fails the row.
 //!
 //! What is set up is undone after each row, also on error, panic or Ctrl-C
-//! (the pressure bench's backends).
+//! (the pressure bench's backends, the front rows `zram+tmem`, `zram+disk`
+//! and `zswap+tmem` included: rows that need zram writeback are skipped,
+//! with the reason, where the kernel lacks it).
 
 mod report;
 
@@ -22,6 +24,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::pressure::backend::{Backend, BackendConfig, BackendKind};
+use crate::pressure::front::{Availability, BlockReads, FrontArgs, Skipped};
+use crate::pressure::report::FrontRecord;
 use crate::pressure::workload::{kill_group, spawn_in_cgroups};
 use crate::pressure::{cmd, install_signal_handlers, interrupted, zswap_off, DiskProfile};
 use crate::progress::Progress;
@@ -87,6 +91,10 @@ pub struct RampArgs {
     /// The JDK's java launcher (11 or later: it runs the source file).
     #[arg(long, default_value = "java")]
     pub java: String,
+    /// The front rows' budget and policy (the budget's default: 1/8 of the job's limit).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub front: FrontArgs,
 }
 
 /// A line the job printed.
@@ -134,15 +142,22 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    /// Runs the job over `backend` (or none: the whole ramp in RAM, no limit).
-    fn run_job(&self, backend: Option<&Backend>, name: &str) -> anyhow::Result<RowRecord> {
-        let a = self.args;
-        let limit = a.limit_mib << 20;
+    /// The job's memory cgroup, limited or not. Made before the backend's
+    /// swap comes up, so that zswap+tmem can name it to the daemon (v2).
+    fn cgroup(&self, limited: bool) -> anyhow::Result<MemCgroup> {
         let cg = MemCgroup::create(&self.layout, &format!("tmem-bench-ramp-{}", std::process::id()))?;
         if cg.version() == Version::V1 {
             cg.set_swappiness(60)?;
         }
-        cg.set_limit(backend.map(|_| limit))?;
+        cg.set_limit(limited.then_some(self.args.limit_mib << 20))?;
+        Ok(cg)
+    }
+
+    /// Runs the job in `cg` (removed here) over `backend` (or none: the
+    /// whole ramp in RAM, no limit).
+    fn run_job(&self, backend: Option<&Backend>, cg: MemCgroup, name: &str) -> anyhow::Result<RowRecord> {
+        let a = self.args;
+        let limit = a.limit_mib << 20;
         let steps_mib: Vec<u64> = a.steps.iter().map(|p| a.limit_mib * p / 100).collect();
         let max = steps_mib.iter().copied().max().unwrap_or(0);
         let xmx = format!("-Xmx{}m", max * 2 + 64);
@@ -159,6 +174,8 @@ impl Ctx<'_> {
         let args = [&*xmx, "-Xmn48m", "-XX:+UseSerialGC", &source, &list, &secs, "1"];
         let server = backend.and_then(Backend::server_pid);
         let server_before = server.and_then(ProcessCpu::of_pid);
+        let below = backend.and_then(Backend::backing_dev);
+        let reads_before = below.as_deref().and_then(BlockReads::of);
         let row_start = Mark::now()?;
         let mut child = spawn_in_cgroups(&[&cg.procs_file()], &a.java, &args, out, err)
             .map_err(|e| anyhow!("cannot start the job ({}): {e}", a.java))?;
@@ -198,6 +215,18 @@ impl Ctx<'_> {
         };
         kill_group(&mut child);
         let row_end = Mark::now()?;
+        let reads = reads_before.zip(below.as_deref().and_then(BlockReads::of)).and_then(|(b, e)| e.mean_since(&b));
+        let front = backend.filter(|_| crate::pressure::backend::FRONT_ROWS.contains(&name)).map(|b| {
+            let s = b.sample();
+            FrontRecord {
+                pool_bytes_at_peak: s.front_pool_bytes,
+                written_back_pages: s.written_back,
+                read_back_pages: s.read_back,
+                read_back_mean_us: reads.map(|(us, _)| us),
+                backing_reads: reads.map_or(0, |(_, n)| n),
+                stats: b.front_stats(),
+            }
+        });
         let daemon_cpu = server_before.zip(server.and_then(ProcessCpu::of_pid)).map(|(b, a)| a.since(&b));
         let oom_kills = cg.oom_control()?.oom_kill;
         cg.remove()?;
@@ -220,6 +249,7 @@ impl Ctx<'_> {
             oom_kills,
             vmstat: vm,
             stderr_tail: lines[lines.len().saturating_sub(5)..].join("\n"),
+            front,
         })
     }
 
@@ -292,12 +322,22 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         tmem_codec: a.tmem_codec.clone(),
         tmem_tier_pool_limit: a.tmem_tier_pool_limit.clone(),
         disk_profile: a.disk_profile,
+        front: a.front.config(limit),
         ..BackendConfig::new(swap_size, &a.swap_dir)
     };
+    let available = Availability::probe(&a.backends);
+    let skipped: Vec<Skipped> = a
+        .backends
+        .iter()
+        .filter_map(|&k| available.why_not(k).map(|reason| Skipped { backend: k.name().to_owned(), reason }))
+        .collect();
+    for s in &skipped {
+        println!("{s}");
+    }
     let mut rows = Vec::new();
     let mut errors = Vec::new();
     ctx.progress.show("reference: the whole ramp in RAM, no limit", true);
-    let reference = ctx.run_job(None, "no limit")?;
+    let reference = ctx.run_job(None, ctx.cgroup(false)?, "no limit")?;
     ctx.progress.steps_done(1);
     if reference.outcome != report::Outcome::Ok {
         return Err(anyhow!("the reference run failed ({:?}): {}", reference.outcome, reference.stderr_tail));
@@ -308,6 +348,10 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
             break;
         }
         let name = kind.name();
+        if skipped.iter().any(|s| s.backend == name) {
+            ctx.progress.steps_done(1);
+            continue;
+        }
         ctx.progress.show(&format!("{name}: preparing"), true);
         let mut backend = match Backend::prepare(kind, &cfg) {
             Ok(b) => b,
@@ -319,7 +363,11 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         };
         zram_device = zram_device.or_else(|| backend.zram_device());
         ctx.progress.show(name, true);
-        let r = backend.activate().and_then(|()| ctx.run_job(Some(&backend), name));
+        let r = ctx.cgroup(true).and_then(|cg| {
+            backend.set_run_cgroup((cg.version() == Version::V2).then(|| cg.path()));
+            backend.activate()?;
+            ctx.run_job(Some(&backend), cg, name)
+        });
         let down = backend.deactivate();
         match r.and_then(|r| down.map(|()| r)) {
             Ok(r) => {
@@ -343,12 +391,12 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         disk: a.disk_profile.describe(),
         zram_device,
     };
-    report::print(a, &machine, &reference, &rows);
+    report::print(a, &machine, &reference, &rows, &skipped);
     crate::write_outputs(
         a.plot.as_deref(),
         a.json.as_deref(),
         |p| report::plot(p, &machine, &reference, &rows),
-        |p| report::write_json(p, a, &machine, &reference, &rows, &errors),
+        |p| report::write_json(p, a, &machine, &reference, &rows, &skipped, &errors),
     )?;
     crate::pressure::bench_result(&errors)?;
     if let Some(r) = rows.iter().find(|r| r.outcome == report::Outcome::Corrupt) {

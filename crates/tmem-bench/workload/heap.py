@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """tmem bench pressure: a memory-hungry job with a realistic heap.
 
-Usage: heap.py --mib N [--seed S] [--passes P]
+Usage: heap.py --mib N [--seed S] [--passes P] [--cold-share C]
 
 Builds a heap of about N MiB (resident, at peak) made of what real programs
 keep in memory: dicts of records with small and large ints, floats, short
@@ -16,8 +16,17 @@ record and prints one line:
 
     checksum <blake2b-hex> records <n> payload_mib <m>
 
-For a given (N, S, P) the checksum is deterministic (it depends only on a
-seeded PRNG and the arithmetic; no addresses, no hash-order dependence),
+With --cold-share C (0..90, default 0: the uniform job above), the first
+C % of the heap (by the same size estimate that ends the build) is built
+first, as records of its own, and then left alone: the passes touch only
+the records built after it (the hot set is the first 2 % of those), so its
+pages sit untouched until the final checksum reads them. The records are
+the same for every C (the same PRNG stream builds them in the same order);
+only which of them the passes modify changes, so the checksum depends on C
+too. The line then ends with " cold_records <k>".
+
+For a given (N, S, P, C) the checksum is deterministic (it depends only on
+a seeded PRNG and the arithmetic; no addresses, no hash-order dependence),
 so the caller can compare each run against a reference run.
 
 The cyclic garbage collector is disabled: nothing here is cyclic, and a
@@ -116,6 +125,8 @@ class Heap:
         self.kinds = [sys.intern(w.upper()) for w in self.words[300:340]]
         self.corpus = make_corpus(rng, self.words, 1 << 20)
         self.records = []
+        # Records [0, ncold) are the cold part: built first, never touched by the passes.
+        self.ncold = 0
         self.accounted = BASE_BYTES
 
     def make_record(self, i):
@@ -174,14 +185,18 @@ class Heap:
             size += sizeof(buf)
         return rec, size
 
-    def build(self, target):
+    def build(self, target, cold_share=0):
         limit = BASE_BYTES + (target - BASE_BYTES) * ACCOUNTED_FRACTION
+        # The cold part ends where this share of the heap's records is built.
+        cold_limit = BASE_BYTES + (limit - BASE_BYTES) * cold_share / 100
         i = 0
         while self.accounted < limit:
             rec, size = self.make_record(i)
             self.records.append(rec)
             self.accounted += size + 8
             i += 1
+            if self.accounted < cold_limit:
+                self.ncold = i
 
     def touch(self, rec, p, salt):
         """Reads every field of rec and modifies some; returns a small digest."""
@@ -213,15 +228,17 @@ class Heap:
 
     def pass_(self, p):
         recs = self.records
-        n = len(recs)
+        # Only the records after the cold part (all of them without one).
+        start = self.ncold
+        n = len(recs) - start
         hot = max(1, n // 50)
         rng = random.Random(1000 + p)
         acc = 0
         for idx in range(n):
-            acc += self.touch(recs[idx], p, idx)
+            acc += self.touch(recs[start + idx], p, idx)
             if idx % 16 == 0:
-                # The hot 2% of the heap is touched 8x as often as the rest.
-                acc += self.touch(recs[rng.randrange(hot)], p, idx)
+                # The hot 2% of the (hot part of the) heap is touched 8x as often as the rest.
+                acc += self.touch(recs[start + rng.randrange(hot)], p, idx)
         return acc
 
     def checksum(self):
@@ -248,7 +265,7 @@ class Heap:
 
 
 def main(argv):
-    args = {"--mib": None, "--seed": "1", "--passes": "3"}
+    args = {"--mib": None, "--seed": "1", "--passes": "3", "--cold-share": "0"}
     it = iter(argv)
     for a in it:
         if a not in args:
@@ -257,14 +274,20 @@ def main(argv):
     if args["--mib"] is None:
         sys.exit("heap.py: --mib N is required")
     mib, seed, passes = int(args["--mib"]), int(args["--seed"]), int(args["--passes"])
+    cold_share = int(args["--cold-share"])
+    if not 0 <= cold_share <= 90:
+        sys.exit("heap.py: --cold-share must be in 0..90 (%% of the heap), not %d" % cold_share)
     gc.disable()
     heap = Heap(seed)
-    heap.build(mib * MIB)
+    heap.build(mib * MIB, cold_share)
     acc = 0
     for p in range(passes):
         acc = (acc * 31 + heap.pass_(p)) & 0xFFFFFFFF
     digest, payload = heap.checksum()
-    print("checksum %s-%08x records %d payload_mib %.1f" % (digest, acc, len(heap.records), payload / MIB), flush=True)
+    line = "checksum %s-%08x records %d payload_mib %.1f" % (digest, acc, len(heap.records), payload / MIB)
+    if cold_share:
+        line += " cold_records %d" % heap.ncold
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 //! over a lower tier (RAMster-style remote RAM on Redis servers, or a disk
 //! backing file); and `fuse-ram`, tmem's FUSE + loop path over plain RAM,
 //! which measures what that path costs without compression or a store.
+//! The front rows (`zram+tmem`, `zswap+tmem`, `zram+disk`: the kernel's
+//! compressed swap in front of tmem or of a disk file) are in [`super::front`].
 //!
 //! Each backend is *prepared* once (swap file created, zswap parameters set),
 //! *activated* before every run (swapon on an empty area) and *deactivated*
@@ -28,6 +30,7 @@ use tmem_fuse::{Export, FuseConfig, FuseMount};
 use tmem_sys::{swap, zswap};
 
 use super::cmd;
+use super::front::{FrontConfig, ZramDisk};
 use super::net::{Namespace, NetProfile};
 use super::throttle::{DiskProfile, ThrottledLoop};
 use crate::cache::setup::current_exe;
@@ -68,6 +71,20 @@ pub enum BackendKind {
     #[value(name = "fuse-ram")]
     #[serde(rename = "fuse-ram")]
     FuseRam,
+    /// zram in front of tmem: `tmem swap up --front zram` (zram's backing
+    /// device is tmem's; the daemon's policy writes idle pages back).
+    #[value(name = "zram+tmem")]
+    #[serde(rename = "zram+tmem")]
+    ZramTmem,
+    /// The kernel's own answer: zram writing idle pages back to a disk
+    /// file, run by the same policy in the bench.
+    #[value(name = "zram+disk")]
+    #[serde(rename = "zram+disk")]
+    ZramDisk,
+    /// zswap in front of tmem: `tmem swap up --front zswap`.
+    #[value(name = "zswap+tmem")]
+    #[serde(rename = "zswap+tmem")]
+    ZswapTmem,
 }
 
 impl BackendKind {
@@ -83,9 +100,27 @@ impl BackendKind {
             Self::TmemRemoteKill => "tmem+remote-kill",
             Self::TmemDisk => "tmem+disk",
             Self::FuseRam => "fuse-ram",
+            Self::ZramTmem => "zram+tmem",
+            Self::ZramDisk => "zram+disk",
+            Self::ZswapTmem => "zswap+tmem",
         }
     }
+
+    /// Whether the row needs zram with writeback (`CONFIG_ZRAM_WRITEBACK`).
+    #[must_use]
+    pub fn needs_zram_writeback(self) -> bool {
+        matches!(self, Self::ZramTmem | Self::ZramDisk)
+    }
+
+    /// Whether the row has the kernel's compressed swap in front of another device.
+    #[must_use]
+    pub fn has_front(self) -> bool {
+        matches!(self, Self::ZramTmem | Self::ZramDisk | Self::ZswapTmem)
+    }
 }
+
+/// The names of the front rows (for the report, which has names only).
+pub const FRONT_ROWS: [&str; 3] = ["zram+tmem", "zram+disk", "zswap+tmem"];
 
 /// What a backend needs to know.
 #[derive(Clone, Debug)]
@@ -125,6 +160,10 @@ pub struct BackendConfig {
     pub disk_profile: DiskProfile,
     /// The network path to the tmem+remote rows' Redis nodes.
     pub net_profile: NetProfile,
+    /// The front rows' budget and policy.
+    pub front: FrontConfig,
+    /// The zram+disk row's backing file.
+    pub front_disk_file: PathBuf,
 }
 
 /// The `/dev/fuse` worker threads the tmem rows and fuse-ram run with for
@@ -142,7 +181,8 @@ impl BackendConfig {
     /// with this process's names: the disk swap file and the tier in
     /// `swap_dir`, the runtime directory in /run; zram lz4, zswap lzo-rle
     /// (20 %), tmem lz4 with a pool of 50 % of RAM (64 MiB over a tier),
-    /// `--discard once`, no recompression, the host's disk, loopback.
+    /// `--discard once`, no recompression, the host's disk, loopback; the
+    /// front rows' budget 1/8 of the swap area (see [`FrontConfig`]).
     #[must_use]
     pub fn new(swap_size: u64, swap_dir: &Path) -> Self {
         let pid = std::process::id();
@@ -164,6 +204,8 @@ impl BackendConfig {
             tier_dir: swap_dir.join(format!("tmem-bench-tier-{pid}")),
             disk_profile: DiskProfile::Host,
             net_profile: NetProfile::Loopback,
+            front: FrontConfig::for_reference(swap_size),
+            front_disk_file: swap_dir.join(format!("tmem-bench-zram-backing-{pid}")),
         }
     }
 }
@@ -184,6 +226,13 @@ pub struct PoolSample {
     pub tier_pages: u64,
     /// Writes the device refused since it started (tmem: the pool was full).
     pub failed_writes: u64,
+    /// Of `pool_bytes`, the front's pool (the front rows: zram's
+    /// `mem_used_total` or zswap's pool, in front of tmem or a disk file).
+    pub front_pool_bytes: u64,
+    /// Pages the front wrote back to the device below it since the run began.
+    pub written_back: u64,
+    /// Written-back pages the front read back from it since the run began.
+    pub read_back: u64,
 }
 
 /// A prepared backend.
@@ -206,6 +255,8 @@ pub enum Backend {
     Tmem(Tmem),
     /// FUSE + loop over plain RAM.
     FuseRam(FuseRam),
+    /// zram writing back to a disk file, its policy in the bench.
+    ZramDisk(ZramDisk),
 }
 
 impl Backend {
@@ -253,6 +304,53 @@ impl Backend {
             }
             BackendKind::TmemDisk => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::Disk)?)),
             BackendKind::FuseRam => Ok(Self::FuseRam(FuseRam::prepare(c)?)),
+            BackendKind::ZramTmem => {
+                let mut t = Tmem::prepare(c, TmemTier::None)?;
+                t.front = Some(TmemFront::new(FrontRow::Zram, c.front.daemon_args("zram", &c.zram_algorithm)));
+                Ok(Self::Tmem(t))
+            }
+            BackendKind::ZswapTmem => {
+                let mut t = Tmem::prepare(c, TmemTier::None)?;
+                t.front = Some(TmemFront::new(FrontRow::Zswap, c.front.daemon_args("zswap", &c.zswap_compressor)));
+                Ok(Self::Tmem(t))
+            }
+            BackendKind::ZramDisk => Ok(Self::ZramDisk(ZramDisk::prepare(
+                &c.front_disk_file,
+                c.swap_size,
+                &c.zram_algorithm,
+                &c.front,
+                c.disk_profile,
+            )?)),
+        }
+    }
+
+    /// The memory cgroup of the next run (`None`: not cgroup v2): the
+    /// zswap+tmem row passes it to `tmem swap up --front-cgroup`, whose
+    /// zswap limit the daemon then sets (and restores). Set before
+    /// [`Backend::activate`].
+    pub fn set_run_cgroup(&mut self, v2_cgroup: Option<&Path>) {
+        if let Self::Tmem(Tmem { front: Some(f), .. }) = self {
+            f.cgroup = v2_cgroup.filter(|_| f.row == FrontRow::Zswap).map(Path::to_owned);
+        }
+    }
+
+    /// The block device below the front, whose reads are the front's reads
+    /// back (tmem's loop device, or zram+disk's): `None` without a front.
+    pub fn backing_dev(&self) -> Option<PathBuf> {
+        match self {
+            Self::Tmem(t) if t.front.is_some() => t.loop_devs.first().cloned(),
+            Self::ZramDisk(z) => z.backing_dev().map(Path::to_owned),
+            _ => None,
+        }
+    }
+
+    /// The front's counters now (its policy's state, backoffs ...), as
+    /// `tmem stat --json` shows them: `None` without a front.
+    pub fn front_stats(&self) -> Option<serde_json::Value> {
+        match self {
+            Self::Tmem(t) if t.front.is_some() => t.front_stats(),
+            Self::ZramDisk(z) => z.front_stats(),
+            _ => None,
         }
     }
 
@@ -261,8 +359,9 @@ impl Backend {
         match self {
             Self::Disk(d) | Self::Zswap { disk: d, .. } => vec![d.swap_path().to_owned()],
             Self::Zram(z) => z.dev.as_ref().map(zram::ZramDevice::node).into_iter().collect(),
-            Self::Tmem(t) => t.loop_devs.clone(),
+            Self::Tmem(t) => t.loop_devs.iter().chain(t.front.iter().flat_map(|f| f.nodes.iter())).cloned().collect(),
             Self::FuseRam(f) => f.active.iter().filter_map(|a| a.loop_dev.clone()).collect(),
+            Self::ZramDisk(z) => z.node().map(Path::to_owned).into_iter().collect(),
         }
     }
 
@@ -273,6 +372,7 @@ impl Backend {
             Self::Zram(z) => z.activate(),
             Self::Tmem(t) => t.activate(),
             Self::FuseRam(f) => f.activate(),
+            Self::ZramDisk(z) => z.activate(),
         }
     }
 
@@ -283,6 +383,7 @@ impl Backend {
             Self::Zram(z) => z.deactivate(),
             Self::Tmem(t) => t.deactivate(),
             Self::FuseRam(f) => f.deactivate(),
+            Self::ZramDisk(z) => z.deactivate(),
         }
     }
 
@@ -304,6 +405,7 @@ impl Backend {
             }
             Self::Tmem(t) => t.sample(),
             Self::FuseRam(f) => f.sample(),
+            Self::ZramDisk(z) => z.sample(),
         }
     }
 
@@ -312,6 +414,7 @@ impl Backend {
     pub fn pool_high_water(&self) -> Option<u64> {
         match self {
             Self::Zram(z) => z.mm_stat().map(|m| m.mem_used_max),
+            Self::ZramDisk(z) => z.pool_high_water(),
             _ => None,
         }
     }
@@ -319,12 +422,14 @@ impl Backend {
     /// The process that serves the swap device in user space, whose CPU
     /// time is the run's daemon CPU: tmem's daemon, or for fuse-ram this
     /// process (the bench serves its FUSE itself). `None` for the backends
-    /// the kernel serves alone (disk, zram, zswap).
+    /// the kernel serves alone (disk, zram, zswap, and zram+disk, whose
+    /// policy thread in the bench only tells zram what to write back: the
+    /// writeback's CPU is in the machine's busy time).
     pub fn server_pid(&self) -> Option<i32> {
         match self {
             Self::Tmem(t) => t.pid,
             Self::FuseRam(_) => i32::try_from(std::process::id()).ok(),
-            Self::Disk(_) | Self::Zram(_) | Self::Zswap { .. } => None,
+            Self::Disk(_) | Self::Zram(_) | Self::Zswap { .. } | Self::ZramDisk(_) => None,
         }
     }
 
@@ -357,6 +462,8 @@ impl Backend {
     pub fn counters(&self) -> Option<std::collections::BTreeMap<String, u64>> {
         match self {
             Self::Zswap { debugfs: Some(_), .. } => zswap::debug_stats().ok(),
+            // Where debugfs is mounted already (the bench mounts it for the zswap row only).
+            Self::Tmem(Tmem { front: Some(TmemFront { row: FrontRow::Zswap, .. }), .. }) => zswap::debug_stats().ok(),
             _ => None,
         }
     }
@@ -387,6 +494,7 @@ impl Backend {
             }
             Self::Tmem(mut t) => t.finish(),
             Self::FuseRam(mut f) => f.deactivate(),
+            Self::ZramDisk(mut z) => z.finish(),
         }
     }
 }
@@ -588,6 +696,75 @@ pub struct Tmem {
     /// The tier's throttled filesystem (a disk profile), mounted at
     /// `tier_dir`, and its image file.
     tier_disk: Option<(ThrottledLoop, PathBuf)>,
+    /// The kernel's compressed swap in front of the daemon's device (the front rows).
+    front: Option<TmemFront>,
+}
+
+/// Which front a tmem row has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FrontRow {
+    Zram,
+    Zswap,
+}
+
+/// A tmem row's front: `swap up`'s `--front*` arguments, and what the
+/// daemon set up.
+#[derive(Debug)]
+struct TmemFront {
+    row: FrontRow,
+    args: Vec<String>,
+    /// The run's cgroup, on cgroup v2 (`--front-cgroup`, zswap only).
+    cgroup: Option<PathBuf>,
+    /// The front's devices the kernel swaps on (zram: `/dev/zramN`, from
+    /// `tmem stat`), learned after `swap up`.
+    nodes: Vec<PathBuf>,
+}
+
+impl TmemFront {
+    fn new(row: FrontRow, args: Vec<String>) -> Self {
+        Self { row, args, cgroup: None, nodes: Vec::new() }
+    }
+}
+
+/// A device's front in `tmem stat --json` (a `tmem_front::FrontStats`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct FrontSample {
+    node: String,
+    pool_bytes: u64,
+    stored_bytes: u64,
+    written_back: u64,
+    read_back: u64,
+}
+
+impl FrontSample {
+    /// The `front` object of one device of `tmem stat --json`, if it has one.
+    fn of(device: &serde_json::Value) -> Option<Self> {
+        let f = device.get("front").filter(|f| f.is_object())?;
+        let get = |k: &str| f.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
+        Some(Self {
+            node: f.get("node").and_then(serde_json::Value::as_str).unwrap_or_default().to_owned(),
+            pool_bytes: get("pool_bytes"),
+            stored_bytes: get("stored_bytes"),
+            written_back: get("written_back"),
+            read_back: get("read_back"),
+        })
+    }
+
+    /// zram's own figures for its node, fresher than the daemon's (its
+    /// policy samples once a tick): `mm_stat` and `bd_stat`.
+    fn fresh_from_zram(&self) -> Option<Self> {
+        let name = self.node.strip_prefix("/dev/").filter(|n| n.starts_with("zram"))?;
+        let mm = tmem_sys::zram::mm_stat(name).ok()?;
+        let bd = std::fs::read_to_string(format!("/sys/block/{name}/bd_stat")).ok()?;
+        let bd = tmem_sys::zram::BdStat::parse(&bd).ok()?;
+        Some(Self {
+            node: self.node.clone(),
+            pool_bytes: mm.mem_used_total,
+            stored_bytes: mm.orig_data_size,
+            written_back: bd.writes,
+            read_back: bd.reads,
+        })
+    }
 }
 
 impl Tmem {
@@ -618,6 +795,7 @@ impl Tmem {
             killed: Vec::new(),
             tier_dir: None,
             tier_disk: None,
+            front: None,
         };
         match tier {
             TmemTier::None => {}
@@ -699,31 +877,90 @@ impl Tmem {
             args.extend(["--fuse-threads", &threads]);
         }
         args.extend(self.tier_args.iter().chain(&self.extra_args).map(String::as_str));
+        let cgroup = self.front.as_ref().and_then(|f| f.cgroup.as_ref()).map(|c| c.to_string_lossy().into_owned());
+        match &self.front {
+            Some(f) => args.extend(f.args.iter().map(String::as_str)),
+            // tmem alone, also where `--front auto` would put zram (with writeback) in front.
+            None => args.extend(["--front", "none"]),
+        }
+        if let Some(c) = &cgroup {
+            args.extend(["--front-cgroup", c]);
+        }
         let r = self.tmem(&args);
         // Whether or not `up` succeeded, learn what runs so that teardown can find it.
+        let mut nodes = Vec::new();
         if let Ok(st) = ctl::call_ok(&self.dir, &Request::Status, Duration::from_secs(5)) {
             self.pid = st.get("pid").and_then(serde_json::Value::as_i64).and_then(|p| i32::try_from(p).ok());
-            self.loop_devs = st
-                .get("devices")
-                .and_then(serde_json::Value::as_array)
-                .map(|v| v.iter().filter_map(|d| d.get("loop_dev")?.as_str().map(PathBuf::from)).collect())
-                .unwrap_or_default();
+            let devices =
+                st.get("devices").and_then(serde_json::Value::as_array).map(Vec::as_slice).unwrap_or_default();
+            let field = |name: &str| -> Vec<PathBuf> {
+                devices.iter().filter_map(|d| d.get(name)?.as_str().map(PathBuf::from)).collect()
+            };
+            self.loop_devs = field("loop_dev");
+            // The swap areas in front of the loop devices (zram's nodes).
+            nodes = field("front_node");
+        }
+        if let Some(f) = self.front.as_mut() {
+            f.nodes = nodes;
         }
         r.map(drop)
     }
 
+    /// Every device's object of `tmem stat --json` (empty if the daemon does not answer).
+    fn stat_devices(&self) -> Vec<serde_json::Value> {
+        match ctl::call_ok(&self.dir, &Request::Stat, Duration::from_secs(2)) {
+            Ok(serde_json::Value::Array(v)) => v,
+            _ => Vec::new(),
+        }
+    }
+
+    /// Each device's `front` object of `tmem stat --json` (one, or an array of them).
+    fn front_stats(&self) -> Option<serde_json::Value> {
+        let fronts: Vec<serde_json::Value> =
+            self.stat_devices().iter().filter_map(|d| d.get("front").cloned()).collect();
+        match fronts.len() {
+            0 => None,
+            1 => fronts.into_iter().next(),
+            _ => Some(serde_json::Value::Array(fronts)),
+        }
+    }
+
+    /// tmem's pools, and with a front the front's pool and counters too:
+    /// zram's read from its sysfs files (its node from `tmem stat`'s
+    /// `front`, else that object's figures), zswap's pool from
+    /// /proc/meminfo, its counters from `front`.
     fn sample(&self) -> PoolSample {
-        let Ok(data) = ctl::call_ok(&self.dir, &Request::Stat, Duration::from_secs(2)) else {
-            return PoolSample::default();
-        };
+        let devices = self.stat_devices();
         let mut s = PoolSample::default();
-        for d in data.as_array().map(Vec::as_slice).unwrap_or_default() {
+        for d in &devices {
             let get = |ptr: &str| d.pointer(ptr).and_then(serde_json::Value::as_u64).unwrap_or(0);
             s.pool_bytes += get("/store/mem_used_total");
             s.stored_bytes += get("/store/total/orig_data_size");
             s.tier_pages += get("/store/total/tier_pages");
             s.failed_writes += get("/failed_writes");
         }
+        match self.front.as_ref().map(|f| f.row) {
+            Some(FrontRow::Zram) => {
+                // A zram device per tmem device.
+                for f in devices.iter().filter_map(FrontSample::of) {
+                    let f = f.fresh_from_zram().unwrap_or(f);
+                    s.front_pool_bytes += f.pool_bytes;
+                    s.stored_bytes += f.stored_bytes;
+                    s.written_back += f.written_back;
+                    s.read_back += f.read_back;
+                }
+            }
+            Some(FrontRow::Zswap) if !devices.is_empty() => {
+                // One zswap for the machine: every device shows the same counters.
+                if let Some(f) = devices.iter().find_map(FrontSample::of) {
+                    (s.written_back, s.read_back) = (f.written_back, f.read_back);
+                }
+                s.front_pool_bytes = zswap::pool_bytes().unwrap_or(0);
+                s.stored_bytes += zswap::stored_bytes();
+            }
+            _ => {}
+        }
+        s.pool_bytes += s.front_pool_bytes;
         s
     }
 
@@ -751,7 +988,8 @@ impl Tmem {
         } else if let Err(e) = &down {
             return Err(anyhow!("{e:#}"));
         }
-        if self.loop_devs.iter().any(|d| swap::is_swap(d).unwrap_or(true)) {
+        let nodes = self.front.as_ref().map(|f| f.nodes.as_slice()).unwrap_or_default();
+        if self.loop_devs.iter().chain(nodes).any(|d| swap::is_swap(d).unwrap_or(true)) {
             return Err(anyhow!("tmem swap is still on after tmem swap down ({down:?})"));
         }
         if self.mounted() {
@@ -763,6 +1001,9 @@ impl Tmem {
         self.active = false;
         self.pid = None;
         self.loop_devs.clear();
+        if let Some(f) = self.front.as_mut() {
+            f.nodes.clear();
+        }
         Ok(())
     }
 

@@ -127,6 +127,9 @@ pub struct RunRecord {
     /// The Redis node the run killed (tmem+remote-kill).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub killed_node: Option<super::KilledNode>,
+    /// The front's figures (the front rows: zram+tmem, zram+disk, zswap+tmem).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub front: Option<FrontRecord>,
     /// Number of pool samples taken.
     pub pool_samples: u64,
     /// memory.max_usage_in_bytes of the run's cgroup.
@@ -157,6 +160,31 @@ pub struct RunRecord {
     /// Backend counters over the run (zswap debugfs deltas).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend_counters: Option<BTreeMap<String, u64>>,
+}
+
+/// What a front row's front did in one run.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct FrontRecord {
+    /// Of `pool_peak_bytes`, the front's pool at the peak sample (the rest
+    /// is tmem's); in `bench ramp`, the front's pool as the job ended.
+    pub pool_bytes_at_peak: u64,
+    /// Pages the front wrote back to the device below it (zram `bd_stat`
+    /// writes; zswap's `zswpwb`), as the jobs ended.
+    pub written_back_pages: u64,
+    /// Written-back pages read back from it (zram `bd_stat` reads; for
+    /// zswap, every read of tmem's device).
+    pub read_back_pages: u64,
+    /// Mean time of a read request of the device below the front over the
+    /// run, µs (`/sys/block/<dev>/stat`: read ticks / read I/Os, ms
+    /// resolution summed over the requests): the read-back latency as the
+    /// front waits for it. `None` without reads.
+    pub read_back_mean_us: Option<f64>,
+    /// Those read requests.
+    pub backing_reads: u64,
+    /// The front's own counters as the jobs ended (`tmem stat --json`'s
+    /// `front`, or zram+disk's policy): idle age, backoffs, state.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stats: Option<serde_json::Value>,
 }
 
 /// Runs that swapped fewer pages than this get no per-page CPU figures: a
@@ -219,6 +247,14 @@ pub struct Summary {
     /// Median machine CPU µs per swapped page above the reference run, of
     /// the correct runs that have the figure.
     pub median_machine_cpu_us_per_swapped_page_above_reference: Option<f64>,
+    /// Median of the front's pool at the peak sample, MiB (front rows).
+    pub median_front_pool_peak_mib: Option<f64>,
+    /// Median pages the front wrote back (front rows).
+    pub median_written_back: Option<f64>,
+    /// Median pages it read back (front rows).
+    pub median_read_back: Option<f64>,
+    /// Median of the mean read-back time, µs (front rows with reads).
+    pub median_read_back_us: Option<f64>,
 }
 
 const MIB: f64 = 1_048_576.0;
@@ -271,6 +307,16 @@ pub fn summarize(runs: &[RunRecord], backends: &[&str], levels: &[u32]) -> Vec<S
                 median_machine_cpu_us_per_swapped_page_above_reference: med_ok(&|r| {
                     r.cpu.machine_cpu_us_per_swapped_page_above_reference
                 }),
+                median_front_pool_peak_mib: median(
+                    rs.iter().filter_map(|r| r.front.as_ref()).map(|f| f.pool_bytes_at_peak as f64 / MIB).collect(),
+                ),
+                median_written_back: median(
+                    rs.iter().filter_map(|r| r.front.as_ref()).map(|f| f.written_back_pages as f64).collect(),
+                ),
+                median_read_back: median(
+                    rs.iter().filter_map(|r| r.front.as_ref()).map(|f| f.read_back_pages as f64).collect(),
+                ),
+                median_read_back_us: median(rs.iter().filter_map(|r| r.front.as_ref()?.read_back_mean_us).collect()),
             });
         }
     }
@@ -367,14 +413,30 @@ pub fn render_table(sums: &[Summary], backends: &[&str], levels: &[u32]) -> Stri
     if !pooled.is_empty() {
         block(&mut t, "after the jobs exit (--after-exit-secs): pool / swap still in use, MiB", &rows(&pooled, after));
     }
-    let daemon_rows: Vec<&str> = backends.iter().copied().filter(|b| b.starts_with("tmem")).collect();
+    let fronts: Vec<&str> = backends.iter().copied().filter(|b| super::backend::FRONT_ROWS.contains(b)).collect();
+    if !fronts.is_empty() {
+        let share: Fmt<'_> = &|s| s.median_front_pool_peak_mib.map(|m| format!("{m:.0}"));
+        block(&mut t, "front rows: the front's share of the peak pool memory, MiB", &rows(&fronts, share));
+        let wb: Fmt<'_> =
+            &|s| Some(format!("{}/{}", thousands(s.median_written_back?), thousands(s.median_read_back?)));
+        block(&mut t, "front rows: pages written back/read back, thousands", &rows(&fronts, wb));
+        let lat: Fmt<'_> = &|s| Some(or_na(s.median_read_back_us, 0));
+        block(
+            &mut t,
+            "front rows: read-back latency, us (mean read of the device below the front)",
+            &rows(&fronts, lat),
+        );
+    }
+    let daemon_rows: Vec<&str> =
+        backends.iter().copied().filter(|b| b.starts_with("tmem") || b.ends_with("+tmem")).collect();
     if !daemon_rows.is_empty() {
         let refused: Fmt<'_> = &|s| s.median_refused_writes.map(|n| format!("{n:.0}"));
         block(&mut t, "swap writes refused (pool full)", &rows(&daemon_rows, refused));
     }
     block(&mut t, "pswpout/pswpin, thousands of pages", &rows(backends, pswp));
-    if backends.contains(&"zswap") {
-        block(&mut t, "zswpout/zswpin (zswap stores/loads), thousands of pages", &[("zswap", zswp)]);
+    let zswapping: Vec<&str> = backends.iter().copied().filter(|b| b.starts_with("zswap")).collect();
+    if !zswapping.is_empty() {
+        block(&mut t, "zswpout/zswpin (zswap stores/loads), thousands of pages", &rows(&zswapping, zswp));
     }
     let daemon: Fmt<'_> = &|s| Some(or_na(s.median_daemon_cpu_secs, 1));
     let busy: Fmt<'_> = &|s| Some(or_na(s.median_machine_busy_cpu_secs, 1));
@@ -465,6 +527,7 @@ mod tests {
             swap_used_after_exit_bytes: None,
             refused_writes: None,
             killed_node: None,
+            front: None,
             pool_samples: 10,
             cgroup_max_usage_bytes: 0,
             cgroup_failcnt: 0,
@@ -506,6 +569,45 @@ mod tests {
         assert!(t.contains("12/0.7"), "{t}");
         assert!(!t.contains("zswpout"), "{t}");
         assert!(t.contains("daemon CPU per swapped page, us"), "{t}");
+    }
+
+    #[test]
+    fn front_rows_show_their_share_writebacks_and_read_back_latency() {
+        let mut runs = vec![rec("zram", 50, Outcome::Ok, 10.0, 100 << 20)];
+        for (name, lat) in [("zram+tmem", Some(180.0)), ("zram+disk", Some(950.0)), ("zswap+tmem", None)] {
+            let mut r = rec(name, 50, Outcome::Ok, 12.0, 80 << 20);
+            r.front = Some(FrontRecord {
+                pool_bytes_at_peak: 30 << 20,
+                written_back_pages: 25_000,
+                read_back_pages: 1_500,
+                read_back_mean_us: lat,
+                backing_reads: lat.map_or(0, |_| 1_400),
+                stats: None,
+            });
+            runs.push(r);
+        }
+        let names = ["zram", "zram+tmem", "zram+disk", "zswap+tmem"];
+        let s = summarize(&runs, &names, &[50]);
+        assert_eq!(s[0].median_written_back, None, "zram has no front");
+        assert_eq!(s[1].median_front_pool_peak_mib, Some(30.0));
+        assert_eq!((s[2].median_written_back, s[2].median_read_back), (Some(25_000.0), Some(1_500.0)));
+        assert_eq!(s[2].median_read_back_us, Some(950.0));
+        assert_eq!(s[3].median_read_back_us, None);
+        let t = render_table(&s, &names, &[50]);
+        let block = |title: &str| {
+            let i = t.find(title).unwrap_or_else(|| panic!("no {title:?} in\n{t}"));
+            t[i..].lines().skip(1).take_while(|l| l.starts_with("  ")).map(str::to_owned).collect::<Vec<_>>()
+        };
+        let wb = block("front rows: pages written back/read back, thousands");
+        assert_eq!(wb.len(), 3, "only the front rows: {t}");
+        assert!(wb[0].contains("zram+tmem") && wb[0].contains("25/1.5"), "{t}");
+        let lat = block("front rows: read-back latency");
+        assert!(lat[0].contains("180") && lat[1].contains("950") && lat[2].contains("n/a"), "{t}");
+        assert!(block("front rows: the front's share")[0].contains("30"), "{t}");
+        let refused = block("swap writes refused");
+        assert!(refused.iter().any(|l| l.contains("zram+tmem")) && refused.iter().any(|l| l.contains("zswap+tmem")));
+        assert!(!refused.iter().any(|l| l.contains("zram+disk")), "{t}");
+        assert!(block("zswpout/zswpin")[0].contains("zswap+tmem"), "{t}");
     }
 
     #[test]

@@ -27,13 +27,29 @@ pub struct Workload {
     pub jobs: u32,
     /// Passes over the heap.
     pub passes: u32,
+    /// % of each job's heap built first and then left alone by the passes
+    /// (heap.py `--cold-share`; 0: the uniform job).
+    pub cold_share: u32,
 }
+
+/// The largest `--cold-share`: the passes need a hot part to work on.
+pub const MAX_COLD_SHARE: u32 = 90;
 
 impl Workload {
     /// Writes the script to a fresh private directory `dir`.
-    pub fn install(dir: &Path, python: &str, total_mib: u64, jobs: u32, passes: u32) -> anyhow::Result<Self> {
+    pub fn install(
+        dir: &Path,
+        python: &str,
+        total_mib: u64,
+        jobs: u32,
+        passes: u32,
+        cold_share: u32,
+    ) -> anyhow::Result<Self> {
         if jobs == 0 || total_mib / u64::from(jobs) < 16 {
             return Err(anyhow!("--workload-mib {total_mib} over --jobs {jobs}: need at least 16 MiB per job"));
+        }
+        if cold_share > MAX_COLD_SHARE {
+            return Err(anyhow!("--cold-share {cold_share}: at most {MAX_COLD_SHARE} (% of each job's heap)"));
         }
         std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
             .create(dir)
@@ -45,6 +61,7 @@ impl Workload {
             mib_per_job: total_mib / u64::from(jobs),
             jobs,
             passes,
+            cold_share,
         };
         std::fs::write(&w.script, SCRIPT).map_err(|e| anyhow!("cannot write {}: {e}", w.script.display()))?;
         Ok(w)
@@ -56,6 +73,25 @@ impl Workload {
         i + 1
     }
 
+    /// The arguments of job `i` (after the interpreter). `--cold-share`
+    /// is passed only when set, so the default job is today's, exactly.
+    #[must_use]
+    pub fn job_args(&self, i: u32) -> Vec<String> {
+        let mut args = vec![
+            self.script.to_string_lossy().into_owned(),
+            "--mib".into(),
+            self.mib_per_job.to_string(),
+            "--seed".into(),
+            Self::seed(i).to_string(),
+            "--passes".into(),
+            self.passes.to_string(),
+        ];
+        if self.cold_share > 0 {
+            args.extend(["--cold-share".into(), self.cold_share.to_string()]);
+        }
+        args
+    }
+
     /// Starts every job; each joins the cgroup whose `cgroup.procs` is `procs` first.
     pub fn spawn(&self, procs: &Path) -> anyhow::Result<Running> {
         let mut running = Running { jobs: Vec::new() };
@@ -65,10 +101,8 @@ impl Workload {
             let err_path = self.dir.join(format!("job{i}.err"));
             let out = File::create(&out_path).map_err(|e| anyhow!("{}: {e}", out_path.display()))?;
             let err = File::create(&err_path).map_err(|e| anyhow!("{}: {e}", err_path.display()))?;
-            let mib = self.mib_per_job.to_string();
-            let passes = self.passes.to_string();
-            let script = self.script.to_string_lossy();
-            let args = [&*script, "--mib", &mib, "--seed", &seed.to_string(), "--passes", &passes];
+            let args = self.job_args(i);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let child = spawn_in_cgroups(&[procs], &self.python, &args, out, err)
                 .map_err(|e| anyhow!("cannot start the workload (sh, {}): {e}", self.python))?;
             running.jobs.push(Job { seed, child, out_path, err_path, status: None });
@@ -199,5 +233,58 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// Runs a 16 MiB job with one pass through [`Workload::spawn`] (its
+    /// "cgroup.procs" a plain file) and returns its output line.
+    fn job_output(dir: &Path, name: &str, cold_share: u32) -> String {
+        let w = Workload::install(&dir.join(name), "python3", 16, 1, 1, cold_share).unwrap();
+        let procs = dir.join("procs");
+        std::fs::write(&procs, "").unwrap();
+        let mut running = w.spawn(&procs).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !running.poll().unwrap() {
+            assert!(Instant::now() < deadline, "heap.py --mib 16 took over 2 minutes");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let r = running.results().remove(0);
+        assert_eq!(r.code, Some(0), "heap.py failed: {}", r.stderr_tail);
+        assert!(r.output.starts_with("checksum "), "{}", r.output);
+        r.output
+    }
+
+    #[test]
+    fn the_cold_share_reaches_the_job_and_its_checksum() {
+        if !tmem_testkit::have_tool("python3") {
+            return tmem_testkit::skip(tmem_testkit::Feature::Tools, "no python3");
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let w = Workload::install(&tmp.path().join("args"), "python3", 32, 2, 3, 75).unwrap();
+        let args = w.job_args(1);
+        assert_eq!(&args[1..], ["--mib", "16", "--seed", "2", "--passes", "3", "--cold-share", "75"]);
+        let uniform = Workload::install(&tmp.path().join("args0"), "python3", 32, 2, 3, 0).unwrap();
+        assert!(!uniform.job_args(0).contains(&"--cold-share".to_owned()), "the default job is today's");
+        assert!(Workload::install(&tmp.path().join("args91"), "python3", 32, 2, 3, 91).is_err());
+
+        let none = job_output(tmp.path(), "none", 0);
+        let half = job_output(tmp.path(), "half", 50);
+        let again = job_output(tmp.path(), "again", 50);
+        let most = job_output(tmp.path(), "most", 90);
+        assert!(!none.contains("cold_records"), "{none}");
+        assert_eq!(half, again, "the same args give the same checksum");
+        assert_ne!(none, half, "the cold part is not modified by the passes, so the checksum changes");
+        assert_ne!(half, most);
+        // The same records are built whatever the share: only the passes differ.
+        let records = |l: &str| l.split_whitespace().skip_while(|w| *w != "records").nth(1).unwrap().to_owned();
+        assert_eq!(records(&none), records(&half));
+        let cold = |l: &str| l.split_whitespace().skip_while(|w| *w != "cold_records").nth(1).unwrap().parse::<u64>();
+        let (n, c50, c90) = (records(&none).parse::<u64>().unwrap(), cold(&half).unwrap(), cold(&most).unwrap());
+        assert!(c50 > 0 && c50 < c90 && c90 < n, "{n} records, {c50} cold at 50 %, {c90} at 90 %");
     }
 }

@@ -8,7 +8,8 @@ use std::process::ExitStatus;
 
 use super::RampArgs;
 use crate::plot::{Figure, Panel, Series};
-use crate::pressure::report::RunCpu;
+use crate::pressure::front::Skipped;
+use crate::pressure::report::{FrontRecord, RunCpu};
 use tmem_daemon::human;
 use tmem_sys::vmstat::SwapCounters;
 
@@ -98,6 +99,9 @@ pub struct RowRecord {
     /// The end of the job's stderr.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub stderr_tail: String,
+    /// The front's figures as the job ended (the front rows).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub front: Option<FrontRecord>,
 }
 
 impl RowRecord {
@@ -127,7 +131,7 @@ fn cell(v: Option<f64>, digits: usize) -> String {
 }
 
 /// Prints the tables and the targets.
-pub fn print(a: &RampArgs, m: &Machine, reference: &RowRecord, rows: &[RowRecord]) {
+pub fn print(a: &RampArgs, m: &Machine, reference: &RowRecord, rows: &[RowRecord], skipped: &[Skipped]) {
     println!(
         "tmem bench ramp: {} CPUs, {} RAM, kernel {}, cgroup {}; job limited to {}; swap areas of {}; disk: {}",
         m.machine.cpus,
@@ -202,6 +206,25 @@ pub fn print(a: &RampArgs, m: &Machine, reference: &RowRecord, rows: &[RowRecord
     if let (Some(tmem), Some(disk)) = (find("tmem"), find("disk")) {
         println!("tmem / disk swap file throughput: {}", ratios(tmem, disk));
     }
+    if rows.iter().any(|r| r.front.is_some()) {
+        println!("front rows: {}", a.front.config(m.limit_bytes).describe());
+    }
+    for r in rows {
+        if let Some(f) = &r.front {
+            println!(
+                "{}: front pool {} as the job ended, {} pages written back, {} read back, read-back latency {} us ({} reads of the device below)",
+                r.backend,
+                human(f.pool_bytes_at_peak),
+                f.written_back_pages,
+                f.read_back_pages,
+                cell(f.read_back_mean_us, 0),
+                f.backing_reads
+            );
+        }
+    }
+    for s in skipped {
+        println!("{s}");
+    }
 }
 
 /// Throughput against live heap, a line per backend.
@@ -235,6 +258,8 @@ struct JsonOut<'a> {
     machine: &'a Machine,
     reference: &'a RowRecord,
     rows: &'a [RowRecord],
+    /// Rows not run, and why (zram without writeback).
+    skipped: &'a [Skipped],
     errors: &'a [String],
 }
 
@@ -245,9 +270,10 @@ pub fn write_json(
     machine: &Machine,
     reference: &RowRecord,
     rows: &[RowRecord],
+    skipped: &[Skipped],
     errors: &[String],
 ) -> anyhow::Result<()> {
-    let out = JsonOut { tool: "tmem bench ramp", args, machine, reference, rows, errors };
+    let out = JsonOut { tool: "tmem bench ramp", args, machine, reference, rows, skipped, errors };
     let text = serde_json::to_string_pretty(&out)?;
     std::fs::write(path, text + "\n").map_err(|e| anyhow!("{}: {e}", path.display()))
 }
