@@ -1,7 +1,13 @@
 #!/bin/busybox sh
-# /init of the VM test (scripts/vm-test.sh): cgroup v2 only, tmem over the
-# kernel's NBD client and over FUSE + loop, a job under memory.max.
+# /init of the VM test (scripts/vm-test.sh), the same on every kernel:
+# cgroup v2 only, a probe of the kernel's zram, nbd, ublk and zswap, tmem
+# over the kernel's NBD client and over FUSE + loop, a job under memory.max.
 /bin/busybox --install -s /bin
+# kmod's, not busybox's (this shell runs its own applets before any in PATH;
+# kmod reads compressed and built-in modules). /sbin/modprobe, which the
+# kernel runs to load a module on demand, is kmod's too.
+modprobe() { /usr/sbin/modprobe "$@"; }
+rmmod() { /usr/sbin/rmmod "$@"; }
 export PATH=/usr/local/bin:/usr/bin:/usr/sbin:/bin:/sbin RUST_LOG=warn
 mount -t proc proc /proc
 mount -t sysfs sys /sys
@@ -13,13 +19,88 @@ ip link set lo up
 
 say() { echo "VM-TEST: $*"; }
 fail() { say "FAIL: $*"; for f in /tmp/*.log; do echo "--- $f"; tail -n 30 "$f"; done; poweroff -f; }
+# The seconds a step took (guest clock; TCG keeps it to the host's).
+lap_t=$(cut -d' ' -f1 /proc/uptime)
+lap() { t=$(cut -d' ' -f1 /proc/uptime); say "time: $1 $(awk "BEGIN {print $t - $lap_t}") s (up $t s)"; lap_t=$t; }
 wait_for() { n=0; while [ ! -e "$1" ]; do n=$((n + 1)); [ "$n" -gt 600 ] && fail "no $1 after 60 s"; sleep 0.1; done; }
 
-say "kernel $(uname -r)"
+say "kernel $(uname -r): $(cat /proc/version)"
 say "cgroup layout: $(grep cgroup /proc/mounts | tr '\n' ';')"
 say "memory controller: $(cat /sys/fs/cgroup/cgroup.controllers)"
-for m in nbd fuse loop; do insmod "/lib/modules/$m.ko" || fail "insmod $m"; done
 echo +memory > /sys/fs/cgroup/cgroup.subtree_control || fail "cannot enable the memory controller"
+
+# 0. The kernel facts later tests depend on. tmem_vm_probe=require on the
+# command line (Debian 13's kernel) fails the run where one is missing;
+# tmem_vm_probe=report (Debian 12's) only prints them.
+probe_mode=report
+case " $(cat /proc/cmdline) " in *" tmem_vm_probe=require "*) probe_mode=require ;; esac
+missing=""
+# fact NAME yes|no DETAIL [required]
+fact() {
+    say "probe: $1: $2${3:+ ($3)}"
+    [ "$2" = yes ] || [ "$4" != required ] || missing="$missing; $1"
+}
+yn() { if "$@"; then echo yes; else echo no; fi; }
+say "probe: kernel $(uname -r), mode $probe_mode"
+if modprobe zram num_devices=0 2> /tmp/probe.err; then
+    fact "modprobe zram" yes "" required
+    id=$(cat /sys/class/zram-control/hot_add 2> /tmp/probe.err)
+    zdev=/sys/block/zram$id
+    if [ -n "$id" ] && [ -d "$zdev" ]; then
+        fact "zram hot_add" yes "zram$id" required
+        for a in backing_dev writeback writeback_limit bd_stat idle; do
+            fact "zram $a attribute" "$(yn test -e "$zdev/$a")" "" required
+        done
+        algs=$(cat "$zdev/comp_algorithm")
+        fact "zram comp_algorithm lists zstd" "$(yn eval 'echo "$algs" | tr -d "[]" | tr " " "\n" | grep -qx zstd')" "$algs" required
+        fact "zram algorithm_params attribute" "$(yn test -e "$zdev/algorithm_params")" ""
+        if echo zstd 2> /dev/null > "$zdev/comp_algorithm"; then z=yes; else z=no; fi
+        fact "zram zstd selectable" "$z" "$(cat "$zdev/comp_algorithm")"
+        echo 16M > "$zdev/disksize" || fail "probe: zram disksize"
+        if echo all 2> /dev/null > "$zdev/idle"; then i=yes; else i=no; fi
+        fact "zram idle all accepted" "$i" ""
+        # Age-based idle marking: CONFIG_ZRAM_TRACK_ENTRY_ACTIME since 6.8,
+        # CONFIG_ZRAM_MEMORY_TRACKING before.
+        if echo 60 2> /tmp/probe.err > "$zdev/idle"; then i=yes; else i=no; fi
+        fact "zram idle <seconds> accepted" "$i" "$(tr -d '\n' < /tmp/probe.err)" required
+        # A write the kernel refuses must read as refused here.
+        echo 1x 2> /dev/null > "$zdev/idle" && fail "probe: zram idle took '1x'; cannot tell accepted from refused"
+        echo 1 > "$zdev/reset"
+        echo "$id" > /sys/class/zram-control/hot_remove || fail "probe: zram hot_remove"
+    else
+        fact "zram hot_add" no "$(cat /tmp/probe.err)" required
+    fi
+    rmmod zram || fail "probe: rmmod zram"
+else
+    fact "modprobe zram" no "$(tr '\n' ' ' < /tmp/probe.err)" required
+fi
+if modprobe nbd 2> /tmp/probe.err; then n=yes; else n=no; fi
+fact "modprobe nbd" "$n" "$(tr '\n' ' ' < /tmp/probe.err)" required
+if modprobe ublk_drv 2> /tmp/probe.err; then
+    fact "modprobe ublk_drv" yes "/dev/ublk-control $(yn test -c /dev/ublk-control)" required
+    rmmod ublk_drv || fail "probe: rmmod ublk_drv"
+else
+    fact "modprobe ublk_drv" no "$(tr '\n' ' ' < /tmp/probe.err)" required
+fi
+p=/sys/module/zswap/parameters
+fact "zswap shrinker_enabled parameter" "$(yn test -e $p/shrinker_enabled)" \
+    "$(for f in enabled shrinker_enabled compressor zpool; do [ -e $p/$f ] && printf '%s=%s ' $f "$(cat $p/$f)"; done)" required
+fact "cgroup v2 only" "$(yn eval '! grep -q " cgroup " /proc/mounts && grep -q " /sys/fs/cgroup cgroup2 " /proc/mounts')" "$(grep -o 'cgroup_no_v1=[^ ]*' /proc/cmdline)" required
+mkdir /sys/fs/cgroup/probe || fail "probe: mkdir cgroup"
+fact "memory.zswap.max in a non-root cgroup" "$(yn test -e /sys/fs/cgroup/probe/memory.zswap.max)" \
+    "$(cat /sys/fs/cgroup/probe/memory.zswap.max 2> /dev/null)" required
+rmdir /sys/fs/cgroup/probe
+if [ -z "$missing" ]; then
+    say "probe: all required facts hold"
+elif [ "$probe_mode" = require ]; then
+    fail "probe: missing on $(uname -r): ${missing#; }"
+else
+    say "probe: missing here (reported only): ${missing#; }"
+fi
+
+lap "boot and probe"
+
+for m in nbd fuse loop; do modprobe "$m" || fail "modprobe $m"; done
 
 # A 150 MiB job in a group limited to 64 MiB: it must swap, and finish intact.
 job() {
@@ -47,6 +128,8 @@ swapoff /dev/nbd0 || fail "swapoff /dev/nbd0"
 nbd-client -d /dev/nbd0 > /dev/null 2>&1
 kill "$SERVE"; wait "$SERVE" || fail "tmem serve nbd did not stop cleanly"
 
+lap "nbd"
+
 # 2. tmem swap up (FUSE + loop), without flags.
 tmem swap up > /tmp/up.log 2>&1 || fail "tmem swap up"
 say "swap: $(tail -n +2 /proc/swaps | tr '\n' ';')"
@@ -54,10 +137,13 @@ job "swap up"
 tmem stat --counters | grep -E ' (stored_pages|succ_puts|succ_gets|pool_limit_hit|write_ios|read_ios) ' | sed 's/^/VM-TEST:   /' || fail "tmem stat --counters"
 tmem swap down > /tmp/down.log 2>&1 || fail "tmem swap down"
 
+lap "swap up"
+
 # 3. The pressure bench on cgroup v2 (small: TCG is slow).
 tmem bench pressure --workload-mib 96 --levels 100,50 --runs 1 --passes 1 --backends tmem --json /tmp/pressure.json > /tmp/pressure.log 2>&1 || fail "tmem bench pressure"
 say "bench pressure: $(grep -o '"cgroup_layout": *"[a-z0-9]*"' /tmp/pressure.json)"
 grep -A3 'wall time' /tmp/pressure.log | sed 's/^/VM-TEST:   /'
+lap "bench pressure"
 
 # Nothing left behind.
 [ "$(tail -n +2 /proc/swaps)" = "" ] || fail "swap left: $(cat /proc/swaps)"
