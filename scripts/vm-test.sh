@@ -172,6 +172,8 @@ rm -rf "$root"
 mkdir -p "$root"/{bin,sbin,dev,proc,sys,run,tmp,lib/modules,etc}
 cp /bin/busybox "$root/bin/busybox"
 gcc -O2 -static -o "$root/bin/hog" scripts/vm/hog.c
+gcc -O2 -static -o "$root/bin/coldhog" scripts/vm/coldhog.c
+install -m 0644 scripts/vm/fronts.sh "$root/fronts.sh"
 install -m 0755 scripts/vm/init.sh "$root/init"
 # The libraries a program or library links (none for a static one).
 libs_of() { { ldd "$1" 2>/dev/null || true; } | { grep -o '/[^ ]*' || true; }; }

@@ -130,7 +130,8 @@ kill "$SERVE"; wait "$SERVE" || fail "tmem serve nbd did not stop cleanly"
 
 lap "nbd"
 
-# 2. tmem swap up (FUSE + loop), without flags.
+# 2. tmem swap up (FUSE + loop), without flags: --front auto, so zram in
+# front where the kernel's zram has writeback (both Debian kernels).
 tmem swap up > /tmp/up.log 2>&1 || fail "tmem swap up"
 say "swap: $(tail -n +2 /proc/swaps | tr '\n' ';')"
 job "swap up"
@@ -138,6 +139,10 @@ tmem stat --counters | grep -E ' (stored_pages|succ_puts|succ_gets|pool_limit_hi
 tmem swap down > /tmp/down.log 2>&1 || fail "tmem swap down"
 
 lap "swap up"
+
+# 2b. The fronts: zram with writeback to tmem, a kill, zswap on cgroup v2.
+. /fronts.sh
+lap "fronts"
 
 # 3. The pressure bench on cgroup v2 (small: TCG is slow).
 tmem bench pressure --workload-mib 96 --levels 100,50 --runs 1 --passes 1 --backends tmem --json /tmp/pressure.json > /tmp/pressure.log 2>&1 || fail "tmem bench pressure"
