@@ -780,11 +780,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
     )?;
     // Rows this kernel cannot run (zram without writeback) are skipped, with the reason.
     let available = Availability::probe(&a.backends);
-    let skipped: Vec<Skipped> = a
-        .backends
-        .iter()
-        .filter_map(|&k| available.why_not(k).map(|reason| Skipped { backend: k.name().to_owned(), reason }))
-        .collect();
+    let skipped: Vec<Skipped> = available.skipped(&a.backends);
     let kinds: Vec<BackendKind> =
         a.backends.iter().copied().filter(|k| !skipped.iter().any(|s| s.backend == k.name())).collect();
     for s in &skipped {

@@ -326,11 +326,7 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         ..BackendConfig::new(swap_size, &a.swap_dir)
     };
     let available = Availability::probe(&a.backends);
-    let skipped: Vec<Skipped> = a
-        .backends
-        .iter()
-        .filter_map(|&k| available.why_not(k).map(|reason| Skipped { backend: k.name().to_owned(), reason }))
-        .collect();
+    let skipped: Vec<Skipped> = available.skipped(&a.backends);
     for s in &skipped {
         println!("{s}");
     }

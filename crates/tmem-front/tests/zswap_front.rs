@@ -30,16 +30,8 @@ fn runs() -> bool {
     true
 }
 
-/// zswap's parameters are machine-wide: the tests here take turns.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-#[test]
-fn zswap_front_sets_and_restores_its_parameters() {
-    if !runs() {
-        return;
-    }
-    let _serial = SERIAL.lock();
-    let before = params();
+/// Sets zswap up with [`cfg`]; also returns what it saved before.
+fn apply() -> (ZswapFront, Arc<Mutex<Option<Saved>>>) {
     let saved = Arc::new(Mutex::new(None));
     let s2 = Arc::clone(&saved);
     let front = ZswapFront::apply(
@@ -51,6 +43,20 @@ fn zswap_front_sets_and_restores_its_parameters() {
         Box::new(|| 0),
     )
     .unwrap();
+    (front, saved)
+}
+
+/// zswap's parameters are machine-wide: the tests here take turns.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+#[test]
+fn zswap_front_sets_and_restores_its_parameters() {
+    if !runs() {
+        return;
+    }
+    let _serial = SERIAL.lock();
+    let before = params();
+    let (front, saved) = apply();
     assert_eq!(params()["max_pool_percent"], "7");
     assert!(zswap::is_on(&params()["enabled"]));
     let s = front.sample().unwrap();
@@ -71,17 +77,7 @@ fn what_a_dead_daemon_saved_is_put_back() {
     }
     let _serial = SERIAL.lock();
     let before = params();
-    let saved = Arc::new(Mutex::new(None));
-    let s2 = Arc::clone(&saved);
-    let front = ZswapFront::apply(
-        &cfg(),
-        &move |s: &Saved| {
-            *s2.lock() = Some(s.clone());
-            Ok(())
-        },
-        Box::new(|| 0),
-    )
-    .unwrap();
+    let (front, saved) = apply();
     front.allow_writeback(false).unwrap();
     // The daemon dies: nothing is restored by it.
     let _ = front.release();

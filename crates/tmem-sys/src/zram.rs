@@ -268,6 +268,13 @@ impl ZramDevice {
     /// which initialises it. An algorithm it does not offer is refused with
     /// [`ZramError::UnknownAlgorithm`].
     pub fn configure(&self, algorithm: &str, disksize: u64) -> Result<(), ZramError> {
+        self.check_offered(algorithm)?;
+        configure(&self.name, algorithm, disksize)
+    }
+
+    /// Refuses an algorithm the device does not offer with
+    /// [`ZramError::UnknownAlgorithm`].
+    fn check_offered(&self, algorithm: &str) -> Result<(), ZramError> {
         let (available, _) = self.algorithms()?;
         if !available.iter().any(|a| a == algorithm) {
             return Err(ZramError::UnknownAlgorithm {
@@ -276,7 +283,7 @@ impl ZramDevice {
                 available,
             });
         }
-        configure(&self.name, algorithm, disksize)
+        Ok(())
     }
 
     /// Caps the memory the device may use for compressed pages
@@ -325,14 +332,7 @@ impl ZramDevice {
     /// [`ZramDevice::configure`] does first (so a backing device set before
     /// stays). The device must be fresh or reset.
     pub fn initialise(&self, algorithm: &str, disksize: u64) -> Result<(), ZramError> {
-        let (available, _) = self.algorithms()?;
-        if !available.iter().any(|a| a == algorithm) {
-            return Err(ZramError::UnknownAlgorithm {
-                dev: self.name.clone(),
-                algorithm: algorithm.to_owned(),
-                available,
-            });
-        }
+        self.check_offered(algorithm)?;
         write_attr(&self.name, "comp_algorithm", algorithm)?;
         write_attr(&self.name, "disksize", &disksize.to_string())
     }

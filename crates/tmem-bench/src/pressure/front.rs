@@ -193,6 +193,15 @@ impl Availability {
         Self { zram_writeback, zswap }
     }
 
+    /// The rows of `kinds` that cannot run here, each with the reason.
+    #[must_use]
+    pub fn skipped(&self, kinds: &[BackendKind]) -> Vec<Skipped> {
+        kinds
+            .iter()
+            .filter_map(|&k| self.why_not(k).map(|reason| Skipped { backend: k.name().to_owned(), reason }))
+            .collect()
+    }
+
     /// Why `kind` cannot run here, or `None`.
     #[must_use]
     pub fn why_not(&self, kind: BackendKind) -> Option<String> {
