@@ -239,6 +239,7 @@ impl DeviceConfig {
             pool,
             stripes: (0..STRIPES).map(|_| Mutex::new(Rank::BlockStripe, ())).collect(),
             io: IoCounters::default(),
+            written: WrittenDuringSweep::new(self.size / PAGE),
         })
     }
 }
@@ -266,6 +267,8 @@ struct IoCounters {
     stale_pages_dropped: AtomicU64,
     /// Sweeps of [`PoolDevice::drop_stale`] stopped by a write.
     stale_sweeps_interrupted: AtomicU64,
+    /// Pages such sweeps kept because the kernel wrote them meanwhile.
+    stale_pages_kept: AtomicU64,
     /// Times the device's idle swap area was emptied ([`PoolDevice::count_area_emptied`]).
     swap_areas_emptied: AtomicU64,
 }
@@ -292,6 +295,7 @@ impl IoCounters {
             panics: self.panics.load(r),
             stale_pages_dropped: self.stale_pages_dropped.load(r),
             stale_sweeps_interrupted: self.stale_sweeps_interrupted.load(r),
+            stale_pages_kept: self.stale_pages_kept.load(r),
             swap_areas_emptied: self.swap_areas_emptied.load(r),
         }
     }
@@ -339,8 +343,12 @@ counters! {
         /// Pages of freed swap slots dropped when the kernel's swap area
         /// on the device had no slot in use.
         stale_pages_dropped: Counter(Pages),
-        /// Such sweeps stopped by a write (the kernel took a slot meanwhile).
+        /// Such sweeps that stopped at once: a write came in between the
+        /// reading of /proc/swaps and the sweep's start.
         stale_sweeps_interrupted: Counter(Events),
+        /// Pages such sweeps kept because the kernel wrote them during the
+        /// sweep (it may have taken their slots).
+        stale_pages_kept: Counter(Pages),
         /// Times the daemon emptied the device's idle swap area (swapoff,
         /// mkswap, swapon) to give back freed slots' pages.
         swap_areas_emptied: Counter(Events),
@@ -350,10 +358,16 @@ counters! {
 /// What [`PoolDevice::drop_stale`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StaleSweep {
-    /// Went over the whole device and dropped this many pages.
-    Done(u64),
-    /// A write came in: stopped after dropping this many pages.
-    Interrupted(u64),
+    /// Went over the whole device: dropped and kept (written during the
+    /// sweep) this many pages.
+    Done {
+        /// Pages dropped.
+        dropped: u64,
+        /// Pages kept because they were written during the sweep.
+        kept: u64,
+    },
+    /// A write came in before the sweep began: it dropped nothing.
+    Interrupted,
 }
 
 /// A block device on a persistent pool of its own store.
@@ -371,6 +385,8 @@ pub struct PoolDevice {
     /// does no slow work under them (lock order: docs/ARCHITECTURE.md, `Rank::BlockStripe`).
     stripes: Box<[Mutex<()>]>,
     io: IoCounters,
+    /// Pages written during a [`PoolDevice::drop_stale`] sweep.
+    written: WrittenDuringSweep,
 }
 
 impl std::fmt::Debug for PoolDevice {
@@ -528,32 +544,37 @@ impl PoolDevice {
     /// which `swapon` reads), for a swap device whose kernel swap area had
     /// no slot in use after `writes_before` was read: every other page the
     /// device holds then belongs to a freed slot (a loop device is not told
-    /// when the kernel frees one). Stops at the first page at which a write
-    /// has been counted since `writes_before`: the kernel may have taken a
-    /// slot since, and its page must stay.
-    ///
-    /// Why this is safe without per-page state: a write counts itself
-    /// before it takes its page's stripe, and the check for a page runs
-    /// under that page's stripe. A write to the page that finished before
-    /// the check released the stripe after counting, so the check sees it;
-    /// one that has not finished waits for the stripe and stores its page
-    /// after the drop.
+    /// when the kernel frees one). A page written during the sweep stays
+    /// (the kernel may have taken its slot), and so does every page when a
+    /// write was counted between `writes_before` and the sweep's start
+    /// (`Interrupted`): see [`sweep`](crate::sweep) for the ordering. One
+    /// sweep at a time; a second one returns `Interrupted`.
     pub fn drop_stale(&self, writes_before: u64) -> StaleSweep {
-        let mut dropped = 0;
+        if !self.written.begin() {
+            return StaleSweep::Interrupted;
+        }
+        if self.io.write_ios.load(Ordering::SeqCst) != writes_before {
+            self.written.end();
+            bump(&self.io.stale_sweeps_interrupted, 1);
+            return StaleSweep::Interrupted;
+        }
+        let (mut dropped, mut kept) = (0, 0);
         for page in 1..self.size / PAGE {
             let _g = self.stripe(page);
-            if self.io.write_ios.load(Ordering::Relaxed) != writes_before {
-                bump(&self.io.stale_sweeps_interrupted, 1);
-                return StaleSweep::Interrupted(dropped);
+            if self.written.written(page) {
+                kept += 1;
+                continue;
             }
             // A pool that fails (it is being torn down) keeps its pages.
             if self.pool.flush_page(Self::key(page)).unwrap_or(false) {
-                bump(&self.io.stale_pages_dropped, 1);
                 dropped += 1;
             }
         }
+        self.written.end();
+        bump(&self.io.stale_pages_dropped, dropped);
+        bump(&self.io.stale_pages_kept, kept);
         self.pool.maintain();
-        StaleSweep::Done(dropped)
+        StaleSweep::Done { dropped, kept }
     }
 
     /// Counts one emptying of the device's idle swap area, done by its
@@ -627,13 +648,15 @@ impl PoolDevice {
 
     fn write_at_inner(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {
         self.range(offset, buf.len() as u64)?;
-        bump(&self.io.write_ios, 1);
+        // SeqCst, against drop_stale's start (crate::sweep).
+        self.io.write_ios.fetch_add(1, Ordering::SeqCst);
         bump(&self.io.write_bytes, buf.len() as u64);
         let mut done = 0;
         for (page, in_page, n) in pieces(offset, buf.len() as u64) {
             let src = &buf[done..done + n];
             let r = self.put_piece(|| {
                 let _g = self.stripe(page);
+                self.written.on_write(page);
                 match <&[u8; PAGE_SIZE]>::try_from(src) {
                     Ok(whole) => self.put_page(page, whole),
                     Err(_) => {
@@ -690,6 +713,8 @@ pub mod conformance;
 mod fault;
 mod ram;
 pub use ram::RamDevice;
+mod sweep;
+use sweep::WrittenDuringSweep;
 
 #[cfg(test)]
 mod tests;

@@ -284,7 +284,12 @@ pub(crate) fn serve(daemon: &Arc<Daemon>, rx: &mpsc::Receiver<Event>) {
                 checked.lines.iter().for_each(|l| log(l));
                 for (i, used) in checked.recycle {
                     match daemon.recycle_swap(i, used) {
-                        Ok(Some(line)) => log(&line),
+                        // Interrupted before it began: the next quiet window tries again.
+                        Ok(Some((line, StaleSweep::Interrupted))) => {
+                            log(&line);
+                            continue;
+                        }
+                        Ok(Some((line, StaleSweep::Done { .. }))) => log(&line),
                         Ok(None) => {}
                         Err(e) => {
                             warn(&e.to_string());
@@ -683,11 +688,11 @@ impl Daemon {
     /// whole-area discard, then drops every page but the new header,
     /// stopping at the first write the kernel sends (see
     /// [`PoolDevice::drop_stale`]); the area is off only for the three
-    /// commands. Returns the log line; `Ok(None)` when there was nothing to
+    /// commands. Returns the log line and the sweep; `Ok(None)` when there was nothing to
     /// do (the daemon is stopping, or the device is not a swap area now).
     /// A failed swapoff leaves the area on; a failed mkswap or swapon
     /// leaves it off, and [`Daemon::swap_on_again`] retries at each tick.
-    pub(crate) fn recycle_swap(&self, i: usize, used: u64) -> Result<Option<String>, DaemonError> {
+    pub(crate) fn recycle_swap(&self, i: usize, used: u64) -> Result<Option<(String, StaleSweep)>, DaemonError> {
         let _gate = self.teardown_gate.lock();
         if self.exited.load(Ordering::Acquire) {
             return Ok(None);
@@ -705,16 +710,25 @@ impl Daemon {
         self.swap_on(i, &dev, false).map_err(|e| fail("swapon after emptying the swap area failed; retrying", e))?;
         let t1 = std::time::Instant::now();
         device.count_area_emptied();
-        let (StaleSweep::Done(dropped) | StaleSweep::Interrupted(dropped)) = device.drop_stale(writes);
+        let sweep = device.drop_stale(writes);
         let ms = |a: std::time::Instant, b: std::time::Instant| b.duration_since(a).as_millis();
-        Ok(Some(format!(
-            "{}: emptied the idle swap area ({} KiB in use): swapoff, mkswap and swapon in {} ms, then dropped \
-             {dropped} pages of freed slots in {} ms",
+        let after = match sweep {
+            StaleSweep::Done { dropped, kept } => format!(
+                "dropped {dropped} pages of freed slots in {} ms{}",
+                ms(t1, std::time::Instant::now()),
+                crate::stale::kept_note(kept)
+            ),
+            StaleSweep::Interrupted => {
+                "a write came in before the sweep began: it is tried again when the area is next idle".to_owned()
+            }
+        };
+        let line = format!(
+            "{}: emptied the idle swap area ({} KiB in use): swapoff, mkswap and swapon in {} ms, then {after}",
             d.name,
             used / 1024,
             ms(t0, t1),
-            ms(t1, std::time::Instant::now())
-        )))
+        );
+        Ok(Some((line, sweep)))
     }
 
     /// Turns swap on again on the devices that [`Daemon::recycle_swap`]

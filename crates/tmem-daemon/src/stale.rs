@@ -11,8 +11,9 @@
 //! cache included). When it reads 0, every page the device holds belongs to
 //! a freed slot. Once a tick the daemon reads each swap device's write
 //! count, then /proc/swaps; if the area is empty and something was written
-//! since the last sweep, [`PoolDevice::drop_stale`] drops every page unless a
-//! write comes in meanwhile. This gives the memory back once nothing is in
+//! since the last sweep, [`PoolDevice::drop_stale`] drops every page but
+//! those the kernel writes during the sweep (none at all when a write came
+//! in before it began). This gives the memory back once nothing is in
 //! swap, not while other pages still are: for that the kernel would have to
 //! say which slots it freed (a BPF probe on the slot-free path, refused by
 //! this test machine's locked-down kernel). After a job exits, the slots of
@@ -24,9 +25,8 @@
 //! For that residue the daemon empties the area itself, once it is idle
 //! ([`Recycle`]): swapoff (the kernel reads the few slots still in use back
 //! into memory), mkswap, swapon without the whole-area discard, then drop
-//! every page but the new header, stopping (as a sweep does) at the first
-//! write the kernel sends. It does so only when the
-//! area holds little (at most [`Recycle::max_used`]), the pool holds much
+//! every page but the new header and (as a sweep does) those the kernel
+//! writes meanwhile. It does so only when the area holds little (at most [`Recycle::max_used`]), the pool holds much
 //! more than that, nothing was written to the device and no task waited for
 //! memory (PSI `some total`) for [`Recycle::quiet_ticks`] ticks, memory is
 //! available for what comes back, and not within [`Recycle::interval`] of
@@ -178,23 +178,33 @@ impl StaleSlots {
             }
             let started = Instant::now();
             match dev.drop_stale(writes) {
-                StaleSweep::Done(n) => {
+                StaleSweep::Done { dropped, kept } => {
                     st.swept_at = Some(writes);
-                    if n > 0 {
+                    if dropped > 0 {
                         out.lines.push(format!(
-                            "{}: no swap slot in use: dropped {n} pages of freed slots in {} ms",
+                            "{}: no swap slot in use: dropped {dropped} pages of freed slots in {} ms{}",
                             dev.name(),
-                            started.elapsed().as_millis()
+                            started.elapsed().as_millis(),
+                            kept_note(kept)
                         ));
                     }
                 }
-                StaleSweep::Interrupted(n) => out.lines.push(format!(
-                    "{}: no swap slot was in use, but a write came in: dropped {n} pages, the rest at a later tick",
+                StaleSweep::Interrupted => out.lines.push(format!(
+                    "{}: no swap slot was in use, but a write came in before the sweep began: it drops the freed \
+                     slots' pages at a later tick",
                     dev.name()
                 )),
             }
         }
         out
+    }
+}
+
+/// What a sweep's log line adds for the pages it kept.
+pub(crate) fn kept_note(kept: u64) -> String {
+    match kept {
+        0 => String::new(),
+        n => format!(" (kept {n} pages the kernel wrote meanwhile)"),
     }
 }
 
