@@ -1,25 +1,30 @@
 //! The store hand-over parser (`Store::import`, `tmem swap restart`): any
 //! bytes give a store or one error, never a panic. With the first byte odd,
 //! the input overwrites part of a real export, so that mutations reach past
-//! the header into codecs, pools and pages.
+//! the header into codecs, pools, pages and groups; its second bit picks an
+//! importing store that groups or one that expands groups into pages.
 
 #![no_main]
 
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use tmem_core::{Key, PoolConfig, Store, StoreConfig, PAGE_SIZE};
+use tmem_core::{GroupConfig, Key, PoolConfig, Store, StoreConfig, PAGE_SIZE};
 
-fn config() -> StoreConfig {
-    StoreConfig { shards: 1, ..StoreConfig::default() }
+/// With the input's second bit set, the importing store groups cold pages
+/// (groups are imported as they are; otherwise they are expanded).
+fn config(group: bool) -> StoreConfig {
+    let group = group.then(|| GroupConfig { dictionary: false, level: 1, ..GroupConfig::default() });
+    StoreConfig { shards: 1, group, ..StoreConfig::default() }
 }
 
 /// An export of a small store: a persistent and an ephemeral pool with
-/// compressible, same-filled and random pages.
+/// compressible, same-filled and random pages, two groups of the
+/// persistent pool's pages (one with a tombstone) in it.
 fn valid() -> &'static [u8] {
     static EXPORT: OnceLock<Vec<u8>> = OnceLock::new();
     EXPORT.get_or_init(|| {
-        let store = config().build().expect("store");
+        let store = config(true).build().expect("store");
         let pools = [store.create_pool(PoolConfig::persistent()), store.create_pool(PoolConfig::ephemeral())];
         for i in 0..24u64 {
             let mut page = [0u8; PAGE_SIZE];
@@ -30,6 +35,13 @@ fn valid() -> &'static [u8] {
             }
             let _ = pools[(i % 2) as usize].put(Key::new(1, i), &page);
         }
+        for i in 32..40u64 {
+            let mut page = [0u8; PAGE_SIZE];
+            page.iter_mut().enumerate().for_each(|(j, b)| *b = (j % (5 + i as usize)) as u8);
+            let _ = pools[0].put(Key::new(1, i), &page);
+        }
+        store.grouping().expect("grouping").group_now();
+        let _ = pools[0].flush_page(Key::new(1, 6));
         let mut out = Vec::new();
         store.export(&mut out).expect("export");
         out
@@ -48,7 +60,7 @@ fuzz_target!(|data: &[u8]| {
         base[at..end].copy_from_slice(&patch[..end - at]);
         base
     };
-    match Store::import(config(), &mut input.as_slice()) {
+    match Store::import(config(mode & 2 != 0), &mut input.as_slice()) {
         Ok((store, _)) => drop(store.stats()),
         Err(e) => drop(e.to_string()),
     }

@@ -24,8 +24,8 @@ use tmem_counters::counters;
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use tmem_core::{
-    GetOutcome, Key, Pool, PoolConfig, PutOutcome, RecompressConfig, Recompression, Recompressor, Reject, Stats, Store,
-    StoreConfig, StoreError, TierChain, WritebackWorker, PAGE_SIZE,
+    GetOutcome, Grouper, Grouping, Key, Pool, PoolConfig, PutOutcome, RecompressConfig, Recompression, Recompressor,
+    Reject, Stats, Store, StoreConfig, StoreError, TierChain, WritebackWorker, PAGE_SIZE,
 };
 
 const PAGE: u64 = PAGE_SIZE as u64;
@@ -187,7 +187,9 @@ pub struct DeviceConfig {
     pub name: String,
     /// Size in bytes; rounded down to whole pages.
     pub size: u64,
-    /// Store configuration: codec, policy (pool limit), shards.
+    /// Store configuration: codec, policy (pool limit), shards, and grouping
+    /// of cold pages (`store.group`: the device runs its worker; a window
+    /// is 64 KiB of adjacent device offsets).
     pub store: StoreConfig,
     /// Tiers below the pool (writeback, incompressible pages). Without them
     /// a page the pool refuses fails the write with ENOSPC.
@@ -230,9 +232,11 @@ impl DeviceConfig {
         writeback: Option<WritebackWorker>,
     ) -> Result<PoolDevice, StoreError> {
         let recompressor = self.recompress.map(|r| store.recompression(r)).transpose()?.map(Recompression::spawn);
+        let grouper = self.store.group.is_some().then(|| store.grouping()).transpose()?.map(Grouping::spawn);
         Ok(PoolDevice {
             _writeback: writeback,
             _recompressor: recompressor,
+            _grouper: grouper,
             name: self.name,
             size: self.size / PAGE * PAGE,
             store: Arc::new(store),
@@ -376,6 +380,8 @@ pub struct PoolDevice {
     _writeback: Option<WritebackWorker>,
     /// Background recompression (also stops before the store drops).
     _recompressor: Option<Recompressor>,
+    /// Background grouping of cold pages (also stops before the store drops).
+    _grouper: Option<Grouper>,
     name: String,
     size: u64,
     /// Shared with cache devices whose ephemeral pool lives in it.

@@ -214,3 +214,114 @@ fn ram_device_holds_memory_only_for_written_pages() {
     assert!(matches!(dev.write_at(&[1; 2], SIZE - 1), Err(BlockError::OutOfRange { .. })));
     assert_eq!(dev.extents(0, SIZE).unwrap(), vec![Extent { len: SIZE, hole: true }]);
 }
+
+/// A device whose store groups cold pages (16 pages: 64 KiB of adjacent offsets).
+fn grouping_device() -> PoolDevice {
+    let group = tmem_core::GroupConfig { dictionary: false, level: 3, ..Default::default() };
+    DeviceConfig {
+        name: "g0".into(),
+        size: SIZE,
+        store: StoreConfig { group: Some(group), ..Default::default() },
+        tiers: None,
+        recompress: None,
+    }
+    .build()
+    .unwrap()
+}
+
+/// A [`PoolDevice`] that groups every page it may before each request, so
+/// every read, partial write, trim and zeroing meets grouped pages.
+struct GroupingEveryOp {
+    dev: PoolDevice,
+    grouping: std::sync::Mutex<tmem_core::Grouping>,
+}
+
+impl GroupingEveryOp {
+    fn new() -> Self {
+        let dev = grouping_device();
+        let grouping = std::sync::Mutex::new(dev.store().grouping().unwrap());
+        Self { dev, grouping }
+    }
+
+    fn group(&self) {
+        self.grouping.lock().unwrap().group_now();
+        self.dev.store().check_groups();
+    }
+}
+
+impl BlockDevice for GroupingEveryOp {
+    fn size(&self) -> u64 {
+        self.dev.size()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), BlockError> {
+        self.group();
+        self.dev.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), BlockError> {
+        self.group();
+        self.dev.write_at(buf, offset)
+    }
+    fn flush(&self) -> Result<(), BlockError> {
+        self.dev.flush()
+    }
+    fn trim(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        self.group();
+        self.dev.trim(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        self.group();
+        self.dev.write_zeroes(offset, len)
+    }
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, BlockError> {
+        self.dev.extents(offset, len)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn grouping_pool_device_matches_byte_array(ops in prop::collection::vec(op(), 1..40)) {
+        check_ops(&GroupingEveryOp::new(), &ops);
+    }
+}
+
+#[test]
+fn a_grouping_device_passes_the_conformance_suite() {
+    let dev = GroupingEveryOp::new();
+    conformance::check(&dev);
+    assert!(dev.dev.stats().store.total.pages_grouped > 0);
+}
+
+#[test]
+fn trims_across_groups_leave_tombstones_rewrites_and_nothing_at_the_end() {
+    let dev = grouping_device();
+    let data = pattern(SIZE as usize, 5);
+    dev.write_at(&data, 0).unwrap();
+    dev.store().grouping().unwrap().group_now();
+    let st = dev.stats().store;
+    assert_eq!((st.total.group_pages, st.total.groups), (256, 16));
+    // A trim from the middle of page 20 to the middle of page 41: pages
+    // 21..=40 go (11 of group 1's pages 16..=31, 9 of group 2's), and 20
+    // and 41 are written back partly zeroed as single pages: a tombstone
+    // more in each group.
+    let (from, to) = (20 * PAGE + 100, 41 * PAGE + 300);
+    dev.trim(from, to - from).unwrap();
+    let t = dev.stats().store.total;
+    assert_eq!((t.groups, t.group_dead_pages, t.group_pages), (16, 12 + 10, 256 - 22), "{t:?}");
+    let mut expect = data.clone();
+    expect[from as usize..to as usize].fill(0);
+    let mut got = vec![0u8; SIZE as usize];
+    dev.read_at(&mut got, 0).unwrap();
+    assert!(got == expect);
+    let ext = dev.extents(0, SIZE).unwrap();
+    assert_eq!(ext.iter().filter(|e| e.hole).map(|e| e.len).sum::<u64>(), 20 * PAGE);
+    // Groups 1 and 2 are down to 4 and 6 live pages: the next pass rewrites them.
+    dev.store().grouping().unwrap().pass();
+    let t = dev.stats().store.total;
+    assert_eq!((t.group_rewrites, t.group_dead_pages), (2, 0), "{t:?}");
+    dev.read_at(&mut got, 0).unwrap();
+    assert!(got == expect);
+    dev.trim(0, SIZE).unwrap();
+    let st = dev.stats().store;
+    assert_eq!((st.total.stored_pages, st.total.groups, st.alloc.objects, st.mem_used_total), (0, 0, 0, 0));
+}

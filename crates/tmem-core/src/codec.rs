@@ -63,6 +63,27 @@ pub trait Codec: Send + Sync + 'static {
     fn meta_bytes(&self) -> usize {
         0
     }
+
+    /// Whether the codec compresses blocks of several pages (a group's
+    /// block, `crate::group`): [`Codec::compress_block`] and
+    /// [`Codec::decompress_block`] work.
+    fn supports_blocks(&self) -> bool {
+        false
+    }
+
+    /// Compresses `src` (any length) into `dst`; returns the compressed
+    /// length. Codecs without a block mode refuse.
+    fn compress_block(&self, src: &[u8], dst: &mut [u8]) -> Result<usize, CodecError> {
+        let _ = (src, dst);
+        Err(CodecError::Compress { codec: self.name().into(), reason: "no block mode".into() })
+    }
+
+    /// Decompresses a block made by [`Codec::compress_block`] into `dst`;
+    /// returns its length (it must fit `dst`).
+    fn decompress_block(&self, src: &[u8], dst: &mut [u8]) -> Result<usize, CodecError> {
+        let _ = (src, dst);
+        Err(CodecError::Decompress { codec: self.name().into(), reason: "no block mode".into() })
+    }
 }
 
 /// Which codec to build, with its parameters.
@@ -316,6 +337,20 @@ impl Codec for ZstdCodec {
         // The dictionary is held once by the codec; each thread's contexts
         // hold a digested copy, counted once as an estimate.
         self.dictionary.as_ref().map_or(0, |d| 2 * d.len())
+    }
+
+    fn supports_blocks(&self) -> bool {
+        true
+    }
+
+    fn compress_block(&self, src: &[u8], dst: &mut [u8]) -> Result<usize, CodecError> {
+        self.with_contexts(|c| c.cctx.compress_to_buffer(src, dst))?
+            .map_err(|e| CodecError::Compress { codec: self.name.clone(), reason: e.to_string() })
+    }
+
+    fn decompress_block(&self, src: &[u8], dst: &mut [u8]) -> Result<usize, CodecError> {
+        self.with_contexts(|c| c.dctx.decompress_to_buffer(src, dst))?
+            .map_err(|e| CodecError::Decompress { codec: self.name.clone(), reason: e.to_string() })
     }
 }
 

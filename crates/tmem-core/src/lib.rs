@@ -13,6 +13,7 @@
 
 pub mod alloc;
 pub mod codec;
+pub mod group;
 pub mod lz4;
 pub mod mem;
 pub mod policy;
@@ -24,9 +25,10 @@ pub use codec::{CodecConfig, CodecError};
 pub use policy::{Incompressible, PolicyConfig, PolicyError};
 pub use stats::{CodecUsage, PoolStats, Stats};
 pub use store::{
-    default_shards, DictTraining, Eviction, GetOutcome, HandoverSummary, Pool, PoolConfig, PoolKind, PutOutcome,
-    RecompressConfig, Recompression, Recompressor, Reject, Store, StoreConfig, StoreError, TierChain,
-    TrainedDictionary, WritebackReport, WritebackWorker, HANDOVER_VERSION, MAX_STRIDE, RAW_CODEC, TRAINING_TRIES,
+    default_shards, DictTraining, Eviction, GetOutcome, GroupConfig, Grouper, Grouping, HandoverSummary, Pool,
+    PoolConfig, PoolKind, PutOutcome, RecompressConfig, Recompression, Recompressor, Reject, Store, StoreConfig,
+    StoreError, TierChain, TrainedDictionary, WritebackReport, WritebackWorker, HANDOVER_VERSION, MAX_STRIDE,
+    RAW_CODEC, TRAINING_TRIES,
 };
 
 /// Size of a page, the unit of every put and get.

@@ -6,6 +6,7 @@
 use hashbrown::HashTable;
 
 use crate::alloc::Loc;
+use crate::group::{BlockCache, Groups};
 use crate::stats::ShardCounters;
 use crate::Key;
 
@@ -41,6 +42,11 @@ pub(crate) const F_SEEN: u32 = 2 << (TIER_SHIFT + 3);
 /// Recompression tried and the other codec was not smaller enough: left
 /// as it is until the page is replaced.
 pub(crate) const F_KEEP: u32 = 4 << (TIER_SHIFT + 3);
+/// The page is in a group (`crate::group`): `Entry::loc` holds the group's
+/// id in its shard, `Entry::check` the CRC32 of the page itself, the codec
+/// field the group's codec; the length is 0 (the entry holds no object).
+pub(crate) const F_GROUP: u32 = 1 << 31;
+const _: () = assert!(F_GROUP > F_KEEP && F_GROUP.count_ones() == 1, "the last free flag bit");
 /// Tiers a pool can chain.
 pub const MAX_TIERS: usize = 8;
 
@@ -94,9 +100,15 @@ impl Entry {
         self.meta & flag != 0
     }
 
-    /// Allocator location; only for entries without `F_SAME`.
+    /// Allocator location: for entries holding an object of their own
+    /// (not same-filled, in a tier or in a group).
     pub fn alloc_loc(&self) -> Option<Loc> {
-        (!self.has(F_SAME) && !self.has(F_TIER)).then(|| Loc::unpack(self.loc))
+        (self.meta & (F_SAME | F_TIER | F_GROUP) == 0).then(|| Loc::unpack(self.loc))
+    }
+
+    /// Id of the group holding the page (with `F_GROUP`).
+    pub fn group_id(&self) -> Option<u32> {
+        self.has(F_GROUP).then(|| u32::try_from(self.loc).expect("group ids fit u32"))
     }
 
     /// Now holds the same page re-encoded: object `loc` of `len` bytes with
@@ -258,6 +270,11 @@ pub(crate) struct Shard {
     pub c: ShardCounters,
     /// Metadata bytes last reported to the store.
     pub meta_reported: usize,
+    /// Groups of this shard's pages (`crate::group`; a store that groups
+    /// places a whole window of indexes in one shard).
+    pub groups: Groups,
+    /// Decoded group blocks, for reads of their neighbours.
+    pub cache: BlockCache,
 }
 
 impl Shard {
@@ -270,6 +287,8 @@ impl Shard {
             hand: NIL,
             c: ShardCounters::default(),
             meta_reported: 0,
+            groups: Groups::default(),
+            cache: BlockCache::default(),
         }
     }
 
@@ -487,11 +506,15 @@ impl Shard {
         out
     }
 
-    /// Bytes of index metadata: entries and hash table.
+    /// Bytes of index metadata: entries, hash table, groups and the
+    /// decoded blocks cached.
     pub fn meta_bytes(&self) -> usize {
         let cap = self.table.capacity();
         let buckets = if cap == 0 { 0 } else { (cap * 8 / 7).next_power_of_two() };
-        self.entries.meta_bytes() + buckets * (std::mem::size_of::<u32>() + 1)
+        self.entries.meta_bytes()
+            + buckets * (std::mem::size_of::<u32>() + 1)
+            + self.groups.meta_bytes()
+            + self.cache.meta_bytes()
     }
 }
 

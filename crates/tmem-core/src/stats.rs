@@ -55,6 +55,22 @@ pub(crate) struct ShardCounters {
     pub codec_pages: [u64; MAX_CODECS],
     /// Bytes of those pages' objects, by codec id.
     pub codec_bytes: [u64; MAX_CODECS],
+    /// Pages held in groups (live members; also in `stored_pages`).
+    pub group_pages: u64,
+    /// Groups held.
+    pub groups: u64,
+    /// Bytes of the groups' blocks (also in `compr_data_size`).
+    pub group_bytes: u64,
+    /// Slots of groups whose page was overwritten or flushed (tombstones).
+    pub group_dead_pages: u64,
+    /// Grouped pages read from a decoded block kept in the shard's cache.
+    pub group_cache_hits: u64,
+    /// Grouped pages whose block had to be decoded.
+    pub group_cache_misses: u64,
+    /// Grouped pages by the codec of their group.
+    pub group_codec_pages: [u64; MAX_CODECS],
+    /// Block bytes of groups, by codec.
+    pub group_codec_bytes: [u64; MAX_CODECS],
 }
 
 /// Rare events, counted pool-wide.
@@ -86,6 +102,14 @@ pub(crate) struct PoolEvents {
     pub recompress_kept: AtomicU64,
     /// Recompressions dropped because the page changed meanwhile.
     pub recompress_raced: AtomicU64,
+    /// Pages moved into groups.
+    pub pages_grouped: AtomicU64,
+    /// Groups rewritten from their live pages (or back to single pages).
+    pub group_rewrites: AtomicU64,
+    /// Cold pages left single because their window did not compress enough better together.
+    pub group_kept: AtomicU64,
+    /// Groupings and rewrites dropped because a page changed meanwhile.
+    pub group_raced: AtomicU64,
 }
 
 impl PoolEvents {
@@ -168,6 +192,26 @@ counters! {
         recompress_kept: Counter(Pages),
         /// Recompressions dropped because the page changed meanwhile.
         recompress_raced: Counter(Events),
+        /// Pages held in groups (cold pages compressed together; in `stored_pages`).
+        group_pages: Gauge(Pages),
+        /// Groups held.
+        groups: Gauge(Objects),
+        /// Bytes of the groups' compressed blocks (in `compr_data_size`).
+        group_bytes: Gauge(Bytes),
+        /// Pages of groups overwritten or flushed since (tombstones, until the group is rewritten).
+        group_dead_pages: Gauge(Pages),
+        /// Pages moved into groups.
+        pages_grouped: Counter(Pages),
+        /// Groups rewritten from their live pages (or back to single pages).
+        group_rewrites: Counter(Events),
+        /// Cold pages left single because their window did not compress enough better together.
+        group_kept: Counter(Pages),
+        /// Groupings and rewrites dropped because a page changed meanwhile.
+        group_raced: Counter(Events),
+        /// Grouped pages read from a decoded block kept in memory.
+        group_cache_hits: Counter(Events),
+        /// Grouped pages whose block had to be decoded.
+        group_cache_misses: Counter(Events),
     }
 }
 
@@ -224,6 +268,16 @@ impl PoolStats {
             recompress_saved_bytes: ev.recompress_saved_bytes.load(r),
             recompress_kept: ev.recompress_kept.load(r),
             recompress_raced: ev.recompress_raced.load(r),
+            group_pages: c.group_pages,
+            groups: c.groups,
+            group_bytes: c.group_bytes,
+            group_dead_pages: c.group_dead_pages,
+            pages_grouped: ev.pages_grouped.load(r),
+            group_rewrites: ev.group_rewrites.load(r),
+            group_kept: ev.group_kept.load(r),
+            group_raced: ev.group_raced.load(r),
+            group_cache_hits: c.group_cache_hits,
+            group_cache_misses: c.group_cache_misses,
         }
     }
 
@@ -251,7 +305,11 @@ counters! {
             /// Background recompression: its codec and state; absent when off.
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub recompression: Option<String>,
-            /// Compressed pages held in the pool and their bytes, by codec.
+            /// Grouping of cold pages: its codec and state; absent when off.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub grouping: Option<String>,
+            /// Compressed pages held in the pool and their bytes, by codec;
+            /// pages held in groups are rows of their own (`zstd-9+dict groups`).
             #[serde(default)]
             pub codecs: Vec<CodecUsage>,
             /// Sum over pools.

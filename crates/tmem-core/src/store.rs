@@ -9,6 +9,11 @@
 //!   allocator's class and arena.
 //! * Compression runs before any lock; decompression runs under the shard
 //!   lock, which is what keeps compaction from moving the object meanwhile.
+//! * Grouping (`grouping.rs`) adds no lock: a store that groups places each
+//!   window of 16 indexes of an object in one shard, and a group, its
+//!   block's chunks and the shard's cache of decoded blocks are that
+//!   shard's, under its lock (`Rank::Shard`, then `Rank::AllocClass` for
+//!   the chunks, as for any page).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -16,10 +21,12 @@ use std::sync::{Arc, OnceLock};
 use tmem_lock::{Mutex, MutexGuard, Rank, RwLock};
 
 use crate::alloc::{AllocConfig, Loc, ZsAlloc};
+use crate::codec::CompressBuf;
 use crate::codec::{fill_page, same_filled, Codec, CodecConfig, CodecError, COMPRESS_BUF_SIZE};
 use crate::policy::{Policy, PolicyConfig, PolicyError};
 use crate::shard::{
-    hash_key, Entry, Shard, F_HOT, F_INCOMPRESSIBLE, F_KEEP, F_REFERENCED, F_SAME, F_SEEN, F_TIER, F_WB, MAX_CODECS,
+    hash_key, Entry, Shard, F_GROUP, F_HOT, F_INCOMPRESSIBLE, F_KEEP, F_REFERENCED, F_SAME, F_SEEN, F_TIER, F_WB,
+    MAX_CODECS,
 };
 use crate::stats::{CodecUsage, PoolEvents, PoolStats, ShardCounters, Stats};
 use crate::{Key, PoolId, PAGE_SIZE};
@@ -49,6 +56,7 @@ enum Work {
 
 mod config;
 mod dictionary;
+mod grouping;
 mod handover;
 mod outcome;
 mod pool;
@@ -58,6 +66,7 @@ mod tiering;
 mod worker;
 pub use config::{Eviction, PoolConfig, PoolKind, StoreConfig};
 pub use dictionary::{DictTraining, TrainedDictionary, TRAINING_TRIES};
+pub use grouping::{GroupConfig, Grouper, Grouping};
 pub use handover::{HandoverSummary, HANDOVER_VERSION};
 pub use outcome::{GetOutcome, PutOutcome, Reject, StoreError};
 use pool::PaddedShard;
@@ -239,24 +248,29 @@ impl Store {
     }
 
     /// Compressed pages and bytes per codec, over every pool; codecs that
-    /// hold nothing are left out.
+    /// hold nothing are left out. Pages held in groups come after the single
+    /// pages, one row per block codec, named `CODEC groups` (their bytes are
+    /// the blocks', tombstones included).
     pub fn codec_usage(&self) -> Vec<CodecUsage> {
-        let (mut pages, mut bytes) = ([0u64; MAX_CODECS], [0u64; MAX_CODECS]);
+        let mut usage = [([0u64; MAX_CODECS], [0u64; MAX_CODECS]); 2];
         for p in self.shared.pools_snapshot() {
-            let (pp, pb) = p.codec_usage();
-            for i in 0..MAX_CODECS {
-                pages[i] += pp[i];
-                bytes[i] += pb[i];
+            for (sum, (pp, pb)) in usage.iter_mut().zip(p.codec_usage()) {
+                for i in 0..MAX_CODECS {
+                    sum.0[i] += pp[i];
+                    sum.1[i] += pb[i];
+                }
             }
         }
-        (0..MAX_CODECS)
-            .filter(|&i| pages[i] > 0)
-            .filter_map(|i| {
+        let mut rows = Vec::new();
+        for (grouped, (pages, bytes)) in usage.iter().enumerate() {
+            rows.extend((0..MAX_CODECS).filter(|&i| pages[i] > 0 || bytes[i] > 0).filter_map(|i| {
                 let id = u8::try_from(i).ok()?;
-                let codec = self.shared.codec(id).ok()?.name().to_owned();
+                let name = self.shared.codec(id).ok()?.name();
+                let codec = if grouped == 1 { format!("{name} groups") } else { name.to_owned() };
                 Some(CodecUsage { codec, pages: pages[i], bytes: bytes[i] })
-            })
-            .collect()
+            }));
+        }
+        rows
     }
 
     /// Snapshot of every counter.
@@ -278,6 +292,7 @@ impl Store {
             codec: self.codec_name(),
             dictionary: self.shared.dictionary_status(),
             recompression: self.shared.recompress_status(),
+            grouping: self.shared.group_status(),
             codecs: self.codec_usage(),
             total,
             alloc,

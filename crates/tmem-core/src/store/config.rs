@@ -112,12 +112,20 @@ pub struct StoreConfig {
     /// Train a dictionary for the codec from the pool's own pages once the
     /// pool is big enough (see [`DictTraining`]).
     pub dictionary: Option<DictTraining>,
+    /// Group cold pages of adjacent indexes into blocks compressed together
+    /// ([`Store::grouping`] runs it; `store/grouping.rs`). Fixed at build:
+    /// it decides in which shard each key lives.
+    pub group: Option<GroupConfig>,
 }
 
 impl StoreConfig {
     /// Builds the store.
     pub fn build(self) -> Result<Store, StoreError> {
         let policy = Policy::new(&self.policy)?;
+        if let Some(g) = &self.group {
+            g.build()?;
+        }
+        let window_shift = if self.group.is_some() { crate::group::WINDOW_SHIFT } else { 0 };
         let shared = Arc::new(Shared {
             alloc: ZsAlloc::with_config(self.alloc),
             policy,
@@ -140,6 +148,10 @@ impl StoreConfig {
             recompress_status: Mutex::new(Rank::RecompressStatus, None),
             recompress_target: AtomicU8::new(shared::NO_RECOMPRESSION),
             recompress_stride: std::sync::atomic::AtomicU32::new(1),
+            group: self.group,
+            window_shift,
+            group_codec: AtomicU8::new(grouping::NO_GROUP_CODEC),
+            group_state: AtomicU8::new(grouping::GROUP_OFF),
         });
         let shards = if self.shards == 0 { default_shards() } else { self.shards.next_power_of_two() };
         let store = Store { shared, shards };

@@ -18,6 +18,13 @@
 //! id and checksum against what it has read, so a truncated or corrupt
 //! stream is one clear error and never a wrong page (fuzz target
 //! `store_import`).
+//!
+//! Format 2 adds groups of cold pages (`store/grouping.rs`): each shard's
+//! single pages are followed by its groups, each with its block exactly as
+//! stored, its slots, its live slots and their pages' checksums, and the
+//! pool's grouping counters. A successor that groups takes the groups as
+//! they are; one that does not decodes them and stores their live pages
+//! singly, in the codec new puts use. Format 1 streams are still read.
 
 use std::io::{Read, Write};
 
@@ -25,8 +32,10 @@ use super::*;
 
 /// First bytes of an export.
 const MAGIC: &[u8; 8] = b"TMEMSTOR";
-/// Format version; an import refuses any other.
-pub const HANDOVER_VERSION: u32 = 1;
+/// Format version written; an import reads this one and format 1.
+pub const HANDOVER_VERSION: u32 = 2;
+/// The oldest format an import reads.
+const OLDEST_VERSION: u32 = 1;
 /// Entry flags in the stream.
 const REC_SAME: u8 = 1;
 const REC_INCOMPRESSIBLE: u8 = 2;
@@ -65,6 +74,9 @@ impl W<'_> {
     fn u8(&mut self, v: u8) -> Result<(), StoreError> {
         self.bytes(&[v])
     }
+    fn u16(&mut self, v: u16) -> Result<(), StoreError> {
+        self.bytes(&v.to_le_bytes())
+    }
     fn u32(&mut self, v: u32) -> Result<(), StoreError> {
         self.bytes(&v.to_le_bytes())
     }
@@ -94,6 +106,9 @@ impl R<'_> {
     fn u8(&mut self) -> Result<u8, StoreError> {
         Ok(self.array::<1>()?[0])
     }
+    fn u16(&mut self) -> Result<u16, StoreError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
     fn u32(&mut self) -> Result<u32, StoreError> {
         Ok(u32::from_le_bytes(self.array()?))
     }
@@ -112,8 +127,9 @@ impl R<'_> {
     }
 }
 
-/// The cumulative counters of a pool, in stream order.
-fn cumulative(c: &mut ShardCounters) -> [&mut u64; 12] {
+/// The cumulative counters of a pool, in stream order: format 1 has the
+/// first [`CUMULATIVE_V1`].
+fn cumulative(c: &mut ShardCounters) -> [&mut u64; 14] {
     [
         &mut c.succ_puts,
         &mut c.succ_gets,
@@ -127,11 +143,19 @@ fn cumulative(c: &mut ShardCounters) -> [&mut u64; 12] {
         &mut c.written_back_pages,
         &mut c.tier_gets,
         &mut c.incompressible_to_tier,
+        &mut c.group_cache_hits,
+        &mut c.group_cache_misses,
     ]
 }
 
-/// A pool's rare-event counters, in stream order (a new one bumps [`HANDOVER_VERSION`]).
-fn events(e: &PoolEvents) -> [&AtomicU64; 13] {
+/// Cumulative counters in a format 1 stream.
+const CUMULATIVE_V1: usize = 12;
+/// Rare-event counters in a format 1 stream.
+const EVENTS_V1: usize = 13;
+
+/// A pool's rare-event counters, in stream order (a new one bumps
+/// [`HANDOVER_VERSION`]): format 1 has the first [`EVENTS_V1`].
+fn events(e: &PoolEvents) -> [&AtomicU64; 17] {
     [
         &e.pool_limit_hit,
         &e.reject_compress_poor,
@@ -146,7 +170,42 @@ fn events(e: &PoolEvents) -> [&AtomicU64; 13] {
         &e.recompress_saved_bytes,
         &e.recompress_kept,
         &e.recompress_raced,
+        &e.pages_grouped,
+        &e.group_rewrites,
+        &e.group_kept,
+        &e.group_raced,
     ]
+}
+
+/// Writes group `g` of shard `s` (locked): its place, codec, slots, live
+/// slots, block length and checksum, its live pages' checksums, its block.
+fn write_group(
+    w: &mut W<'_>,
+    sh: &Shared,
+    s: &Shard,
+    g: &crate::group::Group,
+    sum: &mut HandoverSummary,
+) -> Result<(), StoreError> {
+    w.u64(g.object)?;
+    w.u64(g.base)?;
+    w.u8(g.codec)?;
+    w.u16(g.slots)?;
+    w.u16(g.live)?;
+    w.u32(g.len)?;
+    w.u32(g.check)?;
+    for slot in crate::group::Group::slots_in(g.live) {
+        let key = g.key(slot);
+        let h = s.find(key, hash_key(key)).ok_or_else(|| bad(format!("{key:?}: a live slot without its page")))?;
+        w.u32(s.entries.get(h).check)?;
+        sum.pages += 1;
+    }
+    let mut block = Vec::with_capacity(g.len as usize);
+    // SAFETY: the group is live in shard `s`, whose lock the caller holds,
+    // so its chunks are neither freed nor moved while we read them.
+    unsafe { crate::group::gather(&sh.alloc, &g.chunks, g.len as usize, &mut block) };
+    w.bytes(&block)?;
+    sum.object_bytes += block.len() as u64;
+    Ok(())
 }
 
 fn write_policy(w: &mut W<'_>, p: &PolicyConfig) -> Result<(), StoreError> {
@@ -250,9 +309,13 @@ impl Store {
                 for v in cumulative(&mut c) {
                     w.u64(*v)?;
                 }
-                w.u64(s.entries.live() as u64)?;
+                let singles = s.entries.live_handles().filter(|&h| !s.entries.get(h).has(F_GROUP)).count();
+                w.u64(singles as u64)?;
                 for h in s.entries.live_handles() {
                     let e = s.entries.get(h);
+                    if e.has(F_GROUP) {
+                        continue;
+                    }
                     w.u64(e.object)?;
                     w.u64(e.index)?;
                     let flags = if e.has(F_SAME) { REC_SAME } else { 0 }
@@ -274,6 +337,11 @@ impl Store {
                     }
                     sum.pages += 1;
                 }
+                w.u64(s.groups.len() as u64)?;
+                for id in s.groups.ids() {
+                    let g = s.groups.get(id).expect("listed");
+                    write_group(&mut w, sh, &s, g, &mut sum)?;
+                }
             }
         }
         w.bytes(MAGIC)?;
@@ -294,9 +362,12 @@ impl Store {
             return Err(bad("not a tmem store export (bad magic)"));
         }
         let version = r.u32()?;
-        if version != HANDOVER_VERSION {
-            return Err(bad(format!("export format {version}, this build reads {HANDOVER_VERSION}")));
+        if !(OLDEST_VERSION..=HANDOVER_VERSION).contains(&version) {
+            return Err(bad(format!(
+                "export format {version}, this build reads {OLDEST_VERSION}..={HANDOVER_VERSION}"
+            )));
         }
+        let v2 = version >= 2;
         cfg.policy = read_policy(&mut r)?;
         // The successor trains no dictionary of its own: the pages come with theirs.
         cfg.dictionary = None;
@@ -331,14 +402,15 @@ impl Store {
             };
             let pool = store.create_pool(pc);
             debug_assert_eq!(pool.id, id);
-            for e in events(&pool.events) {
+            let (events_in, cumulative_in) = if v2 { (usize::MAX, usize::MAX) } else { (EVENTS_V1, CUMULATIVE_V1) };
+            for e in events(&pool.events).into_iter().take(events_in) {
                 e.store(r.u64()?, Ordering::Relaxed);
             }
             let mut counted = ShardCounters::default();
             let shards = r.u32()?;
             for _ in 0..shards {
                 let mut c = ShardCounters::default();
-                for v in cumulative(&mut c) {
+                for v in cumulative(&mut c).into_iter().take(cumulative_in) {
                     *v = r.u64()?;
                 }
                 for (into, v) in cumulative(&mut counted).into_iter().zip(cumulative(&mut c)) {
@@ -347,6 +419,12 @@ impl Store {
                 let entries = r.u64()?;
                 for _ in 0..entries {
                     store.import_page(&pool, &mut r, &new_id, &mut sum)?;
+                }
+                if v2 {
+                    let groups = r.u64()?;
+                    for _ in 0..groups {
+                        store.import_group(&pool, &mut r, &new_id, &mut sum)?;
+                    }
                 }
             }
             // Inserting counted each page as a put: carry the exporter's
@@ -372,12 +450,128 @@ impl Store {
 
     /// Registers an imported codec, or finds the same one registered.
     fn import_codec(&self, cfg: &CodecConfig) -> Result<u8, StoreError> {
+        self.shared.find_or_register_codec(cfg)
+    }
+
+    /// Reads one group record (format 2) and stores it as it is, or, in a
+    /// store that does not group, its live pages one by one.
+    fn import_group(
+        &self,
+        pool: &Pool,
+        r: &mut R<'_>,
+        new_id: &dyn Fn(u8) -> Result<u8, StoreError>,
+        sum: &mut HandoverSummary,
+    ) -> Result<(), StoreError> {
+        use crate::group::{self, Group, MAX_GROUP_PAGES, MAX_STORED_BLOCK};
         let sh = &*self.shared;
-        let count = *sh.codec_count.lock();
-        if let Some(id) = (0..count).find(|&i| sh.codec_configs[i].get() == Some(cfg)) {
-            return Ok(u8::try_from(id).expect("at most 32 codecs"));
+        let (object, base) = (r.u64()?, r.u64()?);
+        let codec = new_id(r.u8()?)?;
+        let (slots, live) = (r.u16()?, r.u16()?);
+        let (len, check) = (r.u32()? as usize, r.u32()?);
+        let what = format!("group of object {object} at {base}");
+        if base % MAX_GROUP_PAGES as u64 != 0 {
+            return Err(bad(format!("{what}: not at the start of a window")));
         }
-        self.register_codec(cfg)
+        if live == 0 || live & !slots != 0 {
+            return Err(bad(format!("{what}: live slots {live:#06x} of {slots:#06x}")));
+        }
+        if len == 0 || len > MAX_STORED_BLOCK {
+            return Err(bad(format!("{what}: a block of {len} bytes")));
+        }
+        let mut page_checks = [0u32; MAX_GROUP_PAGES];
+        for slot in Group::slots_in(live) {
+            page_checks[slot as usize] = r.u32()?;
+        }
+        let mut data = vec![0u8; len];
+        r.fill(&mut data)?;
+        if crc32fast::hash(&data) != check {
+            return Err(bad(format!("{what}: checksum mismatch")));
+        }
+        if !sh.codec(codec)?.supports_blocks() {
+            return Err(bad(format!("{what}: codec {codec} has no block mode")));
+        }
+        sum.object_bytes += len as u64;
+        if sh.window_shift == 0 {
+            return self.import_group_expanded(pool, object, base, codec, slots, live, &data, &page_checks, sum);
+        }
+        let chunks =
+            group::store_chunks(&sh.alloc, &data).map_err(|e| bad(format!("{what}: no memory for it: {e}")))?;
+        let g = Group {
+            object,
+            base,
+            serial: 0,
+            chunks,
+            len: u32::try_from(len).expect("checked"),
+            check,
+            codec,
+            slots,
+            live,
+        };
+        let at = Key::new(object, base);
+        let id = {
+            let mut s = pool.shard_of(at, hash_key(at)).lock();
+            Pool::count_group(&mut s.c, &g);
+            let id = s.groups.insert(g);
+            pool.account(&mut s);
+            id
+        };
+        // Every key of the window lives in that shard: the entries go there.
+        for slot in Group::slots_in(live) {
+            let key = Key::new(object, base + u64::from(slot));
+            let entry = Entry::new(key, u64::from(id), page_checks[slot as usize], 0, codec, F_GROUP);
+            let stored = pool.insert_entry(key, hash_key(key), entry, Work::Deferred)?;
+            debug_assert_eq!(stored, PutOutcome::Stored);
+            sum.pages += 1;
+        }
+        Ok(())
+    }
+
+    /// Stores the live pages of an imported group one by one, in the codec
+    /// new puts use (raw when that does not shrink them).
+    #[allow(clippy::too_many_arguments)]
+    fn import_group_expanded(
+        &self,
+        pool: &Pool,
+        object: u64,
+        base: u64,
+        codec: u8,
+        slots: u16,
+        live: u16,
+        data: &[u8],
+        page_checks: &[u32; crate::group::MAX_GROUP_PAGES],
+        sum: &mut HandoverSummary,
+    ) -> Result<(), StoreError> {
+        use crate::group::{decode_block, page_in, Group, BLOCK_BYTES};
+        let sh = &*self.shared;
+        let what = format!("group of object {object} at {base}");
+        let mut block = vec![0u8; BLOCK_BYTES];
+        decode_block(&**sh.codec(codec)?, data, slots, &mut block).map_err(|e| bad(format!("{what}: {e}")))?;
+        let current = sh.current_codec.load(Ordering::Relaxed);
+        let mut buf = [0u8; COMPRESS_BUF_SIZE];
+        for slot in Group::slots_in(live) {
+            let key = Key::new(object, base + u64::from(slot));
+            let page = page_in(&block, slots, slot).map_err(|e| bad(format!("{what}: {e}")))?;
+            if crc32fast::hash(page) != page_checks[slot as usize] {
+                return Err(bad(format!("page {key:?}: checksum mismatch")));
+            }
+            let hash = hash_key(key);
+            let entry = if let Some(word) = same_filled(page) {
+                Entry::new(key, word, 0, 0, RAW_CODEC, F_SAME)
+            } else {
+                let n = sh.codec(current)?.compress(page, &mut buf).ok();
+                let (bytes, id, flags): (&[u8], u8, u32) = match n {
+                    Some(n) if n <= sh.policy.max_compressed_size() && n < PAGE_SIZE => (&buf[..n], current, 0),
+                    _ => (&page[..], RAW_CODEC, F_INCOMPRESSIBLE),
+                };
+                let loc =
+                    sh.alloc.alloc_write(bytes).map_err(|e| bad(format!("page {key:?}: no memory for it: {e}")))?;
+                Entry::new(key, loc.pack(), crc32fast::hash(bytes), bytes.len(), id, flags)
+            };
+            let stored = pool.insert_entry(key, hash, entry, Work::Deferred)?;
+            debug_assert_eq!(stored, PutOutcome::Stored);
+            sum.pages += 1;
+        }
+        Ok(())
     }
 
     /// Reads one page record and stores it as it is.
@@ -418,5 +612,125 @@ impl Store {
         debug_assert_eq!(stored, PutOutcome::Stored);
         sum.pages += 1;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // test streams: small lengths and flag bytes
+mod tests {
+    use super::*;
+
+    /// Copies a format 2 stream of a store without groups into format 1:
+    /// the same fields without those format 2 added (4 events per pool, 2
+    /// cumulative counters and the group count per shard), version 1, and
+    /// the checksum recomputed.
+    fn to_v1(v2: &[u8]) -> Vec<u8> {
+        struct Cut<'a> {
+            src: &'a [u8],
+            at: usize,
+            out: Vec<u8>,
+        }
+        impl Cut<'_> {
+            fn take(&mut self, n: usize) -> &[u8] {
+                let b = &self.src[self.at..self.at + n];
+                self.at += n;
+                b
+            }
+            fn keep(&mut self, n: usize) -> u64 {
+                let b = self.take(n).to_vec();
+                self.out.extend_from_slice(&b);
+                let mut v = [0u8; 8];
+                v[..n.min(8)].copy_from_slice(&b[..n.min(8)]);
+                u64::from_le_bytes(v)
+            }
+            fn skip(&mut self, n: usize) -> u64 {
+                let b = self.take(n);
+                let mut v = [0u8; 8];
+                v[..n.min(8)].copy_from_slice(&b[..n.min(8)]);
+                u64::from_le_bytes(v)
+            }
+        }
+        let mut c = Cut { src: v2, at: 0, out: Vec::new() };
+        c.keep(8);
+        assert_eq!(c.skip(4), 2);
+        c.out.extend_from_slice(&1u32.to_le_bytes());
+        c.keep(34); // policy
+        for _ in 0..c.keep(1) {
+            c.keep(5);
+            let len = c.keep(4) as usize;
+            c.keep(len);
+        }
+        c.keep(1);
+        for _ in 0..c.keep(4) {
+            if c.keep(1) == 0 {
+                continue;
+            }
+            c.keep(4);
+            c.keep(8 * EVENTS_V1);
+            c.skip(8 * (17 - EVENTS_V1));
+            for _ in 0..c.keep(4) {
+                c.keep(8 * CUMULATIVE_V1);
+                c.skip(8 * (14 - CUMULATIVE_V1));
+                for _ in 0..c.keep(8) {
+                    c.keep(16);
+                    let flags = c.keep(1);
+                    c.keep(5);
+                    if flags as u8 & REC_SAME != 0 {
+                        c.keep(8);
+                    } else {
+                        let len = c.keep(4) as usize;
+                        c.keep(len);
+                    }
+                }
+                assert_eq!(c.skip(8), 0, "no groups in a format 1 stream");
+            }
+        }
+        c.keep(8);
+        let crc = crc32fast::hash(&c.out);
+        c.out.extend_from_slice(&crc.to_le_bytes());
+        assert_eq!(c.at + 4, v2.len());
+        c.out
+    }
+
+    #[test]
+    fn a_format_1_stream_is_still_imported() {
+        let store = StoreConfig { shards: 2, ..Default::default() }.build().unwrap();
+        let pool = store.create_pool(PoolConfig::persistent());
+        let gone = store.create_pool(PoolConfig::ephemeral());
+        store.destroy_pool(gone.id).unwrap();
+        let page = |i: u64| {
+            let mut p = [0u8; PAGE_SIZE];
+            for (j, b) in p.iter_mut().enumerate() {
+                *b = u8::try_from((j as u64 * (i + 3) / 7) % 251).unwrap();
+            }
+            p
+        };
+        for i in 0..50 {
+            assert_eq!(pool.put(Key::new(1, i), &page(i)).unwrap(), PutOutcome::Stored);
+        }
+        assert_eq!(pool.put(Key::new(1, 99), &[7u8; PAGE_SIZE]).unwrap(), PutOutcome::Stored);
+        let mut out = [0u8; PAGE_SIZE];
+        assert_eq!(pool.get(Key::new(1, 3), &mut out).unwrap(), GetOutcome::Hit);
+        let mut v2 = Vec::new();
+        store.export(&mut v2).unwrap();
+        let v1 = to_v1(&v2);
+        assert!(v1.len() < v2.len());
+        for cfg in [StoreConfig::default(), StoreConfig { group: Some(GroupConfig::default()), ..Default::default() }] {
+            let (back, sum) = Store::import(cfg, &mut v1.as_slice()).unwrap();
+            assert_eq!(sum.pages, 51);
+            let p = back.pool(0).unwrap();
+            for i in 0..50 {
+                assert_eq!(p.get(Key::new(1, i), &mut out).unwrap(), GetOutcome::Hit);
+                assert_eq!(out, page(i));
+            }
+            assert_eq!(p.get(Key::new(1, 99), &mut out).unwrap(), GetOutcome::Hit);
+            assert_eq!(out, [7u8; PAGE_SIZE]);
+            assert_eq!(back.stats().total.succ_gets, 1 + 51, "counters came along");
+            assert!(matches!(back.pool(1), Err(StoreError::PoolDestroyed(1))));
+        }
+        // A version from the future is refused.
+        let mut v3 = v2.clone();
+        v3[8..12].copy_from_slice(&3u32.to_le_bytes());
+        assert!(Store::import(StoreConfig::default(), &mut v3.as_slice()).is_err());
     }
 }

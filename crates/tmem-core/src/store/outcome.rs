@@ -89,4 +89,7 @@ pub enum StoreError {
     /// A hand-over export or import failed (what, and why).
     #[error("store hand-over: {0}")]
     Handover(String),
+    /// Grouping of cold pages is misconfigured or not configured.
+    #[error("grouping: {0}")]
+    Group(String),
 }

@@ -62,8 +62,19 @@ impl Pool {
         Ok(())
     }
 
-    pub(super) fn shard_of(&self, hash: u64) -> &Mutex<Shard> {
-        &self.shards[usize::try_from(hash >> 40).expect("24 bits fit usize") & (self.shards.len() - 1)].0
+    /// The shard of `key` (whose [`hash_key`] is `hash`). A store that groups
+    /// cold pages places a whole window of indexes in one shard (the hash of
+    /// the window picks it), so that a group's pages share its shard lock.
+    pub(super) fn shard_of(&self, key: Key, hash: u64) -> &Mutex<Shard> {
+        &self.shards[self.shard_index(key, hash)].0
+    }
+
+    pub(super) fn shard_index(&self, key: Key, hash: u64) -> usize {
+        let h = match self.shared.window_shift {
+            0 => hash,
+            shift => hash_key(Key::new(key.object, key.index >> shift)),
+        };
+        usize::try_from(h >> 40).expect("24 bits fit usize") & (self.shards.len() - 1)
     }
 
     /// Updates the store-wide metadata count after a shard changed size,
@@ -82,11 +93,15 @@ impl Pool {
         }
     }
 
-    /// Counts an entry in.
+    /// Counts an entry in. A grouped entry counts as a page of its group's
+    /// codec; the group's block bytes are counted with the group.
     pub(super) fn count(c: &mut ShardCounters, e: &Entry) {
         c.stored_pages += 1;
         if e.has(F_TIER) {
             c.tier_pages += 1;
+        } else if e.has(F_GROUP) {
+            c.group_pages += 1;
+            c.group_codec_pages[usize::from(e.codec())] += 1;
         } else if e.has(F_SAME) {
             c.same_filled_pages += 1;
         } else {
@@ -104,6 +119,9 @@ impl Pool {
         c.stored_pages -= 1;
         if e.has(F_TIER) {
             c.tier_pages -= 1;
+        } else if e.has(F_GROUP) {
+            c.group_pages -= 1;
+            c.group_codec_pages[usize::from(e.codec())] -= 1;
         } else if e.has(F_SAME) {
             c.same_filled_pages -= 1;
         } else {
@@ -116,13 +134,27 @@ impl Pool {
         }
     }
 
-    /// Releases the pool memory of an entry removed from its shard and fixes
-    /// counters. A copy in a lower tier is queued for removal by
-    /// [`Pool::queue_tier_copy`], under the same shard lock.
-    pub(super) fn forget(&self, c: &mut ShardCounters, e: &Entry) {
-        Self::uncount(c, e);
+    /// Releases the pool memory of an entry removed from shard `s` and fixes
+    /// counters; returns the allocator slot bytes freed. A grouped page
+    /// becomes a tombstone of its group (freed with its last page). A copy
+    /// in a lower tier is queued for removal by [`Pool::queue_tier_copy`],
+    /// under the same shard lock.
+    pub(super) fn forget(&self, s: &mut Shard, e: &Entry) -> u64 {
+        Self::uncount(&mut s.c, e);
+        self.release(s, e)
+    }
+
+    /// Frees what `e` holds (its object, or its slot in its group); the
+    /// caller has uncounted it. Returns the slot bytes freed.
+    pub(super) fn release(&self, s: &mut Shard, e: &Entry) -> u64 {
         if let Some(loc) = e.alloc_loc() {
+            let bytes = self.shared.alloc.slot_size(loc) as u64;
             self.shared.alloc.free(loc);
+            bytes
+        } else if e.has(F_GROUP) {
+            self.tombstone(s, e)
+        } else {
+            0
         }
     }
 
@@ -203,14 +235,18 @@ impl Pool {
 
     /// Inserts a ready entry, replacing an older copy of the key.
     pub(super) fn insert_entry(&self, key: Key, hash: u64, entry: Entry, work: Work) -> Result<PutOutcome, StoreError> {
-        let (old, long) = {
-            let mut s = self.shard_of(hash).lock();
+        let (old, long, group_freed) = {
+            let mut s = self.shard_of(key, hash).lock();
             let old = s.insert(entry, hash);
-            let c = &mut s.c;
+            let mut group_freed = false;
             if let Some(old) = &old {
-                // The older copy's object is freed below, outside the lock.
-                Self::uncount(c, old);
+                // The older copy's object is freed below, outside the lock;
+                // a grouped one is a tombstone of its group from now (and
+                // the group is freed here if that was its last page).
+                Self::uncount(&mut s.c, old);
+                group_freed = old.has(F_GROUP) && self.tombstone(&mut s, old) > 0;
             }
+            let c = &mut s.c;
             c.succ_puts += 1;
             Self::count(c, &entry);
             c.compressions += u64::from(entry.alloc_loc().is_some() && !entry.has(F_INCOMPRESSIBLE));
@@ -219,17 +255,20 @@ impl Pool {
             let long = old.as_ref().is_some_and(|old| {
                 !(entry.has(F_TIER) && old.has(F_TIER) && entry.tier() == old.tier()) && self.queue_tier_copy(key, old)
             });
-            (old, long)
+            (old, long, group_freed)
         };
         match (long, work) {
             (true, Work::Inline) => self.send_tier_removals(),
             (true, Work::Deferred) => self.removals_due.store(true, Ordering::Relaxed),
             (false, _) => {}
         }
-        if let Some(loc) = old.and_then(|o| o.alloc_loc()) {
+        let old_loc = old.and_then(|o| o.alloc_loc());
+        if let Some(loc) = old_loc {
             // Safe outside the shard lock: the entry is unreachable, so
             // neither gets nor compaction can see this object any more.
             self.shared.alloc.free(loc);
+        }
+        if old_loc.is_some() || group_freed {
             match work {
                 Work::Inline => self.shared.maybe_compact(),
                 Work::Deferred => self.compaction_due.store(true, Ordering::Relaxed),
@@ -289,7 +328,7 @@ impl Pool {
 
     /// Serves a get from the pool, or says that the page is in a tier.
     pub(super) fn get_local(&self, key: Key, hash: u64, out: &mut [u8; PAGE_SIZE]) -> LocalGet {
-        let mut s = self.shard_of(hash).lock();
+        let mut s = self.shard_of(key, hash).lock();
         let Some(h) = s.find(key, hash) else {
             s.c.failed_gets += 1;
             return LocalGet::Done(Ok(GetOutcome::Miss));
@@ -298,7 +337,18 @@ impl Pool {
         if e.has(F_TIER) {
             return LocalGet::InTier(e);
         }
-        if let Some(loc) = e.alloc_loc() {
+        let mut grew = false;
+        if e.has(F_GROUP) {
+            match self.read_grouped(&mut s, &e, out) {
+                Ok(g) => grew = g,
+                Err(reason) => {
+                    PoolEvents::bump(&self.events.decompress_fail);
+                    out.fill(0);
+                    return LocalGet::Done(Err(StoreError::Corrupt { pool: self.id, key, reason }));
+                }
+            }
+            s.c.decompressions += 1;
+        } else if let Some(loc) = e.alloc_loc() {
             if let Err(reason) = self.decode(&e, loc, out) {
                 PoolEvents::bump(&self.events.decompress_fail);
                 out.fill(0);
@@ -312,12 +362,17 @@ impl Pool {
         s.c.succ_gets += 1;
         if self.cfg.exclusive_gets {
             let e = s.remove_handle(h);
-            self.forget(&mut s.c, &e);
+            self.forget(&mut s, &e);
             self.account(&mut s);
         } else {
             s.entries.get_mut(h).meta |= F_REFERENCED | F_HOT;
             if self.cfg.kind == PoolKind::Ephemeral && self.cfg.eviction == Eviction::Lru {
                 s.lru_touch(h);
+            }
+            if grew {
+                // The block cache allocated a buffer: count it (last: this
+                // may rebuild the shard's storage, and `h` with it).
+                self.account(&mut s);
             }
         }
         LocalGet::Done(Ok(GetOutcome::Hit))
@@ -340,7 +395,7 @@ impl Pool {
     pub fn contains(&self, key: Key) -> Result<bool, StoreError> {
         self.check_live()?;
         let hash = hash_key(key);
-        Ok(self.shard_of(hash).lock().find(key, hash).is_some())
+        Ok(self.shard_of(key, hash).lock().find(key, hash).is_some())
     }
 
     /// Removes the page under `key`; returns whether there was one.
@@ -351,12 +406,12 @@ impl Pool {
 
     pub(super) fn remove(&self, key: Key, count: bool) -> bool {
         let hash = hash_key(key);
-        let mut s = self.shard_of(hash).lock();
+        let mut s = self.shard_of(key, hash).lock();
         let Some(e) = s.remove_key(key, hash) else { return false };
         if count {
             s.c.flushes += 1;
         }
-        self.forget(&mut s.c, &e);
+        self.forget(&mut s, &e);
         self.account(&mut s);
         let long = self.queue_tier_copy(key, &e);
         drop(s);
@@ -379,7 +434,7 @@ impl Pool {
             for h in victims {
                 let e = s.remove_handle(h);
                 s.c.flushes += 1;
-                self.forget(&mut s.c, &e);
+                self.forget(&mut s, &e);
                 long |= self.queue_tier_copy(e.key(), &e);
                 n += 1;
             }
@@ -410,10 +465,7 @@ impl Pool {
             };
             let Some(h) = victim else { break };
             let e = s.remove_handle(h);
-            if let Some(loc) = e.alloc_loc() {
-                bytes += self.shared.alloc.slot_size(loc) as u64;
-            }
-            self.forget(&mut s.c, &e);
+            bytes += self.forget(&mut s, &e);
             s.c.evicted_pages += 1;
             match for_kind {
                 PoolKind::Persistent => s.c.evicted_for_persistent += 1,
@@ -448,21 +500,30 @@ impl Pool {
             c.written_back_pages += x.written_back_pages;
             c.tier_gets += x.tier_gets;
             c.incompressible_to_tier += x.incompressible_to_tier;
+            c.group_pages += x.group_pages;
+            c.groups += x.groups;
+            c.group_bytes += x.group_bytes;
+            c.group_dead_pages += x.group_dead_pages;
+            c.group_cache_hits += x.group_cache_hits;
+            c.group_cache_misses += x.group_cache_misses;
         }
         PoolStats::from_parts(self.id, self.cfg.kind, &c, &self.events)
     }
 
-    /// Compressed pages and their bytes in the pool, by codec id.
-    pub(super) fn codec_usage(&self) -> ([u64; MAX_CODECS], [u64; MAX_CODECS]) {
-        let (mut pages, mut bytes) = ([0; MAX_CODECS], [0; MAX_CODECS]);
+    /// Compressed pages and their bytes in the pool, by codec id: single
+    /// pages, and pages held in groups.
+    pub(super) fn codec_usage(&self) -> [([u64; MAX_CODECS], [u64; MAX_CODECS]); 2] {
+        let mut usage = [([0; MAX_CODECS], [0; MAX_CODECS]); 2];
         for shard in self.shards.iter() {
             let s = shard.0.lock();
             for i in 0..MAX_CODECS {
-                pages[i] += s.c.codec_pages[i];
-                bytes[i] += s.c.codec_bytes[i];
+                usage[0].0[i] += s.c.codec_pages[i];
+                usage[0].1[i] += s.c.codec_bytes[i];
+                usage[1].0[i] += s.c.group_codec_pages[i];
+                usage[1].1[i] += s.c.group_codec_bytes[i];
             }
         }
-        (pages, bytes)
+        usage
     }
 
     /// Destroys the pool's pages; later operations fail with `PoolDestroyed`.
@@ -471,8 +532,10 @@ impl Pool {
         for shard in self.shards.iter() {
             let mut s = shard.0.lock();
             for e in s.drain() {
-                self.forget(&mut s.c, &e);
+                self.forget(&mut s, &e);
             }
+            debug_assert!(s.groups.is_empty(), "a group outlived its pages");
+            s.cache.clear();
             self.account(&mut s);
         }
         if let Some(chain) = &self.chain {
@@ -484,7 +547,7 @@ impl Pool {
     #[cfg(test)]
     pub(crate) fn corrupt_for_test(&self, key: Key) -> bool {
         let hash = hash_key(key);
-        let s = self.shard_of(hash).lock();
+        let s = self.shard_of(key, hash).lock();
         let Some(h) = s.find(key, hash) else { return false };
         let e = *s.entries.get(h);
         let Some(loc) = e.alloc_loc() else { return false };

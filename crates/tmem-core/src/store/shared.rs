@@ -40,6 +40,15 @@ pub(super) struct Shared {
     /// Recompression runs a pass every this many periods (1, or more while
     /// backing off).
     pub(super) recompress_stride: AtomicU32,
+    /// Grouping of cold pages, if configured (`store/grouping.rs`).
+    pub(super) group: Option<GroupConfig>,
+    /// Indexes of a window share a shard: `crate::group::WINDOW_SHIFT` when
+    /// grouping is configured, else 0 (each key hashed on its own).
+    pub(super) window_shift: u32,
+    /// Codec id of new group blocks ([`grouping::NO_GROUP_CODEC`] until set up).
+    pub(super) group_codec: AtomicU8,
+    /// Grouping's state, for its status line.
+    pub(super) group_state: AtomicU8,
 }
 
 /// [`Shared::recompress_target`] when no recompression runs.
@@ -69,6 +78,15 @@ impl Shared {
 
     pub(super) fn total_bytes(&self) -> u64 {
         self.alloc.total_bytes() + self.index_meta.load(Ordering::Relaxed) + self.codec_meta.load(Ordering::Relaxed)
+    }
+
+    /// Finds a registered codec built from `cfg`, or registers it.
+    pub(super) fn find_or_register_codec(&self, cfg: &CodecConfig) -> Result<u8, StoreError> {
+        let count = *self.codec_count.lock();
+        if let Some(id) = (0..count).find(|&i| self.codec_configs[i].get() == Some(cfg)) {
+            return Ok(u8::try_from(id).expect("at most 32 codecs"));
+        }
+        self.register_codec(cfg)
     }
 
     pub(super) fn codec(&self, id: u8) -> Result<&Arc<dyn Codec>, StoreError> {
@@ -223,6 +241,22 @@ impl Shared {
                             Ok(new) => e.loc = new.pack(),
                             // Out of memory while compacting: stop; nothing is lost.
                             Err(_) => break 'pools,
+                        }
+                    }
+                    // Group blocks' chunks (in practice their tail chunks:
+                    // a full chunk is alone in its span).
+                    let groups: Vec<u32> = s.groups.ids().collect();
+                    for id in groups {
+                        let (chunks, len) = s.groups.get(id).map_or((0, 0), |g| (g.chunks.len(), g.len as usize));
+                        for k in 0..chunks {
+                            let loc = Loc::unpack(s.groups.get(id).expect("listed").chunks[k]);
+                            if !plan.contains(loc) {
+                                continue;
+                            }
+                            match self.alloc.migrate(loc, crate::group::chunk_len(len, k)) {
+                                Ok(new) => s.groups.move_chunk(id, k, new),
+                                Err(_) => break 'pools,
+                            }
                         }
                     }
                 }

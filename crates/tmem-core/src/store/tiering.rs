@@ -24,7 +24,8 @@ use tmem_tier::seal::Sealer;
 use tmem_tier::{Tier, TierError, TierGet, TierKey, TierPut, TierStats};
 
 use super::{GetOutcome, Pool, PoolEvents, PutOutcome, Shared, StoreError, Work, RAW_CODEC};
-use crate::shard::{hash_key, Entry, F_INCOMPRESSIBLE, F_TIER, F_WB, MAX_TIERS};
+use crate::codec::COMPRESS_BUF_SIZE;
+use crate::shard::{hash_key, Entry, F_GROUP, F_INCOMPRESSIBLE, F_TIER, F_WB, MAX_TIERS};
 use crate::{Key, PAGE_SIZE};
 
 thread_local! {
@@ -245,7 +246,15 @@ pub struct WritebackReport {
 struct Victim {
     key: Key,
     tkey: TierKey,
+    /// What goes to the tier: the stored object, or (`raw`) the page of a
+    /// grouped entry until it is encoded on its own.
     data: Vec<u8>,
+    raw: bool,
+    /// Codec, checksum and raw flag of `data` once encoded: the entry takes
+    /// them when it switches to the tier.
+    codec: u8,
+    check: u32,
+    incompressible: bool,
 }
 
 impl Pool {
@@ -268,7 +277,7 @@ impl Pool {
         let (tier, version) = chain.put_one(&self.shared, self.tier_key(key), page)?;
         let mut e = Entry::new(key, 0, crc32fast::hash(page), PAGE_SIZE, RAW_CODEC, F_INCOMPRESSIBLE);
         e.set_tier(tier, version);
-        self.shard_of(hash).lock().c.incompressible_to_tier += 1;
+        self.shard_of(key, hash).lock().c.incompressible_to_tier += 1;
         Some(self.insert_entry(key, hash, e, work))
     }
 
@@ -356,7 +365,7 @@ impl Pool {
             return Err(err);
         }
         let Some(chain) = &self.chain else { return Ok(GetOutcome::Hit) };
-        let mut s = self.shard_of(hash).lock();
+        let mut s = self.shard_of(key, hash).lock();
         s.c.succ_gets += 1;
         s.c.tier_gets += 1;
         s.c.decompressions += u64::from(!e.has(F_INCOMPRESSIBLE));
@@ -369,7 +378,7 @@ impl Pool {
         if let Some(h) = same {
             if self.cfg.exclusive_gets {
                 let gone = s.remove_handle(h);
-                self.forget(&mut s.c, &gone);
+                self.forget(&mut s, &gone);
                 self.account(&mut s);
                 let long = self.queue_tier_copy(key, &gone);
                 drop(s);
@@ -454,6 +463,26 @@ impl Pool {
         })
     }
 
+    /// Encodes the page of a grouped victim on its own, with the codec new
+    /// puts use (raw when that does not shrink it, as an incompressible put
+    /// to a tier is).
+    fn encode_single(&self, v: &mut Victim) {
+        let sh = &*self.shared;
+        let id = sh.current_codec.load(Ordering::Relaxed);
+        let mut buf = [0u8; COMPRESS_BUF_SIZE];
+        let page: &[u8; PAGE_SIZE] = v.data.as_slice().try_into().expect("a grouped victim is one page");
+        let n = sh.codec(id).ok().and_then(|c| c.compress(page, &mut buf).ok());
+        match n {
+            Some(n) if n <= sh.policy.max_compressed_size() && n < PAGE_SIZE => {
+                (v.codec, v.incompressible) = (id, false);
+                v.data = buf[..n].to_vec();
+            }
+            _ => (v.codec, v.incompressible) = (RAW_CODEC, true),
+        }
+        v.check = crc32fast::hash(&v.data);
+        v.raw = false;
+    }
+
     /// Moves up to `max_pages` of the oldest pool pages (second chance for
     /// referenced ones) to the tiers.
     pub fn write_back(&self, max_pages: usize) -> WritebackReport {
@@ -495,23 +524,46 @@ impl Pool {
                 let Some(h) = s.lru_victim() else { break };
                 s.lru_unlink(h);
                 let e = *s.entries.get(h);
-                let Some(loc) = e.alloc_loc() else {
+                let (data, raw) = if let Some(loc) = e.alloc_loc() {
+                    // SAFETY: the entry is live in this shard and we hold its lock,
+                    // so the object is neither freed nor migrated while we copy it.
+                    (unsafe { self.shared.alloc.object(loc, e.len()) }.to_vec(), false)
+                } else if e.has(F_GROUP) {
+                    // Out of its group as a single page, encoded below,
+                    // outside the lock; the group keeps a tombstone.
+                    let mut page = [0u8; PAGE_SIZE];
+                    match self.read_grouped(&mut s, &e, &mut page) {
+                        Ok(_) => (page.to_vec(), true),
+                        // Corrupt: left for its get to report.
+                        Err(_) => (Vec::new(), false),
+                    }
+                } else {
+                    (Vec::new(), false)
+                };
+                if data.is_empty() {
                     // Same-filled pages cost no pool memory: keep them.
                     skipped.push(h);
                     if skipped.len() > max {
                         break;
                     }
                     continue;
-                };
-                // SAFETY: the entry is live in this shard and we hold its lock,
-                // so the object is neither freed nor migrated while we copy it.
-                let data = unsafe { self.shared.alloc.object(loc, e.len()) }.to_vec();
+                }
                 s.entries.get_mut(h).meta |= F_WB;
-                victims.push(Victim { key: e.key(), tkey: self.tier_key(e.key()), data });
+                victims.push(Victim {
+                    key: e.key(),
+                    tkey: self.tier_key(e.key()),
+                    data,
+                    raw,
+                    codec: e.codec(),
+                    check: e.check,
+                    incompressible: e.has(F_INCOMPRESSIBLE),
+                });
             }
             for h in skipped {
                 s.lru_push_front(h);
             }
+            // Decoding a group may have grown the block cache.
+            self.account(&mut s);
         }
         if victims.is_empty() {
             return report;
@@ -525,6 +577,9 @@ impl Pool {
         }
         if victims.is_empty() {
             return report;
+        }
+        for v in victims.iter_mut().filter(|v| v.raw) {
+            self.encode_single(v);
         }
         // 3. Seal and offer them to the tiers in order, in batches, after the
         // removals queued so far (some may be of these keys' older copies).
@@ -563,11 +618,18 @@ impl Pool {
                 match (h, placed[j]) {
                     (Some(h), Some(t)) => {
                         let e = *s.entries.get(h);
-                        let loc = e.alloc_loc().expect("a writeback victim is in the pool");
-                        report.slot_bytes += self.shared.alloc.slot_size(loc) as u64;
-                        self.shared.alloc.free(loc);
                         Pool::uncount(&mut s.c, &e);
+                        // Its object, or its slot in its group (a group
+                        // rewrite may have moved it meanwhile: the page is
+                        // the same, F_WB says so).
+                        report.slot_bytes += self.release(&mut s, &e);
                         let cur = s.entries.get_mut(h);
+                        // The entry describes what the tier now holds.
+                        cur.recode(0, v.check, v.data.len(), v.codec);
+                        cur.meta &= !(F_GROUP | F_INCOMPRESSIBLE);
+                        if v.incompressible {
+                            cur.meta |= F_INCOMPRESSIBLE;
+                        }
                         cur.set_tier(t, sealed[j].0);
                         let cur = *cur;
                         Pool::count(&mut s.c, &cur);
