@@ -79,7 +79,7 @@ prune target/debug
 echo "== Miri: tmem-core mem, alloc, shard"
 if rustup +nightly component list --installed 2>/dev/null | grep -q '^miri' \
     || rustup +nightly component add miri rust-src >/dev/null 2>&1; then
-    cargo +nightly miri test -p tmem-core --lib -- mem:: alloc:: shard::
+    cargo +nightly miri test -p tmem-core --lib -- mem:: alloc:: shard:: group::
 elif [[ ",$TMEM_REQUIRE," == *",miri,"* || ",$TMEM_REQUIRE," == *",all,"* ]]; then
     echo "Miri is not available (rustup +nightly component add miri), but TMEM_REQUIRE requires it" >&2
     exit 1

@@ -14,6 +14,8 @@
 //! recycle-idle-swap = true # empty an idle area by swapoff + swapon
 //! recompress = "zstd:3+dict"  # cold pages, in the background (off when absent)
 //! recompress-after = 2     # seconds unread before a page is recompressed
+//! group = "zstd:9+dict"    # cold neighbours compressed together (off when absent)
+//! group-after = 10         # seconds unread before a page is grouped
 //! runtime-dir = "/run/tmem"
 //! wait = 60
 //! metrics = "127.0.0.1:9848"  # Prometheus /metrics (off when absent)
@@ -120,6 +122,8 @@ struct RawSwap {
     recycle_idle_swap: Option<Spanned<bool>>,
     recompress: Option<Spanned<String>>,
     recompress_after: Option<Spanned<f64>>,
+    group: Option<Spanned<String>>,
+    group_after: Option<Spanned<f64>>,
     runtime_dir: Option<Spanned<PathBuf>>,
     wait: Option<Spanned<u64>>,
     metrics: Option<Spanned<String>>,
@@ -164,6 +168,10 @@ pub struct Config {
     pub recompress: Option<String>,
     /// `swap.recompress-after`, seconds.
     pub recompress_after: Option<f64>,
+    /// `swap.group`: grouping of cold pages, `zstd:LEVEL[+dict]`.
+    pub group: Option<String>,
+    /// `swap.group-after`, seconds.
+    pub group_after: Option<f64>,
     /// `swap.runtime-dir`.
     pub runtime_dir: Option<PathBuf>,
     /// `swap.wait`, seconds.
@@ -297,6 +305,8 @@ impl Config {
                 args.config().map(|_| v).map_err(|e| e.to_string())
             }),
             recompress_after: checked!(s.recompress_after, "swap.recompress-after", crate::spec::check_after),
+            group: checked!(s.group, "swap.group", |v: String| crate::spec::parse_group(&v)),
+            group_after: checked!(s.group_after, "swap.group-after", crate::spec::check_after),
             runtime_dir: checked!(s.runtime_dir, "swap.runtime-dir", |p: PathBuf| if p.is_absolute() {
                 Ok(p)
             } else {
@@ -391,6 +401,8 @@ discard = "pages"
 recycle-idle-swap = false
 recompress = "zstd:3+dict"
 recompress-after = 0.5
+group = "zstd:9+dict"
+group-after = 20
 runtime-dir = "/run/tmem2"
 wait = 90
 metrics = "127.0.0.1:9848"
@@ -426,6 +438,7 @@ cgroups = ["/sys/fs/cgroup/jobs"]
         assert_eq!(c.discard, Some(tmem_sys::swap::SwapDiscard::Pages));
         assert_eq!(c.recycle_idle_swap, Some(false));
         assert_eq!((c.recompress.as_deref(), c.recompress_after), (Some("zstd:3+dict"), Some(0.5)));
+        assert_eq!((c.group.as_deref(), c.group_after), (Some("zstd:9+dict"), Some(20.0)));
         assert_eq!(c.tiers, Some(vec![TierSpec::Disk("/var/lib/tmem".into())]));
         assert_eq!(c.disk_capacity, Some(16 << 30));
         assert_eq!(c.metrics, Some("127.0.0.1:9848".parse().unwrap()));
@@ -450,6 +463,11 @@ cgroups = ["/sys/fs/cgroup/jobs"]
             (
                 "[swap]\nrecompress = \"raw\"\n",
                 "/etc/tmem/tmem.toml:2:14: swap.recompress: recompression codec \"raw\"",
+            ),
+            (
+                "[swap]\ngroup = \"lz4\"\n",
+                "/etc/tmem/tmem.toml:2:9: swap.group: \"lz4\": groups are compressed with zstd: zstd, zstd:LEVEL, \
+                 with +dict or not",
             ),
             (
                 "[swap]\nrecompress-after = 0.0\n",

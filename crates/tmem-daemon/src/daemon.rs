@@ -136,6 +136,7 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
     let mut devices = Vec::new();
     for d in &spec.devices {
         let store = store_config(d, total_ram)?;
+        let group = store.group.clone();
         let chain = spec.tiers.build(&d.name, d.size)?;
         let tier_names = chain
             .as_ref()
@@ -150,6 +151,15 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         }
         .build()
         .map_err(setup_err)?;
+        if let Some(g) = &group {
+            steps.push(format!(
+                "{}: cold pages grouped by 64 KiB of adjacent slots, zstd-{}{}, after {} s unread",
+                d.name,
+                g.level,
+                if g.dictionary { " with the store's dictionary" } else { "" },
+                g.after.as_secs_f64()
+            ));
+        }
         if !tier_names.is_empty() {
             steps.push(format!(
                 "{}: pool -> {tier_names} (pages sealed with {} under a subkey of this device and run)",

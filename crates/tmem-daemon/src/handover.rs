@@ -211,7 +211,9 @@ pub(crate) fn listen(daemon: &Arc<Daemon>) -> Result<(), DaemonError> {
 impl Daemon {
     /// Why this daemon cannot be handed over, if it cannot.
     fn cannot_hand_over(&self, h: &Hello) -> Option<String> {
-        if h.protocol != PROTOCOL || h.store_format != HANDOVER_VERSION {
+        // A successor reads every store format up to its own: this one's
+        // must not be newer than the successor's.
+        if h.protocol != PROTOCOL || h.store_format < HANDOVER_VERSION {
             return Some(format!(
                 "the successor (tmem {}) speaks hand-over protocol {} with store format {}; this daemon (tmem {}) \
                  speaks {PROTOCOL} with {HANDOVER_VERSION}",

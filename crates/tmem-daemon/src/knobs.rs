@@ -67,6 +67,7 @@ mod tests {
             codec: "lz4".into(),
             pool_limit: PoolLimit::Percent(25),
             recompress: Default::default(),
+            group: Default::default(),
         };
         let store = store_config(&spec, 8 << 30).unwrap();
         DeviceConfig { name: spec.name, size: spec.size, store, tiers: None, recompress: None }.build().unwrap()

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use tmem_block::CacheConfig;
 use tmem_core::codec::CodecChoice;
-use tmem_core::{DictTraining, Eviction, Incompressible, PolicyConfig, RecompressConfig, StoreConfig};
+use tmem_core::{DictTraining, Eviction, GroupConfig, Incompressible, PolicyConfig, RecompressConfig, StoreConfig};
 
 use crate::{limits, DaemonError};
 
@@ -52,6 +52,9 @@ pub struct DeviceSpec {
     /// Background recompression of cold pages.
     #[serde(default)]
     pub recompress: RecompressArgs,
+    /// Background grouping of cold pages.
+    #[serde(default)]
+    pub group: GroupArgs,
 }
 
 /// Background recompression options, shared by every command that builds devices.
@@ -94,6 +97,60 @@ impl RecompressArgs {
         let mut cfg = RecompressConfig::parse(spec).map_err(|e| bad(e.to_string()))?;
         cfg.codec.build().map_err(|e| bad(e.to_string()))?;
         cfg.after = std::time::Duration::from_secs_f64(check_after(self.recompress_after).map_err(bad)?);
+        Ok(Some(cfg))
+    }
+}
+
+/// Grouping of cold pages, shared by every command that builds swap devices.
+#[derive(clap::Args, Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GroupArgs {
+    /// Compress the cold pages of each 64 KiB of adjacent swap slots
+    /// together, in a low-priority thread: "zstd:LEVEL" (1..=22), with
+    /// "+dict" to use the store's dictionary (trained on the pool first).
+    /// Denser than any per-page codec; a read decodes its block (cached for
+    /// the neighbours). Off by default.
+    #[arg(long, value_name = "zstd:LEVEL[+dict]", value_parser = parse_group)]
+    pub group: Option<String>,
+    /// Seconds a page goes unread before it is grouped (it is taken after one to two of these).
+    #[arg(long, default_value_t = GroupConfig::DEFAULT_AFTER.as_secs_f64(), value_parser = parse_after)]
+    pub group_after: f64,
+}
+
+impl Default for GroupArgs {
+    fn default() -> Self {
+        Self { group: None, group_after: GroupConfig::DEFAULT_AFTER.as_secs_f64() }
+    }
+}
+
+/// `--group` (and `swap.group`): `zstd:LEVEL[+dict]`, level 1..=22.
+pub fn parse_group(s: &str) -> Result<String, String> {
+    group_codec(s).map(|_| s.trim().to_owned())
+}
+
+/// The level and dictionary choice of a `--group` spec.
+fn group_codec(s: &str) -> Result<(i32, bool), String> {
+    let t = s.trim();
+    let (codec, dictionary) = t.strip_suffix("+dict").map_or((t, false), |c| (c, true));
+    let level = match codec.split_once(':') {
+        None if codec == "zstd" => 9,
+        Some(("zstd", l)) => l.trim().parse::<i32>().map_err(|_| format!("{s:?}: level {l:?} is not a number"))?,
+        _ => return Err(format!("{s:?}: groups are compressed with zstd: zstd, zstd:LEVEL, with +dict or not")),
+    };
+    if !(1..=22).contains(&level) {
+        return Err(format!("{s:?}: zstd level {level} is outside 1..=22"));
+    }
+    Ok((level, dictionary))
+}
+
+impl GroupArgs {
+    /// The store's grouping settings, if grouping is on.
+    pub fn config(&self) -> Result<Option<GroupConfig>, DaemonError> {
+        let Some(spec) = &self.group else { return Ok(None) };
+        let bad = |e: String| DaemonError::Invalid(format!("grouping {spec:?}: {e}"));
+        let (level, dictionary) = group_codec(spec).map_err(bad)?;
+        let after = std::time::Duration::from_secs_f64(check_after(self.group_after).map_err(bad)?);
+        let cfg = GroupConfig { level, dictionary, after, ..GroupConfig::default() };
+        cfg.build().map_err(|e| bad(e.to_string()))?;
         Ok(Some(cfg))
     }
 }
@@ -159,6 +216,7 @@ impl CacheSpec {
             codec: self.codec.clone(),
             pool_limit: self.pool_limit,
             recompress: RecompressArgs::default(),
+            group: GroupArgs::default(),
         };
         let mut cfg = store_config(&as_device, total_ram)?;
         // A cache page that compresses poorly is cheaper to read again from
@@ -340,6 +398,7 @@ pub fn device_specs(
     codec: &str,
     pool_limit: PoolLimit,
     recompress: &RecompressArgs,
+    group: &GroupArgs,
 ) -> Vec<DeviceSpec> {
     (0..count)
         .map(|i| DeviceSpec {
@@ -348,6 +407,7 @@ pub fn device_specs(
             codec: codec.to_owned(),
             pool_limit,
             recompress: recompress.clone(),
+            group: group.clone(),
         })
         .collect()
 }
@@ -401,6 +461,7 @@ pub fn store_config(d: &DeviceSpec, total_ram: u64) -> Result<StoreConfig, Daemo
         policy,
         codec: Some(choice.codec),
         dictionary: choice.dictionary.then(DictTraining::default),
+        group: d.group.config()?,
         ..Default::default()
     })
 }
@@ -413,6 +474,29 @@ fn yes() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn group_specs_name_what_is_wrong() {
+        let cfg = |g: &str| GroupArgs { group: Some(g.into()), group_after: 5.0 }.config();
+        let c = cfg("zstd:12+dict").unwrap().unwrap();
+        assert_eq!((c.level, c.dictionary, c.after), (12, true, std::time::Duration::from_secs(5)));
+        let c = cfg(" zstd ").unwrap().unwrap();
+        assert_eq!((c.level, c.dictionary), (9, false));
+        assert!(GroupArgs::default().config().unwrap().is_none());
+        for (bad, why) in [
+            ("lz4", "groups are compressed with zstd"),
+            ("zstd:0", "zstd level 0 is outside 1..=22"),
+            ("zstd:23+dict", "zstd level 23 is outside 1..=22"),
+            ("zstd:x", "level \"x\" is not a number"),
+            ("zstd+dict+dict", "groups are compressed with zstd"),
+        ] {
+            let e = cfg(bad).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains(bad), "{bad}: {e}");
+            assert!(parse_group(bad).is_err());
+        }
+        let e = GroupArgs { group: Some("zstd".into()), group_after: 0.0 }.config().unwrap_err().to_string();
+        assert!(e.contains("0 seconds is outside 0.01..86400"), "{e}");
+    }
 
     #[test]
     fn pool_limits_are_checked_like_swap_up_does() {

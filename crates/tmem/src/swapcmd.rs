@@ -73,6 +73,8 @@ pub struct UpArgs {
     #[command(flatten)]
     recompress: tmem_daemon::spec::RecompressArgs,
     #[command(flatten)]
+    group: tmem_daemon::spec::GroupArgs,
+    #[command(flatten)]
     tiers: tmem_daemon::tiers::TierArgs,
     #[command(flatten)]
     front: tmem_daemon::front::FrontArgs,
@@ -119,6 +121,10 @@ impl UpArgs {
                     &self.recompress.recompress_after,
                     &c.recompress_after,
                 ),
+            },
+            group: tmem_daemon::spec::GroupArgs {
+                group: pick(given("group"), &self.group.group, &c.group.clone().map(Some)),
+                group_after: pick(given("group_after"), &self.group.group_after, &c.group_after),
             },
             tiers: tmem_daemon::tiers::TierArgs {
                 tiers: pick(given("tiers"), &t.tiers, &c.tiers),
@@ -179,7 +185,7 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
     }
     let spec = DaemonSpec {
         runtime_dir: a.runtime_dir.clone(),
-        devices: device_specs("swap", a.devices, a.size, &a.codec, a.pool_limit, &a.recompress),
+        devices: device_specs("swap", a.devices, a.size, &a.codec, a.pool_limit, &a.recompress, &a.group),
         caches: cache_specs(&a.cache_backing, &a.codec, a.pool_limit, &CacheArgs::default()),
         fuse: true,
         swap: true,
@@ -438,11 +444,13 @@ fn print_cache_table(devs: &[DeviceStats]) {
     println!("\n{t}");
 }
 
-/// What each codec holds, and what recompression saved, where a device
-/// holds pages of more than one codec or recompresses.
+/// What each codec holds, and what recompression and grouping did, where
+/// a device holds pages of more than one codec, recompresses or groups.
 fn print_codec_table(devs: &[DeviceStats]) {
-    let shown: Vec<&DeviceStats> =
-        devs.iter().filter(|d| d.store.codecs.len() > 1 || d.store.recompression.is_some()).collect();
+    let shown: Vec<&DeviceStats> = devs
+        .iter()
+        .filter(|d| d.store.codecs.len() > 1 || d.store.recompression.is_some() || d.store.grouping.is_some())
+        .collect();
     if shown.is_empty() {
         return;
     }
@@ -464,6 +472,25 @@ fn print_codec_table(devs: &[DeviceStats]) {
                 human(p.recompress_saved_bytes),
                 p.recompress_kept,
                 p.recompress_raced
+            );
+        }
+        if let Some(g) = &d.store.grouping {
+            let p = &d.store.total;
+            let ratio = if p.group_bytes == 0 { 0.0 } else { (p.group_pages * 4096) as f64 / p.group_bytes as f64 };
+            println!(
+                "{}: grouping {g}: {} pages in {} groups ({} of blocks, {ratio:.2}x), {} dead slots; {} pages \
+                 grouped, {} rewrites, {} kept single, {} raced; block cache {} hits, {} misses",
+                d.name,
+                p.group_pages,
+                p.groups,
+                human(p.group_bytes),
+                p.group_dead_pages,
+                p.pages_grouped,
+                p.group_rewrites,
+                p.group_kept,
+                p.group_raced,
+                p.group_cache_hits,
+                p.group_cache_misses
             );
         }
     }
@@ -532,6 +559,8 @@ pub struct ServeNbdArgs {
     #[command(flatten)]
     recompress: tmem_daemon::spec::RecompressArgs,
     #[command(flatten)]
+    group: tmem_daemon::spec::GroupArgs,
+    #[command(flatten)]
     tiers: tmem_daemon::tiers::TierArgs,
 }
 
@@ -550,7 +579,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
     };
     let spec = DaemonSpec {
         runtime_dir: a.runtime_dir.clone(),
-        devices: device_specs("disk", devices, a.size, &a.codec, a.pool_limit, &a.recompress),
+        devices: device_specs("disk", devices, a.size, &a.codec, a.pool_limit, &a.recompress, &a.group),
         caches: cache_specs(&a.backing, &a.codec, a.pool_limit, &a.cache),
         fuse: false,
         swap: false,

@@ -295,6 +295,29 @@ fn job_runs_in_half_its_memory_with_background_recompression() {
     assert!(stat.contains("zstd-1"), "{stat}");
 }
 
+#[test]
+fn job_runs_in_half_its_memory_with_cold_pages_grouped() {
+    if !can_run() {
+        return;
+    }
+    let (up, stat, _) = half_memory_job("half-group", &["--group", "zstd:3", "--group-after", "0.05"]);
+    assert!(up.contains("cold pages grouped by 64 KiB of adjacent slots, zstd-3"), "{up}");
+    // "swap0: grouping zstd-3, up to 16 pages a group: N pages in G groups
+    // (...), D dead slots; P pages grouped, ..."
+    let line = stat.lines().find(|l| l.contains(": grouping zstd-3")).unwrap_or_else(|| panic!("{stat}"));
+    let grouped: u64 = line
+        .split("; ")
+        .nth(1)
+        .and_then(|p| p.strip_suffix(" pages grouped").or_else(|| p.split(" pages grouped").next()))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no grouped count in: {line}"));
+    // The job reads every page back at each pass, but the pages it left
+    // alone for two of the worker's visits went into groups meanwhile, and
+    // every page it read (grouped or not) was right (its checksum).
+    println!("{line}");
+    assert!(grouped > 1000, "pages grouped while the job ran: {line}");
+}
+
 /// `swap up` with `extra` arguments, a 512 MiB job in a 256 MiB cgroup,
 /// checks on its output and the counters, `swap down`; returns what up,
 /// `tmem stat` (once the job is done) and down printed.
