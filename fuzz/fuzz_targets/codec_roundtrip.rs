@@ -8,22 +8,15 @@ mod common;
 
 use std::sync::{Arc, OnceLock};
 
-use common::{fill_text, tile, Cursor, Page};
+use common::{tile, Cursor, Page};
 use libfuzzer_sys::fuzz_target;
-use tmem_core::codec::{fill_page, same_filled, train_dictionary, Codec, CodecConfig, COMPRESS_BUF_SIZE};
+use tmem_core::codec::{fill_page, same_filled, Codec, CodecConfig, COMPRESS_BUF_SIZE};
 use tmem_core::PAGE_SIZE;
 
 fn codecs() -> &'static [Arc<dyn Codec>] {
     static CODECS: OnceLock<Vec<Arc<dyn Codec>>> = OnceLock::new();
     CODECS.get_or_init(|| {
-        let samples: Vec<Page> = (0..64)
-            .map(|i| {
-                let mut p = [0u8; PAGE_SIZE];
-                fill_text(&mut p, i);
-                p
-            })
-            .collect();
-        let dict = train_dictionary(samples.iter(), 8192).expect("dictionary");
+        let dict = common::text_dictionary();
         [
             CodecConfig::Raw,
             CodecConfig::LZ4,

@@ -95,6 +95,19 @@ pub fn fill_text(dst: &mut [u8], seed: u64) {
     }
 }
 
+/// A dictionary trained on 64 pages of [`fill_text`], for the codecs
+/// that take one.
+pub fn text_dictionary() -> std::sync::Arc<[u8]> {
+    let samples: Vec<Page> = (0..64)
+        .map(|i| {
+            let mut p = [0u8; PAGE_SIZE];
+            fill_text(&mut p, i);
+            p
+        })
+        .collect();
+    tmem_core::codec::train_dictionary(samples.iter(), 8192).expect("dictionary")
+}
+
 /// Repeats `pattern` over `dst` (zeros if it is empty).
 pub fn tile(dst: &mut [u8], pattern: &[u8]) {
     if pattern.is_empty() {

@@ -9,9 +9,9 @@ mod common;
 
 use std::sync::{Arc, OnceLock};
 
-use common::{page_from, Cursor, Page};
+use common::{page_from, Cursor};
 use libfuzzer_sys::fuzz_target;
-use tmem_core::codec::{train_dictionary, Codec, CodecConfig};
+use tmem_core::codec::{Codec, CodecConfig};
 use tmem_core::group::{decode_block, encode_block, page_in, BLOCK_BYTES, MAX_GROUP_PAGES, MAX_STORED_BLOCK};
 use tmem_core::PAGE_SIZE;
 
@@ -20,14 +20,7 @@ use tmem_core::PAGE_SIZE;
 fn codecs() -> &'static [Arc<dyn Codec>] {
     static CODECS: OnceLock<Vec<Arc<dyn Codec>>> = OnceLock::new();
     CODECS.get_or_init(|| {
-        let samples: Vec<Page> = (0..64)
-            .map(|i| {
-                let mut p = [0u8; PAGE_SIZE];
-                common::fill_text(&mut p, i);
-                p
-            })
-            .collect();
-        let dict = train_dictionary(samples.iter(), 8192).expect("dictionary");
+        let dict = common::text_dictionary();
         [
             CodecConfig::Zstd { level: 3, dictionary: None },
             CodecConfig::Zstd { level: 9, dictionary: Some(dict) },

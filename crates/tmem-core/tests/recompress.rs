@@ -17,39 +17,8 @@ use tmem_core::{
 use tmem_tier::seal::Sealer;
 use tmem_tier::MemTier;
 
-type Page = [u8; PAGE_SIZE];
-
-/// Log-like text: lz4 gets about 2x, zstd noticeably more.
-fn page(seed: u64) -> Page {
-    const WORDS: [&str; 10] = [
-        "GET /api/v1/items ",
-        "200 ",
-        "user=",
-        "session=",
-        "latency_ms=",
-        "INFO ",
-        "WARN ",
-        "\n",
-        "cache miss ",
-        "ok ",
-    ];
-    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-    let mut p = [0u8; PAGE_SIZE];
-    let mut i = 0;
-    while i < PAGE_SIZE {
-        let x = rng.next_u64();
-        let w = WORDS[usize::try_from(x % 10).unwrap()];
-        let num = format!("{} ", x >> 44);
-        for b in w.bytes().chain(num.bytes()) {
-            if i == PAGE_SIZE {
-                break;
-            }
-            p[i] = b;
-            i += 1;
-        }
-    }
-    p
-}
+mod common;
+use common::{text_page as page, Page};
 
 fn key(i: u64) -> Key {
     Key::new(7, i)
