@@ -189,8 +189,12 @@ fn parse_codec(s: &str, dict_size: usize) -> anyhow::Result<CodecSpec> {
         .map(|d| -> anyhow::Result<RecompressConfig> {
             let mut r = RecompressConfig::parse(d)?;
             // Train on whatever the pool holds: corpora may be small.
-            r.dictionary =
-                r.dictionary.map(|_| DictTraining { after_bytes: 0, sample_pages: 2048, dict_bytes: dict_size });
+            r.dictionary = r.dictionary.map(|_| DictTraining {
+                after_bytes: 0,
+                sample_pages: 2048,
+                dict_bytes: dict_size,
+                max_dictionaries: 1,
+            });
             r.codec.build()?;
             Ok(r)
         })

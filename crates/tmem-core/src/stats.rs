@@ -298,8 +298,9 @@ counters! {
             pub ratio: f64,
             /// Codec used for new puts.
             pub codec: String,
-            /// Automatic dictionary training: `waiting`, `training`, `trained: …` or
-            /// `failed: …`; absent when not configured.
+            /// Automatic dictionary training: `waiting`, `training`, `trained: …`,
+            /// `retrained …` (a newer dictionary from the grown pool), `trained;
+            /// kept dictionary N: …` or `failed: …`; absent when not configured.
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub dictionary: Option<String>,
             /// Background recompression: its codec and state; absent when off.

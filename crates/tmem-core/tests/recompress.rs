@@ -141,7 +141,8 @@ fn dictionary_is_trained_before_recompression_starts() {
     let store = StoreConfig::default().build().unwrap();
     let pool = store.create_pool(PoolConfig::persistent());
     let mut cfg = RecompressConfig::parse("zstd:3+dict").unwrap();
-    cfg.dictionary = Some(DictTraining { after_bytes: 512 << 10, sample_pages: 256, dict_bytes: 16 << 10 });
+    cfg.dictionary =
+        Some(DictTraining { after_bytes: 512 << 10, sample_pages: 256, dict_bytes: 16 << 10, max_dictionaries: 1 });
     let mut rec = store.recompression(cfg).unwrap();
     assert_eq!(pool.put(key(0), &page(0)).unwrap(), PutOutcome::Stored);
     rec.pass();
@@ -165,7 +166,8 @@ fn failed_dictionary_training_falls_back_to_the_plain_codec_then_trains_again() 
     // Nothing to train on: a same-filled page holds no object.
     assert_eq!(pool.put(key(0), &[0u8; PAGE_SIZE]).unwrap(), PutOutcome::Stored);
     let mut cfg = RecompressConfig::parse("zstd:3+dict").unwrap();
-    cfg.dictionary = Some(DictTraining { after_bytes: 0, sample_pages: 256, dict_bytes: 16 << 10 });
+    cfg.dictionary =
+        Some(DictTraining { after_bytes: 0, sample_pages: 256, dict_bytes: 16 << 10, max_dictionaries: 1 });
     let mut rec = store.recompression(cfg).unwrap();
     rec.pass();
     let status = store.stats().recompression.unwrap();
@@ -198,7 +200,8 @@ fn recompression_stops_training_after_three_failed_tries() {
     let store = StoreConfig { policy, ..Default::default() }.build().unwrap();
     let pool = store.create_pool(PoolConfig::persistent());
     let mut cfg = RecompressConfig::parse("zstd:3+dict").unwrap();
-    cfg.dictionary = Some(DictTraining { after_bytes: 0, sample_pages: 256, dict_bytes: 16 << 10 });
+    cfg.dictionary =
+        Some(DictTraining { after_bytes: 0, sample_pages: 256, dict_bytes: 16 << 10, max_dictionaries: 1 });
     let mut rec = store.recompression(cfg).unwrap();
     // Random pages are stored raw: the pool grows, but gives no sample.
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(5);

@@ -45,7 +45,7 @@ pub struct DeviceSpec {
     pub name: String,
     /// Size in bytes.
     pub size: u64,
-    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages and switches to it.
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary once the pool holds 8 MiB, and newer ones as it grows.
     pub codec: String,
     /// The pool limit.
     pub pool_limit: PoolLimit,

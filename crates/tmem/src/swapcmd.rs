@@ -24,7 +24,7 @@ pub struct UpArgs {
     /// Pool memory limit per device: a size (2G, at least 1M) or a percentage of RAM (1%..100%).
     #[arg(long, default_value = "25%")]
     pool_limit: PoolLimit,
-    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages and switches to it.
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary once the pool holds 8 MiB, and newer ones as it grows.
     #[arg(long, default_value = "lz4")]
     codec: String,
     /// Swap priority (higher is used first; disk swap is usually negative).
@@ -526,7 +526,7 @@ pub struct ServeNbdArgs {
     /// Pool memory limit per device: a size (at least 1M) or a percentage of RAM (1%..100%).
     #[arg(long, default_value = "25%")]
     pool_limit: PoolLimit,
-    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages and switches to it.
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary once the pool holds 8 MiB, and newer ones as it grows.
     #[arg(long, default_value = "lz4")]
     codec: String,
     /// Unix socket to listen on (default: RUNTIME_DIR/nbd.sock).
@@ -617,7 +617,7 @@ pub struct CacheUpArgs {
     /// Pool memory limit of the cache: a size (at least 1M) or a percentage of RAM (1%..100%).
     #[arg(long, default_value = "25%")]
     pool_limit: PoolLimit,
-    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary on the first 8 MiB of compressed pages.
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary once the pool holds 8 MiB, and newer ones as it grows.
     #[arg(long, default_value = "lz4")]
     codec: String,
     #[command(flatten)]

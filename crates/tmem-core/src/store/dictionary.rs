@@ -22,6 +22,17 @@
 //! trainer (a pool of mostly same-filled pages, say). It is tried again once
 //! the pool's compressed bytes have doubled, [`TRAINING_TRIES`] times in all
 //! ([`next_training_bytes`]); background recompression retries the same way.
+//!
+//! The first 8 MiB may be one program's pages, and a pool grows to hold
+//! others. So once the pool holds [`RETRAIN_GROWTH`] times what it held at
+//! the last training, a new dictionary is trained on an even sample of the
+//! whole pool (every other sampled page; the rest are held out) and both
+//! compress the held-out pages: the new one replaces the current one for
+//! new puts only if it saves at least a thirty-second of the bytes
+//! ([`Retraining`]). Pages keep the dictionary they were stored with, so
+//! the old ones stay registered; at most [`DictTraining::max_dictionaries`]
+//! are trained.
+//! A codec set by hand since (`tmem set`) ends it.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -41,11 +52,14 @@ pub struct DictTraining {
     pub sample_pages: usize,
     /// Dictionary size, bytes (lz4 uses at most 64 KiB).
     pub dict_bytes: usize,
+    /// Dictionaries trained at most as the pool grows, the first included
+    /// (1: never a second one).
+    pub max_dictionaries: u32,
 }
 
 impl Default for DictTraining {
     fn default() -> Self {
-        Self { after_bytes: 8 << 20, sample_pages: 2048, dict_bytes: 64 << 10 }
+        Self { after_bytes: 8 << 20, sample_pages: 2048, dict_bytes: 64 << 10, max_dictionaries: MAX_DICTIONARIES }
     }
 }
 
@@ -71,20 +85,66 @@ pub(super) fn next_training_bytes(now: u64, last: u64) -> u64 {
     now.max(last).saturating_mul(2).max(64 << 10)
 }
 
+/// After a dictionary is in use, the pool's compressed bytes at which a
+/// new one is tried: this many times what it held at the last try.
+pub const RETRAIN_GROWTH: u64 = 4;
+
+/// Dictionaries automatic training registers at most, the first included
+/// (the default of [`DictTraining::max_dictionaries`]).
+pub const MAX_DICTIONARIES: u32 = 4;
+
+/// What a try at a new dictionary for a pool that has one came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retraining {
+    /// The new dictionary is in use (codec id).
+    Switched {
+        /// Codec id new puts now use.
+        codec_id: u8,
+        /// Held-out bytes with the old dictionary, and with the new one.
+        old_bytes: usize,
+        /// See `old_bytes`.
+        new_bytes: usize,
+        /// Pages held out.
+        held_out: usize,
+    },
+    /// The current dictionary stays: the new one did not save enough.
+    Kept {
+        /// Held-out bytes with the current dictionary, and with the new one.
+        old_bytes: usize,
+        /// See `old_bytes`.
+        new_bytes: usize,
+        /// Pages held out.
+        held_out: usize,
+    },
+}
+
+/// Share of the bytes a new dictionary saves on the held-out pages, in percent.
+fn saved_percent(old: usize, new: usize) -> f64 {
+    if old == 0 {
+        return 0.0;
+    }
+    (old as f64 - new as f64) * 100.0 / old as f64
+}
+
 const WAITING: u8 = 0;
 const TRAINING: u8 = 1;
 const FINISHED: u8 = 2;
 
-/// Automatic training: configured at build, succeeds at most once, and is
-/// tried at most [`TRAINING_TRIES`] times.
+/// Automatic training: configured at build; the first dictionary is tried
+/// at most [`TRAINING_TRIES`] times, then new ones as the pool grows, up to
+/// [`DictTraining::max_dictionaries`].
 pub(super) struct AutoDictionary {
     base: CodecConfig,
     cfg: DictTraining,
     state: AtomicU8,
     /// The pool's compressed bytes at which the next try starts.
     next_bytes: AtomicU64,
-    /// Tries that failed.
+    /// Tries of the first dictionary that failed.
     failures: AtomicU32,
+    /// Dictionaries registered so far.
+    dictionaries: AtomicU32,
+    /// Codec id of the newest one (meaningful once `dictionaries` > 0).
+    codec_id: AtomicU8,
     /// What happened, for stats: "waiting", "training", the result or the error.
     status: Mutex<String>,
 }
@@ -97,6 +157,8 @@ impl AutoDictionary {
             cfg,
             state: AtomicU8::new(WAITING),
             failures: AtomicU32::new(0),
+            dictionaries: AtomicU32::new(0),
+            codec_id: AtomicU8::new(0),
             status: Mutex::new(Rank::DictionaryStatus, "waiting".into()),
         }
     }
@@ -119,6 +181,61 @@ impl AutoDictionary {
 
     fn set_status(&self, s: String) {
         *self.status.lock() = s;
+    }
+
+    /// After dictionary `codec_id` went into use (or a new one was tried)
+    /// with `now` compressed bytes in the pool: the note on what comes
+    /// next for the status, and the state to go to.
+    fn next_try(&self, now: u64) -> (String, u8) {
+        let most = self.cfg.max_dictionaries;
+        if self.dictionaries.load(Ordering::Relaxed) >= most {
+            let s = if most == 1 { "y" } else { "ies" };
+            return (format!("; no more tries ({most} dictionar{s})"), FINISHED);
+        }
+        let next = now.max(self.cfg.after_bytes).saturating_mul(RETRAIN_GROWTH);
+        self.next_bytes.store(next, Ordering::Relaxed);
+        (format!("; a new one is tried at {} KiB in the pool", next.div_ceil(1024)), WAITING)
+    }
+
+    /// One background try: the first dictionary, or a new one once the pool
+    /// has one. Returns the status and the state to go to.
+    fn run(&self, shared: &Shared) -> (String, u8) {
+        let now = shared.alloc.total_bytes();
+        let had = self.dictionaries.load(Ordering::Relaxed);
+        if had == 0 {
+            return match shared.train_dictionary(&self.base, &self.cfg) {
+                Ok(t) => {
+                    self.codec_id.store(t.codec_id, Ordering::Relaxed);
+                    self.dictionaries.store(1, Ordering::Relaxed);
+                    let (next, state) = self.next_try(now);
+                    (format!("trained: {} bytes from {} pages{next}", t.bytes, t.sample_pages), state)
+                }
+                Err(e) => self.failed(&e, now),
+            };
+        }
+        let mine = self.codec_id.load(Ordering::Relaxed);
+        if shared.current_codec.load(Ordering::Relaxed) != mine {
+            return ("trained; the codec was set by hand since: no more tries".into(), FINISHED);
+        }
+        let at = format!("at {} KiB in the pool", now.div_ceil(1024));
+        let line = match shared.retrain_dictionary(&self.base, &self.cfg, mine) {
+            Ok(Retraining::Switched { codec_id, old_bytes, new_bytes, held_out }) => {
+                self.codec_id.store(codec_id, Ordering::Relaxed);
+                self.dictionaries.store(had + 1, Ordering::Relaxed);
+                format!(
+                    "retrained {at}: dictionary {} saves {:.1}% on {held_out} held-out pages",
+                    had + 1,
+                    saved_percent(old_bytes, new_bytes)
+                )
+            }
+            Ok(Retraining::Kept { old_bytes, new_bytes, held_out }) => format!(
+                "trained; kept dictionary {had}: a new one {at} saved {:.1}% on {held_out} held-out pages",
+                saved_percent(old_bytes, new_bytes)
+            ),
+            Err(e) => format!("trained; kept dictionary {had}: a new one {at} failed: {e}"),
+        };
+        let (next, state) = self.next_try(now);
+        (line + &next, state)
     }
 }
 
@@ -166,13 +283,49 @@ impl Shared {
     /// Trains a dictionary on an even sample of the pools' pages; returns it
     /// and how many pages it was trained on.
     pub(super) fn sample_and_train(&self, cfg: &DictTraining) -> Result<(Arc<[u8]>, usize), StoreError> {
-        let objects = usize::try_from(self.alloc.stats().objects).unwrap_or(usize::MAX);
-        let every = (objects / cfg.sample_pages.max(1)).max(1);
-        let mut sample = Vec::with_capacity(cfg.sample_pages.min(objects));
-        for p in self.pools_snapshot() {
-            p.sample_pages(every, cfg.sample_pages, &mut sample);
-        }
+        let sample = self.sample(cfg.sample_pages);
         Ok((train_dictionary(sample.iter(), cfg.dict_bytes)?, sample.len()))
+    }
+
+    /// An even sample of at most `max` of the pools' pages (decoded).
+    fn sample(&self, max: usize) -> Vec<[u8; PAGE_SIZE]> {
+        let objects = usize::try_from(self.alloc.stats().objects).unwrap_or(usize::MAX);
+        let every = (objects / max.max(1)).max(1);
+        let mut sample = Vec::with_capacity(max.min(objects));
+        for p in self.pools_snapshot() {
+            p.sample_pages(every, max, &mut sample);
+        }
+        sample
+    }
+
+    /// Trains a new dictionary for `base` on every other page of an even
+    /// sample of the pools, compresses the other pages with it and with
+    /// codec `current`, and makes the new one current if it saves at least
+    /// a thirty-second of those bytes (see the module notes).
+    pub(super) fn retrain_dictionary(
+        &self,
+        base: &CodecConfig,
+        cfg: &DictTraining,
+        current: u8,
+    ) -> Result<Retraining, StoreError> {
+        let sample = self.sample(cfg.sample_pages);
+        let (train, held): (Vec<_>, Vec<_>) = sample.iter().enumerate().partition(|(i, _)| i % 2 == 0);
+        let dict = train_dictionary(train.iter().map(|(_, p)| *p), cfg.dict_bytes)?;
+        let candidate = base.with_dictionary(dict);
+        let new_codec = candidate.build()?;
+        let old_codec = Arc::clone(self.codec(current)?);
+        let mut buf = Box::new([0u8; crate::codec::COMPRESS_BUF_SIZE]);
+        let mut size = |c: &dyn crate::codec::Codec| -> usize {
+            held.iter().map(|(_, p)| c.compress(p, &mut buf).map_or(PAGE_SIZE, |n| n.min(PAGE_SIZE))).sum()
+        };
+        let (old_bytes, new_bytes) = (size(&*old_codec), size(&*new_codec));
+        let held_out = held.len();
+        if held_out == 0 || new_bytes * 32 > old_bytes * 31 {
+            return Ok(Retraining::Kept { old_bytes, new_bytes, held_out });
+        }
+        let codec_id = self.register_codec(&candidate)?;
+        self.set_codec(codec_id)?;
+        Ok(Retraining::Switched { codec_id, old_bytes, new_bytes, held_out })
     }
 
     /// Starts automatic training in the background once the pool is big
@@ -188,14 +341,13 @@ impl Shared {
         if auto.state.compare_exchange(WAITING, TRAINING, Ordering::AcqRel, Ordering::Relaxed).is_err() {
             return;
         }
-        auto.set_status("training".into());
+        if auto.dictionaries.load(Ordering::Relaxed) == 0 {
+            auto.set_status("training".into());
+        }
         let shared = Arc::clone(self);
         let spawned = std::thread::Builder::new().name("tmem-dictionary".into()).spawn(move || {
             let Some(auto) = &shared.auto_dictionary else { return };
-            let (status, state) = match shared.train_dictionary(&auto.base, &auto.cfg) {
-                Ok(t) => (format!("trained: {} bytes from {} pages", t.bytes, t.sample_pages), FINISHED),
-                Err(e) => auto.failed(&e, shared.alloc.total_bytes()),
-            };
+            let (status, state) = auto.run(&shared);
             auto.set_status(status);
             auto.state.store(state, Ordering::Release);
         });
@@ -263,7 +415,7 @@ mod tests {
 
     /// A store that trains after 64 KiB and keeps incompressible pages raw.
     fn store_training_early() -> Store {
-        let training = DictTraining { after_bytes: 64 << 10, sample_pages: 256, dict_bytes: 8192 };
+        let training = store_cfg();
         let policy = crate::PolicyConfig { incompressible: crate::Incompressible::StoreRaw, ..Default::default() };
         StoreConfig { dictionary: Some(training), policy, ..Default::default() }.build().unwrap()
     }
@@ -304,7 +456,8 @@ mod tests {
 
     #[test]
     fn automatic_training_switches_codec_and_keeps_every_page() {
-        let training = DictTraining { after_bytes: 256 << 10, sample_pages: 256, dict_bytes: 8192 };
+        let training =
+            DictTraining { after_bytes: 256 << 10, sample_pages: 256, dict_bytes: 8192, max_dictionaries: 1 };
         let store = StoreConfig { dictionary: Some(training), ..Default::default() }.build().unwrap();
         let pool = store.create_pool(PoolConfig::persistent());
         assert_eq!(store.stats().dictionary.as_deref(), Some("waiting"));
@@ -368,6 +521,86 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(store.stats().dictionary.unwrap(), status, "no fourth try");
         assert_eq!(store.codec_name(), "lz4");
+    }
+
+    /// Log lines: nothing in common with [`record_page`]'s vocabulary.
+    fn log_page(seed: u64) -> [u8; PAGE_SIZE] {
+        let mut text = String::new();
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ 0x5eed);
+        while text.len() < PAGE_SIZE {
+            let x = rng.next_u64();
+            text.push_str(&format!(
+                "Nov 26 12:{:02}:{:02} worker[{}]: GET /api/v2/orders?page={} status=200 took={}ms cache=miss\n",
+                x % 60,
+                (x >> 8) % 60,
+                x % 977,
+                (x >> 16) % 5000,
+                (x >> 32) % 900
+            ));
+        }
+        let mut p = [0u8; PAGE_SIZE];
+        p.copy_from_slice(&text.as_bytes()[..PAGE_SIZE]);
+        p
+    }
+
+    #[test]
+    fn a_new_dictionary_is_trained_as_the_pool_grows_into_other_pages() {
+        let store = store_training_early();
+        let pool = store.create_pool(PoolConfig::persistent());
+        let (status, i) = put_until(&store, &pool, 0, record_page, |s| s.starts_with("trained"));
+        assert!(status.contains("a new one is tried at"), "{status}");
+        let first = store.codec_name();
+        // The pool grows into pages of another program: at four times its
+        // size, a new dictionary trained on the whole pool replaces the first.
+        let (status, j) = put_until(&store, &pool, 100_000, log_page, |s| s.starts_with("retrained"));
+        assert!(status.contains("dictionary 2 saves") && status.contains("a new one is tried at"), "{status}");
+        let saved: f64 = status.split(" saves ").nth(1).and_then(|t| t.split('%').next()).unwrap().parse().unwrap();
+        assert!(saved >= 3.1, "{status}");
+        assert_eq!(store.codec_name(), first, "the same codec, with another dictionary");
+        assert_eq!(*store.shared.codec_count.lock(), 4, "raw, lz4 and both dictionaries stay registered");
+        let mut out = [0u8; PAGE_SIZE];
+        for k in (0..i).chain(100_000..j) {
+            assert_eq!(pool.get(key(k), &mut out).unwrap(), crate::GetOutcome::Hit);
+            assert_eq!(out, if k < i { record_page(k) } else { log_page(k) }, "page {k}");
+        }
+    }
+
+    #[test]
+    fn a_new_dictionary_that_saves_little_is_not_used_and_a_codec_set_by_hand_ends_training() {
+        let store = store_training_early();
+        let pool = store.create_pool(PoolConfig::persistent());
+        let (_, i) = put_until(&store, &pool, 0, record_page, |s| s.starts_with("trained"));
+        // A try on the same pool trains on the same pages: the second of two
+        // in a row finds a dictionary no better than the current one.
+        let id = || store.shared.current_codec.load(Ordering::Relaxed);
+        store.shared.retrain_dictionary(&CodecConfig::LZ4, &store_cfg(), id()).unwrap();
+        let before = id();
+        let r = store.shared.retrain_dictionary(&CodecConfig::LZ4, &store_cfg(), before).unwrap();
+        assert!(
+            matches!(r, Retraining::Kept { old_bytes, new_bytes, held_out } if held_out > 0 && new_bytes * 32 > old_bytes * 31),
+            "{r:?}"
+        );
+        assert_eq!(id(), before, "nothing changed");
+        // A codec set by hand since: the next automatic try ends training.
+        let lz4 = store.register_codec(&CodecConfig::LZ4).unwrap();
+        store.set_codec(lz4).unwrap();
+        let (status, _) = put_until(&store, &pool, i, record_page, |s| s.contains("by hand"));
+        assert_eq!(status, "trained; the codec was set by hand since: no more tries");
+        assert_eq!(store.codec_name(), "lz4");
+    }
+
+    fn store_cfg() -> DictTraining {
+        DictTraining { after_bytes: 64 << 10, sample_pages: 256, dict_bytes: 8192, max_dictionaries: MAX_DICTIONARIES }
+    }
+
+    #[test]
+    fn tries_stop_after_the_last_dictionary() {
+        let auto = AutoDictionary::new(CodecConfig::LZ4, store_cfg());
+        auto.dictionaries.store(1, Ordering::Relaxed);
+        assert_eq!(auto.next_try(1 << 20), ("; a new one is tried at 4096 KiB in the pool".into(), WAITING));
+        assert_eq!(auto.next_bytes.load(Ordering::Relaxed), RETRAIN_GROWTH << 20);
+        auto.dictionaries.store(MAX_DICTIONARIES, Ordering::Relaxed);
+        assert_eq!(auto.next_try(8 << 20).1, FINISHED);
     }
 
     #[test]
