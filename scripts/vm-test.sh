@@ -29,6 +29,9 @@
 #        VM_KERNELS=trixie scripts/vm-test.sh   (one of them)
 #        VM_TIMEOUT=900                   (seconds per kernel)
 #        VM_PARALLEL=0                    (one kernel after the other)
+#        VM_BENCH=scripts/vm/bench-fronts.sh VM_KERNELS=trixie VM_TIMEOUT=3600 scripts/vm-test.sh
+#                                         (a measurement in the guest instead of the checks;
+#                                          VM_FILES=... copied to /data, VM_MEMORY=MiB)
 set -eEuo pipefail
 shopt -s inherit_errexit
 trap 'echo "vm-test: failed (line $LINENO, exit $?): $BASH_COMMAND" >&2' ERR
@@ -40,6 +43,12 @@ WORK=target/vm-test
 TIMEOUT=${VM_TIMEOUT:-900}
 KERNELS=${VM_KERNELS:-bookworm trixie}
 PARALLEL=${VM_PARALLEL:-1}
+# A measurement instead of the checks: this script runs in the guest after
+# the probe (sourced, with the guest's modprobe), its output printed as
+# "VM-TEST: bench:" lines; VM_FILES are copied to /data in the guest.
+BENCH=${VM_BENCH:-}
+FILES=${VM_FILES:-}
+MEMORY=${VM_MEMORY:-1024}
 mkdir -p "$WORK"
 # Files of an older layout of this directory.
 rm -rf "$WORK"/linux-image-* "$WORK/initramfs" "$WORK/initrd.gz" "$WORK/console.log"
@@ -212,6 +221,12 @@ for so in "$root$pylib"/lib-dynload/*.so; do
     put $(libs_of "$so")
 done
 echo "root:x:0:0:root:/:/bin/sh" > "$root/etc/passwd"
+if [ -n "$BENCH" ]; then
+    cp "$BENCH" "$root/bench.sh"
+    mkdir -p "$root/data"
+    # shellcheck disable=SC2086
+    [ -z "$FILES" ] || cp $FILES "$root/data/"
+fi
 (cd "$root" && find . | cpio -o -H newc --quiet | gzip -1) > "$WORK/common.cpio.gz"
 rm -rf "$root"
 
@@ -271,7 +286,7 @@ start_vm() {
     # measured here with both guests at once, single took 265 and 284 CPU
     # seconds, MTTCG 384 and 383, and a 6.12 guest double-faulted once in
     # kmem_cache_alloc under MTTCG.
-    timeout "$TIMEOUT" qemu-system-x86_64 -accel tcg,thread=single -m 1024 -smp 2 -nographic -no-reboot \
+    timeout "$TIMEOUT" qemu-system-x86_64 -accel tcg,thread=single -m "$MEMORY" -smp 2 -nographic -no-reboot \
         -kernel "$vmlinuz" -initrd "$WORK/initrd-$suite.gz" \
         -append "console=ttyS0 cgroup_no_v1=all panic=-1 loglevel=3 tmem_vm_probe=$probe" \
         </dev/null >"$WORK/console-$suite.log" 2>&1 &

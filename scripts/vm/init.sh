@@ -100,6 +100,17 @@ fi
 
 lap "boot and probe"
 
+# A measurement instead of the checks (VM_BENCH of scripts/vm-test.sh).
+if [ -e /bench.sh ]; then
+    (. /bench.sh) > /tmp/bench.out 2>&1
+    rc=$?
+    sed 's/^/VM-TEST: bench: /' /tmp/bench.out
+    [ "$rc" = 0 ] || fail "the bench script exited with $rc"
+    lap "bench"
+    say "PASS"
+    poweroff -f
+fi
+
 for m in nbd fuse loop; do modprobe "$m" || fail "modprobe $m"; done
 
 # A 150 MiB job in a group limited to 64 MiB: it must swap, and finish intact.

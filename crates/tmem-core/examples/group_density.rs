@@ -2,6 +2,12 @@
 //! `cargo run --release -p tmem-core --example group_density [-- FILE.tcorp ...]`
 //! (the built-in corpora when no file is given).
 //!
+//! With `--dict DICT --each PAGES` first, the first PAGES pages of each file
+//! are measured together, in order, with that dictionary (zstd's format):
+//! the pages and dictionary `tmem corpus export` wrote for zram's
+//! `algorithm_params dict=`, so that both stores hold the same pages with
+//! the same dictionary.
+//!
 //! Each corpus is stored at adjacent indexes of one object (as a swap
 //! device's pages are) in a store whose codec is zstd-9 with a 64 KiB
 //! dictionary trained on every 16th page of the corpus's first half, and
@@ -66,8 +72,53 @@ fn row(name: &str, what: &str, pages: usize, s: &tmem_core::Stats) {
     );
 }
 
+/// The per-page and grouped rows of `pages`, with dictionary `dict` and
+/// without, under `name`.
+fn measure(name: &str, all: &[&[u8; PAGE_SIZE]], dict: &Arc<[u8]>) {
+    let zstd9 = CodecConfig::Zstd { level: 9, dictionary: None };
+    let (single, grouped, took) = run(all, zstd9.with_dictionary(Arc::clone(dict)), true);
+    row(name, "zstd-9+dict per page", all.len(), &single);
+    row(name, "zstd-9+dict 16-page groups", all.len(), &grouped);
+    let mib = (all.len() * PAGE_SIZE) as f64 / f64::from(1 << 20);
+    println!(
+        "{name:>8} with dictionary: grouped/single objects {:.3}x, spans {:.3}x, mem_used_total {:.3}x; \
+         grouping pass {took:.2?} CPU ({:.1} MiB/s of pages); ratio per page {:.3}, grouped {:.3}",
+        single.total.compr_data_size as f64 / grouped.total.compr_data_size as f64,
+        single.alloc.span_bytes as f64 / grouped.alloc.span_bytes as f64,
+        single.mem_used_total as f64 / grouped.mem_used_total as f64,
+        mib / took.as_secs_f64(),
+        (all.len() * PAGE_SIZE) as f64 / single.mem_used_total as f64,
+        (all.len() * PAGE_SIZE) as f64 / grouped.mem_used_total as f64,
+    );
+    let (single, grouped, took) = run(all, zstd9, false);
+    row(name, "zstd-9 per page", all.len(), &single);
+    row(name, "zstd-9 16-page groups", all.len(), &grouped);
+    println!(
+        "{name:>8} without: grouped/single objects {:.3}x, spans {:.3}x, mem_used_total {:.3}x; \
+         grouping pass {took:.2?} CPU ({:.1} MiB/s of pages); ratio per page {:.3}, grouped {:.3}",
+        single.total.compr_data_size as f64 / grouped.total.compr_data_size as f64,
+        single.alloc.span_bytes as f64 / grouped.alloc.span_bytes as f64,
+        single.mem_used_total as f64 / grouped.mem_used_total as f64,
+        mib / took.as_secs_f64(),
+        (all.len() * PAGE_SIZE) as f64 / single.mem_used_total as f64,
+        (all.len() * PAGE_SIZE) as f64 / grouped.mem_used_total as f64,
+    );
+}
+
 fn main() {
-    let files: Vec<String> = std::env::args().skip(1).collect();
+    let mut files: Vec<String> = std::env::args().skip(1).collect();
+    if files.first().is_some_and(|a| a == "--dict") {
+        assert!(files.len() >= 5 && files[2] == "--each", "--dict DICT --each PAGES FILE.tcorp ...");
+        let dict: Arc<[u8]> = std::fs::read(&files[1]).expect("read the dictionary").into();
+        let each: usize = files[3].parse().expect("--each: a number of pages");
+        let corpora: Vec<tmem_corpus::Corpus> = files
+            .drain(4..)
+            .map(|f| tmem_corpus::Corpus::read(std::path::Path::new(&f)).expect("read corpus"))
+            .collect();
+        let all: Vec<&[u8; PAGE_SIZE]> = corpora.iter().flat_map(|c| c.pages().take(each)).collect();
+        measure("all", &all, &dict);
+        return;
+    }
     let corpora: Vec<tmem_corpus::Corpus> = if files.is_empty() {
         tmem_corpus::Corpus::builtin()
     } else {
@@ -79,30 +130,6 @@ fn main() {
         let dict = train_dictionary(all[..half].iter().step_by(16).copied(), 64 << 10)
             .or_else(|_| train_dictionary(all.iter().copied(), 64 << 10))
             .expect("train a dictionary");
-        let name = &c.meta.program;
-        let zstd9 = CodecConfig::Zstd { level: 9, dictionary: None };
-        let (single, grouped, took) = run(&all, zstd9.with_dictionary(Arc::clone(&dict)), true);
-        row(name, "zstd-9+dict per page", all.len(), &single);
-        row(name, "zstd-9+dict 16-page groups", all.len(), &grouped);
-        let mib = (all.len() * PAGE_SIZE) as f64 / f64::from(1 << 20);
-        println!(
-            "{name:>8} with dictionary: grouped/single objects {:.3}x, spans {:.3}x, mem_used_total {:.3}x; \
-             grouping pass {took:.2?} CPU ({:.1} MiB/s of pages)",
-            single.total.compr_data_size as f64 / grouped.total.compr_data_size as f64,
-            single.alloc.span_bytes as f64 / grouped.alloc.span_bytes as f64,
-            single.mem_used_total as f64 / grouped.mem_used_total as f64,
-            mib / took.as_secs_f64(),
-        );
-        let (single, grouped, took) = run(&all, zstd9, false);
-        row(name, "zstd-9 per page", all.len(), &single);
-        row(name, "zstd-9 16-page groups", all.len(), &grouped);
-        println!(
-            "{name:>8} without: grouped/single objects {:.3}x, spans {:.3}x, mem_used_total {:.3}x; \
-             grouping pass {took:.2?} CPU ({:.1} MiB/s of pages)",
-            single.total.compr_data_size as f64 / grouped.total.compr_data_size as f64,
-            single.alloc.span_bytes as f64 / grouped.alloc.span_bytes as f64,
-            single.mem_used_total as f64 / grouped.mem_used_total as f64,
-            mib / took.as_secs_f64(),
-        );
+        measure(&c.meta.program, &all, &dict);
     }
 }

@@ -1,5 +1,6 @@
 //! `tmem`: userspace transcendent memory — command-line interface.
 
+mod corpuscmd;
 mod swapcmd;
 
 use std::process::ExitCode;
@@ -137,6 +138,9 @@ enum CorpusCommand {
         #[arg(required = true)]
         files: Vec<std::path::PathBuf>,
     },
+    /// Writes corpus pages out raw (one after the other), for a zram device
+    /// or another tool, and optionally a zstd dictionary trained on them.
+    Export(corpuscmd::ExportArgs),
 }
 
 fn main() -> ExitCode {
@@ -156,7 +160,8 @@ fn main() -> ExitCode {
         Command::Bench { what: BenchCommand::Ramp(args) } => tmem_bench::ramp::run(&args),
         Command::Bench { what: BenchCommand::Fault(args) } => tmem_bench::fault::run(&args),
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
-        Command::Corpus { what: CorpusCommand::Info { files } } => corpus_info(&files),
+        Command::Corpus { what: CorpusCommand::Info { files } } => corpuscmd::info(&files),
+        Command::Corpus { what: CorpusCommand::Export(a) } => corpuscmd::export(&a),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),
         Command::Swap { what: SwapCommand::Down(a) } => swapcmd::down(&a, "swap"),
         Command::Swap { what: SwapCommand::Restart(a) } => swapcmd::restart(&a),
@@ -178,13 +183,4 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn corpus_info(files: &[std::path::PathBuf]) -> anyhow::Result<()> {
-    for f in files {
-        let c = tmem_corpus::Corpus::read(f)?;
-        let meta = serde_json::to_string(&c.meta)?;
-        println!("{}: {} pages ({:.1} MiB) {meta}", f.display(), c.page_count(), c.data().len() as f64 / 1048576.0);
-    }
-    Ok(())
 }
