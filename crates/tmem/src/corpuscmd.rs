@@ -62,7 +62,7 @@ pub fn export(a: &ExportArgs) -> anyhow::Result<()> {
     out.flush().with_context(|| a.out.display().to_string())?;
     println!("{}: {} pages ({} MiB)", a.out.display(), pages.len(), (pages.len() * PAGE_SIZE) >> 20);
     if let Some(path) = &a.dictionary {
-        let every = (pages.len() / a.sample_pages.max(1)).max(1);
+        let every = pages.len().div_ceil(a.sample_pages.max(1));
         let sample: Vec<&[u8; PAGE_SIZE]> = pages.iter().step_by(every).copied().collect();
         let size = usize::try_from(a.dict_size).map_err(|_| anyhow!("--dict-size {} is too large", a.dict_size))?;
         let dict = tmem_core::codec::train_dictionary(sample.iter().copied(), size)?;
