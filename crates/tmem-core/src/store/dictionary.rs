@@ -24,12 +24,16 @@
 //! ([`next_training_bytes`]); background recompression retries the same way.
 //!
 //! The first 8 MiB may be one program's pages, and a pool grows to hold
-//! others. So once the pool holds [`RETRAIN_GROWTH`] times what it held at
-//! the last training, a new dictionary is trained on an even sample of the
-//! whole pool (every other sampled page; the rest are held out) and both
-//! compress the held-out pages: the new one replaces the current one for
-//! new puts only if it saves at least a thirty-second of the bytes
-//! ([`Retraining`]). Pages keep the dictionary they were stored with, so
+//! others. So every [`DictTraining::after_bytes`] of growth the thread
+//! looks at the pages stored with the current dictionary since its last
+//! look: when they compress a sixteenth worse than those before them, or
+//! the pool holds [`RETRAIN_GROWTH`] times what it held at the last try, a
+//! new dictionary is trained on an even sample, half of the
+//! whole pool and half of the pages stored with the current dictionary
+//! (the newest: they say most of the pages to come), every other page of
+//! each; the rest of the newest are held out and both dictionaries
+//! compress them. The new one replaces the current one for new puts only
+//! if it saves at least a thirty-second of those bytes ([`Retraining`]). Pages keep the dictionary they were stored with, so
 //! the old ones stay registered; at most [`DictTraining::max_dictionaries`]
 //! are trained.
 //! A codec set by hand since (`tmem set`) ends it.
@@ -85,8 +89,9 @@ pub(super) fn next_training_bytes(now: u64, last: u64) -> u64 {
     now.max(last).saturating_mul(2).max(64 << 10)
 }
 
-/// After a dictionary is in use, the pool's compressed bytes at which a
-/// new one is tried: this many times what it held at the last try.
+/// Once a dictionary is in use, a new one is tried when the pool's
+/// compressed bytes reach this many times what it held at the last try (or
+/// sooner, when new pages compress worse: see [`AutoDictionary::due`]).
 pub const RETRAIN_GROWTH: u64 = 4;
 
 /// Dictionaries automatic training registers at most, the first included
@@ -145,6 +150,12 @@ pub(super) struct AutoDictionary {
     dictionaries: AtomicU32,
     /// Codec id of the newest one (meaningful once `dictionaries` > 0).
     codec_id: AtomicU8,
+    /// The pool's compressed bytes at the last try of a dictionary.
+    tried_bytes: AtomicU64,
+    /// Pages and bytes of the newest dictionary's codec at the last look.
+    seen_pages: AtomicU64,
+    /// See `seen_pages`.
+    seen_bytes: AtomicU64,
     /// What happened, for stats: "waiting", "training", the result or the error.
     status: Mutex<String>,
 }
@@ -159,6 +170,9 @@ impl AutoDictionary {
             failures: AtomicU32::new(0),
             dictionaries: AtomicU32::new(0),
             codec_id: AtomicU8::new(0),
+            tried_bytes: AtomicU64::new(0),
+            seen_pages: AtomicU64::new(0),
+            seen_bytes: AtomicU64::new(0),
             status: Mutex::new(Rank::DictionaryStatus, "waiting".into()),
         }
     }
@@ -183,45 +197,75 @@ impl AutoDictionary {
         *self.status.lock() = s;
     }
 
-    /// After dictionary `codec_id` went into use (or a new one was tried)
-    /// with `now` compressed bytes in the pool: the note on what comes
-    /// next for the status, and the state to go to.
-    fn next_try(&self, now: u64) -> (String, u8) {
+    /// After a try with `now` compressed bytes in the pool: the note on
+    /// what comes next for the status, and the state to go to. The next
+    /// look is [`DictTraining::after_bytes`] later.
+    fn next_look(&self, now: u64) -> (String, u8) {
         let most = self.cfg.max_dictionaries;
         if self.dictionaries.load(Ordering::Relaxed) >= most {
             let s = if most == 1 { "y" } else { "ies" };
             return (format!("; no more tries ({most} dictionar{s})"), FINISHED);
         }
-        let next = now.max(self.cfg.after_bytes).saturating_mul(RETRAIN_GROWTH);
-        self.next_bytes.store(next, Ordering::Relaxed);
-        (format!("; a new one is tried at {} KiB in the pool", next.div_ceil(1024)), WAITING)
+        self.next_bytes.store(now.saturating_add(self.cfg.after_bytes.max(64 << 10)), Ordering::Relaxed);
+        (String::new(), WAITING)
     }
 
-    /// One background try: the first dictionary, or a new one once the pool
-    /// has one. Returns the status and the state to go to.
-    fn run(&self, shared: &Shared) -> (String, u8) {
+    /// Why a new dictionary is due with `now` compressed bytes in the pool,
+    /// if it is: the pool has grown [`RETRAIN_GROWTH`] times since the last
+    /// try, or the pages stored with dictionary `mine` since the last look
+    /// compress a sixteenth worse than the ones before them. Keeps what it
+    /// saw for the next look.
+    fn due(&self, shared: &Shared, mine: u8, now: u64) -> Option<String> {
+        let (pages, bytes) = shared.pools_snapshot().iter().fold((0u64, 0u64), |(p, b), pool| {
+            let u = pool.codec_usage()[0];
+            (p + u.0[usize::from(mine)], b + u.1[usize::from(mine)])
+        });
+        let (p0, b0) = (self.seen_pages.swap(pages, Ordering::Relaxed), self.seen_bytes.swap(bytes, Ordering::Relaxed));
+        let ratio = |p: u64, b: u64| if b == 0 { 0.0 } else { (p * PAGE_SIZE as u64) as f64 / b as f64 };
+        let (before, recent) = (ratio(p0, b0), ratio(pages.saturating_sub(p0), bytes.saturating_sub(b0)));
+        if now >= self.tried_bytes.load(Ordering::Relaxed).saturating_mul(RETRAIN_GROWTH) {
+            return Some(format!("the pool grew {RETRAIN_GROWTH}x"));
+        }
+        // Enough new pages (256) against enough old ones to tell.
+        (p0 >= 256 && pages >= p0 + 256 && bytes > b0 && recent * 16.0 < before * 15.0)
+            .then(|| format!("new pages compress {recent:.2}x against {before:.2}x before"))
+    }
+
+    /// One background try: the first dictionary, or, once the pool has one,
+    /// a look at whether a new one is due and a try if it is. Returns the
+    /// status (None: unchanged) and the state to go to.
+    fn run(&self, shared: &Shared) -> (Option<String>, u8) {
         let now = shared.alloc.total_bytes();
         let had = self.dictionaries.load(Ordering::Relaxed);
         if had == 0 {
-            return match shared.train_dictionary(&self.base, &self.cfg) {
+            let (status, state) = match shared.train_dictionary(&self.base, &self.cfg) {
                 Ok(t) => {
                     self.codec_id.store(t.codec_id, Ordering::Relaxed);
                     self.dictionaries.store(1, Ordering::Relaxed);
-                    let (next, state) = self.next_try(now);
+                    self.tried_bytes.store(now, Ordering::Relaxed);
+                    let (next, state) = self.next_look(now);
                     (format!("trained: {} bytes from {} pages{next}", t.bytes, t.sample_pages), state)
                 }
                 Err(e) => self.failed(&e, now),
             };
+            return (Some(status), state);
         }
         let mine = self.codec_id.load(Ordering::Relaxed);
         if shared.current_codec.load(Ordering::Relaxed) != mine {
-            return ("trained; the codec was set by hand since: no more tries".into(), FINISHED);
+            return (Some("trained; the codec was set by hand since: no more tries".into()), FINISHED);
         }
-        let at = format!("at {} KiB in the pool", now.div_ceil(1024));
+        let Some(why) = self.due(shared, mine, now) else {
+            let (next, state) = self.next_look(now);
+            return ((!next.is_empty()).then(|| format!("trained{next}")), state);
+        };
+        self.tried_bytes.store(now, Ordering::Relaxed);
+        let at = format!("at {} KiB in the pool ({why})", now.div_ceil(1024));
         let line = match shared.retrain_dictionary(&self.base, &self.cfg, mine) {
             Ok(Retraining::Switched { codec_id, old_bytes, new_bytes, held_out }) => {
                 self.codec_id.store(codec_id, Ordering::Relaxed);
                 self.dictionaries.store(had + 1, Ordering::Relaxed);
+                self.seen_pages.store(0, Ordering::Relaxed);
+                self.seen_bytes.store(0, Ordering::Relaxed);
                 format!(
                     "retrained {at}: dictionary {} saves {:.1}% on {held_out} held-out pages",
                     had + 1,
@@ -234,15 +278,16 @@ impl AutoDictionary {
             ),
             Err(e) => format!("trained; kept dictionary {had}: a new one {at} failed: {e}"),
         };
-        let (next, state) = self.next_try(now);
-        (line + &next, state)
+        let (next, state) = self.next_look(now);
+        (Some(line + &next), state)
     }
 }
 
 impl Pool {
     /// Decodes every `every`-th page held in the pool (not same-filled, not
-    /// in a tier, not stored raw) into `out`, until `out` holds `max` pages.
-    fn sample_pages(&self, every: usize, max: usize, out: &mut Vec<[u8; PAGE_SIZE]>) {
+    /// in a tier, not stored raw; of codec `codec` only, if given) into
+    /// `out`, until `out` holds `max` pages.
+    fn sample_pages(&self, every: usize, max: usize, codec: Option<u8>, out: &mut Vec<[u8; PAGE_SIZE]>) {
         let mut seen = 0usize;
         let mut page = [0u8; PAGE_SIZE];
         for shard in self.shards.iter() {
@@ -253,7 +298,7 @@ impl Pool {
                 }
                 let e = s.entries.get(h);
                 let Some(loc) = e.alloc_loc() else { continue };
-                if e.has(super::F_INCOMPRESSIBLE) {
+                if e.has(super::F_INCOMPRESSIBLE) || codec.is_some_and(|c| e.codec() != c) {
                     continue;
                 }
                 seen += 1;
@@ -283,40 +328,48 @@ impl Shared {
     /// Trains a dictionary on an even sample of the pools' pages; returns it
     /// and how many pages it was trained on.
     pub(super) fn sample_and_train(&self, cfg: &DictTraining) -> Result<(Arc<[u8]>, usize), StoreError> {
-        let sample = self.sample(cfg.sample_pages);
+        let objects = usize::try_from(self.alloc.stats().objects).unwrap_or(usize::MAX);
+        let sample = self.sample(cfg.sample_pages, objects, None);
         Ok((train_dictionary(sample.iter(), cfg.dict_bytes)?, sample.len()))
     }
 
-    /// An even sample of at most `max` of the pools' pages (decoded).
-    fn sample(&self, max: usize) -> Vec<[u8; PAGE_SIZE]> {
-        let objects = usize::try_from(self.alloc.stats().objects).unwrap_or(usize::MAX);
-        let every = (objects / max.max(1)).max(1);
-        let mut sample = Vec::with_capacity(max.min(objects));
+    /// An even sample of at most `max` of the pools' `of` pages (decoded),
+    /// of codec `codec` only, if given.
+    fn sample(&self, max: usize, of: usize, codec: Option<u8>) -> Vec<[u8; PAGE_SIZE]> {
+        let every = (of / max.max(1)).max(1);
+        let mut sample = Vec::with_capacity(max.min(of));
         for p in self.pools_snapshot() {
-            p.sample_pages(every, max, &mut sample);
+            p.sample_pages(every, max, codec, &mut sample);
         }
         sample
     }
 
-    /// Trains a new dictionary for `base` on every other page of an even
-    /// sample of the pools, compresses the other pages with it and with
-    /// codec `current`, and makes the new one current if it saves at least
-    /// a thirty-second of those bytes (see the module notes).
+    /// Tries a new dictionary for `base` against codec `current` (see the
+    /// module notes): half of the sample is even over the whole pool, half
+    /// over the pages stored with `current`, the newest, which say most of
+    /// the pages to come. It trains on every other page of both halves, is
+    /// measured on the other pages of the newest, and becomes current if it
+    /// saves at least a thirty-second of their bytes.
     pub(super) fn retrain_dictionary(
         &self,
         base: &CodecConfig,
         cfg: &DictTraining,
         current: u8,
     ) -> Result<Retraining, StoreError> {
-        let sample = self.sample(cfg.sample_pages);
-        let (train, held): (Vec<_>, Vec<_>) = sample.iter().enumerate().partition(|(i, _)| i % 2 == 0);
-        let dict = train_dictionary(train.iter().map(|(_, p)| *p), cfg.dict_bytes)?;
+        let objects = usize::try_from(self.alloc.stats().objects).unwrap_or(usize::MAX);
+        let newest = self.pools_snapshot().iter().map(|p| p.codec_usage()[0].0[usize::from(current)]).sum::<u64>();
+        let half = cfg.sample_pages / 2;
+        let whole = self.sample(half, objects, None);
+        let recent = self.sample(half, usize::try_from(newest).unwrap_or(usize::MAX), Some(current));
+        let train = whole.iter().step_by(2).chain(recent.iter().step_by(2));
+        let held: Vec<&[u8; PAGE_SIZE]> = recent.iter().skip(1).step_by(2).collect();
+        let dict = train_dictionary(train, cfg.dict_bytes)?;
         let candidate = base.with_dictionary(dict);
         let new_codec = candidate.build()?;
         let old_codec = Arc::clone(self.codec(current)?);
         let mut buf = Box::new([0u8; crate::codec::COMPRESS_BUF_SIZE]);
         let mut size = |c: &dyn crate::codec::Codec| -> usize {
-            held.iter().map(|(_, p)| c.compress(p, &mut buf).map_or(PAGE_SIZE, |n| n.min(PAGE_SIZE))).sum()
+            held.iter().map(|p| c.compress(p, &mut buf).map_or(PAGE_SIZE, |n| n.min(PAGE_SIZE))).sum()
         };
         let (old_bytes, new_bytes) = (size(&*old_codec), size(&*new_codec));
         let held_out = held.len();
@@ -348,7 +401,9 @@ impl Shared {
         let spawned = std::thread::Builder::new().name("tmem-dictionary".into()).spawn(move || {
             let Some(auto) = &shared.auto_dictionary else { return };
             let (status, state) = auto.run(&shared);
-            auto.set_status(status);
+            if let Some(status) = status {
+                auto.set_status(status);
+            }
             auto.state.store(state, Ordering::Release);
         });
         if let Err(e) = spawned {
@@ -548,12 +603,12 @@ mod tests {
         let store = store_training_early();
         let pool = store.create_pool(PoolConfig::persistent());
         let (status, i) = put_until(&store, &pool, 0, record_page, |s| s.starts_with("trained"));
-        assert!(status.contains("a new one is tried at"), "{status}");
+        assert!(status.starts_with("trained: "), "{status}");
         let first = store.codec_name();
         // The pool grows into pages of another program: at four times its
         // size, a new dictionary trained on the whole pool replaces the first.
         let (status, j) = put_until(&store, &pool, 100_000, log_page, |s| s.starts_with("retrained"));
-        assert!(status.contains("dictionary 2 saves") && status.contains("a new one is tried at"), "{status}");
+        assert!(status.contains("dictionary 2 saves") && status.contains(" KiB in the pool ("), "{status}");
         let saved: f64 = status.split(" saves ").nth(1).and_then(|t| t.split('%').next()).unwrap().parse().unwrap();
         assert!(saved >= 3.1, "{status}");
         assert_eq!(store.codec_name(), first, "the same codec, with another dictionary");
@@ -571,13 +626,14 @@ mod tests {
         let pool = store.create_pool(PoolConfig::persistent());
         let (_, i) = put_until(&store, &pool, 0, record_page, |s| s.starts_with("trained"));
         // A try on the same pool trains on the same pages: the second of two
-        // in a row finds a dictionary no better than the current one.
+        // in a row finds a dictionary no better than the current one (or,
+        // when the first switched, no page of the new one to measure on).
         let id = || store.shared.current_codec.load(Ordering::Relaxed);
         store.shared.retrain_dictionary(&CodecConfig::LZ4, &store_cfg(), id()).unwrap();
         let before = id();
         let r = store.shared.retrain_dictionary(&CodecConfig::LZ4, &store_cfg(), before).unwrap();
         assert!(
-            matches!(r, Retraining::Kept { old_bytes, new_bytes, held_out } if held_out > 0 && new_bytes * 32 > old_bytes * 31),
+            matches!(r, Retraining::Kept { old_bytes, new_bytes, .. } if new_bytes * 32 > old_bytes * 31 || old_bytes == 0),
             "{r:?}"
         );
         assert_eq!(id(), before, "nothing changed");
@@ -597,10 +653,10 @@ mod tests {
     fn tries_stop_after_the_last_dictionary() {
         let auto = AutoDictionary::new(CodecConfig::LZ4, store_cfg());
         auto.dictionaries.store(1, Ordering::Relaxed);
-        assert_eq!(auto.next_try(1 << 20), ("; a new one is tried at 4096 KiB in the pool".into(), WAITING));
-        assert_eq!(auto.next_bytes.load(Ordering::Relaxed), RETRAIN_GROWTH << 20);
+        assert_eq!(auto.next_look(1 << 20), (String::new(), WAITING));
+        assert_eq!(auto.next_bytes.load(Ordering::Relaxed), (1 << 20) + (64 << 10), "the next look, after_bytes later");
         auto.dictionaries.store(MAX_DICTIONARIES, Ordering::Relaxed);
-        assert_eq!(auto.next_try(8 << 20).1, FINISHED);
+        assert_eq!(auto.next_look(8 << 20), ("; no more tries (4 dictionaries)".into(), FINISHED));
     }
 
     #[test]
