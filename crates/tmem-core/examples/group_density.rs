@@ -76,33 +76,23 @@ fn row(name: &str, what: &str, pages: usize, s: &tmem_core::Stats) {
 /// without, under `name`.
 fn measure(name: &str, all: &[&[u8; PAGE_SIZE]], dict: &Arc<[u8]>) {
     let zstd9 = CodecConfig::Zstd { level: 9, dictionary: None };
-    let (single, grouped, took) = run(all, zstd9.with_dictionary(Arc::clone(dict)), true);
-    row(name, "zstd-9+dict per page", all.len(), &single);
-    row(name, "zstd-9+dict 16-page groups", all.len(), &grouped);
-    let mib = (all.len() * PAGE_SIZE) as f64 / f64::from(1 << 20);
-    println!(
-        "{name:>8} with dictionary: grouped/single objects {:.3}x, spans {:.3}x, mem_used_total {:.3}x; \
-         grouping pass {took:.2?} CPU ({:.1} MiB/s of pages); ratio per page {:.3}, grouped {:.3}",
-        single.total.compr_data_size as f64 / grouped.total.compr_data_size as f64,
-        single.alloc.span_bytes as f64 / grouped.alloc.span_bytes as f64,
-        single.mem_used_total as f64 / grouped.mem_used_total as f64,
-        mib / took.as_secs_f64(),
-        (all.len() * PAGE_SIZE) as f64 / single.mem_used_total as f64,
-        (all.len() * PAGE_SIZE) as f64 / grouped.mem_used_total as f64,
-    );
-    let (single, grouped, took) = run(all, zstd9, false);
-    row(name, "zstd-9 per page", all.len(), &single);
-    row(name, "zstd-9 16-page groups", all.len(), &grouped);
-    println!(
-        "{name:>8} without: grouped/single objects {:.3}x, spans {:.3}x, mem_used_total {:.3}x; \
-         grouping pass {took:.2?} CPU ({:.1} MiB/s of pages); ratio per page {:.3}, grouped {:.3}",
-        single.total.compr_data_size as f64 / grouped.total.compr_data_size as f64,
-        single.alloc.span_bytes as f64 / grouped.alloc.span_bytes as f64,
-        single.mem_used_total as f64 / grouped.mem_used_total as f64,
-        mib / took.as_secs_f64(),
-        (all.len() * PAGE_SIZE) as f64 / single.mem_used_total as f64,
-        (all.len() * PAGE_SIZE) as f64 / grouped.mem_used_total as f64,
-    );
+    for (with, codec) in [("with dictionary", zstd9.with_dictionary(Arc::clone(dict))), ("without", zstd9.clone())] {
+        let label = codec.build().expect("codec").name().to_owned();
+        let (single, grouped, took) = run(all, codec, with != "without");
+        row(name, &format!("{label} per page"), all.len(), &single);
+        row(name, &format!("{label} 16-page groups"), all.len(), &grouped);
+        let bytes = (all.len() * PAGE_SIZE) as f64;
+        println!(
+            "{name:>8} {with}: grouped/single objects {:.3}x, spans {:.3}x, mem_used_total {:.3}x; \
+             grouping pass {took:.2?} CPU ({:.1} MiB/s of pages); ratio per page {:.3}, grouped {:.3}",
+            single.total.compr_data_size as f64 / grouped.total.compr_data_size as f64,
+            single.alloc.span_bytes as f64 / grouped.alloc.span_bytes as f64,
+            single.mem_used_total as f64 / grouped.mem_used_total as f64,
+            bytes / f64::from(1 << 20) / took.as_secs_f64(),
+            bytes / single.mem_used_total as f64,
+            bytes / grouped.mem_used_total as f64,
+        );
+    }
 }
 
 fn main() {

@@ -5,8 +5,7 @@
 //! into stores that do and do not group, and the density gained on the
 //! built-in corpora.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,7 +21,7 @@ use tmem_tier::seal::Sealer;
 use tmem_tier::MemTier;
 
 mod common;
-use common::{text_page as text, Page};
+use common::{fill_writers, key, race_op, race_pool, race_writers, read, text_page as text, Page, RaceOp};
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {
@@ -245,112 +244,26 @@ fn fixed_sequence_covers_rewrites_and_handover() {
     m.finish();
 }
 
-/// One writer's operation on its own keys.
-#[derive(Clone, Debug)]
-enum RaceOp {
-    Put(u8, u16),
-    Get(u8),
-    Flush(u8),
-}
-
-fn race_op() -> impl Strategy<Value = RaceOp> {
-    prop_oneof![
-        3 => (any::<u8>(), any::<u16>()).prop_map(|(k, s)| RaceOp::Put(k % 48, s)),
-        5 => any::<u8>().prop_map(|k| RaceOp::Get(k % 48)),
-        1 => any::<u8>().prop_map(|k| RaceOp::Flush(k % 48)),
-    ]
-}
-
-fn key(i: u64) -> Key {
-    Key::new(7, i)
-}
-
-fn read(pool: &Pool, i: u64) -> Option<Page> {
-    let mut out = [0u8; PAGE_SIZE];
-    (pool.get(key(i), &mut out).unwrap() == GetOutcome::Hit).then_some(out)
-}
-
 /// Writers (each on its own keys, checked against its own oracle) race
 /// grouping passes and compaction, and, with a tier, writeback.
 fn race(writers: Vec<Vec<RaceOp>>, with_tier: bool) {
     let mut cfg = config(false);
     cfg.policy.max_pool_bytes = if with_tier { 160 << 10 } else { 0 };
     let store = Arc::new(cfg.build().unwrap());
-    let pool = if with_tier {
-        let chain = TierChain::new(vec![Arc::new(MemTier::new(1 << 30))], Arc::new(Sealer::random().unwrap())).unwrap();
-        store.create_pool_with_tiers(PoolConfig::persistent().reject_keeps_old(true), chain)
-    } else {
-        store.create_pool(PoolConfig::persistent().reject_keeps_old(true))
-    };
-    let mut oracles: Vec<HashMap<u64, Page>> = vec![HashMap::new(); writers.len()];
-    for (w, oracle) in oracles.iter_mut().enumerate() {
-        for k in 1000 * w as u64..1000 * w as u64 + 48 {
-            if pool.put(key(k), &text(k)).unwrap() == PutOutcome::Stored {
-                oracle.insert(k, text(k));
-            }
-        }
-    }
+    let pool = race_pool(&store, with_tier);
+    let oracles = fill_writers(&pool, writers.len());
     let mut grouping = store.grouping().unwrap();
     grouping.group_now();
     assert!(store.stats().total.group_pages > 0, "{:?}", store.stats().total);
-    let done = AtomicBool::new(false);
     let _writeback = with_tier.then(|| store.start_writeback(Duration::from_millis(1)));
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let mut n = 0u32;
-            while !done.load(Ordering::Relaxed) {
-                if n.is_multiple_of(2) {
-                    grouping.group_now();
-                } else {
-                    grouping.pass();
-                }
-                n += 1;
-            }
-        });
-        s.spawn(|| {
-            while !done.load(Ordering::Relaxed) {
-                store.compact();
-                std::thread::yield_now();
-            }
-        });
-        let handles: Vec<_> = writers
-            .iter()
-            .zip(oracles)
-            .enumerate()
-            .map(|(w, (ops, mut oracle))| {
-                let pool = &pool;
-                s.spawn(move || {
-                    let base = 1000 * w as u64;
-                    for op in ops {
-                        match *op {
-                            RaceOp::Put(k, seed) => {
-                                let (k, p) = (base + u64::from(k), text(u64::from(seed)));
-                                if pool.put(key(k), &p).unwrap() == PutOutcome::Stored {
-                                    oracle.insert(k, p);
-                                }
-                            }
-                            RaceOp::Get(k) => {
-                                let k = base + u64::from(k);
-                                assert_eq!(read(pool, k), oracle.get(&k).copied(), "writer {w} key {k}");
-                            }
-                            RaceOp::Flush(k) => {
-                                let k = base + u64::from(k);
-                                assert_eq!(pool.flush_page(key(k)).unwrap(), oracle.remove(&k).is_some());
-                            }
-                        }
-                    }
-                    oracle
-                })
-            })
-            .collect();
-        let oracles: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        done.store(true, Ordering::Relaxed);
-        for (w, oracle) in oracles.iter().enumerate() {
-            for k in 0..48 {
-                let k = 1000 * w as u64 + k;
-                assert_eq!(read(&pool, k), oracle.get(&k).copied(), "writer {w} key {k} at the end");
-            }
+    let mut n = 0u32;
+    race_writers(&store, &pool, &writers, oracles, || {
+        if n.is_multiple_of(2) {
+            grouping.group_now();
+        } else {
+            grouping.pass();
         }
+        n += 1;
     });
     store.check_groups();
     let st = store.stats();
@@ -362,14 +275,14 @@ proptest! {
 
     #[test]
     fn grouping_racing_puts_gets_flushes_and_compaction_loses_nothing(
-        writers in prop::collection::vec(prop::collection::vec(race_op(), 200..600), 3)
+        writers in prop::collection::vec(prop::collection::vec(race_op(3, 5, 1), 200..600), 3)
     ) {
         race(writers, false);
     }
 
     #[test]
     fn grouping_racing_writeback_loses_nothing(
-        writers in prop::collection::vec(prop::collection::vec(race_op(), 200..600), 3)
+        writers in prop::collection::vec(prop::collection::vec(race_op(3, 5, 1), 200..600), 3)
     ) {
         race(writers, true);
     }

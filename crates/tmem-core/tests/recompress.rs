@@ -2,8 +2,6 @@
 //! stay, counters add up, and no page is lost or changed while puts, gets,
 //! flushes, compaction and writeback race the recompression passes.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,29 +9,14 @@ use proptest::prelude::*;
 use rand_xoshiro::rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use tmem_core::{
-    DictTraining, GetOutcome, Key, PolicyConfig, Pool, PoolConfig, PutOutcome, RecompressConfig, Store, StoreConfig,
-    TierChain, MAX_STRIDE, PAGE_SIZE,
+    DictTraining, PolicyConfig, PoolConfig, PutOutcome, RecompressConfig, Store, StoreConfig, MAX_STRIDE, PAGE_SIZE,
 };
-use tmem_tier::seal::Sealer;
-use tmem_tier::MemTier;
 
 mod common;
-use common::{text_page as page, Page};
-
-fn key(i: u64) -> Key {
-    Key::new(7, i)
-}
+use common::{fill_writers, key, race_op, race_pool, race_writers, read, text_page as page, RaceOp};
 
 fn zstd3() -> RecompressConfig {
     RecompressConfig::parse("zstd:3").unwrap()
-}
-
-fn read(pool: &Pool, i: u64) -> Option<Page> {
-    let mut out = [0u8; PAGE_SIZE];
-    match pool.get(key(i), &mut out).unwrap() {
-        GetOutcome::Hit => Some(out),
-        GetOutcome::Miss => None,
-    }
 }
 
 fn codec_pages(store: &Store, name: &str) -> u64 {
@@ -236,106 +219,23 @@ fn bad_recompression_codecs_are_refused() {
     assert!(RecompressConfig::parse("brotli").is_err());
 }
 
-/// One writer's operation on its own keys.
-#[derive(Clone, Debug)]
-enum Op {
-    Put(u8, u16),
-    Get(u8),
-    Flush(u8),
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        4 => (any::<u8>(), any::<u16>()).prop_map(|(k, s)| Op::Put(k % 48, s)),
-        4 => any::<u8>().prop_map(|k| Op::Get(k % 48)),
-        1 => any::<u8>().prop_map(|k| Op::Flush(k % 48)),
-    ]
-}
-
 /// Runs writers (each on its own keys, checked against its own oracle)
 /// while other threads recompress and compact, and, with a tier, write
 /// back; then checks every page.
-fn race(writers: Vec<Vec<Op>>, with_tier: bool) {
+fn race(writers: Vec<Vec<RaceOp>>, with_tier: bool) {
     let limit = if with_tier { 96 << 10 } else { 0 };
     let policy = PolicyConfig { max_pool_bytes: limit, ..Default::default() };
     let store = Arc::new(StoreConfig { policy, ..Default::default() }.build().unwrap());
-    let pool = if with_tier {
-        let chain = TierChain::new(vec![Arc::new(MemTier::new(1 << 30))], Arc::new(Sealer::random().unwrap())).unwrap();
-        store.create_pool_with_tiers(PoolConfig::persistent().reject_keeps_old(true), chain)
-    } else {
-        store.create_pool(PoolConfig::persistent().reject_keeps_old(true))
-    };
+    let pool = race_pool(&store, with_tier);
     // Every key starts with a page that two passes recompress, so the race
     // always has recompressed pages in it.
-    let mut oracles: Vec<HashMap<u64, Page>> = vec![HashMap::new(); writers.len()];
-    for (w, oracle) in oracles.iter_mut().enumerate() {
-        for k in 1000 * w as u64..1000 * w as u64 + 48 {
-            if pool.put(key(k), &page(k)).unwrap() == PutOutcome::Stored {
-                oracle.insert(k, page(k));
-            }
-        }
-    }
+    let oracles = fill_writers(&pool, writers.len());
     let mut rec = store.recompression(zstd3()).unwrap();
     rec.pass();
     rec.pass();
     assert!(store.stats().total.recompressed_pages > 0, "{:?}", store.stats().total);
-    let done = Arc::new(AtomicBool::new(false));
     let _writeback = with_tier.then(|| store.start_writeback(Duration::from_millis(1)));
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            while !done.load(Ordering::Relaxed) {
-                rec.pass();
-            }
-        });
-        s.spawn(|| {
-            while !done.load(Ordering::Relaxed) {
-                store.compact();
-                std::thread::yield_now();
-            }
-        });
-        let handles: Vec<_> = writers
-            .iter()
-            .zip(oracles)
-            .enumerate()
-            .map(|(w, (ops, mut oracle))| {
-                let pool = &pool;
-                s.spawn(move || {
-                    let base = 1000 * w as u64;
-                    for op in ops {
-                        match *op {
-                            Op::Put(k, seed) => {
-                                let (k, p) = (base + u64::from(k), page(u64::from(seed)));
-                                match pool.put(key(k), &p).unwrap() {
-                                    PutOutcome::Stored => {
-                                        oracle.insert(k, p);
-                                    }
-                                    // The older copy stays (reject_keeps_old).
-                                    PutOutcome::Rejected(_) => {}
-                                }
-                            }
-                            Op::Get(k) => {
-                                let k = base + u64::from(k);
-                                assert_eq!(read(pool, k), oracle.get(&k).copied(), "writer {w} key {k}");
-                            }
-                            Op::Flush(k) => {
-                                let k = base + u64::from(k);
-                                assert_eq!(pool.flush_page(key(k)).unwrap(), oracle.remove(&k).is_some());
-                            }
-                        }
-                    }
-                    oracle
-                })
-            })
-            .collect();
-        let oracles: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        done.store(true, Ordering::Relaxed);
-        for (w, oracle) in oracles.iter().enumerate() {
-            for k in 0..48 {
-                let k = 1000 * w as u64 + k;
-                assert_eq!(read(&pool, k), oracle.get(&k).copied(), "writer {w} key {k} at the end");
-            }
-        }
-    });
+    race_writers(&store, &pool, &writers, oracles, || rec.pass());
     let st = store.stats();
     assert_eq!(st.total.decompress_fail + st.total.tier_get_fail, 0);
 }
@@ -345,14 +245,14 @@ proptest! {
 
     #[test]
     fn recompression_racing_puts_gets_flushes_and_compaction_loses_nothing(
-        writers in prop::collection::vec(prop::collection::vec(op(), 200..600), 3)
+        writers in prop::collection::vec(prop::collection::vec(race_op(4, 4, 1), 200..600), 3)
     ) {
         race(writers, false);
     }
 
     #[test]
     fn recompression_racing_writeback_loses_nothing(
-        writers in prop::collection::vec(prop::collection::vec(op(), 200..600), 3)
+        writers in prop::collection::vec(prop::collection::vec(race_op(4, 4, 1), 200..600), 3)
     ) {
         race(writers, true);
     }
