@@ -695,11 +695,11 @@ impl Daemon {
     /// Empties device `i`'s idle swap area (crate::stale, "Recycle"):
     /// swapoff, which reads the slots still in use back into memory (every
     /// other page then belongs to a freed slot), mkswap, swapon without the
-    /// whole-area discard, then drops every page but the new header,
-    /// stopping at the first write the kernel sends (see
-    /// [`PoolDevice::drop_stale`]); the area is off only for the three
-    /// commands. Returns the log line and the sweep; `Ok(None)` when there was nothing to
-    /// do (the daemon is stopping, or the device is not a swap area now).
+    /// whole-area discard, then drops every page but the new header and
+    /// those the kernel writes meanwhile (see [`PoolDevice::drop_stale`]);
+    /// the area is off only for the three commands. Returns the log line
+    /// and the sweep; `Ok(None)` when there was nothing to do (the daemon
+    /// is stopping, or the device is not a swap area now).
     /// A failed swapoff leaves the area on; a failed mkswap or swapon
     /// leaves it off, and [`Daemon::swap_on_again`] retries at each tick.
     pub(crate) fn recycle_swap(&self, i: usize, used: u64) -> Result<Option<(String, StaleSweep)>, DaemonError> {
