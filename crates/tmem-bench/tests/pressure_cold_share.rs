@@ -37,17 +37,7 @@ fn missing() -> Option<(Feature, String)> {
     None
 }
 
-/// Entries named `tmem-bench-*` in `dir`.
-fn bench_entries(dir: &str) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("tmem-bench-"))
-                .collect()
-        })
-        .unwrap_or_default()
-}
+use tmem_testkit::bench_entries;
 
 #[test]
 fn a_cold_share_runs_on_zram_and_front_rows_without_writeback_are_skipped() {

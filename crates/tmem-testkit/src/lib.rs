@@ -162,6 +162,19 @@ pub fn remove_stale_cgroups(root: &std::path::Path, prefix: &str, runs: impl Fn(
     removed
 }
 
+/// Entries named `tmem-bench-*` in `dir` (what a bench leaves there), none
+/// when it cannot be read.
+pub fn bench_entries(dir: impl AsRef<std::path::Path>) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("tmem-bench-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

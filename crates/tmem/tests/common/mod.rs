@@ -58,17 +58,7 @@ fn bench_mounts() -> Vec<String> {
         .collect()
 }
 
-/// Entries named tmem-bench-* in `dir`.
-fn bench_entries(dir: impl AsRef<Path>) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("tmem-bench-"))
-                .collect()
-        })
-        .unwrap_or_default()
-}
+use tmem_testkit::bench_entries;
 
 /// Why a swap bench cannot run here, if it cannot.
 pub fn missing_feature() -> Option<(Feature, &'static str)> {
