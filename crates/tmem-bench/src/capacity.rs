@@ -214,6 +214,10 @@ impl Ctx<'_> {
             }
             if interrupted() || start.elapsed() > timeout {
                 timed_out = !interrupted();
+                if let Some(pid) = server.filter(|_| timed_out) {
+                    let stacks = crate::pressure::workload::kernel_stacks(pid);
+                    tracing::warn!("{label}: the job ran past --timeout; the swap server's threads:\n{stacks}");
+                }
                 crate::pressure::workload::kill_group(&mut child);
                 break None;
             }

@@ -282,7 +282,8 @@ impl Store {
         }
         let alloc = self.shared.alloc.stats();
         let mem = self.shared.total_bytes();
-        let metadata_bytes = mem - alloc.span_bytes;
+        // Two reads of counters that puts move meanwhile: either may be the larger.
+        let metadata_bytes = mem.saturating_sub(alloc.span_bytes);
         Stats {
             mem_used_total: mem,
             pool_total_size: mem,

@@ -28,6 +28,10 @@ pub const MAX_CLIENTS: usize = 16;
 /// How long a client may take to send its whole request, and to read its whole answer.
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The answer to a request whose handler panicked.
+pub const PANICKED: &str =
+    "internal error: the daemon panicked while handling this request (its log has the backtrace); it serves on";
+
 /// What answers requests.
 pub trait Handler: Send + Sync {
     /// Answers one request.
@@ -119,8 +123,11 @@ fn serve(listener: &UnixListener, handler: &Arc<dyn Handler>, clients: &Arc<Clie
         };
         let (h, c) = (Arc::clone(handler), Arc::clone(clients));
         let spawned = std::thread::Builder::new().name("tmem-ctl-client".into()).spawn(move || {
+            // The slot holds a handle on the socket, and the client sees the
+            // end of its answer only once every handle is closed: leave on
+            // every way out.
+            let _leave = scopeguard::guard((), |()| c.leave(id));
             serve_client(&stream, h.as_ref(), &c, id);
-            c.leave(id);
         });
         if spawned.is_err() {
             clients.leave(id);
@@ -134,7 +141,9 @@ fn serve_client(stream: &UnixStream, handler: &dyn Handler, clients: &Clients, i
             if !clients.set_handling(id, true) {
                 return;
             }
-            let resp = handler.handle(req.clone());
+            // A panic fails this request alone; the daemon serves on.
+            let resp = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.handle(req.clone())))
+                .unwrap_or_else(|_| Response::err(PANICKED));
             clients.set_handling(id, false);
             reply(stream, &resp, clients.timeout);
             handler.answered(&req);
@@ -184,6 +193,7 @@ mod tests {
 
     impl Handler for Counter {
         fn handle(&self, req: Request) -> Response {
+            assert!(!matches!(req, Request::Down), "down panics in these tests");
             self.entered.fetch_add(1, Ordering::AcqRel);
             while self.hold.load(Ordering::Acquire) {
                 std::thread::sleep(Duration::from_millis(5));
@@ -236,6 +246,23 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         assert_eq!(h.served.load(Ordering::Relaxed), 5);
         drop(silent);
+    }
+
+    /// Finding: a request whose handler panicked (a counter underflow in
+    /// `swap down`) was never answered, and its slot held a handle on the
+    /// socket, so `tmem swap down` waited its whole hour. Now the client
+    /// gets an error at once, and more panics than slots take none.
+    #[test]
+    fn a_panicking_request_is_answered_and_frees_its_slot() {
+        let (dir, h) = server();
+        for _ in 0..=MAX_CLIENTS {
+            let t = Instant::now();
+            let e = tmem_ctl::call_ok(dir.path(), &Request::Down, Duration::from_secs(10)).unwrap_err();
+            assert!(e.to_string().contains(PANICKED), "{e}");
+            assert!(t.elapsed() < Duration::from_secs(2), "answered after {:?}", t.elapsed());
+        }
+        tmem_ctl::call_ok(dir.path(), &Request::Stat, Duration::from_secs(2)).unwrap();
+        assert_eq!(h.served.load(Ordering::Relaxed), 1);
     }
 
     /// Finding: 16 clients that each sent a byte every 4 s (under the 5 s

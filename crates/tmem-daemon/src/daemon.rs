@@ -400,6 +400,18 @@ pub(crate) fn watch_signals(tx: mpsc::Sender<Event>, signalled: Arc<AtomicI32>) 
         .map_err(setup_err)
 }
 
+/// Drops the pages of a device whose swap area is off: swapoff read every
+/// slot in use back, so all but the header belong to freed slots. Done
+/// before mkswap, it makes room for the header where the pool is full of
+/// them (finding: at the pool's limit, mkswap's write failed, and the
+/// area stayed off, retried each second). Returns the pages dropped.
+fn drop_while_off(device: &PoolDevice) -> u64 {
+    match device.drop_stale(device.writes()) {
+        StaleSweep::Done { dropped, .. } => dropped,
+        StaleSweep::Interrupted => 0,
+    }
+}
+
 impl Daemon {
     /// A daemon serving `served` (devices, caches), nothing set up yet.
     pub(crate) fn new(
@@ -713,8 +725,9 @@ impl Daemon {
         let t0 = std::time::Instant::now();
         swap::swapoff(&dev).map_err(|e| fail("swapoff to empty the idle swap area failed; it stays on", e))?;
         self.lock().status.devices[i].swap = false;
-        self.make_swap(&d.name, &dev).map_err(|e| fail("mkswap after emptying the swap area failed; retrying", e))?;
         let device = &self.devices[i];
+        let dropped_off = drop_while_off(device);
+        self.make_swap(&d.name, &dev).map_err(|e| fail("mkswap after emptying the swap area failed; retrying", e))?;
         // Read after mkswap's write of the header, before the kernel can write.
         let writes = device.writes();
         self.swap_on(i, &dev, false).map_err(|e| fail("swapon after emptying the swap area failed; retrying", e))?;
@@ -724,7 +737,8 @@ impl Daemon {
         let ms = |a: std::time::Instant, b: std::time::Instant| b.duration_since(a).as_millis();
         let after = match sweep {
             StaleSweep::Done { dropped, kept } => format!(
-                "dropped {dropped} pages of freed slots in {} ms{}",
+                "dropped {} pages of freed slots in {} ms{}",
+                dropped + dropped_off,
                 ms(t1, std::time::Instant::now()),
                 crate::stale::kept_note(kept)
             ),
@@ -757,6 +771,7 @@ impl Daemon {
                 self.lock().status.devices[i].swap = true;
                 return false;
             }
+            drop_while_off(&self.devices[i]);
             match self.make_swap(&d.name, &dev).and_then(|_| self.swap_on(i, &dev, false)) {
                 Ok(line) => {
                     lines.push(line);
@@ -772,8 +787,20 @@ impl Daemon {
     }
 
     /// swapoff, detach, unmount. Stops at the first swapoff failure and
-    /// leaves everything serving.
+    /// leaves everything serving; so does a panic part-way, whichever
+    /// thread tears down (a control client's, or the main one on SIGTERM).
     fn teardown(&self) -> Result<(), DaemonError> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.teardown_steps())).unwrap_or_else(|_| {
+            self.lock().status.state = "up".into();
+            Err(DaemonError::Teardown(
+                "a panic stopped the teardown part-way (the log has it); the daemon keeps serving what is still \
+                 set up, and `tmem swap down` tries again"
+                    .into(),
+            ))
+        })
+    }
+
+    fn teardown_steps(&self) -> Result<(), DaemonError> {
         let _gate = self.teardown_gate.lock();
         if self.exited.load(Ordering::Acquire) {
             return Ok(());

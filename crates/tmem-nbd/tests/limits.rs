@@ -238,6 +238,9 @@ fn unread_replies_stay_within_the_buffer_budget() {
     eventually("the hostile sessions to be dropped", || server.stats().io_timeouts == HOSTILE as u64);
     drop(hostile);
     read_ok(&mut good, 3);
+    // The server gives a reply's buffer back after its last byte is sent,
+    // which may be just after the client has read it.
+    eventually("every buffer to be given back", || server.stats().buffered_bytes == 0);
     let st = server.stats();
     assert!(
         st.buffered_bytes_peak <= cap,
@@ -246,7 +249,6 @@ fn unread_replies_stay_within_the_buffer_budget() {
         BLOCK + 16
     );
     assert!(st.buffered_bytes_peak > cap - u64::from(BLOCK), "the budget was used: {st:?}");
-    assert_eq!(st.buffered_bytes, 0, "all given back");
     assert_eq!((st.handshake_timeouts, st.idle_timeouts, st.session_errors), (0, 0, 0));
 }
 

@@ -20,7 +20,7 @@ fn capacity_smoke() {
         "--swap-budgets",
         "4",
         "--timeout",
-        "120",
+        "60",
         "--allow-other-swap",
     ]);
     let (v, stdout) = (&run.json, &run.stdout);

@@ -149,7 +149,40 @@ pub(crate) fn kill_group(child: &mut Child) -> Option<ExitStatus> {
     if let Some(pid) = i32::try_from(child.id()).ok().and_then(rustix::process::Pid::from_raw) {
         let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
     }
+    // A killed job exits at once unless the kernel holds it in an
+    // uninterruptible wait (a swap-in that never completes): then say where,
+    // once, before waiting on.
+    let start = std::time::Instant::now();
+    while start.elapsed() < UNKILLABLE_AFTER {
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    tracing::warn!(
+        "job {} still alive {} s after SIGKILL; kernel stacks of its threads:\n{}",
+        child.id(),
+        UNKILLABLE_AFTER.as_secs(),
+        kernel_stacks(child.id())
+    );
     child.wait().ok()
+}
+
+/// How long a SIGKILLed job may take to exit before [`kill_group`] reports it.
+const UNKILLABLE_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// State, wait channel and kernel stack (root only) of each thread of `pid`.
+pub(crate) fn kernel_stacks(pid: impl std::fmt::Display) -> String {
+    let dir = format!("/proc/{pid}/task");
+    let Ok(tasks) = std::fs::read_dir(&dir) else { return format!("{dir}: gone") };
+    let mut out = String::new();
+    for t in tasks.flatten() {
+        let p = t.path();
+        let read = |f: &str| std::fs::read_to_string(p.join(f)).unwrap_or_default();
+        let state = read("status").lines().find(|l| l.starts_with("State:")).unwrap_or("").to_owned();
+        out += &format!("{} {state} wchan {}\n{}", p.display(), read("wchan"), read("stack"));
+    }
+    out
 }
 
 impl Drop for Workload {

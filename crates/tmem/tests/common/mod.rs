@@ -6,6 +6,7 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use tmem_testkit::Feature;
 
@@ -40,12 +41,12 @@ fn zram0_state() -> Option<(String, String)> {
 /// Whether /sys/block/DEV is gone within a few seconds (other tests may
 /// hot-add devices meanwhile, and get the same number for a moment).
 fn gone(dev: &str) -> bool {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(10);
     while Path::new("/sys/block").join(dev).exists() {
-        if std::time::Instant::now() > deadline {
+        if Instant::now() > deadline {
             return false;
         }
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(50));
     }
     true
 }
@@ -140,32 +141,61 @@ pub struct BenchRun {
     pub svg: String,
 }
 
+/// How long a bench may run before it is told to stop (SIGTERM), well
+/// inside nextest's 600 s: a bench stopped that way undoes what it set up
+/// and says which row it was on, where nextest's own kill would leave its
+/// swap area behind for the tests after it.
+const BENCH_DEADLINE: Duration = Duration::from_secs(420);
+/// How long a stopped bench gets to undo what it set up.
+const BENCH_TEARDOWN: Duration = Duration::from_secs(90);
+
 /// Runs `tmem bench ARGS --json FILE --plot FILE.svg`, prints what it
 /// said and removes the files.
 pub fn run_bench(args: &[&str]) -> BenchRun {
     let json = std::env::temp_dir().join(format!("tmem-{}-smoke-{}.json", args[0], std::process::id()));
     let svg = json.with_extension("svg");
-    let start = std::time::Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_tmem"))
+    let (out_path, err_path) = (json.with_extension("out"), json.with_extension("err"));
+    let start = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tmem"))
         .arg("bench")
         .args(args)
         .arg("--json")
         .arg(&json)
         .arg("--plot")
         .arg(&svg)
-        .output()
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
         .unwrap();
-    let json_text = std::fs::read_to_string(&json).unwrap_or_default();
-    let _ = std::fs::remove_file(&json);
-    let svg_text = std::fs::read_to_string(&svg).unwrap_or_default();
-    let _ = std::fs::remove_file(&svg);
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let pid = rustix::process::Pid::from_child(&child);
+    let mut stopped = None;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        let (elapsed, signal) = match stopped {
+            None => (start.elapsed(), rustix::process::Signal::TERM),
+            Some(at) => (Instant::now() - at, rustix::process::Signal::KILL),
+        };
+        let limit = if stopped.is_none() { BENCH_DEADLINE } else { BENCH_TEARDOWN };
+        if elapsed > limit {
+            eprintln!("the bench ran past {:.0} s: {signal:?} sent to it", start.elapsed().as_secs_f64());
+            let _ = rustix::process::kill_process(pid, signal);
+            stopped.get_or_insert_with(Instant::now);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let take = |p: &Path| {
+        let text = std::fs::read_to_string(p).unwrap_or_default();
+        let _ = std::fs::remove_file(p);
+        text
+    };
+    let (json_text, svg, stdout, stderr) = (take(&json), take(&svg), take(&out_path), take(&err_path));
     eprintln!("{stdout}\n{stderr}\n(took {:.0} s)", start.elapsed().as_secs_f64());
     BenchRun {
-        ok: out.status.success(),
+        ok: status.success() && stopped.is_none(),
         stdout,
         json: serde_json::from_str(&json_text).unwrap_or_default(),
-        svg: svg_text,
+        svg,
     }
 }
