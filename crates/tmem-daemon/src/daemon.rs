@@ -847,6 +847,8 @@ impl Daemon {
                 }
                 self.lock().status.devices[i].swap = false;
             }
+            #[cfg(feature = "fault-injection")]
+            crate::fault::panic_in_teardown();
             if let Err(e) = swap::loop_detach(dev) {
                 // Someone detached it already: fine, as long as it no longer serves our file.
                 if swap::loops_of(&d.file).map_or(true, |l| l.contains(dev)) {

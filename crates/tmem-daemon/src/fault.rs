@@ -5,8 +5,10 @@
 //!   signal ends the stall early), as a huge swap area would.
 //! - `TMEM_FAULT_HANDOVER_PROTOCOL=N`: a successor claims hand-over
 //!   protocol N, as an incompatible binary would.
+//! - `TMEM_FAULT_PANIC_TEARDOWN=1`: the first teardown panics after its
+//!   first swapoff, as one did on a counter's underflow.
 
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 /// Stalls setup as `TMEM_FAULT_STALL_SETUP_MS` says, until a signal arrives.
@@ -22,4 +24,12 @@ pub fn stall_setup(signalled: &AtomicI32) {
 /// The hand-over protocol a successor claims, if `TMEM_FAULT_HANDOVER_PROTOCOL` says.
 pub fn handover_protocol() -> Option<u32> {
     std::env::var("TMEM_FAULT_HANDOVER_PROTOCOL").ok().and_then(|v| v.parse().ok())
+}
+
+/// Panics the first time it is called, if `TMEM_FAULT_PANIC_TEARDOWN` is set.
+pub fn panic_in_teardown() {
+    static PANICKED: AtomicBool = AtomicBool::new(false);
+    if std::env::var_os("TMEM_FAULT_PANIC_TEARDOWN").is_some() && !PANICKED.swap(true, Ordering::AcqRel) {
+        panic!("fault injection: teardown panics");
+    }
 }
