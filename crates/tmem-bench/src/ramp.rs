@@ -91,7 +91,7 @@ pub struct RampArgs {
     /// The JDK's java launcher (11 or later: it runs the source file).
     #[arg(long, default_value = "java")]
     pub java: String,
-    /// The front rows' budget and policy (the budget's default: 1/8 of the job's limit).
+    /// The front rows' budget and policy (the budget's default: 1/3 of the job's limit).
     #[command(flatten)]
     #[serde(flatten)]
     pub front: FrontArgs,

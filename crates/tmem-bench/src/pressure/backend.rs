@@ -182,7 +182,7 @@ impl BackendConfig {
     /// `swap_dir`, the runtime directory in /run; zram lz4, zswap lzo-rle
     /// (20 %), tmem lz4 with a pool of 50 % of RAM (64 MiB over a tier),
     /// `--discard once`, no recompression, the host's disk, loopback; the
-    /// front rows' budget 1/8 of the swap area (see [`FrontConfig`]).
+    /// front rows' budget 1/3 of the swap area (see [`FrontConfig`]).
     #[must_use]
     pub fn new(swap_size: u64, swap_dir: &Path) -> Self {
         let pid = std::process::id();

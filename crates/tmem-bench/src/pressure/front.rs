@@ -38,15 +38,16 @@ use crate::cache::setup::LoopDev;
 #[derive(clap::Args, Debug, Clone, serde::Serialize)]
 pub struct FrontArgs {
     /// The front's budget (`tmem swap up --front-limit`; zram's `mem_limit`
-    /// too). Default: 1/8 of the reference run's peak (of the job's limit
+    /// too). Default: 1/3 of the reference run's peak (of the job's limit
     /// for `bench ramp`), at least 16 MiB.
     ///
-    /// lz4 packs this heap about 2.5x, so the front then holds about a
-    /// third of the job's pages before it is full and starts writing back
-    /// at `--front-fill` of it (about a sixth at 50 %): at every level that
-    /// swaps more than that, pages must go down to the device below, which
-    /// is what these rows measure, while the level without a limit
-    /// (nothing swapped) writes nothing back.
+    /// zram alone packs this heap about 2.2x and held 26-33 MiB of a
+    /// 128 MiB job at 50 % and 35 %: a third of the job holds what zram
+    /// alone holds, so the hot ladder compares a front with the memory
+    /// zram alone uses (an eighth, the old default, sent the front to its
+    /// emergency writeback: 2.45x zram's wall time, most of it read back),
+    /// and writeback still starts at `--front-fill` of it (a sixth of the
+    /// job at 50 %).
     #[arg(long, value_parser = tmem_corpus::parse_size)]
     pub front_limit: Option<u64>,
     /// Seconds a page must go unread before it goes down (`--front-idle-age`).
@@ -103,6 +104,8 @@ pub struct FrontConfig {
 
 /// The least default budget.
 const MIN_DEFAULT_LIMIT: u64 = 16 << 20;
+/// The default budget is this share of the reference (see [`FrontArgs::front_limit`]).
+const DEFAULT_LIMIT_SHARE: u64 = 3;
 /// The longest idle age backing off reaches, in idle ages, and the least
 /// rate, in 1/64 of the rate: what `tmem swap up` derives from its flags
 /// (`tmem_daemon::front::FrontArgs::policy`), so that `zram+disk` runs the
@@ -111,10 +114,10 @@ const MAX_AGE_FACTOR: u32 = 32;
 const MIN_RATE_DIVISOR: u64 = 64;
 
 impl FrontConfig {
-    /// 1/8 of `reference` bytes, at least 16 MiB, in whole MiB.
+    /// 1/[`DEFAULT_LIMIT_SHARE`] of `reference` bytes, at least 16 MiB, in whole MiB.
     #[must_use]
     pub fn relative_limit(reference: u64) -> u64 {
-        (reference / 8).max(MIN_DEFAULT_LIMIT).div_ceil(1 << 20) << 20
+        (reference / DEFAULT_LIMIT_SHARE).max(MIN_DEFAULT_LIMIT).div_ceil(1 << 20) << 20
     }
 
     /// The defaults for a job of `reference` bytes.
@@ -497,15 +500,15 @@ mod tests {
     fn defaults_are_relative_to_the_job_and_one_policy_for_every_row() {
         let a = Cli::parse_from(["x"]).front;
         let c = a.config(1 << 30);
-        assert_eq!(c, FrontConfig { limit: 128 << 20, idle_age_secs: 5, fill_percent: 50, rate: 25_600 });
+        assert_eq!(c, FrontConfig { limit: 342 << 20, idle_age_secs: 5, fill_percent: 50, rate: 25_600 });
         assert_eq!(c, FrontConfig::for_reference(1 << 30));
         // Small jobs get the floor, whole MiB.
         assert_eq!(a.config(40 << 20).limit, 16 << 20);
-        assert_eq!(FrontConfig::relative_limit(200 << 20), 25 << 20);
-        assert_eq!(FrontConfig::relative_limit((200 << 20) + 8), 26 << 20);
+        assert_eq!(FrontConfig::relative_limit(300 << 20), 100 << 20);
+        assert_eq!(FrontConfig::relative_limit((300 << 20) + 3), 101 << 20);
         let p = c.policy();
         assert_eq!((p.idle_age, p.max_idle_age), (Duration::from_secs(5), Duration::from_secs(160)));
-        assert_eq!((p.budget, p.fill_percent, p.rate), (128 << 20, 50, 25_600));
+        assert_eq!((p.budget, p.fill_percent, p.rate), (342 << 20, 50, 25_600));
         assert_eq!((p.tick, p.min_rate), (PolicyConfig::default().tick, 400));
         // The daemon's policy for the same flags.
         let daemon = tmem_daemon::front::FrontArgs {
