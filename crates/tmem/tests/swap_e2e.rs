@@ -659,8 +659,7 @@ fn a_panic_fails_one_request_and_the_daemon_goes_on() {
 
 /// A teardown that panics part-way (it did, on a counter's underflow):
 /// `swap down` is answered at once with an error instead of waiting for
-/// ever, the daemon says it is up and serves on, and a second `swap down`
-/// finishes the job.
+/// ever, the daemon serves on, and a second `swap down` finishes the job.
 #[test]
 fn a_panic_in_swap_down_is_answered_and_the_next_swap_down_finishes() {
     if !can_run() {
