@@ -41,7 +41,7 @@ pub struct FrontArgs {
     /// too). Default: 1/3 of the reference run's peak (of the job's limit
     /// for `bench ramp`), at least 16 MiB.
     ///
-    /// zram alone packs this heap about 2.2x and held 26-33 MiB of a
+    /// zram alone packs this heap about 2.2x and held 26-34 MiB of a
     /// 128 MiB job at 50 % and 35 %: a third of the job holds what zram
     /// alone holds, so the hot ladder compares a front with the memory
     /// zram alone uses (an eighth, the old default, sent the front to its
