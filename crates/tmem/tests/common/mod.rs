@@ -173,12 +173,11 @@ pub fn run_bench(args: &[&str]) -> BenchRun {
         if let Some(s) = child.try_wait().unwrap() {
             break s;
         }
-        let (elapsed, signal) = match stopped {
-            None => (start.elapsed(), rustix::process::Signal::TERM),
-            Some(at) => (Instant::now() - at, rustix::process::Signal::KILL),
+        let (since, limit, signal) = match stopped {
+            None => (start, BENCH_DEADLINE, rustix::process::Signal::TERM),
+            Some(at) => (at, BENCH_TEARDOWN, rustix::process::Signal::KILL),
         };
-        let limit = if stopped.is_none() { BENCH_DEADLINE } else { BENCH_TEARDOWN };
-        if elapsed > limit {
+        if since.elapsed() > limit {
             eprintln!("the bench ran past {:.0} s: {signal:?} sent to it", start.elapsed().as_secs_f64());
             let _ = rustix::process::kill_process(pid, signal);
             stopped.get_or_insert_with(Instant::now);
