@@ -56,7 +56,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tmem_counters::counters;
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
-use crate::mem::{MemError, PageArena, SpanPtr, MAX_SPAN_PAGES};
+use crate::mem::{ArenaImage, MemError, PageArena, SpanPlace, SpanPtr, MAX_SPAN_PAGES};
 use crate::PAGE_SIZE;
 
 /// Spacing between size classes, in bytes.
@@ -212,6 +212,39 @@ struct Span {
     evacuating: bool,
 }
 
+impl Span {
+    fn unmapped() -> Self {
+        Self { ptr: None, used: 0, bump: 0, free_head: NO_SLOT, partial_pos: NOT_PARTIAL, evacuating: false }
+    }
+}
+
+/// One mapped span in an [`AllocImage`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpanImage {
+    /// Where its pages are.
+    pub place: SpanPlace,
+    /// Slots in use.
+    pub used: u16,
+    /// Slots handed out at least once.
+    pub bump: u16,
+    /// First free slot below `bump` (`u16::MAX`: none); the list runs
+    /// through the free slots themselves, in the shared pages.
+    pub free_head: u16,
+}
+
+/// An allocator as a successor adopts it: [`ZsAlloc::image`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllocImage {
+    /// The tuning that made its classes.
+    pub config: AllocConfig,
+    /// The arena's chunks and free spans.
+    pub arena: ArenaImage,
+    /// Per class, per span id: the span, or `None` for a free id.
+    pub classes: Vec<Vec<Option<SpanImage>>>,
+    /// Pages compacted, objects migrated, compactions (cumulative).
+    pub compacted: [u64; 3],
+}
+
 struct Class {
     geo: ClassGeometry,
     spans: Vec<Span>,
@@ -290,6 +323,7 @@ impl CompactionPlan {
 
 /// The size-class allocator. See the module documentation for the design.
 pub struct ZsAlloc {
+    config: AllocConfig,
     arena: PageArena,
     classes: Box<[Mutex<Class>]>,
     /// Size step -> class.
@@ -328,6 +362,7 @@ impl ZsAlloc {
             })
             .collect();
         Self {
+            config: cfg,
             arena: PageArena::new(),
             classes,
             size_class: size_class.into_boxed_slice(),
@@ -338,6 +373,139 @@ impl ZsAlloc {
             objects_migrated: AtomicU64::new(0),
             compactions: AtomicU64::new(0),
         }
+    }
+
+    /// Creates an empty allocator whose pages a successor process can adopt
+    /// ([`PageArena::shared`]).
+    pub fn shared(cfg: AllocConfig) -> Result<Self, AllocError> {
+        Ok(Self { arena: PageArena::shared()?, ..Self::with_config(cfg) })
+    }
+
+    /// The page arena (its memfd and seal).
+    pub fn arena(&self) -> &PageArena {
+        &self.arena
+    }
+
+    /// Everything a successor needs to adopt this allocator's pages, read
+    /// once the arena is sealed (so that nothing changes while it is read).
+    pub fn image(&self) -> AllocImage {
+        let classes = (0..self.classes.len())
+            .map(|i| {
+                let c = self.lock(i);
+                c.spans
+                    .iter()
+                    .map(|s| {
+                        s.ptr.map(|p| SpanImage {
+                            place: self.arena.place(p),
+                            used: s.used,
+                            bump: s.bump,
+                            free_head: s.free_head,
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        AllocImage {
+            config: self.config,
+            arena: self.arena.image(),
+            classes,
+            compacted: [
+                self.pages_compacted.load(Ordering::Relaxed),
+                self.objects_migrated.load(Ordering::Relaxed),
+                self.compactions.load(Ordering::Relaxed),
+            ],
+        }
+    }
+
+    /// Adopts a predecessor's allocator: its memfd `fd` and its `image`.
+    /// No page is read or written. Every span of the image is checked
+    /// against its class and the memfd.
+    pub fn adopt(fd: std::os::fd::OwnedFd, image: &AllocImage) -> Result<Self, AllocError> {
+        let bad = |what: String| AllocError::Mem(MemError::BadImage(what));
+        let mut a = Self::with_config(image.config);
+        if image.classes.len() != a.classes.len() {
+            return Err(bad(format!(
+                "{} size classes, this configuration makes {}",
+                image.classes.len(),
+                a.classes.len()
+            )));
+        }
+        let mut used_pages = 0u64;
+        for (i, spans) in image.classes.iter().enumerate() {
+            if spans.len() > MAX_SPANS_PER_CLASS {
+                return Err(bad(format!("{} spans in class {i}", spans.len())));
+            }
+            used_pages += spans.iter().flatten().count() as u64 * a.classes[i].get_mut().geo.pages as u64;
+        }
+        a.arena = PageArena::adopt(fd, &image.arena, used_pages)?;
+        let (mut slot_bytes, mut objects) = (0u64, 0u64);
+        for (i, spans) in image.classes.iter().enumerate() {
+            let c = a.classes[i].get_mut();
+            let geo = c.geo;
+            for (id, s) in spans.iter().enumerate() {
+                let id = u32::try_from(id).expect("checked against MAX_SPANS_PER_CLASS");
+                let Some(s) = s else {
+                    c.spans.push(Span::unmapped());
+                    c.free_ids.push(id);
+                    continue;
+                };
+                let (used, bump, slots) = (usize::from(s.used), usize::from(s.bump), geo.slots);
+                if used > bump
+                    || bump > slots
+                    || (s.free_head != NO_SLOT && usize::from(s.free_head) >= bump)
+                    || used == 0
+                {
+                    return Err(bad(format!(
+                        "class {i} span {id}: {used} used, bump {bump}, free head {} of {slots} slots",
+                        s.free_head
+                    )));
+                }
+                let ptr = a.arena.span_at(s.place, geo.pages)?;
+                c.spans.push(Span {
+                    ptr: Some(ptr),
+                    used: s.used,
+                    bump: s.bump,
+                    free_head: s.free_head,
+                    partial_pos: NOT_PARTIAL,
+                    evacuating: false,
+                });
+                if used < slots {
+                    c.partial_push(id);
+                }
+                slot_bytes += (used * geo.size) as u64;
+                objects += used as u64;
+            }
+        }
+        let meta: usize = a.classes.iter_mut().map(|c| c.get_mut().meta_bytes()).sum();
+        a.slot_bytes.store(slot_bytes, Ordering::Relaxed);
+        a.objects.store(objects, Ordering::Relaxed);
+        a.meta_bytes.store(meta as u64, Ordering::Relaxed);
+        a.pages_compacted.store(image.compacted[0], Ordering::Relaxed);
+        a.objects_migrated.store(image.compacted[1], Ordering::Relaxed);
+        a.compactions.store(image.compacted[2], Ordering::Relaxed);
+        Ok(a)
+    }
+
+    /// Whether `loc` names an allocated slot of a mapped span (checks an
+    /// adopted index against the adopted tables).
+    pub fn holds(&self, loc: Loc, len: usize) -> bool {
+        let Some(m) = self.classes.get(usize::from(loc.class)) else { return false };
+        let c = m.lock();
+        len <= c.geo.size && c.spans.get(loc.span as usize).is_some_and(|s| s.ptr.is_some() && loc.slot < s.bump)
+    }
+
+    /// Maps every live span's pages into this process (see
+    /// [`PageArena::populate`]); returns the pages.
+    pub fn populate(&self) -> std::io::Result<u64> {
+        let mut pages = 0;
+        for i in 0..self.classes.len() {
+            let spans: Vec<SpanPtr> = self.lock(i).spans.iter().filter_map(|s| s.ptr).collect();
+            for s in spans {
+                self.arena.populate(s)?;
+                pages += (s.len() / PAGE_SIZE) as u64;
+            }
+        }
+        Ok(pages)
     }
 
     /// Number of size classes.
@@ -404,6 +572,9 @@ impl ZsAlloc {
     }
 
     fn alloc_locked(&self, c: &mut Class, class: usize) -> Result<Loc, AllocError> {
+        if self.arena.sealed() {
+            return Err(MemError::Sealed.into());
+        }
         if c.partial.is_empty() {
             self.new_span(c, class)?;
         }
@@ -472,6 +643,11 @@ impl ZsAlloc {
     }
 
     fn free_locked(&self, c: &mut Class, loc: Loc) {
+        if self.arena.sealed() {
+            // Handed over: the slot stays as the successor's image has it
+            // (a leak there, never a free of a page it may hold).
+            return;
+        }
         let size = c.geo.size;
         let slots = c.geo.slots;
         let before = c.meta_bytes();

@@ -1,5 +1,6 @@
-//! Store hand-over (`Store::export` → `Store::import`): every page, codec,
-//! pool and counter arrives; a damaged or truncated stream is one error.
+//! Store hand-over (`Store::export` → `Store::import`, and the zero-copy
+//! `Store::export_image` → `Store::import_image`): every page, codec, pool
+//! and counter arrives; a damaged or truncated stream is one error.
 
 // Test data: byte extraction from u64s.
 #![allow(clippy::cast_possible_truncation)]
@@ -66,7 +67,11 @@ fn config(limit: u64) -> StoreConfig {
 /// Runs `ops` on a store with a persistent, an ephemeral and a destroyed
 /// pool; returns it with its pool ids.
 fn build(ops: &[Op], limit: u64) -> (Store, Vec<u32>) {
-    let store = config(limit).build().unwrap();
+    build_in(config(limit), ops)
+}
+
+fn build_in(cfg: StoreConfig, ops: &[Op]) -> (Store, Vec<u32>) {
+    let store = cfg.build().unwrap();
     let gone = store.create_pool(PoolConfig::persistent());
     let pools = [
         store.create_pool(PoolConfig::persistent().reject_keeps_old(true)),
@@ -94,6 +99,39 @@ fn build(ops: &[Op], limit: u64) -> (Store, Vec<u32>) {
         }
     }
     (store, pools.iter().map(|p| p.id()).collect())
+}
+
+/// Runs `ops` on pools `ids` of `store` (as [`build_in`] numbers them).
+fn run(store: &Store, ids: &[u32], ops: &[Op]) {
+    let mut out = [0u8; PAGE_SIZE];
+    for op in ops {
+        match *op {
+            Op::Put { pool, index, kind, seed } => {
+                let _ = store.pool(ids[pool]).unwrap().put(Key::new(1, index), &page(kind, seed)).unwrap();
+            }
+            Op::Get { pool, index } => {
+                let _ = store.pool(ids[pool]).unwrap().get(Key::new(1, index), &mut out).unwrap();
+            }
+            Op::Flush { pool, index } => {
+                let _ = store.pool(ids[pool]).unwrap().flush_page(Key::new(1, index)).unwrap();
+            }
+            Op::Zstd => {}
+        }
+    }
+}
+
+/// Seals `a` and hands its image to a new store mapping the same memfd.
+fn hand_image(a: &Store, cfg: StoreConfig) -> (Store, tmem_core::HandoverSummary, tmem_core::HandoverSummary) {
+    a.seal(true);
+    let mut image = Vec::new();
+    let sent = a.export_image(&mut image).unwrap();
+    let fd = a.memfd().unwrap().try_clone_to_owned().unwrap();
+    let (b, got) = Store::import_image(cfg, &mut image.as_slice(), fd).unwrap();
+    (b, sent, got)
+}
+
+fn shared(limit: u64) -> StoreConfig {
+    StoreConfig { shared_memory: true, ..config(limit) }
 }
 
 /// Every page of `a` is in `b`, byte for byte, and nothing else is.
@@ -147,6 +185,128 @@ proptest! {
         let (c, _) = Store::import(config(0), &mut again.as_slice()).unwrap();
         same_pages(&b, &c, &ids);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+
+    /// The successor of an image holds every page and counter, reading
+    /// none; the sealed predecessor changes nothing; once opened, the
+    /// successor's puts and flushes (which reuse the predecessor's free
+    /// slots and spans) keep every page right, against a streamed copy
+    /// given the same operations.
+    #[test]
+    fn an_image_is_adopted_without_a_copy(
+        ops in prop::collection::vec(op(), 1..300),
+        more in prop::collection::vec(op(), 1..300),
+        small in any::<bool>(),
+    ) {
+        let limit = if small { 256 << 10 } else { 0 };
+        let (a, ids) = build_in(shared(limit), &ops);
+        let (b, sent, got) = hand_image(&a, shared(0));
+        prop_assert_eq!(sent, got);
+        prop_assert_eq!(a.codec_name(), b.codec_name());
+        prop_assert_eq!(a.stats().alloc.span_bytes, b.stats().alloc.span_bytes, "the memory is counted once, alike");
+        prop_assert_eq!(a.stats().alloc.objects, b.stats().alloc.objects);
+        for &id in &ids {
+            let (sa, sb) = (a.pool(id).unwrap().stats(), b.pool(id).unwrap().stats());
+            prop_assert_eq!(carried(&sa), carried(&sb));
+        }
+        same_pages(&a, &b, &ids);
+        // Sealed: the predecessor and the successor refuse puts.
+        let p = a.pool(ids[0]).unwrap();
+        prop_assert!(!matches!(p.put(Key::new(1, 5000), &page(0, 1)).unwrap(), tmem_core::PutOutcome::Stored));
+        let q = b.pool(ids[0]).unwrap();
+        prop_assert!(!matches!(q.put(Key::new(1, 5000), &page(0, 1)).unwrap(), tmem_core::PutOutcome::Stored));
+        // A streamed copy of the same pages as the oracle.
+        let mut stream = Vec::new();
+        a.export(&mut stream).unwrap();
+        let (c, _) = Store::import(config(0), &mut stream.as_slice()).unwrap();
+        b.seal(false);
+        run(&b, &ids, &more);
+        run(&c, &ids, &more);
+        same_pages(&b, &c, &ids);
+        // And a second image, from the successor to a third process.
+        let (d, _, _) = hand_image(&b, shared(0));
+        same_pages(&b, &d, &ids);
+    }
+}
+
+#[test]
+fn a_grouped_image_keeps_its_groups() {
+    let grouped = || StoreConfig {
+        group: Some(tmem_core::GroupConfig { dictionary: false, level: 3, ..Default::default() }),
+        ..shared(0)
+    };
+    let ops: Vec<Op> = (0..256).map(|i| Op::Put { pool: 0, index: i, kind: 0, seed: i }).collect();
+    let (a, ids) = build_in(grouped(), &ops);
+    a.grouping().unwrap().group_now();
+    let grouped_pages = a.stats().total.pages_grouped;
+    assert!(grouped_pages >= 200, "only {grouped_pages} pages grouped");
+    // Grouping must stay as it was.
+    a.seal(true);
+    let mut image = Vec::new();
+    a.export_image(&mut image).unwrap();
+    let fd = a.memfd().unwrap().try_clone_to_owned().unwrap();
+    let e = Store::import_image(shared(0), &mut image.as_slice(), fd).unwrap_err().to_string();
+    assert!(e.contains("grouping must stay as it was"), "{e}");
+    a.seal(false);
+    let (b, _, got) = hand_image(&a, grouped());
+    assert_eq!(got.pages, 256);
+    assert_eq!(b.stats().total.pages_grouped, grouped_pages);
+    same_pages(&a, &b, &ids);
+    // Overwrites and flushes inside the groups, against a streamed copy.
+    let mut stream = Vec::new();
+    a.export(&mut stream).unwrap();
+    let (c, _) = Store::import(grouped(), &mut stream.as_slice()).unwrap();
+    b.seal(false);
+    let more: Vec<Op> =
+        (0..256)
+            .step_by(3)
+            .map(|i| {
+                if i % 2 == 0 {
+                    Op::Flush { pool: 0, index: i }
+                } else {
+                    Op::Put { pool: 0, index: i, kind: 1, seed: i }
+                }
+            })
+            .collect();
+    run(&b, &ids, &more);
+    run(&c, &ids, &more);
+    same_pages(&b, &c, &ids);
+}
+
+#[test]
+fn a_damaged_image_is_one_error() {
+    let ops: Vec<Op> =
+        (0..300).map(|i| Op::Put { pool: (i % 3) as usize, index: i, kind: (i % 3) as u8, seed: i }).collect();
+    let (a, _) = build_in(shared(0), &ops);
+    a.seal(true);
+    let mut image = Vec::new();
+    a.export_image(&mut image).unwrap();
+    let fd = || a.memfd().unwrap().try_clone_to_owned().unwrap();
+    for cut in (0..image.len()).step_by(image.len() / 97 + 1) {
+        let e = Store::import_image(shared(0), &mut &image[..cut], fd()).unwrap_err();
+        assert!(matches!(e, StoreError::Handover(_)), "cut at {cut}: {e}");
+    }
+    for at in (0..image.len()).step_by(image.len() / 61 + 1) {
+        let mut bad = image.clone();
+        bad[at] ^= 0x10;
+        let e = Store::import_image(shared(0), &mut bad.as_slice(), fd()).unwrap_err();
+        assert!(e.to_string().contains("hand-over"), "flip at {at}: {e}");
+    }
+    // A stream is not an image, and a private store has none.
+    let mut stream = Vec::new();
+    a.export(&mut stream).unwrap();
+    let e = Store::import_image(shared(0), &mut stream.as_slice(), fd()).unwrap_err().to_string();
+    assert!(e.contains("not a tmem store image"), "{e}");
+    let (private, _) = build(&ops, 0);
+    private.seal(true);
+    let e = private.export_image(&mut Vec::new()).unwrap_err().to_string();
+    assert!(e.contains("private memory"), "{e}");
+    let unsealed = shared(0).build().unwrap();
+    let e = unsealed.export_image(&mut Vec::new()).unwrap_err().to_string();
+    assert!(e.contains("sealed"), "{e}");
 }
 
 #[test]

@@ -116,18 +116,32 @@ pub struct StoreConfig {
     /// ([`Store::grouping`] runs it; `store/grouping.rs`). Fixed at build:
     /// it decides in which shard each key lives.
     pub group: Option<GroupConfig>,
+    /// Keep the pages in a memfd that a successor process can adopt without
+    /// a copy ([`Store::export_image`]); private memory otherwise.
+    pub shared_memory: bool,
 }
 
 impl StoreConfig {
     /// Builds the store.
     pub fn build(self) -> Result<Store, StoreError> {
+        let alloc = if self.shared_memory {
+            ZsAlloc::shared(self.alloc).map_err(|e| StoreError::Handover(format!("shared pool memory: {e}")))?
+        } else {
+            ZsAlloc::with_config(self.alloc)
+        };
+        self.build_with(alloc)
+    }
+
+    /// Builds the store around `alloc` (a new one, or one adopted from a
+    /// predecessor).
+    pub(super) fn build_with(self, alloc: ZsAlloc) -> Result<Store, StoreError> {
         let policy = Policy::new(&self.policy)?;
         if let Some(g) = &self.group {
             g.build()?;
         }
         let window_shift = if self.group.is_some() { crate::group::WINDOW_SHIFT } else { 0 };
         let shared = Arc::new(Shared {
-            alloc: ZsAlloc::with_config(self.alloc),
+            alloc,
             policy,
             codecs: std::array::from_fn(|_| OnceLock::new()),
             codec_configs: std::array::from_fn(|_| OnceLock::new()),

@@ -25,6 +25,21 @@
 //! pool's grouping counters. A successor that groups takes the groups as
 //! they are; one that does not decodes them and stores their live pages
 //! singly, in the codec new puts use. Format 1 streams are still read.
+//!
+//! # Images (zero-copy)
+//!
+//! A store built with [`StoreConfig::shared_memory`] keeps its pages in a
+//! memfd. [`Store::export_image`] writes the same stream with magic
+//! `TMEMIMAG`, the allocator's tables ([`crate::alloc::AllocImage`]) after
+//! the header, and each object's location instead of its bytes; the
+//! successor passes the memfd to [`Store::import_image`], which maps it and
+//! rebuilds the index and the tables from the stream without reading or
+//! copying a stored page. The exporter seals its store first
+//! ([`Store::seal`]): from then on it allocates nothing and frees nothing,
+//! so the pages stay as the image describes them. The imported store is
+//! sealed too until its caller opens it ([`Store::seal`] with `false`),
+//! once the predecessor can no longer resume; until then, background work
+//! in either process changes no byte of the shared pages.
 
 use std::io::{Read, Write};
 
@@ -34,6 +49,12 @@ use super::*;
 const MAGIC: &[u8; 8] = b"TMEMSTOR";
 /// Format version written; an import reads this one and format 1.
 pub const HANDOVER_VERSION: u32 = 2;
+/// First bytes of an image ([`Store::export_image`]).
+const IMAGE_MAGIC: &[u8; 8] = b"TMEMIMAG";
+/// Image format version.
+pub const IMAGE_VERSION: u32 = 1;
+/// Most chunks of the arena an image may name (64 TiB).
+const MAX_CHUNKS: u32 = 1 << 24;
 /// The oldest format an import reads.
 const OLDEST_VERSION: u32 = 1;
 /// Entry flags in the stream.
@@ -185,6 +206,7 @@ fn write_group(
     s: &Shard,
     g: &crate::group::Group,
     sum: &mut HandoverSummary,
+    image: bool,
 ) -> Result<(), StoreError> {
     w.u64(g.object)?;
     w.u64(g.base)?;
@@ -198,6 +220,14 @@ fn write_group(
         let h = s.find(key, hash_key(key)).ok_or_else(|| bad(format!("{key:?}: a live slot without its page")))?;
         w.u32(s.entries.get(h).check)?;
         sum.pages += 1;
+    }
+    if image {
+        w.u32(u32::try_from(g.chunks.len()).expect("a block has few chunks"))?;
+        for &c in &g.chunks {
+            w.u64(c)?;
+        }
+        sum.object_bytes += u64::from(g.len);
+        return Ok(());
     }
     let mut block = Vec::with_capacity(g.len as usize);
     // SAFETY: the group is live in shard `s`, whose lock the caller holds,
@@ -265,10 +295,136 @@ fn read_codec(r: &mut R<'_>) -> Result<CodecConfig, StoreError> {
     }
 }
 
+fn write_alloc_image(w: &mut W<'_>, a: &crate::alloc::AllocImage) -> Result<(), StoreError> {
+    w.u32(u32::try_from(a.config.max_span_pages).expect("at most 16"))?;
+    w.u32(u32::try_from(a.config.merge_permille).map_err(|_| bad("merge_permille over 2^32"))?)?;
+    for v in a.compacted {
+        w.u64(v)?;
+    }
+    w.u32(a.arena.chunks)?;
+    w.u32(a.arena.bump)?;
+    w.u64(a.arena.free.len() as u64)?;
+    for &(pages, place) in &a.arena.free {
+        w.u8(pages)?;
+        w.u32(place.chunk)?;
+        w.u32(place.page)?;
+    }
+    w.u32(u32::try_from(a.classes.len()).expect("few classes"))?;
+    for spans in &a.classes {
+        w.u32(u32::try_from(spans.len()).expect("span ids fit u32"))?;
+        for span in spans {
+            match span {
+                None => w.u8(0)?,
+                Some(sp) => {
+                    w.u8(1)?;
+                    w.u32(sp.place.chunk)?;
+                    w.u32(sp.place.page)?;
+                    w.u16(sp.used)?;
+                    w.u16(sp.bump)?;
+                    w.u16(sp.free_head)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn read_alloc_image(r: &mut R<'_>) -> Result<crate::alloc::AllocImage, StoreError> {
+    use crate::alloc::{AllocConfig, AllocImage, SpanImage};
+    use crate::mem::{ArenaImage, SpanPlace, CHUNK_PAGES};
+    let config = AllocConfig { max_span_pages: r.u32()? as usize, merge_permille: r.u32()? as usize };
+    if !(1..=crate::mem::MAX_SPAN_PAGES).contains(&config.max_span_pages) {
+        return Err(bad(format!("image: spans of {} pages", config.max_span_pages)));
+    }
+    let compacted = [r.u64()?, r.u64()?, r.u64()?];
+    let (chunks, bump) = (r.u32()?, r.u32()?);
+    if chunks > MAX_CHUNKS {
+        return Err(bad(format!("image: {chunks} chunks (at most {MAX_CHUNKS})")));
+    }
+    let total_pages = u64::from(chunks) * CHUNK_PAGES as u64;
+    let free_n = r.u64()?;
+    if free_n > total_pages {
+        return Err(bad(format!("image: {free_n} free spans in {chunks} chunks")));
+    }
+    let mut free = Vec::with_capacity(usize::try_from(free_n).map_err(bad_len)?);
+    for _ in 0..free_n {
+        free.push((r.u8()?, SpanPlace { chunk: r.u32()?, page: r.u32()? }));
+    }
+    let n_classes = r.u32()?;
+    if n_classes as usize > crate::alloc::NUM_SIZES {
+        return Err(bad(format!("image: {n_classes} size classes")));
+    }
+    let mut classes = Vec::with_capacity(n_classes as usize);
+    for _ in 0..n_classes {
+        let n = u64::from(r.u32()?);
+        if n > total_pages {
+            return Err(bad(format!("image: {n} spans in {chunks} chunks")));
+        }
+        let mut spans = Vec::with_capacity(usize::try_from(n).map_err(bad_len)?);
+        for _ in 0..n {
+            spans.push(if r.bool("span mapped")? {
+                Some(SpanImage {
+                    place: SpanPlace { chunk: r.u32()?, page: r.u32()? },
+                    used: r.u16()?,
+                    bump: r.u16()?,
+                    free_head: r.u16()?,
+                })
+            } else {
+                None
+            });
+        }
+        classes.push(spans);
+    }
+    Ok(AllocImage { config, arena: ArenaImage { chunks, bump, free }, classes, compacted })
+}
+
+fn bad_len(_: std::num::TryFromIntError) -> StoreError {
+    bad("a count larger than this machine's address space")
+}
+
 impl Store {
     /// Writes the store to `w` for [`Store::import`] in a successor. The
     /// caller keeps writers out meanwhile. Refused for a store with tiers.
     pub fn export(&self, w: &mut dyn Write) -> Result<HandoverSummary, StoreError> {
+        self.export_as(w, false)
+    }
+
+    /// Writes the store's image to `w` for [`Store::import_image`] in a
+    /// successor that also receives [`Store::memfd`] (module docs). The
+    /// store must be sealed ([`Store::seal`]) and built with
+    /// [`StoreConfig::shared_memory`].
+    pub fn export_image(&self, w: &mut dyn Write) -> Result<HandoverSummary, StoreError> {
+        let arena = self.shared.alloc.arena();
+        if arena.memfd().is_none() {
+            return Err(bad("the store's pages are in private memory, not a memfd: it can only be streamed"));
+        }
+        if !arena.sealed() {
+            return Err(bad("the store must be sealed before its image is written"));
+        }
+        self.export_as(w, true)
+    }
+
+    /// The memfd holding the pages of a store built with
+    /// [`StoreConfig::shared_memory`].
+    pub fn memfd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.shared.alloc.arena().memfd()
+    }
+
+    /// Seals the store's pages for a hand-over (`true`: every allocation
+    /// fails and every free is skipped, so puts are refused), or opens them
+    /// again (`false`): after a failed hand-over in the predecessor, after
+    /// a finished one in the successor.
+    pub fn seal(&self, sealed: bool) {
+        self.shared.alloc.arena().seal(sealed);
+    }
+
+    /// Maps every page of an imported image into this process, which locks
+    /// them under `mlockall(MCL_ONFAULT)`; returns the pages.
+    pub fn populate(&self) -> std::io::Result<u64> {
+        self.shared.alloc.populate()
+    }
+
+    fn export_as(&self, w: &mut dyn Write, image: bool) -> Result<HandoverSummary, StoreError> {
         let sh = &*self.shared;
         let pools = sh.pools.read().clone();
         if pools.iter().flatten().any(|p| p.chain.is_some()) {
@@ -276,8 +432,15 @@ impl Store {
         }
         let mut w = W(w, crc32fast::Hasher::new());
         let mut sum = HandoverSummary::default();
-        w.bytes(MAGIC)?;
-        w.u32(HANDOVER_VERSION)?;
+        if image {
+            w.bytes(IMAGE_MAGIC)?;
+            w.u32(IMAGE_VERSION)?;
+            w.u8(u8::try_from(sh.window_shift).expect("a small shift"))?;
+            write_alloc_image(&mut w, &sh.alloc.image())?;
+        } else {
+            w.bytes(MAGIC)?;
+            w.u32(HANDOVER_VERSION)?;
+        }
         write_policy(&mut w, &sh.policy.config())?;
         let codecs = *sh.codec_count.lock();
         w.u8(u8::try_from(codecs).expect("at most 32 codecs"))?;
@@ -325,6 +488,11 @@ impl Store {
                     w.u32(e.check)?;
                     if e.has(F_SAME) {
                         w.u64(e.loc)?;
+                    } else if image {
+                        let loc = e.alloc_loc().expect("a pool page without tiers has an object");
+                        w.u32(u32::try_from(e.len()).expect("an object is under a page"))?;
+                        w.u64(loc.pack())?;
+                        sum.object_bytes += e.len() as u64;
                     } else {
                         let loc = e.alloc_loc().expect("a pool page without tiers has an object");
                         // SAFETY: `e` is live in this shard, whose lock we
@@ -340,11 +508,11 @@ impl Store {
                 w.u64(s.groups.len() as u64)?;
                 for id in s.groups.ids() {
                     let g = s.groups.get(id).expect("listed");
-                    write_group(&mut w, sh, &s, g, &mut sum)?;
+                    write_group(&mut w, sh, &s, g, &mut sum, image)?;
                 }
             }
         }
-        w.bytes(MAGIC)?;
+        w.bytes(if image { IMAGE_MAGIC } else { MAGIC })?;
         let crc = w.1.clone().finalize();
         w.u32(crc)?;
         w.0.flush().map_err(io_err)?;
@@ -356,12 +524,57 @@ impl Store {
     /// codecs, pools, pages and counters come from the stream. Pool ids are
     /// kept. Any inconsistency (version, length, codec id, checksum) is an
     /// error naming it, and nothing is returned.
-    pub fn import(mut cfg: StoreConfig, r: &mut dyn Read) -> Result<(Store, HandoverSummary), StoreError> {
+    pub fn import(cfg: StoreConfig, r: &mut dyn Read) -> Result<(Store, HandoverSummary), StoreError> {
+        Self::import_as(cfg, r, None)
+    }
+
+    /// Builds a store from [`Store::export_image`]'s stream and the
+    /// exporter's memfd `fd`: maps the pages and rebuilds the index and the
+    /// allocator's tables, reading no stored page. `cfg` must group pages
+    /// as the exporter did; the allocator's tuning comes from the image.
+    /// The store is returned sealed: see the module docs.
+    pub fn import_image(
+        cfg: StoreConfig,
+        r: &mut dyn Read,
+        fd: std::os::fd::OwnedFd,
+    ) -> Result<(Store, HandoverSummary), StoreError> {
+        Self::import_as(cfg, r, Some(fd))
+    }
+
+    fn import_as(
+        mut cfg: StoreConfig,
+        r: &mut dyn Read,
+        memfd: Option<std::os::fd::OwnedFd>,
+    ) -> Result<(Store, HandoverSummary), StoreError> {
         let mut r = R(r, crc32fast::Hasher::new());
-        if &r.array::<8>()? != MAGIC {
-            return Err(bad("not a tmem store export (bad magic)"));
-        }
-        let version = r.u32()?;
+        let magic = r.array::<8>()?;
+        let image = memfd.is_some();
+        let alloc = if let Some(fd) = memfd {
+            if &magic != IMAGE_MAGIC {
+                return Err(bad("not a tmem store image (bad magic)"));
+            }
+            let version = r.u32()?;
+            if version != IMAGE_VERSION {
+                return Err(bad(format!("image format {version}, this build reads {IMAGE_VERSION}")));
+            }
+            let shift = u32::from(r.u8()?);
+            let ours = if cfg.group.is_some() { crate::group::WINDOW_SHIFT } else { 0 };
+            if shift != ours {
+                return Err(bad(format!(
+                    "the image {} groups pages and this store {} (grouping must stay as it was)",
+                    if shift == 0 { "never" } else { "" },
+                    if ours == 0 { "does not" } else { "does" }
+                )));
+            }
+            let a = read_alloc_image(&mut r)?;
+            Some(ZsAlloc::adopt(fd, &a).map_err(|e| bad(format!("image: {e}")))?)
+        } else {
+            if &magic != MAGIC {
+                return Err(bad("not a tmem store export (bad magic)"));
+            }
+            None
+        };
+        let version = if image { HANDOVER_VERSION } else { r.u32()? };
         if !(OLDEST_VERSION..=HANDOVER_VERSION).contains(&version) {
             return Err(bad(format!(
                 "export format {version}, this build reads {OLDEST_VERSION}..={HANDOVER_VERSION}"
@@ -371,7 +584,13 @@ impl Store {
         cfg.policy = read_policy(&mut r)?;
         // The successor trains no dictionary of its own: the pages come with theirs.
         cfg.dictionary = None;
-        let store = cfg.build()?;
+        let store = match alloc {
+            Some(alloc) => {
+                alloc.arena().seal(true);
+                cfg.build_with(alloc)?
+            }
+            None => cfg.build()?,
+        };
         let sh = &*store.shared;
         let codecs = r.u8()?;
         let mut ids = Vec::with_capacity(usize::from(codecs));
@@ -418,12 +637,12 @@ impl Store {
                 }
                 let entries = r.u64()?;
                 for _ in 0..entries {
-                    store.import_page(&pool, &mut r, &new_id, &mut sum)?;
+                    store.import_page(&pool, &mut r, &new_id, &mut sum, image)?;
                 }
                 if v2 {
                     let groups = r.u64()?;
                     for _ in 0..groups {
-                        store.import_group(&pool, &mut r, &new_id, &mut sum)?;
+                        store.import_group(&pool, &mut r, &new_id, &mut sum, image)?;
                     }
                 }
             }
@@ -437,14 +656,18 @@ impl Store {
                 }
             }
         }
-        if &r.array::<8>()? != MAGIC {
+        if &r.array::<8>()? != if image { IMAGE_MAGIC } else { MAGIC } {
             return Err(bad("the export does not end where its counts say"));
         }
         let crc = r.1.clone().finalize();
         if r.u32()? != crc {
             return Err(bad("the stream's checksum does not match: it was damaged on the way"));
         }
-        sh.maybe_compact();
+        if !image {
+            // A sealed store compacts nothing; an image's successor compacts
+            // once it serves.
+            sh.maybe_compact();
+        }
         Ok((store, sum))
     }
 
@@ -461,6 +684,7 @@ impl Store {
         r: &mut R<'_>,
         new_id: &dyn Fn(u8) -> Result<u8, StoreError>,
         sum: &mut HandoverSummary,
+        image: bool,
     ) -> Result<(), StoreError> {
         use crate::group::{self, Group, MAX_GROUP_PAGES, MAX_STORED_BLOCK};
         let sh = &*self.shared;
@@ -482,20 +706,35 @@ impl Store {
         for slot in Group::slots_in(live) {
             page_checks[slot as usize] = r.u32()?;
         }
-        let mut data = vec![0u8; len];
-        r.fill(&mut data)?;
-        if crc32fast::hash(&data) != check {
-            return Err(bad(format!("{what}: checksum mismatch")));
-        }
         if !sh.codec(codec)?.supports_blocks() {
             return Err(bad(format!("{what}: codec {codec} has no block mode")));
         }
         sum.object_bytes += len as u64;
-        if sh.window_shift == 0 {
-            return self.import_group_expanded(pool, object, base, codec, slots, live, &data, &page_checks, sum);
-        }
-        let chunks =
-            group::store_chunks(&sh.alloc, &data).map_err(|e| bad(format!("{what}: no memory for it: {e}")))?;
+        let chunks = if image {
+            let n = r.u32()? as usize;
+            if n != len.div_ceil(group::CHUNK_BYTES) {
+                return Err(bad(format!("{what}: {n} chunks for a block of {len} bytes")));
+            }
+            let mut chunks = Vec::with_capacity(n);
+            for i in 0..n {
+                let c = r.u64()?;
+                if !sh.alloc.holds(crate::alloc::Loc::unpack(c), group::chunk_len(len, i)) {
+                    return Err(bad(format!("{what}: chunk {i} is not an allocated slot of the image")));
+                }
+                chunks.push(c);
+            }
+            chunks.into_boxed_slice()
+        } else {
+            let mut data = vec![0u8; len];
+            r.fill(&mut data)?;
+            if crc32fast::hash(&data) != check {
+                return Err(bad(format!("{what}: checksum mismatch")));
+            }
+            if sh.window_shift == 0 {
+                return self.import_group_expanded(pool, object, base, codec, slots, live, &data, &page_checks, sum);
+            }
+            group::store_chunks(&sh.alloc, &data).map_err(|e| bad(format!("{what}: no memory for it: {e}")))?
+        };
         let g = Group {
             object,
             base,
@@ -581,6 +820,7 @@ impl Store {
         r: &mut R<'_>,
         new_id: &dyn Fn(u8) -> Result<u8, StoreError>,
         sum: &mut HandoverSummary,
+        image: bool,
     ) -> Result<(), StoreError> {
         let key = Key::new(r.u64()?, r.u64()?);
         let flags = r.u8()?;
@@ -594,6 +834,19 @@ impl Store {
             if len == 0 || len > PAGE_SIZE {
                 return Err(bad(format!("page {key:?}: an object of {len} bytes")));
             }
+            let f = if flags & REC_INCOMPRESSIBLE != 0 { F_INCOMPRESSIBLE } else { 0 };
+            if image {
+                let loc = crate::alloc::Loc::unpack(r.u64()?);
+                if !self.shared.alloc.holds(loc, len) {
+                    return Err(bad(format!("page {key:?}: {loc:?} is not an allocated slot of the image")));
+                }
+                sum.object_bytes += len as u64;
+                let stored =
+                    pool.insert_entry(key, hash, Entry::new(key, loc.pack(), check, len, codec, f), Work::Deferred)?;
+                debug_assert_eq!(stored, PutOutcome::Stored);
+                sum.pages += 1;
+                return Ok(());
+            }
             let mut data = [0u8; PAGE_SIZE];
             r.fill(&mut data[..len])?;
             if crc32fast::hash(&data[..len]) != check {
@@ -605,7 +858,6 @@ impl Store {
                 .alloc_write(&data[..len])
                 .map_err(|e| bad(format!("page {key:?}: no memory for it: {e}")))?;
             sum.object_bytes += len as u64;
-            let f = if flags & REC_INCOMPRESSIBLE != 0 { F_INCOMPRESSIBLE } else { 0 };
             Entry::new(key, loc.pack(), check, len, codec, f)
         };
         let stored = pool.insert_entry(key, hash, entry, Work::Deferred)?;
