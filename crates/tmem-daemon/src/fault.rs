@@ -26,6 +26,12 @@ pub fn handover_protocol() -> Option<u32> {
     std::env::var("TMEM_FAULT_HANDOVER_PROTOCOL").ok().and_then(|v| v.parse().ok())
 }
 
+/// Whether a successor asks for a streamed hand-over (as one from before
+/// zero-copy hand-over would), if `TMEM_FAULT_HANDOVER_STREAMED` is set.
+pub fn handover_streamed() -> bool {
+    std::env::var_os("TMEM_FAULT_HANDOVER_STREAMED").is_some()
+}
+
 /// Panics the first time it is called, if `TMEM_FAULT_PANIC_TEARDOWN` is set.
 pub fn panic_in_teardown() {
     static PANICKED: AtomicBool = AtomicBool::new(false);

@@ -13,19 +13,37 @@
 //!    nothing more, so requests wait in the kernel) and its NBD sessions
 //!    (each stops between two requests; clients' requests wait in the
 //!    sockets, new clients in the listener's backlog): the stores are still;
-//! 3. running → `OFFER`: its spec and status (devices, loop devices, steps)
-//!    and what each NBD session negotiated, then each store's export
-//!    ([`tmem_core::Store::export`]); once the successor says `READY`, the
-//!    runtime directory's lock, the FUSE connection, the NBD listener and
-//!    each NBD session's socket as descriptors (`SCM_RIGHTS`);
-//! 4. the successor imports the stores, builds the devices, starts its
-//!    FUSE workers on the connection (the waiting requests go to them) and
-//!    its NBD sessions from their next request, binds the control socket,
-//!    and answers `TAKEN`; or `FAILED` with the reason.
-//! 5. On `TAKEN` the old process stops its workers and exits without
-//!    unmounting; the mount, the loop devices and swap never change. On
-//!    anything else (`FAILED`, a closed socket, no answer within
-//!    [`ANSWER_TIMEOUT`]) it resumes and goes on serving.
+//! 3. running → `OFFER`: its spec and status (devices, loop devices, steps),
+//!    what each NBD session negotiated, and how the stores travel:
+//!    * **shared** (`images`: both sides can, and every store keeps its
+//!      pages in a memfd, as the daemon's stores do): nothing more until
+//!      the successor says `READY`; then the running daemon seals its
+//!      stores ([`tmem_core::Store::seal`]), sends the descriptors (below)
+//!      with each store's memfd after them, and each store's image
+//!      ([`tmem_core::Store::export_image`]): the index and the allocator's
+//!      tables, no page. The successor maps the memfds, rebuilds the index
+//!      and maps every page into itself (so that its `mlockall` locks
+//!      them). The pause grows with the number of pages, not their bytes.
+//!    * **streamed** (an older successor, or a store in private memory):
+//!      each store's export ([`tmem_core::Store::export`]), pages and all;
+//!      once the successor says `READY`, the descriptors.
+//!
+//!    The descriptors (`SCM_RIGHTS`): the runtime directory's lock, the
+//!    FUSE connection, the NBD listener and each NBD session's socket;
+//! 4. the successor imports the stores, builds the devices, its FUSE
+//!    workers (paused) and its NBD server (not yet started), binds the
+//!    control socket, and answers `TAKEN`; or `FAILED` with the reason. It
+//!    serves nothing, and an imported image stays sealed, until `TAKEN` is
+//!    sent: a failed hand-over leaves the old process's pages as they were.
+//! 5. On `TAKEN` the old process answers `GONE`, stops its workers and
+//!    exits without unmounting; the mount, the loop devices and swap never
+//!    change. On anything else (`FAILED`, a closed socket, no answer within
+//!    [`ANSWER_TIMEOUT`]) it opens its stores again, resumes and goes on
+//!    serving.
+//! 6. The successor serves once it reads `GONE`, or once the old process
+//!    has ended. If the old process still runs without saying `GONE` (it
+//!    gave up waiting and resumed), the successor exits at once and serves
+//!    nothing: two processes never serve the same pages.
 //!
 //! What a process sees meanwhile: its swap-ins and swap-outs wait for the
 //! length of the pause (the successor logs it), and none fails.
@@ -66,12 +84,17 @@ const OFFER: u8 = b'O';
 const READY: u8 = b'Y';
 const TAKEN: u8 = b'K';
 const FAILED: u8 = b'F';
+const GONE: u8 = b'G';
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Hello {
     protocol: u32,
     store_format: u32,
     version: String,
+    /// The successor adopts shared stores (memfds and images); successors
+    /// before zero-copy hand-over leave it out.
+    #[serde(default)]
+    images: bool,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -80,6 +103,9 @@ struct Offer {
     status: Status,
     /// What each NBD session negotiated, in the order their sockets follow.
     nbd_sessions: Vec<tmem_nbd::SessionState>,
+    /// The stores follow as images, their memfds after the descriptors.
+    #[serde(default)]
+    images: bool,
 }
 
 fn err(e: impl std::fmt::Display) -> DaemonError {
@@ -141,7 +167,11 @@ fn hello() -> Hello {
     let protocol = crate::fault::handover_protocol().unwrap_or(PROTOCOL);
     #[cfg(not(feature = "fault-injection"))]
     let protocol = PROTOCOL;
-    Hello { protocol, store_format: HANDOVER_VERSION, version: env!("CARGO_PKG_VERSION").into() }
+    #[cfg(feature = "fault-injection")]
+    let images = !crate::fault::handover_streamed();
+    #[cfg(not(feature = "fault-injection"))]
+    let images = true;
+    Hello { protocol, store_format: HANDOVER_VERSION, version: env!("CARGO_PKG_VERSION").into(), images }
 }
 
 /// Waits up to `within` for process `pid` to end; returns whether it did.
@@ -261,6 +291,10 @@ impl Daemon {
         log(&format!("handing over to a successor (tmem {}): pausing FUSE requests", h.version));
         let paused = Instant::now();
         let resume = || {
+            // Open the stores again first: a sealed store refuses puts.
+            for store in self.handed_stores() {
+                store.seal(false);
+            }
             let g = self.lock();
             g.fuse.as_ref().inspect(|f| f.resume());
             g.nbd.as_ref().inspect(|n| n.resume());
@@ -277,7 +311,7 @@ impl Daemon {
                 return Err(err(format!("refused a successor: {why}")));
             }
         };
-        match self.send_state(&stream, &mut w, &mut r, nbd.as_ref()) {
+        match self.send_state(&stream, &mut w, &mut r, nbd.as_ref(), h.images) {
             Ok(()) => {
                 log(&format!(
                     "handed over after {} ms; this process exits and leaves the mount and sockets",
@@ -299,6 +333,16 @@ impl Daemon {
         }
     }
 
+    /// The stores a hand-over passes, in order: each device's, or each
+    /// cache's when there is no device (with a device, caches share its store).
+    fn handed_stores(&self) -> Vec<&Store> {
+        if self.devices.is_empty() {
+            self.caches.iter().map(|c| c.store()).collect()
+        } else {
+            self.devices.iter().map(|d| d.store()).collect()
+        }
+    }
+
     /// Sends the offer, the stores and the descriptors; waits for the answer.
     fn send_state(
         &self,
@@ -306,16 +350,16 @@ impl Daemon {
         w: &mut BufWriter<UnixStream>,
         r: &mut impl Read,
         nbd: Option<&tmem_nbd::NbdHandover>,
+        successor_takes_images: bool,
     ) -> Result<(), DaemonError> {
+        let stores = self.handed_stores();
+        let images = successor_takes_images && stores.iter().all(|s| s.memfd().is_some());
         let nbd_sessions = nbd.map(|h| h.sessions.iter().map(|(_, st)| *st).collect()).unwrap_or_default();
-        let offer = Offer { spec: self.spec.clone(), status: self.status(), nbd_sessions };
+        let offer = Offer { spec: self.spec.clone(), status: self.status(), nbd_sessions, images };
         send(w, OFFER, &serde_json::to_vec(&offer).map_err(err)?)?;
-        for d in &self.devices {
-            d.store().export(w).map_err(err)?;
-        }
-        if self.devices.is_empty() {
-            for c in &self.caches {
-                c.store().export(w).map_err(err)?;
+        if !images {
+            for store in &stores {
+                store.export(w).map_err(err)?;
             }
         }
         w.flush().map_err(err)?;
@@ -337,17 +381,37 @@ impl Daemon {
                 fds.push(h.listener.as_fd());
                 fds.extend(h.sessions.iter().map(|(fd, _)| fd.as_fd()));
             }
+            if images {
+                fds.extend(stores.iter().filter_map(|s| s.memfd()));
+            }
             if fds.len() > MAX_FDS {
                 return Err(err(format!("{} descriptors to pass, at most {MAX_FDS}", fds.len())));
             }
+            if images {
+                // From here on this process changes none of the pages; a
+                // failed hand-over opens the stores again (`resume`).
+                for store in &stores {
+                    store.seal(true);
+                }
+            }
             send_fds(stream, &fds)?;
+        }
+        if images {
+            for store in &stores {
+                store.export_image(w).map_err(err)?;
+            }
+            w.flush().map_err(err)?;
         }
         let answer = recv(r);
         if !matches!(answer, Ok((TAKEN, _))) {
             self.handing_over.store(false, std::sync::atomic::Ordering::Release);
         }
         match answer? {
-            (TAKEN, _) => Ok(()),
+            (TAKEN, _) => {
+                // Past this point this process never serves again.
+                let _ = send(w, GONE, &[]);
+                Ok(())
+            }
             (FAILED, why) => Err(err(format!("the successor failed: {}", String::from_utf8_lossy(&why)))),
             _ => Err(err("unexpected answer")),
         }
@@ -382,9 +446,16 @@ pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
         }
     };
     let started = Instant::now();
+    let old = offer.status.pid;
     match take(&dir, &stream, &mut r, &mut w, offer, started) {
-        Ok((daemon, rx)) => {
+        Ok((daemon, rx, nbd)) => {
             send(&mut w, TAKEN, &[])?;
+            if let Err(why) = predecessor_gone(&mut r, old) {
+                // It serves on: this process must not touch the pages.
+                crate::daemon::warn(&format!("hand-over: {why}; this process exits and serves nothing"));
+                std::process::exit(1);
+            }
+            daemon.serve_taken_over(nbd);
             daemon.after_take_over();
             crate::daemon::serve(&daemon, &rx);
             Ok(())
@@ -396,8 +467,23 @@ pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
     }
 }
 
+/// Waits for the old daemon `old` to say `GONE` after `TAKEN`, or to end:
+/// an error while it still runs without having said it.
+fn predecessor_gone(r: &mut impl Read, old: u32) -> Result<(), String> {
+    match recv(r) {
+        Ok((GONE, _)) => Ok(()),
+        // An older daemon exits without a word.
+        _ if wait_for_exit(old, Duration::from_secs(10)) => Ok(()),
+        Ok((tag, _)) => Err(format!("daemon pid {old} answered {:?} to TAKEN and still runs", char::from(tag))),
+        Err(e) => Err(format!("daemon pid {old} still runs and did not confirm ({e})")),
+    }
+}
+
+/// An NBD server adopted during a hand-over, started once it is taken.
+type PendingNbd = Option<tmem_nbd::NbdServer>;
+
 /// Builds this process's daemon from the offer and the stores that follow
-/// it, and starts serving the mount.
+/// it; serves nothing yet ([`Daemon::serve_taken_over`] starts that).
 fn take(
     dir: &RuntimeDir,
     stream: &UnixStream,
@@ -405,8 +491,8 @@ fn take(
     w: &mut impl Write,
     offer: Offer,
     started: Instant,
-) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>), DaemonError> {
-    let Offer { spec, status: old, nbd_sessions } = offer;
+) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>, PendingNbd), DaemonError> {
+    let Offer { spec, status: old, nbd_sessions, images } = offer;
     crate::daemon::log_panics();
     let (tx, rx) = mpsc::channel();
     let signalled = Arc::new(AtomicI32::new(0));
@@ -415,10 +501,26 @@ fn take(
     crate::daemon::protect(&mut steps)?;
     let total_ram = tmem_sys::swap::total_ram_bytes().map_err(err)?;
     let (mut pages, mut bytes) = (0, 0);
+    // Shared stores: the descriptors come first, the memfds last of them.
+    let mut fds = Vec::<OwnedFd>::new().into_iter();
+    let mut memfds = Vec::<OwnedFd>::new().into_iter();
+    if images {
+        send(w, READY, &[])?;
+        let mut all = recv_fds(stream)?;
+        let stores = if spec.devices.is_empty() { spec.caches.len() } else { spec.devices.len() };
+        let split = all.len().checked_sub(stores).ok_or_else(|| err("fewer descriptors arrived than the offer names"))?;
+        memfds = all.split_off(split).into_iter();
+        fds = all.into_iter();
+    }
+    let mut import = |cfg: tmem_core::StoreConfig, r: &mut dyn Read| match memfds.next() {
+        Some(fd) => Store::import_image(cfg, r, fd),
+        None if images => Err(tmem_core::StoreError::Handover("a store image without its memfd".into())),
+        None => Store::import(cfg, r),
+    };
     let mut devices: Vec<Arc<PoolDevice>> = Vec::new();
     for d in &spec.devices {
         let store_cfg = store_config(d, total_ram)?;
-        let (store, sum) = Store::import(store_cfg.clone(), r).map_err(err)?;
+        let (store, sum) = import(store_cfg.clone(), r).map_err(err)?;
         (pages, bytes) = (pages + sum.pages, bytes + sum.object_bytes);
         let cfg = DeviceConfig {
             name: d.name.clone(),
@@ -438,7 +540,7 @@ fn take(
                 (store, pool)
             }
             None => {
-                let (store, sum) = Store::import(c.store_config(total_ram)?, r).map_err(err)?;
+                let (store, sum) = import(c.store_config(total_ram)?, r).map_err(err)?;
                 (pages, bytes) = (pages + sum.pages, bytes + sum.object_bytes);
                 let store = Arc::new(store);
                 let pool = store.pool(0).map_err(err)?;
@@ -447,8 +549,21 @@ fn take(
         };
         caches.push(Arc::new(c.device_config(tmem_core::StoreConfig::default()).adopt(store, pool).map_err(err)?));
     }
-    send(w, READY, &[])?;
-    let mut fds = recv_fds(stream)?.into_iter();
+    // Map every page now, while nothing changes them, so that this
+    // process locks them before the old one lets go of its mappings.
+    let mapped = Instant::now();
+    let mut populated = 0;
+    if images {
+        let stores = devices.iter().map(|d| d.store()).chain(caches.iter().map(|c| c.store()));
+        for store in stores {
+            populated += store.populate().map_err(|e| err(format!("mapping the shared pool: {e}")))?;
+        }
+    }
+    let mapped = mapped.elapsed();
+    if !images {
+        send(w, READY, &[])?;
+        fds = recv_fds(stream)?.into_iter();
+    }
     let missing = || err("fewer descriptors arrived than the offer names");
     let lock_file = dir.adopt_lock(fds.next().ok_or_else(missing)?.into_raw_fd())?;
     let conn = if spec.fuse { Some(fds.next().ok_or_else(missing)?) } else { None };
@@ -480,8 +595,17 @@ fn take(
         .transpose()
         .map_err(err)?;
     let took = started.elapsed();
+    let how = if images {
+        format!(
+            "sharing its memory (memfd; no page copied, {} of pool mapped in {} ms)",
+            crate::human(populated * tmem_core::PAGE_SIZE as u64),
+            mapped.as_millis()
+        )
+    } else {
+        "copying them (stream)".to_owned()
+    };
     steps.push(format!(
-        "took over from daemon pid {}: {pages} pages ({}) in {} ms, the longest that requests waited",
+        "took over from daemon pid {}: {pages} pages ({}) in {} ms, the longest that requests waited, by {how}",
         old.pid,
         crate::human(bytes),
         took.as_millis()
@@ -494,17 +618,37 @@ fn take(
     let daemon = Arc::new(Daemon { predecessor: Some(old.pid), ..daemon });
     let fronts = adopt_fronts(&daemon, &old, total_ram)?;
     *daemon.fronts.lock() = fronts;
-    if let (Some(listen), Some((listener, sessions))) = (&daemon.spec.nbd, nbd) {
-        let cfg = daemon.nbd_config(listen)?;
-        let server =
-            tmem_nbd::NbdServer::adopt(cfg, listener, sessions).and_then(tmem_nbd::NbdServer::spawn).map_err(err)?;
-        daemon.lock().nbd = Some(server);
-    }
+    let nbd = match (&daemon.spec.nbd, nbd) {
+        (Some(listen), Some((listener, sessions))) => {
+            let cfg = daemon.nbd_config(listen)?;
+            Some(tmem_nbd::NbdServer::adopt(cfg, listener, sessions).map_err(err)?)
+        }
+        _ => None,
+    };
     let status = daemon.status();
     daemon.save_state(&status);
     crate::daemon::bind_control(&daemon)?;
     listen(&daemon)?;
-    Ok((daemon, rx))
+    Ok((daemon, rx, nbd))
+}
+
+impl Daemon {
+    /// Starts serving what [`take`] built: opens the stores, resumes the
+    /// FUSE workers, starts the NBD server.
+    fn serve_taken_over(&self, nbd: PendingNbd) {
+        for store in self.devices.iter().map(|d| d.store()).chain(self.caches.iter().map(|c| c.store())) {
+            store.seal(false);
+        }
+        if let Some(f) = self.lock().fuse.as_ref() {
+            f.resume();
+        }
+        if let Some(server) = nbd {
+            match server.spawn() {
+                Ok(handle) => self.lock().nbd = Some(handle),
+                Err(e) => crate::daemon::warn(&format!("NBD: the adopted server did not start: {e}")),
+            }
+        }
+    }
 }
 
 /// The predecessor's fronts, as its status names them: its zram devices

@@ -462,6 +462,8 @@ pub fn store_config(d: &DeviceSpec, total_ram: u64) -> Result<StoreConfig, Daemo
         codec: Some(choice.codec),
         dictionary: choice.dictionary.then(DictTraining::default),
         group: d.group.config()?,
+        // A successor adopts the pool's memfd instead of copying it.
+        shared_memory: true,
         ..Default::default()
     })
 }

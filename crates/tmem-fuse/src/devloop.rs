@@ -138,13 +138,14 @@ impl std::fmt::Debug for DevWorkers {
 }
 
 impl DevWorkers {
-    /// Starts `n` workers on clones of `master`.
-    pub(crate) fn start(fs: Arc<BlockFs>, master: BorrowedFd<'_>, n: usize) -> io::Result<Self> {
+    /// Starts `n` workers on clones of `master`; `paused`: they take no
+    /// request until [`DevWorkers::resume`].
+    pub(crate) fn start(fs: Arc<BlockFs>, master: BorrowedFd<'_>, n: usize, paused: bool) -> io::Result<Self> {
         use rustix::pipe::PipeFlags;
         let (wake_rx, wake_tx) = rustix::pipe::pipe_with(PipeFlags::NONBLOCK | PipeFlags::CLOEXEC)?;
         let n = n.max(1);
         let ctl = Arc::new(Ctl {
-            paused: AtomicBool::new(false),
+            paused: AtomicBool::new(paused),
             stop: AtomicBool::new(false),
             busy: (0..n).map(|_| Busy::default()).collect(),
             park: Mutex::new(Rank::FuseLoop, ()),

@@ -319,7 +319,7 @@ impl FuseMount {
                 fallback = Some("the kernel did not offer it at INIT".into());
             }
         }
-        let workers = devloop::DevWorkers::start(fs, std::os::fd::AsFd::as_fd(&session), cfg.threads)
+        let workers = devloop::DevWorkers::start(fs, std::os::fd::AsFd::as_fd(&session), cfg.threads, false)
             .map_err(|source| FuseError::Mount { path: cfg.mountpoint.clone(), source })?;
         let transport = match (&uring, fallback) {
             (Some(w), _) => Transport::IoUring { workers: w.workers() },
@@ -386,10 +386,12 @@ impl FuseMount {
 
     /// Serves a mount that a predecessor process made, on its connection
     /// `fd` (passed over a unix socket), with `cfg`'s exports and threads;
-    /// nothing is mounted and no INIT takes place. `/dev/fuse` only.
+    /// nothing is mounted and no INIT takes place. `/dev/fuse` only. The
+    /// workers start paused: they take requests after [`FuseMount::resume`],
+    /// once the predecessor can no longer serve.
     pub fn adopt(fd: std::os::fd::OwnedFd, cfg: FuseConfig) -> Result<Self, FuseError> {
         let fs = Arc::new(BlockFs::new(cfg.exports, false));
-        let workers = devloop::DevWorkers::start(fs, std::os::fd::AsFd::as_fd(&fd), cfg.threads)
+        let workers = devloop::DevWorkers::start(fs, std::os::fd::AsFd::as_fd(&fd), cfg.threads, true)
             .map_err(|source| FuseError::Mount { path: cfg.mountpoint.clone(), source })?;
         Ok(Self {
             session: None,

@@ -702,9 +702,20 @@ while not os.path.exists(stop) or passes < 2:
 print("OK" if ok else "MISMATCH", passes, "passes, longest chunk read %.1f ms" % (worst * 1000), flush=True)
 "#;
 
-/// `tmem swap restart` under load (issue 12): a job with over 100 MiB in
-/// swap keeps running through three restarts and one refused successor,
-/// never sees an error, and reads back what it wrote; counters carry on.
+/// Bytes of `pid`'s memory that are resident and locked (`Locked:` of
+/// smaps_rollup): under `mlockall(MCL_ONFAULT)`, the pages it has mapped.
+fn locked_bytes(pid: i32) -> u64 {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
+    let kib = rollup.lines().find_map(|l| l.strip_prefix("Locked:")).expect("a Locked: line");
+    kib.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() << 10
+}
+
+/// `tmem swap restart` under load (issue 12, issue 26): a job with over
+/// 100 MiB in swap keeps running through three restarts and one refused
+/// successor, never sees an error, and reads back what it wrote; counters
+/// carry on. Rounds 0 and 2 share the pool's memory (memfd), round 1 is
+/// streamed as a successor from before that asks; after each, the new
+/// process holds the pool's pages locked.
 #[test]
 fn swap_restart_keeps_every_page_of_a_running_job() {
     if !can_run() {
@@ -731,13 +742,21 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
     assert!(!ok && out.contains("refused") && out.contains("protocol 99"), "{out}");
     assert_eq!(s.daemon_pid(), pid, "the running daemon goes on");
     for round in 0..3 {
-        let (ok, out) = tmem(&["swap", "restart", "--runtime-dir", s.dir()]);
+        let streamed = round == 1;
+        let env: &[(&str, &str)] = if streamed { &[("TMEM_FAULT_HANDOVER_STREAMED", "1")] } else { &[] };
+        let (ok, out) = tmem_env(&["swap", "restart", "--runtime-dir", s.dir()], env);
         assert!(ok, "restart {round}: {out}");
         assert!(out.contains("took over from daemon pid") && out.contains("tmem swap restarted"), "{out}");
+        let how = if streamed { "by copying them (stream)" } else { "by sharing its memory (memfd; no page copied" };
+        assert!(out.contains(how), "restart {round}: {out}");
         println!("restart {round}: {}", out.lines().find(|l| l.contains("took over")).unwrap());
         let now = s.daemon_pid();
         assert_ne!(now, pid, "restart {round}: a new process serves");
         pid = now;
+        let span = s.stat()[0]["store"]["alloc"]["span_bytes"].as_u64().unwrap();
+        let locked = locked_bytes(pid);
+        println!("restart {round}: pool spans {} KiB, locked in the new process {} KiB", span >> 10, locked >> 10);
+        assert!(locked >= span * 9 / 10, "restart {round}: {} KiB of {} KiB locked", locked >> 10, span >> 10);
         let after = s.stat()[0]["store"]["total"].clone();
         for c in ["succ_puts", "succ_gets", "compressions", "decompressions"] {
             assert!(after[c].as_u64() >= before[c].as_u64(), "restart {round}: {c} went back: {before} -> {after}");
