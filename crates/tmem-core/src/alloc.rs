@@ -495,14 +495,21 @@ impl ZsAlloc {
     }
 
     /// Maps every live span's pages into this process (see
-    /// [`PageArena::populate`]); returns the pages.
+    /// [`PageArena::populate`]); returns the pages. Each span is mapped
+    /// under its class's lock, so a span freed meanwhile is never faulted
+    /// in again (which would fill its holes with fresh pages).
     pub fn populate(&self) -> std::io::Result<u64> {
         let mut pages = 0;
         for i in 0..self.classes.len() {
-            let spans: Vec<SpanPtr> = self.lock(i).spans.iter().filter_map(|s| s.ptr).collect();
-            for s in spans {
-                self.arena.populate(s)?;
-                pages += (s.len() / PAGE_SIZE) as u64;
+            let mut id = 0;
+            loop {
+                let c = self.lock(i);
+                let Some(span) = c.spans.get(id) else { break };
+                if let Some(p) = span.ptr {
+                    self.arena.populate(p)?;
+                    pages += (p.len() / PAGE_SIZE) as u64;
+                }
+                id += 1;
             }
         }
         Ok(pages)

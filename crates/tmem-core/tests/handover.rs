@@ -205,6 +205,7 @@ proptest! {
         let (a, ids) = build_in(shared(limit), &ops);
         let (b, sent, got) = hand_image(&a, shared(0));
         prop_assert_eq!(sent, got);
+        prop_assert_eq!(b.populate().unwrap() * PAGE_SIZE as u64, a.stats().alloc.span_bytes, "every span is mapped");
         prop_assert_eq!(a.codec_name(), b.codec_name());
         prop_assert_eq!(a.stats().alloc.span_bytes, b.stats().alloc.span_bytes, "the memory is counted once, alike");
         prop_assert_eq!(a.stats().alloc.objects, b.stats().alloc.objects);

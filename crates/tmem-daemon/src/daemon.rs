@@ -474,7 +474,7 @@ impl Daemon {
     }
 
     /// Records a step: in the log, in the status, and in the state file.
-    fn step(&self, s: String) {
+    pub(crate) fn step(&self, s: String) {
         log(&s);
         self.lock().status.steps.push(s);
         let status = self.status();

@@ -21,9 +21,9 @@
 //!      stores ([`tmem_core::Store::seal`]), sends the descriptors (below)
 //!      with each store's memfd after them, and each store's image
 //!      ([`tmem_core::Store::export_image`]): the index and the allocator's
-//!      tables, no page. The successor maps the memfds, rebuilds the index
-//!      and maps every page into itself (so that its `mlockall` locks
-//!      them). The pause grows with the number of pages, not their bytes.
+//!      tables, no page. The successor maps the memfds and rebuilds the
+//!      index and the tables: the pause grows with the number of pages,
+//!      not with their bytes.
 //!    * **streamed** (an older successor, or a store in private memory):
 //!      each store's export ([`tmem_core::Store::export`]), pages and all;
 //!      once the successor says `READY`, the descriptors.
@@ -37,7 +37,10 @@
 //!    sent: a failed hand-over leaves the old process's pages as they were.
 //! 5. On `TAKEN` the old process answers `GONE`, stops its workers and
 //!    exits without unmounting; the mount, the loop devices and swap never
-//!    change. On anything else (`FAILED`, a closed socket, no answer within
+//!    change. With shared stores it first waits for `LOCKED`: the
+//!    successor, serving by then, faults every pool page into itself (so
+//!    that its `mlockall` locks them) and says so; until then the old
+//!    process's mappings keep them locked, out of reclaim's reach. On anything else (`FAILED`, a closed socket, no answer within
 //!    [`ANSWER_TIMEOUT`]) it opens its stores again, resumes and goes on
 //!    serving.
 //! 6. The successor serves once it reads `GONE`, or once the old process
@@ -85,6 +88,7 @@ const READY: u8 = b'Y';
 const TAKEN: u8 = b'K';
 const FAILED: u8 = b'F';
 const GONE: u8 = b'G';
+const LOCKED: u8 = b'L';
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Hello {
@@ -312,7 +316,7 @@ impl Daemon {
             }
         };
         match self.send_state(&stream, &mut w, &mut r, nbd.as_ref(), h.images) {
-            Ok(()) => {
+            Ok(images) => {
                 log(&format!(
                     "handed over after {} ms; this process exits and leaves the mount and sockets",
                     paused.elapsed().as_millis()
@@ -324,6 +328,15 @@ impl Daemon {
                     f.leave_mounted();
                 }
                 g.nbd.as_ref().inspect(|n| n.handed_over());
+                if images {
+                    // This process's mappings keep the shared pages locked
+                    // until the successor has mapped them.
+                    let _ = stream.set_read_timeout(Some(ANSWER_TIMEOUT));
+                    match recv(&mut r) {
+                        Ok((LOCKED, _)) => log("the successor locked the shared pool"),
+                        _ => crate::daemon::warn("the successor did not say it locked the shared pool"),
+                    }
+                }
                 std::process::exit(0);
             }
             Err(e) => {
@@ -343,7 +356,8 @@ impl Daemon {
         }
     }
 
-    /// Sends the offer, the stores and the descriptors; waits for the answer.
+    /// Sends the offer, the stores and the descriptors; waits for the
+    /// answer. Returns whether the stores went as images.
     fn send_state(
         &self,
         stream: &UnixStream,
@@ -351,7 +365,7 @@ impl Daemon {
         r: &mut impl Read,
         nbd: Option<&tmem_nbd::NbdHandover>,
         successor_takes_images: bool,
-    ) -> Result<(), DaemonError> {
+    ) -> Result<bool, DaemonError> {
         let stores = self.handed_stores();
         let images = successor_takes_images && stores.iter().all(|s| s.memfd().is_some());
         let nbd_sessions = nbd.map(|h| h.sessions.iter().map(|(_, st)| *st).collect()).unwrap_or_default();
@@ -410,7 +424,7 @@ impl Daemon {
             (TAKEN, _) => {
                 // Past this point this process never serves again.
                 let _ = send(w, GONE, &[]);
-                Ok(())
+                Ok(images)
             }
             (FAILED, why) => Err(err(format!("the successor failed: {}", String::from_utf8_lossy(&why)))),
             _ => Err(err("unexpected answer")),
@@ -424,6 +438,10 @@ impl Daemon {
 pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
     crate::logging::init();
     let dir = RuntimeDir::open(&runtime_dir)?;
+    // Protected (OOM score, cgroup, mlockall, I/O flusher) before the
+    // running daemon pauses: none of this is part of the pause.
+    let mut protected = Vec::new();
+    crate::daemon::protect(&mut protected)?;
     let path = dir.join(SOCKET);
     let stream = UnixStream::connect(&path)
         .map_err(|e| err(format!("no running daemon to take over from ({}: {e})", path.display())))?;
@@ -431,6 +449,8 @@ pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
     let mut r = BufReader::with_capacity(1 << 20, stream.try_clone().map_err(err)?);
     let mut w = stream.try_clone().map_err(err)?;
     let peer = rustix::net::sockopt::socket_peercred(&stream).map_err(err)?.pid;
+    // The running daemon pauses on HELLO: requests wait from here.
+    let started = Instant::now();
     send(&mut w, HELLO, &serde_json::to_vec(&hello()).map_err(err)?)?;
     let offer: Offer = match recv(&mut r) {
         Ok((OFFER, body)) => serde_json::from_slice(&body).map_err(err)?,
@@ -445,10 +465,9 @@ pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
             )));
         }
     };
-    let started = Instant::now();
     let old = offer.status.pid;
-    match take(&dir, &stream, &mut r, &mut w, offer, started) {
-        Ok((daemon, rx, nbd)) => {
+    match take(&dir, &stream, &mut r, &mut w, offer, protected) {
+        Ok((daemon, rx, nbd, report)) => {
             send(&mut w, TAKEN, &[])?;
             if let Err(why) = predecessor_gone(&mut r, old) {
                 // It serves on: this process must not touch the pages.
@@ -456,6 +475,12 @@ pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
                 std::process::exit(1);
             }
             daemon.serve_taken_over(nbd);
+            let line = report.step(old, started.elapsed());
+            log(&line);
+            daemon.step(line);
+            if report.images {
+                daemon.lock_shared_pages(&mut w);
+            }
             daemon.after_take_over();
             crate::daemon::serve(&daemon, &rx);
             Ok(())
@@ -482,6 +507,26 @@ fn predecessor_gone(r: &mut impl Read, old: u32) -> Result<(), String> {
 /// An NBD server adopted during a hand-over, started once it is taken.
 type PendingNbd = Option<tmem_nbd::NbdServer>;
 
+/// What a successor took over, for its step line.
+struct TakeReport {
+    pages: u64,
+    bytes: u64,
+    /// Shared stores (else streamed).
+    images: bool,
+}
+
+impl TakeReport {
+    fn step(&self, old: u32, paused: Duration) -> String {
+        let how = if self.images { "sharing its memory (memfd; no page copied)" } else { "copying them (stream)" };
+        format!(
+            "took over from daemon pid {old}: {} pages ({}) in {} ms, the longest that requests waited, by {how}",
+            self.pages,
+            crate::human(self.bytes),
+            paused.as_millis()
+        )
+    }
+}
+
 /// Builds this process's daemon from the offer and the stores that follow
 /// it; serves nothing yet ([`Daemon::serve_taken_over`] starts that).
 fn take(
@@ -490,15 +535,15 @@ fn take(
     r: &mut impl Read,
     w: &mut impl Write,
     offer: Offer,
-    started: Instant,
-) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>, PendingNbd), DaemonError> {
+    protected: Vec<String>,
+) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>, PendingNbd, TakeReport), DaemonError> {
     let Offer { spec, status: old, nbd_sessions, images } = offer;
     crate::daemon::log_panics();
     let (tx, rx) = mpsc::channel();
     let signalled = Arc::new(AtomicI32::new(0));
     crate::daemon::watch_signals(tx.clone(), Arc::clone(&signalled))?;
     let mut steps = old.steps.clone();
-    crate::daemon::protect(&mut steps)?;
+    steps.extend(protected);
     let total_ram = tmem_sys::swap::total_ram_bytes().map_err(err)?;
     let (mut pages, mut bytes) = (0, 0);
     // Shared stores: the descriptors come first, the memfds last of them.
@@ -508,7 +553,8 @@ fn take(
         send(w, READY, &[])?;
         let mut all = recv_fds(stream)?;
         let stores = if spec.devices.is_empty() { spec.caches.len() } else { spec.devices.len() };
-        let split = all.len().checked_sub(stores).ok_or_else(|| err("fewer descriptors arrived than the offer names"))?;
+        let split =
+            all.len().checked_sub(stores).ok_or_else(|| err("fewer descriptors arrived than the offer names"))?;
         memfds = all.split_off(split).into_iter();
         fds = all.into_iter();
     }
@@ -549,17 +595,6 @@ fn take(
         };
         caches.push(Arc::new(c.device_config(tmem_core::StoreConfig::default()).adopt(store, pool).map_err(err)?));
     }
-    // Map every page now, while nothing changes them, so that this
-    // process locks them before the old one lets go of its mappings.
-    let mapped = Instant::now();
-    let mut populated = 0;
-    if images {
-        let stores = devices.iter().map(|d| d.store()).chain(caches.iter().map(|c| c.store()));
-        for store in stores {
-            populated += store.populate().map_err(|e| err(format!("mapping the shared pool: {e}")))?;
-        }
-    }
-    let mapped = mapped.elapsed();
     if !images {
         send(w, READY, &[])?;
         fds = recv_fds(stream)?.into_iter();
@@ -594,23 +629,7 @@ fn take(
         })
         .transpose()
         .map_err(err)?;
-    let took = started.elapsed();
-    let how = if images {
-        format!(
-            "sharing its memory (memfd; no page copied, {} of pool mapped in {} ms)",
-            crate::human(populated * tmem_core::PAGE_SIZE as u64),
-            mapped.as_millis()
-        )
-    } else {
-        "copying them (stream)".to_owned()
-    };
-    steps.push(format!(
-        "took over from daemon pid {}: {pages} pages ({}) in {} ms, the longest that requests waited, by {how}",
-        old.pid,
-        crate::human(bytes),
-        took.as_millis()
-    ));
-    log(steps.last().map_or("", String::as_str));
+    let report = TakeReport { pages, bytes, images };
     let status = Status { state: "up".into(), pid: std::process::id(), steps, ..old.clone() };
     let dir = RuntimeDir::open(dir.path())?;
     let daemon = Daemon::new(spec, dir, lock_file, (devices, caches), status, tx, signalled);
@@ -629,10 +648,33 @@ fn take(
     daemon.save_state(&status);
     crate::daemon::bind_control(&daemon)?;
     listen(&daemon)?;
-    Ok((daemon, rx, nbd))
+    Ok((daemon, rx, nbd, report))
 }
 
 impl Daemon {
+    /// Faults every page of the adopted pools into this process, which
+    /// locks them (`mlockall`), then tells the old process, which held them
+    /// locked until now, that it may exit: until then an unmapped page
+    /// could be reclaimed to swap, perhaps to this very daemon.
+    fn lock_shared_pages(&self, w: &mut impl Write) {
+        let started = Instant::now();
+        let mut pages = 0;
+        for store in self.devices.iter().map(|d| d.store()).chain(self.caches.iter().map(|c| c.store())) {
+            match store.populate() {
+                Ok(n) => pages += n,
+                Err(e) => crate::daemon::warn(&format!("mapping the adopted pool: {e}")),
+            }
+        }
+        let line = format!(
+            "{} of adopted pool mapped and locked in {} ms, while serving",
+            crate::human(pages * tmem_core::PAGE_SIZE as u64),
+            started.elapsed().as_millis()
+        );
+        log(&line);
+        self.step(line);
+        let _ = send(w, LOCKED, &[]);
+    }
+
     /// Starts serving what [`take`] built: opens the stores, resumes the
     /// FUSE workers, starts the NBD server.
     fn serve_taken_over(&self, nbd: PendingNbd) {

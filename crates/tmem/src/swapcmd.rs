@@ -733,13 +733,21 @@ pub fn restart(a: &RestartArgs) -> anyhow::Result<()> {
         if let Ok(v) = ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(5)) {
             let now = st(v)?;
             if now.pid == new && now.state == "up" {
-                // The old process exits once it has heard the new one took over.
-                if !tmem_daemon::handover::wait_for_exit(old.pid, Duration::from_secs(10)) {
+                // The old process exits once it has heard the new one took
+                // over, and (shared pools) once the new one has mapped them.
+                let within = Duration::from_secs(a.wait.max(10));
+                if !tmem_daemon::handover::wait_for_exit(old.pid, within) {
                     anyhow::bail!(
-                        "daemon pid {new} took over, but the old one (pid {}) still runs after 10 s",
-                        old.pid
+                        "daemon pid {new} took over, but the old one (pid {}) still runs after {} s",
+                        old.pid,
+                        within.as_secs()
                     );
                 }
+                let now = ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(5))
+                    .ok()
+                    .and_then(|v| st(v).ok())
+                    .filter(|s| s.pid == new)
+                    .unwrap_or(now);
                 for s in now.steps.iter().skip(old.steps.len()) {
                     println!("{s}");
                 }

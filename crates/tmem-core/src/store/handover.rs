@@ -378,6 +378,25 @@ fn read_alloc_image(r: &mut R<'_>) -> Result<crate::alloc::AllocImage, StoreErro
     Ok(AllocImage { config, arena: ArenaImage { chunks, bump, free }, classes, compacted })
 }
 
+/// Bytes of one page in an image: key (16), flags, codec, checksum (4),
+/// object length (4; 0 when same-filled), location or fill word (8). One
+/// fixed record, written and read whole: an image's cost is per page.
+const IMAGE_RECORD: usize = 34;
+
+fn image_record(e: &Entry) -> [u8; IMAGE_RECORD] {
+    let mut b = [0u8; IMAGE_RECORD];
+    b[0..8].copy_from_slice(&e.object.to_le_bytes());
+    b[8..16].copy_from_slice(&e.index.to_le_bytes());
+    b[16] = if e.has(F_SAME) { REC_SAME } else { 0 } | if e.has(F_INCOMPRESSIBLE) { REC_INCOMPRESSIBLE } else { 0 };
+    b[17] = e.codec();
+    b[18..22].copy_from_slice(&e.check.to_le_bytes());
+    let len = if e.has(F_SAME) { 0 } else { u32::try_from(e.len()).expect("an object is under a page") };
+    b[22..26].copy_from_slice(&len.to_le_bytes());
+    // A same-filled page keeps its word where others keep their location.
+    b[26..34].copy_from_slice(&e.loc.to_le_bytes());
+    b
+}
+
 fn bad_len(_: std::num::TryFromIntError) -> StoreError {
     bad("a count larger than this machine's address space")
 }
@@ -419,7 +438,8 @@ impl Store {
     }
 
     /// Maps every page of an imported image into this process, which locks
-    /// them under `mlockall(MCL_ONFAULT)`; returns the pages.
+    /// them under `mlockall(MCL_ONFAULT)`; returns the pages. Safe while
+    /// the store serves: each span is mapped under its class's lock.
     pub fn populate(&self) -> std::io::Result<u64> {
         self.shared.alloc.populate()
     }
@@ -479,6 +499,12 @@ impl Store {
                     if e.has(F_GROUP) {
                         continue;
                     }
+                    if image {
+                        w.bytes(&image_record(e))?;
+                        sum.object_bytes += e.len() as u64;
+                        sum.pages += 1;
+                        continue;
+                    }
                     w.u64(e.object)?;
                     w.u64(e.index)?;
                     let flags = if e.has(F_SAME) { REC_SAME } else { 0 }
@@ -488,11 +514,6 @@ impl Store {
                     w.u32(e.check)?;
                     if e.has(F_SAME) {
                         w.u64(e.loc)?;
-                    } else if image {
-                        let loc = e.alloc_loc().expect("a pool page without tiers has an object");
-                        w.u32(u32::try_from(e.len()).expect("an object is under a page"))?;
-                        w.u64(loc.pack())?;
-                        sum.object_bytes += e.len() as u64;
                     } else {
                         let loc = e.alloc_loc().expect("a pool page without tiers has an object");
                         // SAFETY: `e` is live in this shard, whose lock we
@@ -529,8 +550,9 @@ impl Store {
     }
 
     /// Builds a store from [`Store::export_image`]'s stream and the
-    /// exporter's memfd `fd`: maps the pages and rebuilds the index and the
-    /// allocator's tables, reading no stored page. `cfg` must group pages
+    /// exporter's memfd `fd`: maps the memfd and rebuilds the index and the
+    /// allocator's tables, reading no stored page. The pages are faulted
+    /// into this process later, by [`Store::populate`]. `cfg` must group pages
     /// as the exporter did; the allocator's tuning comes from the image.
     /// The store is returned sealed: see the module docs.
     pub fn import_image(
@@ -637,7 +659,11 @@ impl Store {
                 }
                 let entries = r.u64()?;
                 for _ in 0..entries {
-                    store.import_page(&pool, &mut r, &new_id, &mut sum, image)?;
+                    if image {
+                        store.import_image_page(&pool, &r.array()?, &new_id, &mut sum)?;
+                    } else {
+                        store.import_page(&pool, &mut r, &new_id, &mut sum)?;
+                    }
                 }
                 if v2 {
                     let groups = r.u64()?;
@@ -813,6 +839,36 @@ impl Store {
         Ok(())
     }
 
+    /// Adopts one page of an image ([`image_record`]): its object stays
+    /// where it is.
+    fn import_image_page(
+        &self,
+        pool: &Pool,
+        b: &[u8; IMAGE_RECORD],
+        new_id: &dyn Fn(u8) -> Result<u8, StoreError>,
+        sum: &mut HandoverSummary,
+    ) -> Result<(), StoreError> {
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let key = Key::new(u64_at(0), u64_at(8));
+        let (flags, codec, check, len, loc) = (b[16], new_id(b[17])?, u32_at(18), u32_at(22) as usize, u64_at(26));
+        let entry = if flags & REC_SAME != 0 {
+            Entry::new(key, loc, 0, 0, RAW_CODEC, F_SAME)
+        } else {
+            let at = crate::alloc::Loc::unpack(loc);
+            if len == 0 || len > PAGE_SIZE || !self.shared.alloc.holds(at, len) {
+                return Err(bad(format!("page {key:?}: {len} bytes at {at:?} is not an allocated slot of the image")));
+            }
+            sum.object_bytes += len as u64;
+            let f = if flags & REC_INCOMPRESSIBLE != 0 { F_INCOMPRESSIBLE } else { 0 };
+            Entry::new(key, loc, check, len, codec, f)
+        };
+        let stored = pool.insert_entry(key, hash_key(key), entry, Work::Deferred)?;
+        debug_assert_eq!(stored, PutOutcome::Stored);
+        sum.pages += 1;
+        Ok(())
+    }
+
     /// Reads one page record and stores it as it is.
     fn import_page(
         &self,
@@ -820,7 +876,6 @@ impl Store {
         r: &mut R<'_>,
         new_id: &dyn Fn(u8) -> Result<u8, StoreError>,
         sum: &mut HandoverSummary,
-        image: bool,
     ) -> Result<(), StoreError> {
         let key = Key::new(r.u64()?, r.u64()?);
         let flags = r.u8()?;
@@ -835,18 +890,6 @@ impl Store {
                 return Err(bad(format!("page {key:?}: an object of {len} bytes")));
             }
             let f = if flags & REC_INCOMPRESSIBLE != 0 { F_INCOMPRESSIBLE } else { 0 };
-            if image {
-                let loc = crate::alloc::Loc::unpack(r.u64()?);
-                if !self.shared.alloc.holds(loc, len) {
-                    return Err(bad(format!("page {key:?}: {loc:?} is not an allocated slot of the image")));
-                }
-                sum.object_bytes += len as u64;
-                let stored =
-                    pool.insert_entry(key, hash, Entry::new(key, loc.pack(), check, len, codec, f), Work::Deferred)?;
-                debug_assert_eq!(stored, PutOutcome::Stored);
-                sum.pages += 1;
-                return Ok(());
-            }
             let mut data = [0u8; PAGE_SIZE];
             r.fill(&mut data[..len])?;
             if crc32fast::hash(&data[..len]) != check {

@@ -1,0 +1,65 @@
+//! What a zero-copy hand-over costs per page (issue 26): a store of shared
+//! memory filled with N text pages, sealed, its image written and adopted
+//! by a second store in the same process, and every page mapped again.
+//!
+//! ```sh
+//! cargo run --release -p tmem-core --example handover_image -- 357000
+//! ```
+use std::time::Instant;
+use tmem_core::{Key, PoolConfig, Store, StoreConfig, PAGE_SIZE};
+
+fn main() {
+    let pages: u64 = std::env::args().nth(1).map_or(357_000, |a| a.parse().expect("a page count"));
+    let cfg = || StoreConfig { shared_memory: true, shards: 16, ..Default::default() };
+    let a = cfg().build().unwrap();
+    let pool = a.create_pool(PoolConfig::persistent());
+    let words: [&[u8]; 8] = [b"alpha ", b"beta ", b"gamma ", b"delta ", b"lorem ", b"ipsum ", b"tmem ", b"page "];
+    let mut page = [0u8; PAGE_SIZE];
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    for i in 0..pages {
+        let mut at = 0;
+        while at < PAGE_SIZE {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let w = words[(x % 8) as usize];
+            let n = w.len().min(PAGE_SIZE - at);
+            page[at..at + n].copy_from_slice(&w[..n]);
+            at += n;
+        }
+        assert_eq!(pool.put(Key::new(1, i), &page).unwrap(), tmem_core::PutOutcome::Stored);
+    }
+    let span = a.stats().alloc.span_bytes;
+    a.seal(true);
+    let t = Instant::now();
+    let mut image = Vec::new();
+    a.export_image(&mut image).unwrap();
+    let export = t.elapsed();
+    let fd = a.memfd().unwrap().try_clone_to_owned().unwrap();
+    let t = Instant::now();
+    let (b, sum) = Store::import_image(cfg(), &mut image.as_slice(), fd).unwrap();
+    let import = t.elapsed();
+    let per = |d: std::time::Duration| d.as_secs_f64() * 1e9 / sum.pages as f64;
+    println!(
+        "{} pages, {} MiB of pool, image {} bytes ({:.1} per page)",
+        sum.pages,
+        span >> 20,
+        image.len(),
+        image.len() as f64 / sum.pages as f64
+    );
+    println!("export {:>7.1} ms  {:>6.0} ns/page", export.as_secs_f64() * 1e3, per(export));
+    println!(
+        "import {:>7.1} ms  {:>6.0} ns/page (the index and the tables rebuilt)",
+        import.as_secs_f64() * 1e3,
+        per(import)
+    );
+    let t = Instant::now();
+    let mapped = b.populate().unwrap();
+    let map = t.elapsed();
+    println!(
+        "map    {:>7.1} ms  {:>6.0} ns/page ({} MiB of pool faulted in; the daemon does this once it serves)",
+        map.as_secs_f64() * 1e3,
+        per(map),
+        (mapped * PAGE_SIZE as u64) >> 20
+    );
+}
