@@ -1,8 +1,10 @@
-//! The store hand-over parser (`Store::import`, `tmem swap restart`): any
-//! bytes give a store or one error, never a panic. With the first byte odd,
-//! the input overwrites part of a real export, so that mutations reach past
-//! the header into codecs, pools, pages and groups; its second bit picks an
-//! importing store that groups or one that expands groups into pages.
+//! The store hand-over parsers (`Store::import` and the zero-copy
+//! `Store::import_image`, `tmem swap restart`): any bytes give a store or one
+//! error, never a panic. With the first byte odd, the input overwrites part
+//! of a real export, so that mutations reach past the header into codecs,
+//! pools, pages and groups; its second bit picks an importing store that
+//! groups or one that expands groups into pages; its third bit parses an
+//! image instead, against the memfd of the real store it came from.
 
 #![no_main]
 
@@ -15,14 +17,14 @@ use tmem_core::{GroupConfig, Key, PoolConfig, Store, StoreConfig, PAGE_SIZE};
 /// (groups are imported as they are; otherwise they are expanded).
 fn config(group: bool) -> StoreConfig {
     let group = group.then(|| GroupConfig { dictionary: false, level: 1, ..GroupConfig::default() });
-    StoreConfig { shards: 1, group, ..StoreConfig::default() }
+    StoreConfig { shards: 1, group, shared_memory: true, ..StoreConfig::default() }
 }
 
-/// An export of a small store: a persistent and an ephemeral pool with
-/// compressible, same-filled and random pages, two groups of the
-/// persistent pool's pages (one with a tombstone) in it.
-fn valid() -> &'static [u8] {
-    static EXPORT: OnceLock<Vec<u8>> = OnceLock::new();
+/// A small store (a persistent and an ephemeral pool with compressible,
+/// same-filled and random pages, two groups of the persistent pool's pages,
+/// one with a tombstone), sealed, with its export and its image.
+fn valid() -> &'static (Store, Vec<u8>, Vec<u8>) {
+    static EXPORT: OnceLock<(Store, Vec<u8>, Vec<u8>)> = OnceLock::new();
     EXPORT.get_or_init(|| {
         let store = config(true).build().expect("store");
         let pools = [store.create_pool(PoolConfig::persistent()), store.create_pool(PoolConfig::ephemeral())];
@@ -44,23 +46,34 @@ fn valid() -> &'static [u8] {
         let _ = pools[0].flush_page(Key::new(1, 6));
         let mut out = Vec::new();
         store.export(&mut out).expect("export");
-        out
+        store.seal(true);
+        let mut image = Vec::new();
+        store.export_image(&mut image).expect("image");
+        (store, out, image)
     })
 }
 
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else { return };
+    let (store, export, image) = valid();
+    let as_image = mode & 4 != 0;
     let input = if mode & 1 == 0 {
         rest.to_vec()
     } else {
-        let mut base = valid().to_vec();
+        let mut base = if as_image { image.clone() } else { export.clone() };
         let at = rest.first().map_or(0, |&b| usize::from(b) * base.len() / 256);
         let patch = rest.get(1..).unwrap_or_default();
         let end = (at + patch.len()).min(base.len());
         base[at..end].copy_from_slice(&patch[..end - at]);
         base
     };
-    match Store::import(config(mode & 2 != 0), &mut input.as_slice()) {
+    let imported = if as_image {
+        let fd = store.memfd().expect("a shared store").try_clone_to_owned().expect("dup");
+        Store::import_image(config(true), &mut input.as_slice(), fd)
+    } else {
+        Store::import(config(mode & 2 != 0), &mut input.as_slice())
+    };
+    match imported {
         Ok((store, _)) => drop(store.stats()),
         Err(e) => drop(e.to_string()),
     }
