@@ -40,7 +40,8 @@
 //!    change. With shared stores it first waits for `LOCKED`: the
 //!    successor, serving by then, faults every pool page into itself (so
 //!    that its `mlockall` locks them) and says so; until then the old
-//!    process's mappings keep them locked, out of reclaim's reach. On anything else (`FAILED`, a closed socket, no answer within
+//!    process's mappings keep them locked, out of reclaim's reach. On
+//!    anything else (`FAILED`, a closed socket, no answer within
 //!    [`ANSWER_TIMEOUT`]) it opens its stores again, resumes and goes on
 //!    serving.
 //! 6. The successor serves once it reads `GONE`, or once the old process
@@ -659,7 +660,7 @@ impl Daemon {
     fn lock_shared_pages(&self, w: &mut impl Write) {
         let started = Instant::now();
         let mut pages = 0;
-        for store in self.devices.iter().map(|d| d.store()).chain(self.caches.iter().map(|c| c.store())) {
+        for store in self.handed_stores() {
             match store.populate() {
                 Ok(n) => pages += n,
                 Err(e) => crate::daemon::warn(&format!("mapping the adopted pool: {e}")),
@@ -678,7 +679,7 @@ impl Daemon {
     /// Starts serving what [`take`] built: opens the stores, resumes the
     /// FUSE workers, starts the NBD server.
     fn serve_taken_over(&self, nbd: PendingNbd) {
-        for store in self.devices.iter().map(|d| d.store()).chain(self.caches.iter().map(|c| c.store())) {
+        for store in self.handed_stores() {
             store.seal(false);
         }
         if let Some(f) = self.lock().fuse.as_ref() {

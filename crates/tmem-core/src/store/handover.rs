@@ -346,7 +346,9 @@ fn read_alloc_image(r: &mut R<'_>) -> Result<crate::alloc::AllocImage, StoreErro
     if free_n > total_pages {
         return Err(bad(format!("image: {free_n} free spans in {chunks} chunks")));
     }
-    let mut free = Vec::with_capacity(usize::try_from(free_n).map_err(bad_len)?);
+    // Counts are checked against the chunks, which the memfd's size checks
+    // later: reserve no more than a little ahead of the bytes read.
+    let mut free = Vec::with_capacity(usize::try_from(free_n.min(1 << 16)).map_err(bad_len)?);
     for _ in 0..free_n {
         free.push((r.u8()?, SpanPlace { chunk: r.u32()?, page: r.u32()? }));
     }
@@ -360,7 +362,7 @@ fn read_alloc_image(r: &mut R<'_>) -> Result<crate::alloc::AllocImage, StoreErro
         if n > total_pages {
             return Err(bad(format!("image: {n} spans in {chunks} chunks")));
         }
-        let mut spans = Vec::with_capacity(usize::try_from(n).map_err(bad_len)?);
+        let mut spans = Vec::with_capacity(usize::try_from(n.min(1 << 16)).map_err(bad_len)?);
         for _ in 0..n {
             spans.push(if r.bool("span mapped")? {
                 Some(SpanImage {
@@ -737,6 +739,9 @@ impl Store {
         }
         sum.object_bytes += len as u64;
         let chunks = if image {
+            if sh.window_shift == 0 {
+                return Err(bad(format!("{what}: a group in the image of a store that does not group")));
+            }
             let n = r.u32()? as usize;
             if n != len.div_ceil(group::CHUNK_BYTES) {
                 return Err(bad(format!("{what}: {n} chunks for a block of {len} bytes")));
