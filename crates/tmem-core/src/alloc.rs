@@ -25,8 +25,9 @@
 //!   entries instead (see below).
 //! * **Raw pages** (4096 bytes) are a class of their own with one page per span.
 //! * **Spans** come from [`PageArena`], which reserves 4 MiB of address space
-//!   at a time and returns freed spans to the kernel (`MADV_DONTNEED`). An
-//!   empty span is freed at once, as zsmalloc frees empty zspages.
+//!   at a time (private memory, or a memfd a successor process can adopt)
+//!   and returns freed spans to the kernel (`MADV_DONTNEED`, or a punched
+//!   hole). An empty span is freed at once, as zsmalloc frees empty zspages.
 //! * **Free slots** keep a u16 link to the next free slot in their first two
 //!   bytes, so free-slot tracking costs no memory beyond the span itself;
 //!   never-used slots are handed out by a bump index, so a new span is not
