@@ -22,6 +22,9 @@ cleanup() {
     touch "$work/stop"
     [ -n "$job" ] && wait "$job" 2>/dev/null
     "$tmem" swap down --runtime-dir "$rd" >/dev/null 2>&1
+    # swap down leaves the lock and the log for a later swap up: this
+    # directory has no later one.
+    rm -rf "$rd"
     rmdir "$cg" 2>/dev/null
     rm -rf "$work"
 }
