@@ -184,6 +184,24 @@ enum Backing {
     Memfd(std::os::fd::OwnedFd),
 }
 
+impl ArenaInner {
+    /// Records chunk number `n`, mapped at `base`.
+    fn add_chunk(&mut self, base: NonNull<u8>, n: u32) {
+        self.chunks.push(Chunk { base });
+        let at = self.by_addr.partition_point(|&(b, _)| b < base.as_ptr() as usize);
+        self.by_addr.insert(at, (base.as_ptr() as usize, n));
+    }
+
+    /// Where the span at `base` of `len` bytes lives.
+    fn place(&self, base: NonNull<u8>, len: usize) -> SpanPlace {
+        let addr = base.as_ptr() as usize;
+        let i = self.by_addr.partition_point(|&(b, _)| b <= addr);
+        let (start, chunk) = self.by_addr[i.checked_sub(1).expect("a span lies in a chunk of its arena")];
+        debug_assert!(addr + len <= start + CHUNK_BYTES);
+        SpanPlace { chunk, page: u32::try_from((addr - start) / PAGE_SIZE).expect("under 4 MiB") }
+    }
+}
+
 struct ArenaInner {
     chunks: Vec<Chunk>,
     /// Chunk bases sorted by address, with their chunk numbers: finds the
@@ -294,12 +312,7 @@ impl PageArena {
 
     /// Where `span` lives (shared arenas; any arena in tests).
     pub fn place(&self, span: SpanPtr) -> SpanPlace {
-        let g = self.lock();
-        let addr = span.base.as_ptr() as usize;
-        let i = g.by_addr.partition_point(|&(base, _)| base <= addr);
-        let (base, chunk) = g.by_addr[i.checked_sub(1).expect("a span lies in a chunk of its arena")];
-        debug_assert!(addr + span.len <= base + CHUNK_BYTES);
-        SpanPlace { chunk, page: u32::try_from((addr - base) / PAGE_SIZE).expect("under 4 MiB") }
+        self.lock().place(span.base, span.len)
     }
 
     /// The span of `pages` pages at `place`, if it lies inside the arena.
@@ -319,22 +332,20 @@ impl PageArena {
 
     /// The chunks and free spans, for a successor's [`PageArena::adopt`].
     pub fn image(&self) -> ArenaImage {
-        let free: Vec<(usize, NonNull<u8>)> = {
-            let g = self.lock();
-            g.free.iter().enumerate().flat_map(|(i, v)| v.iter().map(move |&(p, _)| (i + 1, p))).collect()
-        };
         let g = self.lock();
-        let chunks = u32::try_from(g.chunks.len()).expect("fewer than 2^32 chunks");
-        let bump = u32::try_from(g.bump).expect("under 4 MiB");
-        drop(g);
-        let free = free
-            .into_iter()
-            .map(|(pages, p)| {
-                let place = self.place(SpanPtr { base: p, len: pages * PAGE_SIZE });
-                (u8::try_from(pages).expect("at most 16 pages"), place)
+        let free = (1..=MAX_SPAN_PAGES)
+            .flat_map(|pages| {
+                let g = &g;
+                g.free[pages - 1]
+                    .iter()
+                    .map(move |&(p, _)| (u8::try_from(pages).expect("at most 16 pages"), g.place(p, pages * PAGE_SIZE)))
             })
             .collect();
-        ArenaImage { chunks, bump, free }
+        ArenaImage {
+            chunks: u32::try_from(g.chunks.len()).expect("fewer than 2^32 chunks"),
+            bump: u32::try_from(g.bump).expect("under 4 MiB"),
+            free,
+        }
     }
 
     /// Maps the arena of a predecessor: `fd` is its memfd, `image` what it
@@ -352,10 +363,7 @@ impl PageArena {
         {
             let mut g = arena.lock();
             for i in 0..image.chunks {
-                let base = map_chunk(&arena.backing, i as usize)?;
-                g.chunks.push(Chunk { base });
-                let at = g.by_addr.partition_point(|&(b, _)| b < base.as_ptr() as usize);
-                g.by_addr.insert(at, (base.as_ptr() as usize, i));
+                g.add_chunk(map_chunk(&arena.backing, i as usize)?, i);
             }
             g.bump = if image.chunks == 0 { CHUNK_BYTES } else { image.bump as usize };
         }
@@ -421,9 +429,7 @@ impl PageArena {
             if g.bump + len > CHUNK_BYTES {
                 let n = g.chunks.len();
                 let base = map_chunk(&self.backing, n)?;
-                g.chunks.push(Chunk { base });
-                let at = g.by_addr.partition_point(|&(b, _)| b < base.as_ptr() as usize);
-                g.by_addr.insert(at, (base.as_ptr() as usize, u32::try_from(n).expect("fewer than 2^32 chunks")));
+                g.add_chunk(base, u32::try_from(n).expect("fewer than 2^32 chunks"));
                 g.bump = 0;
             }
             let chunk = g.chunks.last().expect("a chunk was just ensured").base;
@@ -446,26 +452,41 @@ impl PageArena {
             return;
         }
         let pages = span.len / PAGE_SIZE;
-        if let Backing::Memfd(fd) = &self.backing {
-            let place = self.place(span);
-            let offset = u64::from(place.chunk) * CHUNK_BYTES as u64 + u64::from(place.page) * PAGE_SIZE as u64;
-            let punch = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
-            if rustix::fs::fallocate(fd, punch, offset, span.len as u64).is_err() {
-                // The pages stay; zero them so reuse is still correct.
-                // SAFETY: the span is ours and unused (caller contract).
-                unsafe { std::ptr::write_bytes(span.base.as_ptr(), 0, span.len) };
-            }
-            self.used_pages.fetch_sub(pages as u64, Ordering::Relaxed);
-            self.lock().free[pages - 1].push((span.base, false));
-            return;
+        let (released, unlocked) = match &self.backing {
+            Backing::Memfd(fd) => (self.punch(fd, span), false),
+            // SAFETY: the caller's contract, forwarded.
+            Backing::Private => unsafe { Self::dontneed(span) },
+        };
+        if !released {
+            // The pages stay resident; zero them so reuse is still correct.
+            // SAFETY: the span is ours and unused (caller contract).
+            unsafe { std::ptr::write_bytes(span.base.as_ptr(), 0, span.len) };
         }
+        self.used_pages.fetch_sub(pages as u64, Ordering::Relaxed);
+        self.lock().free[pages - 1].push((span.base, unlocked));
+    }
+
+    /// Punches `span`'s pages out of the memfd; whether that worked.
+    fn punch(&self, fd: &OwnedFd, span: SpanPtr) -> bool {
+        let place = self.place(span);
+        let offset = u64::from(place.chunk) * CHUNK_BYTES as u64 + u64::from(place.page) * PAGE_SIZE as u64;
+        let punch = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        rustix::fs::fallocate(fd, punch, offset, span.len as u64).is_ok()
+    }
+
+    /// Returns `span`'s private pages with `MADV_DONTNEED`, unlocking them
+    /// first under `mlockall`; whether that worked, and whether it unlocked.
+    ///
+    /// # Safety
+    /// As for [`PageArena::free_span`].
+    unsafe fn dontneed(span: SpanPtr) -> (bool, bool) {
         let addr = span.base.as_ptr().cast::<libc::c_void>();
         // SAFETY: the range is a whole span we mapped; nobody uses it any more
         // (caller contract). MADV_DONTNEED on private anonymous memory makes
         // later reads return zeros, which is what a fresh span needs.
         #[cfg(not(miri))]
         let mut rc = unsafe { libc::madvise(addr, span.len, libc::MADV_DONTNEED) };
-        // Miri has no madvise: zero the span by hand below.
+        // Miri has no madvise: free_span zeroes the span by hand.
         #[cfg(miri)]
         let mut rc = -1;
         let mut unlocked = false;
@@ -479,13 +500,7 @@ impl PageArena {
                 rc = unsafe { libc::madvise(addr, span.len, libc::MADV_DONTNEED) };
             }
         }
-        if rc != 0 {
-            // The pages stay resident; zero them so reuse is still correct.
-            // SAFETY: same exclusive range as above.
-            unsafe { std::ptr::write_bytes(span.base.as_ptr(), 0, span.len) };
-        }
-        self.used_pages.fetch_sub(pages as u64, Ordering::Relaxed);
-        self.lock().free[pages - 1].push((span.base, unlocked));
+        (rc == 0, unlocked)
     }
 }
 

@@ -60,6 +60,20 @@ const OLDEST_VERSION: u32 = 1;
 /// Entry flags in the stream.
 const REC_SAME: u8 = 1;
 const REC_INCOMPRESSIBLE: u8 = 2;
+
+/// An entry's flags as a page record (stream and image) carries them.
+fn record_flags(e: &Entry) -> u8 {
+    (if e.has(F_SAME) { REC_SAME } else { 0 }) | if e.has(F_INCOMPRESSIBLE) { REC_INCOMPRESSIBLE } else { 0 }
+}
+
+/// The entry flags of a stored (not same-filled) page record.
+fn stored_flags(record: u8) -> u32 {
+    if record & REC_INCOMPRESSIBLE != 0 {
+        F_INCOMPRESSIBLE
+    } else {
+        0
+    }
+}
 /// Largest dictionary accepted (zstd's own trainer stays far below).
 const MAX_DICTIONARY: u32 = 16 << 20;
 /// Most pools an import creates (a daemon has a handful).
@@ -389,7 +403,7 @@ fn image_record(e: &Entry) -> [u8; IMAGE_RECORD] {
     let mut b = [0u8; IMAGE_RECORD];
     b[0..8].copy_from_slice(&e.object.to_le_bytes());
     b[8..16].copy_from_slice(&e.index.to_le_bytes());
-    b[16] = if e.has(F_SAME) { REC_SAME } else { 0 } | if e.has(F_INCOMPRESSIBLE) { REC_INCOMPRESSIBLE } else { 0 };
+    b[16] = record_flags(e);
     b[17] = e.codec();
     b[18..22].copy_from_slice(&e.check.to_le_bytes());
     let len = if e.has(F_SAME) { 0 } else { u32::try_from(e.len()).expect("an object is under a page") };
@@ -509,9 +523,7 @@ impl Store {
                     }
                     w.u64(e.object)?;
                     w.u64(e.index)?;
-                    let flags = if e.has(F_SAME) { REC_SAME } else { 0 }
-                        | if e.has(F_INCOMPRESSIBLE) { REC_INCOMPRESSIBLE } else { 0 };
-                    w.u8(flags)?;
+                    w.u8(record_flags(e))?;
                     w.u8(e.codec())?;
                     w.u32(e.check)?;
                     if e.has(F_SAME) {
@@ -865,7 +877,7 @@ impl Store {
                 return Err(bad(format!("page {key:?}: {len} bytes at {at:?} is not an allocated slot of the image")));
             }
             sum.object_bytes += len as u64;
-            let f = if flags & REC_INCOMPRESSIBLE != 0 { F_INCOMPRESSIBLE } else { 0 };
+            let f = stored_flags(flags);
             Entry::new(key, loc, check, len, codec, f)
         };
         let stored = pool.insert_entry(key, hash_key(key), entry, Work::Deferred)?;
@@ -894,7 +906,7 @@ impl Store {
             if len == 0 || len > PAGE_SIZE {
                 return Err(bad(format!("page {key:?}: an object of {len} bytes")));
             }
-            let f = if flags & REC_INCOMPRESSIBLE != 0 { F_INCOMPRESSIBLE } else { 0 };
+            let f = stored_flags(flags);
             let mut data = [0u8; PAGE_SIZE];
             r.fill(&mut data[..len])?;
             if crc32fast::hash(&data[..len]) != check {
