@@ -82,6 +82,8 @@ pub struct Daemon {
     pub(crate) handing_over: AtomicBool,
     /// The fronts (`--front`) and their policies; shared with the metrics thread.
     pub(crate) fronts: Arc<Mutex<crate::front::Fronts>>,
+    /// The service manager (systemd), if one supervises this process.
+    pub(crate) supervisor: crate::supervisor::Supervisor,
 }
 
 /// Counters of `devices` (with their fronts'), then of `caches`.
@@ -253,16 +255,12 @@ pub(crate) fn bind_control(daemon: &Arc<Daemon>) -> Result<(), DaemonError> {
 /// the control socket and the state file.
 pub(crate) fn serve(daemon: &Arc<Daemon>, rx: &mpsc::Receiver<Event>) {
     log("up");
-    // Under systemd (Type=notify): ready once swap is on. Without
-    // NOTIFY_SOCKET these are no-ops.
+    // Under systemd (Type=notify): ready once swap is on. Without a
+    // supervisor these are no-ops.
     let devices = daemon.devices.len() + daemon.caches.len();
     let _ =
-        sd_notify::notify(false, &[NotifyState::Ready, NotifyState::Status(&format!("serving {devices} device(s)"))]);
-    let mut watchdog_usec = 0;
-    let tick = match sd_notify::watchdog_enabled(false, &mut watchdog_usec) {
-        true => STATE_INTERVAL.min(std::time::Duration::from_micros(watchdog_usec / 2)),
-        false => STATE_INTERVAL,
-    };
+        daemon.supervisor.notify(&[NotifyState::Ready, NotifyState::Status(&format!("serving {devices} device(s)"))]);
+    let tick = daemon.supervisor.watchdog().map_or(STATE_INTERVAL, |w| STATE_INTERVAL.min(w / 2));
 
     let mut watch = crate::watch::Watch::default();
     let mut stale = crate::stale::StaleSlots::default();
@@ -313,7 +311,7 @@ pub(crate) fn serve(daemon: &Arc<Daemon>, rx: &mpsc::Receiver<Event>) {
                 if !swap_off.is_empty() {
                     daemon.swap_on_again(&mut swap_off).iter().for_each(|l| log(l));
                 }
-                let _ = sd_notify::notify(false, &[NotifyState::Watchdog]);
+                let _ = daemon.supervisor.notify(&[NotifyState::Watchdog]);
             }
             Err(mpsc::RecvTimeoutError::Disconnected) | Ok(Event::Down) => break,
             Ok(Event::Signal(sig)) => {
@@ -437,6 +435,7 @@ impl Daemon {
             predecessor: None,
             handing_over: AtomicBool::new(false),
             fronts: Arc::new(Mutex::new(Rank::DaemonFronts, crate::front::Fronts::default())),
+            supervisor: crate::supervisor::Supervisor::from_env(),
         }
     }
 
@@ -805,7 +804,7 @@ impl Daemon {
         if self.exited.load(Ordering::Acquire) {
             return Ok(());
         }
-        let _ = sd_notify::notify(false, &[NotifyState::Stopping]);
+        let _ = self.supervisor.notify(&[NotifyState::Stopping]);
         self.lock().status.state = "stopping".into();
         let devs = self.lock().status.devices.clone();
         for (i, d) in devs.iter().enumerate() {

@@ -8,7 +8,9 @@
 //! 1. successor → `HELLO`: its hand-over protocol, store export format and
 //!    version. The running daemon refuses (`REFUSE` with the reason, and
 //!    goes on serving) another protocol or format, tiers below the pool
-//!    (their indexes would have to travel too) and FUSE over io_uring;
+//!    (their indexes would have to travel too) and FUSE over io_uring. A
+//!    daemon under systemd hands over too: its `OFFER` names the notify
+//!    socket and the watchdog, for a successor that `ExecReload` started;
 //! 2. it pauses its FUSE workers (they answer what they have taken and take
 //!    nothing more, so requests wait in the kernel) and its NBD sessions
 //!    (each stops between two requests; clients' requests wait in the
@@ -37,13 +39,15 @@
 //!    sent: a failed hand-over leaves the old process's pages as they were.
 //! 5. On `TAKEN` the old process answers `GONE`, stops its workers and
 //!    exits without unmounting; the mount, the loop devices and swap never
-//!    change. With shared stores it first waits for `LOCKED`: the
-//!    successor, serving by then, faults every pool page into itself (so
-//!    that its `mlockall` locks them) and says so; until then the old
-//!    process's mappings keep them locked, out of reclaim's reach. On
-//!    anything else (`FAILED`, a closed socket, no answer within
-//!    [`ANSWER_TIMEOUT`]) it opens its stores again, resumes and goes on
-//!    serving.
+//!    change. With shared stores, or under a service manager, it first
+//!    waits for `LOCKED`: the successor, serving by then, has faulted
+//!    every pool page into itself (so that its `mlockall` locks them; until
+//!    then the old process's mappings keep them locked, out of reclaim's
+//!    reach) and has told systemd that it is the unit's main process now
+//!    (`MAINPID=`, [`crate::supervisor`]), which systemd must hear before it
+//!    sees the old main process end. On anything else (`FAILED`, a closed
+//!    socket, no answer within [`ANSWER_TIMEOUT`]) it opens its stores
+//!    again, resumes and goes on serving.
 //! 6. The successor serves once it reads `GONE`, or once the old process
 //!    has ended. If the old process still runs without saying `GONE` (it
 //!    gave up waiting and resumed), the successor exits at once and serves
@@ -69,6 +73,7 @@ use tmem_fuse::{Export, FuseConfig, FuseMount};
 use crate::daemon::{log, Daemon, MOUNT_DIR};
 use crate::runtime::RuntimeDir;
 use crate::spec::store_config;
+use crate::supervisor::Supervisor;
 use crate::{DaemonError, DaemonSpec};
 
 /// The socket a successor connects to, in the runtime directory.
@@ -111,6 +116,10 @@ struct Offer {
     /// The stores follow as images, their memfds after the descriptors.
     #[serde(default)]
     images: bool,
+    /// The service manager that supervises the running daemon (systemd),
+    /// for a successor to tell it the new main process.
+    #[serde(default)]
+    supervisor: Option<crate::supervisor::Handed>,
 }
 
 fn err(e: impl std::fmt::Display) -> DaemonError {
@@ -258,15 +267,6 @@ impl Daemon {
                 env!("CARGO_PKG_VERSION")
             ));
         }
-        if std::env::var_os("NOTIFY_SOCKET").is_some() {
-            // A supervisor (systemd's Type=notify) that tracks this process
-            // would see its main process exit and stop the unit.
-            return Some(
-                "this daemon runs as a systemd service, whose main process must not change; restart it with \
-                 systemctl (swap down and up) instead"
-                    .into(),
-            );
-        }
         if !self.spec.tiers.tiers.is_empty() {
             return Some("devices with tiers cannot be handed over yet (the tiers' indexes would stay behind)".into());
         }
@@ -329,13 +329,17 @@ impl Daemon {
                     f.leave_mounted();
                 }
                 g.nbd.as_ref().inspect(|n| n.handed_over());
-                if images {
+                if images || self.supervisor.handed().is_some() {
                     // This process's mappings keep the shared pages locked
-                    // until the successor has mapped them.
+                    // until the successor has mapped them; and a service
+                    // manager must hear of the new main process (MAINPID=)
+                    // before it sees this one end.
                     let _ = stream.set_read_timeout(Some(ANSWER_TIMEOUT));
                     match recv(&mut r) {
-                        Ok((LOCKED, _)) => log("the successor locked the shared pool"),
-                        _ => crate::daemon::warn("the successor did not say it locked the shared pool"),
+                        Ok((LOCKED, _)) => {
+                            log("the successor serves, has locked what it mapped and told the service manager")
+                        }
+                        _ => crate::daemon::warn("the successor did not confirm it serves (LOCKED)"),
                     }
                 }
                 std::process::exit(0);
@@ -370,7 +374,8 @@ impl Daemon {
         let stores = self.handed_stores();
         let images = successor_takes_images && stores.iter().all(|s| s.memfd().is_some());
         let nbd_sessions = nbd.map(|h| h.sessions.iter().map(|(_, st)| *st).collect()).unwrap_or_default();
-        let offer = Offer { spec: self.spec.clone(), status: self.status(), nbd_sessions, images };
+        let supervisor = self.supervisor.handed();
+        let offer = Offer { spec: self.spec.clone(), status: self.status(), nbd_sessions, images, supervisor };
         send(w, OFFER, &serde_json::to_vec(&offer).map_err(err)?)?;
         if !images {
             for store in &stores {
@@ -433,10 +438,22 @@ impl Daemon {
     }
 }
 
+/// Whom a successor answers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Successor {
+    /// Its predecessor's service manager, if any: `tmem swap restart`, by
+    /// hand or as the unit's `ExecReload`; or systemd itself, when the
+    /// unit's `ExecStart` takes over (`swap up --take-over-running`).
+    InService,
+    /// None: it runs outside the service that is stopping for a restart
+    /// (`systemctl restart`), until the unit's next start takes it over.
+    OutsideService,
+}
+
 /// Runs as the successor of the daemon in `runtime_dir`: takes its pages,
 /// devices and mount over (see the module docs), then serves until a
 /// teardown like any daemon.
-pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
+pub fn run_successor(runtime_dir: PathBuf, role: Successor) -> Result<(), DaemonError> {
     crate::logging::init();
     let dir = RuntimeDir::open(&runtime_dir)?;
     // Protected (OOM score, cgroup, mlockall, I/O flusher) before the
@@ -467,7 +484,7 @@ pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
         }
     };
     let old = offer.status.pid;
-    match take(&dir, &stream, &mut r, &mut w, offer, protected) {
+    match take(&dir, &stream, &mut r, &mut w, offer, protected, role) {
         Ok((daemon, rx, nbd, report)) => {
             send(&mut w, TAKEN, &[])?;
             if let Err(why) = predecessor_gone(&mut r, old) {
@@ -478,10 +495,17 @@ pub fn run_successor(runtime_dir: PathBuf) -> Result<(), DaemonError> {
             daemon.serve_taken_over(nbd);
             let line = report.step(old, started.elapsed());
             log(&line);
+            // Before the old process exits (it waits for LOCKED, or has
+            // said GONE and exits): systemd must know the new main process
+            // before it sees the old one end.
+            if let Err(e) = daemon.supervisor.took_over(&line) {
+                crate::daemon::warn(&format!("could not tell the service manager the new main pid: {e}"));
+            }
             daemon.step(line);
             if report.images {
-                daemon.lock_shared_pages(&mut w);
+                daemon.lock_shared_pages();
             }
+            let _ = send(&mut w, LOCKED, &[]);
             daemon.after_take_over();
             crate::daemon::serve(&daemon, &rx);
             Ok(())
@@ -537,8 +561,13 @@ fn take(
     w: &mut impl Write,
     offer: Offer,
     protected: Vec<String>,
+    role: Successor,
 ) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>, PendingNbd, TakeReport), DaemonError> {
-    let Offer { spec, status: old, nbd_sessions, images } = offer;
+    let Offer { spec, status: old, nbd_sessions, images, supervisor } = offer;
+    let supervisor = match role {
+        Successor::InService => Supervisor::inherit(Supervisor::from_env(), supervisor),
+        Successor::OutsideService => Supervisor::default(),
+    };
     crate::daemon::log_panics();
     let (tx, rx) = mpsc::channel();
     let signalled = Arc::new(AtomicI32::new(0));
@@ -635,7 +664,7 @@ fn take(
     let dir = RuntimeDir::open(dir.path())?;
     let daemon = Daemon::new(spec, dir, lock_file, (devices, caches), status, tx, signalled);
     daemon.lock().fuse = fuse;
-    let daemon = Arc::new(Daemon { predecessor: Some(old.pid), ..daemon });
+    let daemon = Arc::new(Daemon { predecessor: Some(old.pid), supervisor, ..daemon });
     let fronts = adopt_fronts(&daemon, &old, total_ram)?;
     *daemon.fronts.lock() = fronts;
     let nbd = match (&daemon.spec.nbd, nbd) {
@@ -654,10 +683,10 @@ fn take(
 
 impl Daemon {
     /// Faults every page of the adopted pools into this process, which
-    /// locks them (`mlockall`), then tells the old process, which held them
-    /// locked until now, that it may exit: until then an unmapped page
-    /// could be reclaimed to swap, perhaps to this very daemon.
-    fn lock_shared_pages(&self, w: &mut impl Write) {
+    /// locks them (`mlockall`); the old process, which held them locked
+    /// until now, exits once it hears `LOCKED` after this: until then an
+    /// unmapped page could be reclaimed to swap, perhaps to this very daemon.
+    fn lock_shared_pages(&self) {
         let started = Instant::now();
         let mut pages = 0;
         for store in self.handed_stores() {
@@ -673,7 +702,6 @@ impl Daemon {
         );
         log(&line);
         self.step(line);
-        let _ = send(w, LOCKED, &[]);
     }
 
     /// Starts serving what [`take`] built: opens the stores, resumes the

@@ -13,6 +13,7 @@
 //! - [`knobs`]: run-time changes (`tmem set`);
 //! - [`tiers`]: the `--tier` options;
 //! - [`front`]: the kernel's zram or zswap in front of the devices (`--front`);
+//! - [`supervisor`]: systemd's notify protocol, and a successor's `MAINPID=`;
 //! - `fault` (feature `fault-injection`, test builds only): injected faults.
 
 pub mod config;
@@ -31,6 +32,7 @@ pub mod recover;
 pub mod runtime;
 pub mod spec;
 pub mod stale;
+pub mod supervisor;
 pub mod tiers;
 pub mod watch;
 

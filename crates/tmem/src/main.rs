@@ -1,6 +1,7 @@
 //! `tmem`: userspace transcendent memory — command-line interface.
 
 mod corpuscmd;
+mod restartcmd;
 mod swapcmd;
 
 use std::process::ExitCode;
@@ -73,6 +74,9 @@ enum Command {
         /// Take over from the daemon running in this runtime directory (`tmem swap restart`).
         #[arg(long, conflicts_with = "spec")]
         takeover: Option<std::path::PathBuf>,
+        /// The successor serves outside the service that is stopping (`systemctl restart`).
+        #[arg(long, requires = "takeover")]
+        outside_service: bool,
     },
 }
 
@@ -87,10 +91,10 @@ enum SwapCommand {
     /// Starts the daemon, exports devices over FUSE, attaches loop devices, runs mkswap and swapon.
     Up(Box<swapcmd::UpArgs>),
     /// swapoff (the kernel takes its pages back), detach, unmount, stop the daemon.
-    Down(swapcmd::DaemonArgs),
+    Down(swapcmd::SwapDownArgs),
     /// Replaces the running daemon with a new process of this binary, which
     /// takes its pages, devices and mount over while swap stays on.
-    Restart(swapcmd::RestartArgs),
+    Restart(restartcmd::RestartArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -163,15 +167,21 @@ fn main() -> ExitCode {
         Command::Corpus { what: CorpusCommand::Info { files } } => corpuscmd::info(&files),
         Command::Corpus { what: CorpusCommand::Export(a) } => corpuscmd::export(&a),
         Command::Swap { what: SwapCommand::Up(a) } => swapcmd::up(&a, &up_matches),
-        Command::Swap { what: SwapCommand::Down(a) } => swapcmd::down(&a, "swap"),
-        Command::Swap { what: SwapCommand::Restart(a) } => swapcmd::restart(&a),
+        Command::Swap { what: SwapCommand::Down(a) } => swapcmd::swap_down(&a),
+        Command::Swap { what: SwapCommand::Restart(a) } => restartcmd::restart(&a),
         Command::Cache { what: CacheCommand::Up(a) } => swapcmd::cache_up(&a),
         Command::Cache { what: CacheCommand::Down(a) } => swapcmd::down(&a, "cache"),
         Command::Stat { daemon, json, counters } => swapcmd::stat(&daemon, json, counters),
         Command::Set { daemon, device, assignments } => swapcmd::set(&daemon, &device, &assignments),
         Command::Serve { what: ServeCommand::Nbd(a) } => swapcmd::serve_nbd(&a),
         Command::Daemon { spec: Some(spec), .. } => swapcmd::run_daemon(&spec),
-        Command::Daemon { takeover: Some(dir), .. } => tmem_daemon::handover::run_successor(dir).map_err(Into::into),
+        Command::Daemon { takeover: Some(dir), outside_service, .. } => {
+            let role = match outside_service {
+                true => tmem_daemon::handover::Successor::OutsideService,
+                false => tmem_daemon::handover::Successor::InService,
+            };
+            tmem_daemon::handover::run_successor(dir, role).map_err(Into::into)
+        }
         Command::Daemon { .. } => unreachable!("clap requires --spec or --takeover"),
     };
     match result {

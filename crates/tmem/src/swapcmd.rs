@@ -1,8 +1,6 @@
 //! `tmem swap up|down`, `tmem cache up|down`, `tmem stat`, `tmem set`, `tmem serve nbd`: parse,
 //! call the daemon crate, print.
 
-use std::os::unix::fs::OpenOptionsExt as _;
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -65,6 +63,12 @@ pub struct UpArgs {
     /// Type=notify: it reports READY once swap is on, and pings the watchdog).
     #[arg(long)]
     foreground: bool,
+    /// If a daemon already serves the runtime directory, take it over in
+    /// this process (as `tmem swap restart` does) instead of starting
+    /// another; its configuration stays in force. The systemd unit's start
+    /// uses it, so that `systemctl restart` keeps every page.
+    #[arg(long, requires = "foreground")]
+    take_over_running: bool,
     /// Also serve this file or block device through a compressed cache
     /// (cache0, cache1, ...: /dev/loopN devices) whose pool shares swap0's
     /// budget: swap pages evict cached ones, never the reverse. Repeatable.
@@ -113,6 +117,7 @@ impl UpArgs {
             ),
             config: self.config.clone(),
             foreground: self.foreground,
+            take_over_running: self.take_over_running,
             cache_backing: self.cache_backing.clone(),
             recompress: tmem_daemon::spec::RecompressArgs {
                 recompress: pick(given("recompress"), &self.recompress.recompress, &c.recompress.clone().map(Some)),
@@ -179,6 +184,18 @@ impl UpArgs {
 /// `tmem swap up`: starts the daemon and waits until swap is on.
 pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
     let a = &a.with_config(&Config::load_default_or(a.config.as_deref())?, m);
+    if a.take_over_running {
+        if let Ok(v) = ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(10)) {
+            let old: tmem_ctl::Status = serde_json::from_value(v)?;
+            println!(
+                "daemon pid {} already serves {}: this process takes it over, with the configuration it runs",
+                old.pid,
+                a.runtime_dir.display()
+            );
+            let role = tmem_daemon::handover::Successor::InService;
+            return Ok(tmem_daemon::handover::run_successor(a.runtime_dir.clone(), role)?);
+        }
+    }
     a.check_limits(&Machine::this()?)?;
     if !tmem_sys::is_root() {
         anyhow::bail!("tmem swap up needs root (it mounts FUSE, attaches loop devices and runs swapon)");
@@ -230,6 +247,30 @@ pub fn start(spec: DaemonSpec, foreground: bool, wait: u64, what: &str) -> anyho
     }
     println!("tmem {what} is up (daemon pid {}, log {})", st.pid, dir.join(tmem_daemon::runtime::LOG_FILE).display());
     Ok(())
+}
+
+/// Arguments of `tmem swap down`.
+#[derive(clap::Args, Debug)]
+pub struct SwapDownArgs {
+    #[command(flatten)]
+    pub daemon: DaemonArgs,
+    /// Under systemd, while the unit restarts (`systemctl restart`): hand
+    /// the daemon over to a process outside the unit, which the unit's
+    /// start takes over (`swap up --take-over-running`), instead of
+    /// swapoff. Otherwise a plain `swap down`.
+    #[arg(long)]
+    pub unless_restarting: bool,
+    /// With --unless-restarting: seconds to wait for the hand-over.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    pub wait: u64,
+}
+
+/// `tmem swap down [--unless-restarting]`.
+pub fn swap_down(a: &SwapDownArgs) -> anyhow::Result<()> {
+    if a.unless_restarting && crate::restartcmd::hand_over_for_restart(&a.daemon.runtime_dir, a.wait)? {
+        return Ok(());
+    }
+    down(&a.daemon, "swap")
 }
 
 /// `tmem swap down`: orderly teardown, then waits for the daemon to exit.
@@ -677,87 +718,4 @@ pub fn cache_up(a: &CacheUpArgs) -> anyhow::Result<()> {
     };
     spec.validate(machine.total_ram)?;
     start(spec, a.foreground, a.wait, "cache")
-}
-
-/// Arguments of `tmem swap restart`.
-#[derive(clap::Args, Debug)]
-pub struct RestartArgs {
-    /// Runtime directory of the running daemon.
-    #[arg(long, default_value = ctl::RUNTIME_DIR)]
-    runtime_dir: PathBuf,
-    /// Seconds to wait for the new daemon to take over.
-    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
-    wait: u64,
-}
-
-/// `tmem swap restart`: a new daemon process takes over from the running
-/// one (see `tmem_daemon::handover`); if it cannot, the running one goes on.
-pub fn restart(a: &RestartArgs) -> anyhow::Result<()> {
-    limits::wait("--wait", a.wait)?;
-    let st = |v| serde_json::from_value::<tmem_ctl::Status>(v);
-    let old = st(ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(10))?)?;
-    // The new daemon logs where `swap up`'s does (a foreground daemon logs to its terminal; then the file starts here).
-    let log = std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(a.runtime_dir.join(tmem_daemon::runtime::LOG_FILE))?;
-    let mut child = std::process::Command::new(std::env::current_exe()?)
-        .arg("daemon")
-        .arg("--takeover")
-        .arg(&a.runtime_dir)
-        .stdin(std::process::Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .process_group(0)
-        .spawn()?;
-    let new = child.id();
-    let deadline = std::time::Instant::now() + Duration::from_secs(a.wait);
-    loop {
-        if let Some(status) = child.try_wait()? {
-            if status.success() {
-                // A successor exits 0 only after serving: it took over, and
-                // another restart (or a swap down) has replaced it since.
-                let now = tmem_daemon::handover::who_serves(&a.runtime_dir, new);
-                println!("tmem swap restarted: daemon pid {} -> {new}; since then, {now}", old.pid);
-                return Ok(());
-            }
-            let tail =
-                tmem_daemon::runtime::RuntimeDir::open(&a.runtime_dir).map(|d| d.log_tail(5)).unwrap_or_default();
-            anyhow::bail!(
-                "the new daemon (pid {new}) exited ({status}) without taking over; {}. Its log:\n{tail}",
-                tmem_daemon::handover::who_serves(&a.runtime_dir, old.pid)
-            );
-        }
-        if let Ok(v) = ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(5)) {
-            let now = st(v)?;
-            if now.pid == new && now.state == "up" {
-                // The old process exits once it has heard the new one took
-                // over, and (shared pools) once the new one has mapped them.
-                let within = Duration::from_secs(a.wait.max(10));
-                if !tmem_daemon::handover::wait_for_exit(old.pid, within) {
-                    anyhow::bail!(
-                        "daemon pid {new} took over, but the old one (pid {}) still runs after {} s",
-                        old.pid,
-                        within.as_secs()
-                    );
-                }
-                let now = ctl::call_ok(&a.runtime_dir, &Request::Status, Duration::from_secs(5))
-                    .ok()
-                    .and_then(|v| st(v).ok())
-                    .filter(|s| s.pid == new)
-                    .unwrap_or(now);
-                for s in now.steps.iter().skip(old.steps.len()) {
-                    println!("{s}");
-                }
-                println!("tmem swap restarted: daemon pid {} -> {new}", old.pid);
-                return Ok(());
-            }
-        }
-        if std::time::Instant::now() > deadline {
-            anyhow::bail!("the new daemon (pid {new}) did not take over within {} s", a.wait);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }

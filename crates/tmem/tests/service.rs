@@ -34,10 +34,12 @@ fn the_unit_file_verifies_and_says_what_a_swap_daemon_needs() {
         "Type=notify",
         "OOMScoreAdjust=-1000",
         "LimitMEMLOCK=infinity",
-        "ExecStop=/usr/bin/tmem swap down",
+        "ExecStop=/usr/bin/tmem swap down --unless-restarting",
+        "ExecReload=/usr/bin/tmem swap restart",
+        "NotifyAccess=all",
         "Before=swap.target shutdown.target",
         "WatchdogSec=",
-        "ExecStart=/usr/bin/tmem swap up --foreground --config /etc/tmem/tmem.toml",
+        "ExecStart=/usr/bin/tmem swap up --foreground --take-over-running --config /etc/tmem/tmem.toml",
     ] {
         assert!(unit.contains(line), "the unit lacks {line:?}");
     }
@@ -151,4 +153,83 @@ fn foreground_swap_up_speaks_sd_notify_and_takes_the_config() {
     wait_for(&sock, "STOPPING=1", Duration::from_secs(5));
     let status = fg.0.wait().unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// Runs `tmem swap down` on drop: whichever process serves the directory
+/// by then (a test that hands over leaves daemons that are no child of its).
+struct DownOnDrop(String);
+
+impl Drop for DownOnDrop {
+    fn drop(&mut self) {
+        let _ = Command::new(TMEM).args(["swap", "down", "--runtime-dir", &self.0]).output();
+    }
+}
+
+/// The pid in the last `MAINPID=` line of `got`.
+fn main_pid(got: &str) -> u32 {
+    let line = got.lines().rev().find_map(|l| l.strip_prefix("MAINPID=")).expect("a MAINPID= line");
+    line.parse().unwrap()
+}
+
+#[test]
+fn a_supervised_daemon_hands_over_and_names_each_new_main_pid() {
+    if !root() {
+        return tmem_testkit::skip(tmem_testkit::Feature::Root, "swap up needs root");
+    }
+    if !Path::new("/dev/fuse").exists() {
+        return tmem_testkit::skip(tmem_testkit::Feature::Fuse, "/dev/fuse is missing");
+    }
+    if !have("losetup") {
+        return tmem_testkit::skip(tmem_testkit::Feature::Tools, "losetup is not installed");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let notify = dir.path().join("notify.sock");
+    let sock = UnixDatagram::bind(&notify).unwrap();
+    sock.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let run = dir.path().join("run").to_str().unwrap().to_owned();
+    let up = |extra: &[&str]| {
+        Command::new(TMEM)
+            .args(["swap", "up", "--foreground", "--size", "64M", "--pool-limit", "16M", "--front", "none"])
+            .args(["--runtime-dir", &run])
+            .args(extra)
+            .env("NOTIFY_SOCKET", &notify)
+            .env("WATCHDOG_USEC", "1000000")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let _down = DownOnDrop(run.clone());
+    let mut first = Foreground(up(&["--take-over-running"]), run.clone());
+    wait_for(&sock, "READY=1", Duration::from_secs(60));
+    let first_pid = first.0.id();
+
+    // As ExecReload runs it: no notify socket of its own, no watchdog.
+    let out = Command::new(TMEM).args(["swap", "restart", "--runtime-dir", &run]).env_remove("NOTIFY_SOCKET").output();
+    let out = out.unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let got = wait_for(&sock, "MAINPID=", Duration::from_secs(10));
+    let reloaded = main_pid(&got);
+    assert!(got.contains("READY=1"), "{got}");
+    assert_ne!(reloaded, first_pid);
+    assert!(first.0.wait().unwrap().success(), "the old main process exits 0 once it has handed over");
+    // From here on only the new process can ping: it took the watchdog over.
+    while sock.recv(&mut [0u8; 4096]).is_ok() {}
+    wait_for(&sock, "WATCHDOG=1", Duration::from_secs(5));
+    let (ok, stat) = tmem(&["stat", "--json", "--runtime-dir", &run]);
+    assert!(ok, "{stat}");
+
+    // As a restart's start runs it: it takes the running daemon over in its own process.
+    let mut started = Foreground(up(&["--take-over-running"]), run.clone());
+    let got = wait_for(&sock, "MAINPID=", Duration::from_secs(30));
+    assert_eq!(main_pid(&got), started.0.id(), "{got}");
+    assert!(tmem_daemon::handover::wait_for_exit(reloaded, Duration::from_secs(20)), "the reloaded daemon exited");
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
+    assert!(swaps.lines().any(|l| l.starts_with("/dev/loop")), "swap stayed on: {swaps}");
+
+    // Not under systemd, --unless-restarting is a plain swap down.
+    let (ok, down) = tmem(&["swap", "down", "--unless-restarting", "--runtime-dir", &run]);
+    assert!(ok, "{down}");
+    wait_for(&sock, "STOPPING=1", Duration::from_secs(5));
+    assert!(started.0.wait().unwrap().success());
 }
