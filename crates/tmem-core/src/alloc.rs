@@ -343,6 +343,22 @@ impl Default for ZsAlloc {
     }
 }
 
+/// The slots a sealed allocator has handed out ([`ZsAlloc::slot_table`]).
+pub struct SlotTable {
+    /// Per class: its slot size, and each span's bump (0: no span).
+    classes: Vec<(usize, Vec<u16>)>,
+}
+
+impl SlotTable {
+    /// Whether `loc` names a slot of a mapped span below its bump, big
+    /// enough for `len` bytes.
+    pub fn holds(&self, loc: Loc, len: usize) -> bool {
+        self.classes.get(usize::from(loc.class)).is_some_and(|(size, bumps)| {
+            len <= *size && bumps.get(loc.span as usize).is_some_and(|&bump| loc.slot < bump)
+        })
+    }
+}
+
 impl ZsAlloc {
     /// Creates an empty allocator.
     pub fn new() -> Self {
@@ -487,12 +503,18 @@ impl ZsAlloc {
         Ok(a)
     }
 
-    /// Whether `loc` names an allocated slot of a mapped span (checks an
-    /// adopted index against the adopted tables).
-    pub fn holds(&self, loc: Loc, len: usize) -> bool {
-        let Some(m) = self.classes.get(usize::from(loc.class)) else { return false };
-        let c = m.lock();
-        len <= c.geo.size && c.spans.get(loc.span as usize).is_some_and(|s| s.ptr.is_some() && loc.slot < s.bump)
+    /// Which slots the allocator has handed out, read once under each
+    /// class lock: an adopted index is checked against it without a lock
+    /// per page (the adopted allocator is sealed and changes nothing).
+    pub fn slot_table(&self) -> SlotTable {
+        let classes = (0..self.classes.len())
+            .map(|i| {
+                let c = self.lock(i);
+                let bumps = c.spans.iter().map(|s| if s.ptr.is_some() { s.bump } else { 0 }).collect();
+                (c.geo.size, bumps)
+            })
+            .collect();
+        SlotTable { classes }
     }
 
     /// Maps every live span's pages into this process (see

@@ -292,6 +292,13 @@ impl Shard {
         }
     }
 
+    /// Makes room in the table for `more` entries, so that inserting them
+    /// rehashes nothing.
+    pub fn reserve(&mut self, more: usize) {
+        let entries = &self.entries;
+        self.table.reserve(more, |&x| hash_key(entries.get(x).key()));
+    }
+
     pub fn find(&self, key: Key, hash: u64) -> Option<u32> {
         let entries = &self.entries;
         self.table.find(hash, |&h| entries.get(h).key() == key).copied()

@@ -200,10 +200,13 @@ proptest! {
         ops in prop::collection::vec(op(), 1..300),
         more in prop::collection::vec(op(), 1..300),
         small in any::<bool>(),
+        reshard in any::<bool>(),
     ) {
         let limit = if small { 256 << 10 } else { 0 };
         let (a, ids) = build_in(shared(limit), &ops);
-        let (b, sent, got) = hand_image(&a, shared(0));
+        // A successor with other shards than the exporter's places each page itself.
+        let successor = if reshard { StoreConfig { shards: 1, ..shared(0) } } else { shared(0) };
+        let (b, sent, got) = hand_image(&a, successor);
         prop_assert_eq!(sent, got);
         prop_assert_eq!(b.populate().unwrap() * PAGE_SIZE as u64, a.stats().alloc.span_bytes, "every span is mapped");
         prop_assert_eq!(a.codec_name(), b.codec_name());

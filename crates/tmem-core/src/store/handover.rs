@@ -399,6 +399,20 @@ fn read_alloc_image(r: &mut R<'_>) -> Result<crate::alloc::AllocImage, StoreErro
 /// fixed record, written and read whole: an image's cost is per page.
 const IMAGE_RECORD: usize = 34;
 
+/// Where the page records of one exported shard go, and what checks them.
+struct ImagePages<'a> {
+    pool: &'a Pool,
+    /// The shard they all belong to, when the store has as many shards as
+    /// the exporter had (else each finds its own).
+    into: Option<usize>,
+    slots: &'a crate::alloc::SlotTable,
+    new_id: &'a dyn Fn(u8) -> Result<u8, StoreError>,
+}
+
+/// Most entries one exported shard reserves room for before its records
+/// arrive (4 Mi pages: 16 GiB of pool in one shard).
+const MAX_RESERVE: u64 = 1 << 22;
+
 fn image_record(e: &Entry) -> [u8; IMAGE_RECORD] {
     let mut b = [0u8; IMAGE_RECORD];
     b[0..8].copy_from_slice(&e.object.to_le_bytes());
@@ -628,6 +642,8 @@ impl Store {
             None => cfg.build()?,
         };
         let sh = &*store.shared;
+        // The adopted allocator is sealed: its slots are read once.
+        let slots = image.then(|| sh.alloc.slot_table());
         let codecs = r.u8()?;
         let mut ids = Vec::with_capacity(usize::from(codecs));
         for _ in 0..codecs {
@@ -663,7 +679,7 @@ impl Store {
             }
             let mut counted = ShardCounters::default();
             let shards = r.u32()?;
-            for _ in 0..shards {
+            for shard in 0..shards {
                 let mut c = ShardCounters::default();
                 for v in cumulative(&mut c).into_iter().take(cumulative_in) {
                     *v = r.u64()?;
@@ -672,17 +688,22 @@ impl Store {
                     *into = into.saturating_add(*v);
                 }
                 let entries = r.u64()?;
-                for _ in 0..entries {
-                    if image {
-                        store.import_image_page(&pool, &r.array()?, &new_id, &mut sum)?;
-                    } else {
-                        store.import_page(&pool, &mut r, &new_id, &mut sum)?;
+                match &slots {
+                    Some(slots) => {
+                        let into = (shards as usize == pool.shards.len()).then_some(shard as usize);
+                        let image = ImagePages { pool: &pool, into, slots, new_id: &new_id };
+                        store.import_image_pages(&image, entries, &mut r, &mut sum)?;
+                    }
+                    None => {
+                        for _ in 0..entries {
+                            store.import_page(&pool, &mut r, &new_id, &mut sum)?;
+                        }
                     }
                 }
                 if v2 {
                     let groups = r.u64()?;
                     for _ in 0..groups {
-                        store.import_group(&pool, &mut r, &new_id, &mut sum, image)?;
+                        store.import_group(&pool, &mut r, &new_id, &mut sum, slots.as_ref())?;
                     }
                 }
             }
@@ -724,7 +745,7 @@ impl Store {
         r: &mut R<'_>,
         new_id: &dyn Fn(u8) -> Result<u8, StoreError>,
         sum: &mut HandoverSummary,
-        image: bool,
+        adopted: Option<&crate::alloc::SlotTable>,
     ) -> Result<(), StoreError> {
         use crate::group::{self, Group, MAX_GROUP_PAGES, MAX_STORED_BLOCK};
         let sh = &*self.shared;
@@ -750,7 +771,7 @@ impl Store {
             return Err(bad(format!("{what}: codec {codec} has no block mode")));
         }
         sum.object_bytes += len as u64;
-        let chunks = if image {
+        let chunks = if let Some(adopted) = adopted {
             if sh.window_shift == 0 {
                 return Err(bad(format!("{what}: a group in the image of a store that does not group")));
             }
@@ -761,7 +782,7 @@ impl Store {
             let mut chunks = Vec::with_capacity(n);
             for i in 0..n {
                 let c = r.u64()?;
-                if !sh.alloc.holds(crate::alloc::Loc::unpack(c), group::chunk_len(len, i)) {
+                if !adopted.holds(crate::alloc::Loc::unpack(c), group::chunk_len(len, i)) {
                     return Err(bad(format!("{what}: chunk {i} is not an allocated slot of the image")));
                 }
                 chunks.push(c);
@@ -856,34 +877,82 @@ impl Store {
         Ok(())
     }
 
-    /// Adopts one page of an image ([`image_record`]): its object stays
-    /// where it is.
-    fn import_image_page(
+    /// Reads the `n` page records of one exported shard and inserts them.
+    /// Records go in batches: one read (and checksum update) and, where
+    /// the shards are as they were exported, one shard lock per batch,
+    /// with the shard's table sized for all of them first.
+    fn import_image_pages(
         &self,
-        pool: &Pool,
-        b: &[u8; IMAGE_RECORD],
-        new_id: &dyn Fn(u8) -> Result<u8, StoreError>,
+        image: &ImagePages<'_>,
+        n: u64,
+        r: &mut R<'_>,
         sum: &mut HandoverSummary,
     ) -> Result<(), StoreError> {
+        const BATCH: usize = 256;
+        let mut buf = [0u8; BATCH * IMAGE_RECORD];
+        let pool = image.pool;
+        if let Some(i) = image.into {
+            // Capped: a damaged count must not reserve the machine's memory.
+            let room = usize::try_from(n.min(MAX_RESERVE)).expect("capped");
+            pool.shards[i].0.lock().reserve(room);
+        }
+        let mut left = n;
+        while left > 0 {
+            let k = usize::try_from(left.min(BATCH as u64)).expect("at most BATCH");
+            let records = &mut buf[..k * IMAGE_RECORD];
+            r.fill(records)?;
+            left -= k as u64;
+            let Some(i) = image.into else {
+                for b in records.chunks_exact(IMAGE_RECORD) {
+                    let (key, entry) = self.image_entry(image, b.try_into().expect("a record"), sum)?;
+                    let stored = pool.insert_entry(key, hash_key(key), entry, Work::Deferred)?;
+                    debug_assert_eq!(stored, PutOutcome::Stored);
+                }
+                continue;
+            };
+            let mut s = pool.shards[i].0.lock();
+            for b in records.chunks_exact(IMAGE_RECORD) {
+                let (key, entry) = self.image_entry(image, b.try_into().expect("a record"), sum)?;
+                let hash = hash_key(key);
+                if pool.shard_index(key, hash) != i {
+                    return Err(bad(format!("page {key:?}: in the image's shard {i}, which is not its shard")));
+                }
+                if s.insert(entry, hash).is_some() {
+                    return Err(bad(format!("page {key:?}: twice in the image")));
+                }
+                s.c.succ_puts += 1;
+                Pool::count(&mut s.c, &entry);
+                s.c.compressions += u64::from(entry.alloc_loc().is_some() && !entry.has(F_INCOMPRESSIBLE));
+            }
+            pool.account(&mut s);
+        }
+        Ok(())
+    }
+
+    /// The entry of one image record, checked against the adopted slots.
+    fn image_entry(
+        &self,
+        image: &ImagePages<'_>,
+        b: &[u8; IMAGE_RECORD],
+        sum: &mut HandoverSummary,
+    ) -> Result<(Key, Entry), StoreError> {
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         let key = Key::new(u64_at(0), u64_at(8));
-        let (flags, codec, check, len, loc) = (b[16], new_id(b[17])?, u32_at(18), u32_at(22) as usize, u64_at(26));
+        let (flags, codec, check, len, loc) =
+            (b[16], (image.new_id)(b[17])?, u32_at(18), u32_at(22) as usize, u64_at(26));
         let entry = if flags & REC_SAME != 0 {
             Entry::new(key, loc, 0, 0, RAW_CODEC, F_SAME)
         } else {
             let at = crate::alloc::Loc::unpack(loc);
-            if len == 0 || len > PAGE_SIZE || !self.shared.alloc.holds(at, len) {
+            if len == 0 || len > PAGE_SIZE || !image.slots.holds(at, len) {
                 return Err(bad(format!("page {key:?}: {len} bytes at {at:?} is not an allocated slot of the image")));
             }
             sum.object_bytes += len as u64;
-            let f = stored_flags(flags);
-            Entry::new(key, loc, check, len, codec, f)
+            Entry::new(key, loc, check, len, codec, stored_flags(flags))
         };
-        let stored = pool.insert_entry(key, hash_key(key), entry, Work::Deferred)?;
-        debug_assert_eq!(stored, PutOutcome::Stored);
         sum.pages += 1;
-        Ok(())
+        Ok((key, entry))
     }
 
     /// Reads one page record and stores it as it is.
