@@ -37,6 +37,8 @@ fn the_unit_file_verifies_and_says_what_a_swap_daemon_needs() {
         "ExecStop=/usr/bin/tmem swap down --unless-restarting",
         "ExecReload=/usr/bin/tmem swap restart",
         "NotifyAccess=all",
+        "SendSIGKILL=no",
+        "LimitCORE=0",
         "Before=swap.target shutdown.target",
         "WatchdogSec=",
         "ExecStart=/usr/bin/tmem swap up --foreground --take-over-running --config /etc/tmem/tmem.toml",
