@@ -53,6 +53,14 @@ fn main() {
         import.as_secs_f64() * 1e3,
         per(import)
     );
+    // Both processes hold an index during the pause: the extra memory of a
+    // restart is the successor's metadata, not a second pool.
+    let meta = b.stats().metadata_bytes;
+    println!(
+        "index  {:>7.1} MiB ({:.1} % of the pool): what a restart holds twice",
+        meta as f64 / f64::from(1 << 20),
+        meta as f64 * 100.0 / span as f64
+    );
     let t = Instant::now();
     let mapped = b.populate().unwrap();
     let map = t.elapsed();
