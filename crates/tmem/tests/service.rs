@@ -110,21 +110,31 @@ impl Drop for Foreground {
     }
 }
 
-#[test]
-fn foreground_swap_up_speaks_sd_notify_and_takes_the_config() {
+/// A scratch directory with a notify socket bound in it where `swap up` can
+/// run (root, FUSE, losetup); None, after saying why, where it cannot.
+fn notify_socket() -> Option<(tempfile::TempDir, PathBuf, UnixDatagram)> {
     if !root() {
-        return tmem_testkit::skip(tmem_testkit::Feature::Root, "swap up needs root");
+        tmem_testkit::skip(tmem_testkit::Feature::Root, "swap up needs root");
+        return None;
     }
     if !Path::new("/dev/fuse").exists() {
-        return tmem_testkit::skip(tmem_testkit::Feature::Fuse, "/dev/fuse is missing");
+        tmem_testkit::skip(tmem_testkit::Feature::Fuse, "/dev/fuse is missing");
+        return None;
     }
     if !have("losetup") {
-        return tmem_testkit::skip(tmem_testkit::Feature::Tools, "losetup is not installed");
+        tmem_testkit::skip(tmem_testkit::Feature::Tools, "losetup is not installed");
+        return None;
     }
     let dir = tempfile::tempdir().unwrap();
     let notify = dir.path().join("notify.sock");
     let sock = UnixDatagram::bind(&notify).unwrap();
     sock.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    Some((dir, notify, sock))
+}
+
+#[test]
+fn foreground_swap_up_speaks_sd_notify_and_takes_the_config() {
+    let Some((dir, notify, sock)) = notify_socket() else { return };
     let cfg = dir.path().join("tmem.toml");
     // The file sets the codec and the pool limit; the command line's --size wins over the file's.
     std::fs::write(&cfg, "[swap]\nsize = \"1G\"\ncodec = \"zstd:1\"\npool-limit = \"16M\"\n").unwrap();
@@ -175,19 +185,7 @@ fn main_pid(got: &str) -> u32 {
 
 #[test]
 fn a_supervised_daemon_hands_over_and_names_each_new_main_pid() {
-    if !root() {
-        return tmem_testkit::skip(tmem_testkit::Feature::Root, "swap up needs root");
-    }
-    if !Path::new("/dev/fuse").exists() {
-        return tmem_testkit::skip(tmem_testkit::Feature::Fuse, "/dev/fuse is missing");
-    }
-    if !have("losetup") {
-        return tmem_testkit::skip(tmem_testkit::Feature::Tools, "losetup is not installed");
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let notify = dir.path().join("notify.sock");
-    let sock = UnixDatagram::bind(&notify).unwrap();
-    sock.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let Some((dir, notify, sock)) = notify_socket() else { return };
     let run = dir.path().join("run").to_str().unwrap().to_owned();
     let up = |extra: &[&str]| {
         Command::new(TMEM)
