@@ -455,11 +455,19 @@ impl FuseMount {
 
     /// Unmounts (the kernel then ends the connection, and the workers with it).
     fn unmount_now(&mut self) -> std::io::Result<()> {
-        let r = match (self.session.take(), self.adopted.is_some()) {
-            (Some(mut s), _) => s.unmount(),
-            (None, true) => rustix::mount::unmount(&self.mountpoint, rustix::mount::UnmountFlags::empty())
-                .map_err(std::io::Error::from),
-            (None, false) => Ok(()),
+        let r = match (self.session.is_some(), self.adopted.is_some()) {
+            (true, _) => {
+                // Ours first (fuser's takes its mount whether or not the
+                // unmount worked, so it cannot be tried again), then
+                // fuser's, which finds the connection gone.
+                let r = unmount_when_free(&self.mountpoint);
+                if let (Ok(()), Some(mut s)) = (&r, self.session.take()) {
+                    let _ = s.unmount();
+                }
+                r
+            }
+            (false, true) => unmount_when_free(&self.mountpoint),
+            (false, false) => Ok(()),
         };
         if r.is_ok() {
             if let Some(w) = self.workers.take() {
@@ -478,6 +486,26 @@ impl FuseMount {
             if unmounted {
                 w.join();
             }
+        }
+    }
+}
+
+/// How long an unmount is tried again while the mount is busy.
+pub const UNMOUNT_BUSY_WAIT: Duration = Duration::from_secs(5);
+
+/// Unmounts `path`, trying again for [`UNMOUNT_BUSY_WAIT`] while it is
+/// busy: a loop device detached a moment ago lets go of its file only once
+/// its last user has closed it, which the kernel finishes after
+/// `LOOP_CLR_FD` returns (seen under systemd: a `swap down` right after a
+/// zram front let go of the loop device found the mount busy).
+fn unmount_when_free(path: &Path) -> std::io::Result<()> {
+    let deadline = std::time::Instant::now() + UNMOUNT_BUSY_WAIT;
+    loop {
+        match rustix::mount::unmount(path, rustix::mount::UnmountFlags::empty()) {
+            Err(rustix::io::Errno::BUSY) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            r => return r.map_err(std::io::Error::from),
         }
     }
 }

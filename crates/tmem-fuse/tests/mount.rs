@@ -6,6 +6,7 @@ use std::fs::OpenOptions;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tmem_block::{BlockDevice, DeviceConfig};
 use tmem_fuse::{Export, FuseConfig, FuseMount, Transport};
@@ -227,4 +228,32 @@ fn full_pool_enospc(tag: &str, uring_per_queue: usize) -> u64 {
     let served = m.uring_requests();
     m.unmount().unwrap();
     served
+}
+
+#[test]
+fn unmount_waits_for_a_busy_mount_to_be_let_go() {
+    if !can_mount() {
+        return;
+    }
+    let dir = tempdir("busy");
+    let m = FuseMount::mount(FuseConfig {
+        mountpoint: dir.0.clone(),
+        exports: vec![Export { name: "swap0".into(), device: device("swap0", 8 << 20) }],
+        threads: 2,
+        uring_per_queue: 0,
+    })
+    .unwrap();
+    // An open file keeps the mount busy, as a loop device that has not yet
+    // let go of its file does; it closes 300 ms later.
+    let f = std::fs::File::open(m.path_of("swap0")).unwrap();
+    let closer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        drop(f);
+    });
+    let t = std::time::Instant::now();
+    m.unmount().expect("unmounted once the file closed");
+    assert!(t.elapsed() >= Duration::from_millis(250), "it waited for the file: {:?}", t.elapsed());
+    closer.join().unwrap();
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    assert!(!mounts.contains(dir.0.to_str().unwrap()), "still mounted: {mounts}");
 }
