@@ -10,7 +10,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 # Debian packages: real programs for corpus capture (python3, java, gcc, redis),
 # the kernel tools the tests drive, systemd-analyze and promtool.
-PKGS=(python3 default-jdk-headless gcc redis-server util-linux iproute2 e2fsprogs qemu-utils qemu-system-x86 libnbd-bin fuse3 systemd prometheus fonts-dejavu-core busybox-static nbd-client cpio)
+PKGS=(python3 default-jdk-headless gcc redis-server util-linux iproute2 e2fsprogs qemu-utils qemu-system-x86 libnbd-bin fuse3 systemd prometheus fonts-dejavu-core busybox-static nbd-client cpio mmdebstrap)
 missing=()
 for p in "${PKGS[@]}"; do
     # "install ok installed": a removed package whose configuration files
@@ -134,6 +134,10 @@ test ! -e "$DEBROOT/usr/bin/tmem" || { echo "dpkg -r left /usr/bin/tmem" >&2; ex
 # release build of the package above).
 echo "== VM test (scripts/vm-test.sh)"
 scripts/vm-test.sh
+# Debian 12 with systemd as PID 1: the package's unit (enable, reload and
+# restart under a swapping job, the watchdog, stop).
+echo "== VM test under systemd (scripts/vm-systemd.sh)"
+$SUDO env VM_DEB="$DEB" scripts/vm-systemd.sh
 disk
 
 # One closing line for whoever reads the end of the log.

@@ -53,15 +53,11 @@ mkdir -p "$WORK"
 # Files of an older layout of this directory.
 rm -rf "$WORK"/linux-image-* "$WORK/initramfs" "$WORK/initrd.gz" "$WORK/console.log"
 
-need=()
-for p in qemu-system-x86 busybox-static nbd-client cpio gcc python3 kmod; do
-    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
-done
-if [ "${#need[@]}" -gt 0 ]; then
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-fi
+# The host's packages (need_debs), kernels from apt (fetch_kernel) and
+# their modules (modules_cpio).
+# shellcheck source=scripts/vm/lib.sh
+source scripts/vm/lib.sh
+need_debs qemu-system-x86 busybox-static nbd-client cpio gcc python3 kmod
 
 declare -A QEMU=()
 # Cleanup, on success and failure alike: the QEMU started here (by pid: the
@@ -75,10 +71,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-
-# Kernels from apt (fetch_kernel) and their modules (modules_cpio).
-# shellcheck source=scripts/vm/lib.sh
-source scripts/vm/lib.sh
 
 echo "== building tmem (release)"
 cargo build --release -p tmem --quiet

@@ -1,6 +1,22 @@
 # Shared by scripts/vm-test.sh and scripts/vm-systemd.sh (sourced, with
-# WORK set): stock Debian kernels from apt, unpacked and cached under
-# $WORK/kernel-<suite>, and the modules a guest needs.
+# WORK set): the host's packages they need, stock Debian kernels from apt,
+# unpacked and cached under $WORK/kernel-<suite>, and the modules a guest
+# needs.
+
+# Installs those of the Debian packages named that are missing (apt-get, as
+# root or with sudo).
+#   need_debs PACKAGE...
+need_debs() {
+    local p need=() SUDO=""
+    for p in "$@"; do
+        dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+    done
+    if [ "${#need[@]}" -gt 0 ]; then
+        [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    fi
+}
 
 # apt for Debian 13: a configuration of its own (APT_CONFIG is read before
 # anything else; Dir::Etc::main and ::parts then keep the host's out).

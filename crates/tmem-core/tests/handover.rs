@@ -372,3 +372,25 @@ fn a_store_with_tiers_is_not_handed_over() {
     let e = store.export(&mut Vec::new()).unwrap_err().to_string();
     assert!(e.contains("lower tiers"), "{e}");
 }
+
+#[test]
+fn an_adopted_pool_grows_past_the_chunks_it_was_handed() {
+    let a = shared(0).build().unwrap();
+    let p = a.create_pool(PoolConfig::persistent());
+    for i in 0..200 {
+        assert_eq!(p.put(Key::new(1, i), &page(0, i)).unwrap(), tmem_core::PutOutcome::Stored);
+    }
+    let (b, _, _) = hand_image(&a, shared(0));
+    drop(a);
+    b.seal(false);
+    let q = b.pool(p.id()).unwrap();
+    // Text pages: some 40 MiB of objects, many new 4 MiB chunks.
+    for i in 200..40_000 {
+        assert_eq!(q.put(Key::new(1, i), &page(0, i)).unwrap(), tmem_core::PutOutcome::Stored, "page {i}");
+    }
+    let mut out = [0u8; PAGE_SIZE];
+    for i in 0..40_000 {
+        q.get(Key::new(1, i), &mut out).unwrap();
+        assert_eq!(out, page(0, i), "page {i}");
+    }
+}
