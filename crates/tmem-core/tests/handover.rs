@@ -390,7 +390,7 @@ fn an_adopted_pool_grows_past_the_chunks_it_was_handed() {
     }
     let mut out = [0u8; PAGE_SIZE];
     for i in 0..40_000 {
-        q.get(Key::new(1, i), &mut out).unwrap();
+        assert_eq!(q.get(Key::new(1, i), &mut out).unwrap(), tmem_core::GetOutcome::Hit, "page {i}");
         assert_eq!(out, page(0, i), "page {i}");
     }
 }
