@@ -198,6 +198,9 @@ pub struct DeviceConfig {
     pub recompress: Option<RecompressConfig>,
 }
 
+/// How often the writeback worker looks at the pool's fill.
+const WRITEBACK_PERIOD: std::time::Duration = std::time::Duration::from_millis(20);
+
 impl DeviceConfig {
     /// Builds the device.
     pub fn build(self) -> Result<PoolDevice, StoreError> {
@@ -206,7 +209,7 @@ impl DeviceConfig {
         let (pool, writeback) = match self.tiers.clone() {
             Some(chain) => {
                 let pool = store.create_pool_with_tiers(cfg, chain);
-                let worker = store.start_writeback(std::time::Duration::from_millis(20));
+                let worker = store.start_writeback(WRITEBACK_PERIOD);
                 (pool, Some(worker))
             }
             None => (store.create_pool(cfg), None),
@@ -215,14 +218,16 @@ impl DeviceConfig {
     }
 
     /// The device on a store handed over by a predecessor process
-    /// (`Store::import`), whose pool 0 holds its pages. No tiers: a store
-    /// with tiers is never handed over.
+    /// (`Store::import`), whose pool 0 holds its pages. Its tiers came with
+    /// the store (`Store::import_tiered`), not from `self.tiers`, which must
+    /// be `None`; writeback to them starts here.
     pub fn adopt(self, store: Store) -> Result<PoolDevice, StoreError> {
         if self.tiers.is_some() {
-            return Err(StoreError::Handover("a device with tiers cannot adopt a handed-over store".into()));
+            return Err(StoreError::Handover("an adopted device's tiers come with its store".into()));
         }
         let pool = store.pool(0)?;
-        self.finish(store, pool, None)
+        let writeback = pool.tier_chain().is_some().then(|| store.start_writeback(WRITEBACK_PERIOD));
+        self.finish(store, pool, writeback)
     }
 
     fn finish(

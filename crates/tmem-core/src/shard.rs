@@ -312,7 +312,12 @@ impl Shard {
         let h = self.entries.insert(e);
         let entries = &self.entries;
         self.table.insert_unique(hash, h, |&x| hash_key(entries.get(x).key()));
-        self.lru_push_front(h);
+        // A page in a tier holds no pool memory: nothing to evict or write
+        // back, so it stays off the list those walk (writeback skips what
+        // it finds there, and a list full of them starves it).
+        if !e.has(F_TIER) {
+            self.lru_push_front(h);
+        }
         old
     }
 

@@ -67,13 +67,13 @@ mod worker;
 pub use config::{Eviction, PoolConfig, PoolKind, StoreConfig};
 pub use dictionary::{DictTraining, Retraining, TrainedDictionary, MAX_DICTIONARIES, RETRAIN_GROWTH, TRAINING_TRIES};
 pub use grouping::{GroupConfig, Grouper, Grouping};
-pub use handover::{HandoverSummary, HANDOVER_VERSION};
+pub use handover::{HandoverSummary, ImportTiers, HANDOVER_VERSION};
 pub use outcome::{GetOutcome, PutOutcome, Reject, StoreError};
 use pool::PaddedShard;
 pub use pool::Pool;
 pub use recompress::{RecompressConfig, Recompression, Recompressor, MAX_STRIDE};
 use shared::Shared;
-pub use tiering::{TierChain, WritebackReport, WritebackWorker};
+pub use tiering::{TierChain, TierHold, WritebackReport, WritebackWorker};
 
 /// The page store.
 pub struct Store {
@@ -97,16 +97,18 @@ impl Drop for Store {
 impl Store {
     /// Creates a pool and returns it.
     pub fn create_pool(&self, cfg: PoolConfig) -> Arc<Pool> {
-        self.create_pool_inner(cfg, None)
+        self.create_pool_inner(cfg, None, true)
     }
 
     /// Creates a pool whose pages move down `chain` when the store is full
     /// (and incompressible pages go there directly).
     pub fn create_pool_with_tiers(&self, cfg: PoolConfig, chain: TierChain) -> Arc<Pool> {
-        self.create_pool_inner(cfg, Some(chain))
+        self.create_pool_inner(cfg, Some(chain), true)
     }
 
-    fn create_pool_inner(&self, cfg: PoolConfig, chain: Option<TierChain>) -> Arc<Pool> {
+    /// Creates a pool; `fresh`: whatever its tiers hold under its id is
+    /// stale (not so for a pool imported with its tiers).
+    fn create_pool_inner(&self, cfg: PoolConfig, chain: Option<TierChain>, fresh: bool) -> Arc<Pool> {
         let mut pools = self.shared.pools.write();
         let id = PoolId::try_from(pools.len()).expect("fewer than 2^32 pools");
         let pool = Arc::new(Pool {
@@ -123,7 +125,7 @@ impl Store {
             compaction_due: AtomicBool::new(false),
             tier_puts: tiering::TierPutLocks::new(self.shards),
         });
-        if let Some(c) = &pool.chain {
+        if let Some(c) = pool.chain.as_ref().filter(|_| fresh) {
             // Whatever an earlier pool with this id left in the tiers is stale.
             c.clear_pool(id);
         }

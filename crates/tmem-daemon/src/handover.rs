@@ -84,6 +84,9 @@ pub const PROTOCOL: u32 = 1;
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long NBD sessions may take to reach a pause between two requests.
 const NBD_PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Set once this process has told a successor that it is gone: from then
+/// on it never serves again, even after a panic.
+static SAID_GONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// Largest frame (spec and status JSON).
 const MAX_FRAME: u32 = 16 << 20;
 
@@ -120,6 +123,43 @@ struct Offer {
     /// for a successor to tell it the new main process.
     #[serde(default)]
     supervisor: Option<crate::supervisor::Handed>,
+    /// Per store, what its tiers handed over, in chain order per pool. The
+    /// states follow the offer, one frame each; the descriptors come
+    /// before the memfds.
+    #[serde(default)]
+    tiers: Vec<Vec<HandedTier>>,
+}
+
+/// One tier's part of the offer ([`tmem_tier::Tier::hand_over`]).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct HandedTier {
+    /// The store's pool it sits below.
+    pool: u32,
+    kind: String,
+    /// Bytes of its state frame.
+    state_bytes: u64,
+    /// Its descriptors.
+    fds: usize,
+}
+
+/// Largest tier state frame: an index of 2^28 values and then some.
+const MAX_TIER_STATE: u64 = 16 << 30;
+
+/// Sends a tier's state: its length, then its bytes.
+fn send_state_frame(w: &mut impl Write, state: &[u8]) -> Result<(), DaemonError> {
+    w.write_all(&(state.len() as u64).to_le_bytes()).and_then(|()| w.write_all(state)).map_err(err)
+}
+
+/// Reads a tier's state of `len` bytes, as the offer announced it.
+fn recv_state_frame(r: &mut impl Read, len: u64) -> Result<Vec<u8>, DaemonError> {
+    let mut head = [0u8; 8];
+    r.read_exact(&mut head).map_err(err)?;
+    if u64::from_le_bytes(head) != len || len > MAX_TIER_STATE {
+        return Err(err(format!("a tier state of {} bytes where the offer said {len}", u64::from_le_bytes(head))));
+    }
+    let mut state = vec![0u8; usize::try_from(len).map_err(err)?];
+    r.read_exact(&mut state).map_err(err)?;
+    Ok(state)
 }
 
 fn err(e: impl std::fmt::Display) -> DaemonError {
@@ -242,9 +282,19 @@ pub(crate) fn listen(daemon: &Arc<Daemon>) -> Result<(), DaemonError> {
                 if !crate::control::peer_is_owner(&stream) {
                     continue;
                 }
-                match daemon.hand_over(stream) {
-                    Ok(()) => unreachable!("a finished hand-over exits the process"),
-                    Err(e) => crate::daemon::warn(&format!("{e}; this daemon goes on serving")),
+                // A panic must not leave requests paused: contained here.
+                let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| daemon.hand_over(stream)));
+                match tried {
+                    Ok(Ok(())) => unreachable!("a finished hand-over exits the process"),
+                    Ok(Err(e)) => crate::daemon::warn(&format!("{e}; this daemon goes on serving")),
+                    Err(_) if SAID_GONE.load(std::sync::atomic::Ordering::Acquire) => {
+                        crate::daemon::warn("the hand-over panicked after the successor took over; this process exits");
+                        std::process::exit(1);
+                    }
+                    Err(_) => {
+                        daemon.resume_serving();
+                        crate::daemon::warn("the hand-over panicked (logged above); this daemon goes on serving");
+                    }
                 }
             }
         })
@@ -267,8 +317,8 @@ impl Daemon {
                 env!("CARGO_PKG_VERSION")
             ));
         }
-        if !self.spec.tiers.tiers.is_empty() {
-            return Some("devices with tiers cannot be handed over yet (the tiers' indexes would stay behind)".into());
+        if !self.spec.tiers.tiers.is_empty() && !h.images {
+            return Some("devices with tiers are handed over only with their pools in shared memory (memfd)".into());
         }
         None
     }
@@ -295,15 +345,7 @@ impl Daemon {
         }
         log(&format!("handing over to a successor (tmem {}): pausing FUSE requests", h.version));
         let paused = Instant::now();
-        let resume = || {
-            // Open the stores again first: a sealed store refuses puts.
-            for store in self.handed_stores() {
-                store.seal(false);
-            }
-            let g = self.lock();
-            g.fuse.as_ref().inspect(|f| f.resume());
-            g.nbd.as_ref().inspect(|n| n.resume());
-        };
+        let resume = || self.resume_serving();
         if let Some(Err(why)) = self.lock().fuse.as_ref().map(FuseMount::pause) {
             send(&mut w, REFUSE, why.as_bytes())?;
             return Err(err(format!("refused a successor: {why}")));
@@ -351,6 +393,18 @@ impl Daemon {
         }
     }
 
+    /// Serves again after a hand-over that did not happen.
+    fn resume_serving(&self) {
+        self.handing_over.store(false, std::sync::atomic::Ordering::Release);
+        // Open the stores again first: a sealed store refuses puts.
+        for store in self.handed_stores() {
+            store.seal(false);
+        }
+        let g = self.lock();
+        g.fuse.as_ref().inspect(|f| f.resume());
+        g.nbd.as_ref().inspect(|n| n.resume());
+    }
+
     /// The stores a hand-over passes, in order: each device's, or each
     /// cache's when there is no device (with a device, caches share its store).
     fn handed_stores(&self) -> Vec<&Store> {
@@ -375,8 +429,32 @@ impl Daemon {
         let images = successor_takes_images && stores.iter().all(|s| s.memfd().is_some());
         let nbd_sessions = nbd.map(|h| h.sessions.iter().map(|(_, st)| *st).collect()).unwrap_or_default();
         let supervisor = self.supervisor.handed();
-        let offer = Offer { spec: self.spec.clone(), status: self.status(), nbd_sessions, images, supervisor };
+        // Writeback to the tiers stays off until this process exits, or
+        // resumes with it (the holds drop) when the hand-over fails.
+        let holds: Vec<tmem_core::TierHold> = stores.iter().map(|s| s.hold_tiers()).collect();
+        let handed = holds.iter().map(tmem_core::TierHold::hand_over).collect::<Result<Vec<_>, _>>().map_err(err)?;
+        if !images && handed.iter().any(|h| !h.is_empty()) {
+            return Err(err("tiers are handed over only with their pools in shared memory (memfd)"));
+        }
+        let tiers = handed
+            .iter()
+            .map(|pools| {
+                let each = pools.iter().flat_map(|(pool, ts)| ts.iter().map(move |t| (*pool, t)));
+                each.map(|(pool, t)| HandedTier {
+                    pool,
+                    kind: t.kind.clone(),
+                    state_bytes: t.state.len() as u64,
+                    fds: t.fds.len(),
+                })
+                .collect()
+            })
+            .collect();
+        let offer = Offer { spec: self.spec.clone(), status: self.status(), nbd_sessions, images, supervisor, tiers };
         send(w, OFFER, &serde_json::to_vec(&offer).map_err(err)?)?;
+        let handed: Vec<&tmem_tier::TierHandover> = handed.iter().flatten().flat_map(|(_, ts)| ts).collect();
+        for t in &handed {
+            send_state_frame(w, &t.state)?;
+        }
         if !images {
             for store in &stores {
                 store.export(w).map_err(err)?;
@@ -401,6 +479,7 @@ impl Daemon {
                 fds.push(h.listener.as_fd());
                 fds.extend(h.sessions.iter().map(|(fd, _)| fd.as_fd()));
             }
+            fds.extend(handed.iter().flat_map(|t| t.fds.iter().map(AsFd::as_fd)));
             if images {
                 fds.extend(stores.iter().filter_map(|s| s.memfd()));
             }
@@ -429,6 +508,7 @@ impl Daemon {
         match answer? {
             (TAKEN, _) => {
                 // Past this point this process never serves again.
+                SAID_GONE.store(true, std::sync::atomic::Ordering::Release);
                 let _ = send(w, GONE, &[]);
                 Ok(images)
             }
@@ -538,13 +618,21 @@ struct TakeReport {
     bytes: u64,
     /// Shared stores (else streamed).
     images: bool,
+    /// Pages in the tiers that came along, and the tiers' names.
+    tier_pages: u64,
+    tiers: Vec<String>,
 }
 
 impl TakeReport {
     fn step(&self, old: u32, paused: Duration) -> String {
         let how = if self.images { "sharing its memory (memfd; no page copied)" } else { "copying them (stream)" };
+        let tiers = if self.tiers.is_empty() {
+            String::new()
+        } else {
+            format!("; {} pages in its tiers ({}) came along", self.tier_pages, self.tiers.join(", "))
+        };
         format!(
-            "took over from daemon pid {old}: {} pages ({}) in {} ms, the longest that requests waited, by {how}",
+            "took over from daemon pid {old}: {} pages ({}) in {} ms, the longest that requests waited, by {how}{tiers}",
             self.pages,
             crate::human(self.bytes),
             paused.as_millis()
@@ -563,7 +651,7 @@ fn take(
     protected: Vec<String>,
     role: Successor,
 ) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>, PendingNbd, TakeReport), DaemonError> {
-    let Offer { spec, status: old, nbd_sessions, images, supervisor } = offer;
+    let Offer { spec, status: old, nbd_sessions, images, supervisor, tiers } = offer;
     let supervisor = match role {
         Successor::InService => Supervisor::inherit(Supervisor::from_env(), supervisor),
         Successor::OutsideService => Supervisor::default(),
@@ -576,27 +664,61 @@ fn take(
     steps.extend(protected);
     let total_ram = tmem_sys::swap::total_ram_bytes().map_err(err)?;
     let (mut pages, mut bytes) = (0, 0);
-    // Shared stores: the descriptors come first, the memfds last of them.
+    let mut states = Vec::new();
+    for t in tiers.iter().flatten() {
+        states.push(recv_state_frame(r, t.state_bytes)?);
+    }
+    // Shared stores: the descriptors come first, then the tiers', the
+    // memfds last.
     let mut fds = Vec::<OwnedFd>::new().into_iter();
     let mut memfds = Vec::<OwnedFd>::new().into_iter();
+    let mut tier_fds = Vec::<OwnedFd>::new().into_iter();
     if images {
         send(w, READY, &[])?;
         let mut all = recv_fds(stream)?;
         let stores = if spec.devices.is_empty() { spec.caches.len() } else { spec.devices.len() };
-        let split =
-            all.len().checked_sub(stores).ok_or_else(|| err("fewer descriptors arrived than the offer names"))?;
-        memfds = all.split_off(split).into_iter();
+        let few = || err("fewer descriptors arrived than the offer names");
+        memfds = all.split_off(all.len().checked_sub(stores).ok_or_else(few)?).into_iter();
+        let of_tiers = tiers.iter().flatten().map(|t| t.fds).sum::<usize>();
+        tier_fds = all.split_off(all.len().checked_sub(of_tiers).ok_or_else(few)?).into_iter();
         fds = all.into_iter();
     }
-    let mut import = |cfg: tmem_core::StoreConfig, r: &mut dyn Read| match memfds.next() {
-        Some(fd) => Store::import_image(cfg, r, fd),
-        None if images => Err(tmem_core::StoreError::Handover("a store image without its memfd".into())),
-        None => Store::import(cfg, r),
+    // Each store's tiers, by pool, as their states and descriptors arrived.
+    let mut states = states.into_iter();
+    let mut handed: Vec<Vec<(u32, Vec<tmem_tier::TierHandover>)>> = Vec::new();
+    for store in &tiers {
+        let mut pools: Vec<(u32, Vec<tmem_tier::TierHandover>)> = Vec::new();
+        for t in store {
+            let fds = tier_fds.by_ref().take(t.fds).collect();
+            let state = states.next().expect("one state per tier");
+            let h = tmem_tier::TierHandover { kind: t.kind.clone(), state, fds };
+            match pools.last_mut() {
+                Some((pool, ts)) if *pool == t.pool => ts.push(h),
+                _ => pools.push((t.pool, vec![h])),
+            }
+        }
+        handed.push(pools);
+    }
+    let mut handed = handed.into_iter();
+    let mut import = |cfg: tmem_core::StoreConfig, r: &mut dyn Read, device: &str| {
+        let mut below = handed.next().unwrap_or_default();
+        let mut give = |id: u32, n: usize| {
+            let at = below.iter().position(|(pool, ts)| *pool == id && ts.len() == n);
+            let (_, ts) = at.map(|i| below.swap_remove(i)).ok_or_else(|| {
+                tmem_core::StoreError::Handover(format!("pool {id}: its {n} tiers were not handed over"))
+            })?;
+            spec.tiers.adopt(device, ts).map_err(|e| tmem_core::StoreError::Handover(e.to_string()))
+        };
+        match memfds.next() {
+            Some(fd) => Store::import_tiered(cfg, r, Some(fd), &mut give),
+            None if images => Err(tmem_core::StoreError::Handover("a store image without its memfd".into())),
+            None => Store::import(cfg, r),
+        }
     };
     let mut devices: Vec<Arc<PoolDevice>> = Vec::new();
     for d in &spec.devices {
         let store_cfg = store_config(d, total_ram)?;
-        let (store, sum) = import(store_cfg.clone(), r).map_err(err)?;
+        let (store, sum) = import(store_cfg.clone(), r, &d.name).map_err(err)?;
         (pages, bytes) = (pages + sum.pages, bytes + sum.object_bytes);
         let cfg = DeviceConfig {
             name: d.name.clone(),
@@ -616,7 +738,7 @@ fn take(
                 (store, pool)
             }
             None => {
-                let (store, sum) = import(c.store_config(total_ram)?, r).map_err(err)?;
+                let (store, sum) = import(c.store_config(total_ram)?, r, &c.name).map_err(err)?;
                 (pages, bytes) = (pages + sum.pages, bytes + sum.object_bytes);
                 let store = Arc::new(store);
                 let pool = store.pool(0).map_err(err)?;
@@ -659,7 +781,10 @@ fn take(
         })
         .transpose()
         .map_err(err)?;
-    let report = TakeReport { pages, bytes, images };
+    let stores = devices.iter().map(|d| d.store());
+    let tier_pages = stores.clone().map(|s| s.stats().total.tier_pages).sum();
+    let tiers = stores.flat_map(|s| s.tiers()).map(|t| t.name().to_owned()).collect();
+    let report = TakeReport { pages, bytes, images, tier_pages, tiers };
     let status = Status { state: "up".into(), pid: std::process::id(), steps, ..old.clone() };
     let dir = RuntimeDir::open(dir.path())?;
     let daemon = Daemon::new(spec, dir, lock_file, (devices, caches), status, tx, signalled);
@@ -709,6 +834,10 @@ impl Daemon {
     fn serve_taken_over(&self, nbd: PendingNbd) {
         for store in self.handed_stores() {
             store.seal(false);
+            // The predecessor is gone: the tiers' files and keys are ours.
+            for t in store.tiers() {
+                t.set_owner(true);
+            }
         }
         if let Some(f) = self.lock().fuse.as_ref() {
             f.resume();

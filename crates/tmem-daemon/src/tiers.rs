@@ -17,7 +17,7 @@ use tmem_core::TierChain;
 use tmem_tier::seal::{MasterKey, Sealer};
 
 use crate::{limits, DaemonError};
-use tmem_tier::Tier;
+use tmem_tier::{Tier, TierHandover};
 
 /// One `--tier` option.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -153,15 +153,7 @@ impl TierArgs {
         let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
         for t in &self.tiers {
             tiers.push(match t {
-                TierSpec::Remote(nodes) => {
-                    let host = format!("{}-{device}", self.host_id.clone().unwrap_or_else(hostname));
-                    let mut cfg = tmem_tier_remote::RemoteTierConfig::new(nodes.clone(), self.cluster_id.clone(), host);
-                    // A cluster's masters are counted at build, which refuses R above them.
-                    let cluster = nodes.iter().any(|u| u.contains("+cluster://"));
-                    cfg.replicas = if cluster { self.replicas.max(1) } else { self.replicas.min(nodes.len()).max(1) };
-                    cfg.op_timeout = Duration::from_millis(500);
-                    Arc::new(cfg.build().map_err(|e| e.to_string())?)
-                }
+                TierSpec::Remote(nodes) => Arc::new(self.remote(nodes, device).build().map_err(|e| e.to_string())?),
                 TierSpec::Disk(p) => {
                     let path = if p.is_dir() { p.join(format!("{device}.back")) } else { p.clone() };
                     Arc::new(
@@ -172,6 +164,37 @@ impl TierArgs {
             });
         }
         TierChain::new(tiers, Arc::new(sealer)).map(Some).map_err(|e| e.to_string())
+    }
+
+    /// The remote tier's configuration for device `device`.
+    fn remote(&self, nodes: &[String], device: &str) -> tmem_tier_remote::RemoteTierConfig {
+        let host = format!("{}-{device}", self.host_id.clone().unwrap_or_else(hostname));
+        let mut cfg = tmem_tier_remote::RemoteTierConfig::new(nodes.to_vec(), self.cluster_id.clone(), host);
+        // A cluster's masters are counted at build, which refuses R above them.
+        let cluster = nodes.iter().any(|u| u.contains("+cluster://"));
+        cfg.replicas = if cluster { self.replicas.max(1) } else { self.replicas.min(nodes.len()).max(1) };
+        cfg.op_timeout = Duration::from_millis(500);
+        cfg
+    }
+
+    /// The tiers of device `device` as a predecessor handed them over
+    /// ([`Tier::hand_over`]), in the order of `--tier`. They own nothing
+    /// until the caller serves ([`Tier::set_owner`]).
+    pub fn adopt(&self, device: &str, handed: Vec<TierHandover>) -> Result<Vec<Arc<dyn Tier>>, DaemonError> {
+        let fail = |e: String| DaemonError::Tier(format!("{device}: taking the tiers over: {e}"));
+        if handed.len() != self.tiers.len() {
+            return Err(fail(format!("{} tiers handed over, {} configured", handed.len(), self.tiers.len())));
+        }
+        let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
+        for (t, h) in self.tiers.iter().zip(handed) {
+            tiers.push(match t {
+                TierSpec::Remote(nodes) => {
+                    Arc::new(self.remote(nodes, device).adopt(&h).map_err(|e| fail(e.to_string()))?)
+                }
+                TierSpec::Disk(_) => Arc::new(tmem_tier_disk::DiskTier::adopt(h).map_err(|e| fail(e.to_string()))?),
+            });
+        }
+        Ok(tiers)
     }
 }
 

@@ -19,7 +19,38 @@
 //! in the file as garbage — a regular file is truncated to zero and re-sized
 //! (which also frees its blocks), a block device is discarded (best effort) —
 //! and dropping the [`DiskTier`] empties a regular file again. Nothing is
-//! ever read back from a previous run; there is no on-disk superblock.
+//! ever read back from a previous run; there is no on-disk superblock. The
+//! one exception is a restart that hands the tier over (below).
+//!
+//! # Hand-over
+//!
+//! `tmem swap restart` moves the tier to a successor process.
+//! [`Tier::hand_over`] writes the open segment's new pages and waits for
+//! every queued segment write and discard (under the writer lock; a write
+//! that keeps failing fails the hand-over), then gives a duplicate of the
+//! file's descriptor (the same open file: its `O_DIRECT` mode and `flock`
+//! travel) and a state: configuration, segment table (state, used and live
+//! bytes, generation), free list, open segment and its write offset, the
+//! index, and the counters (latency histograms start afresh), versioned,
+//! little endian, with a CRC-32 (layout in `handover.rs`). The predecessor
+//! is unchanged and goes on serving if the hand-over fails.
+//!
+//! [`DiskTier::adopt`] checks the checksum and every number against the
+//! others and the file (segment size and count against the file's size, the
+//! descriptor's type, access and `O_DIRECT` mode against the state; states,
+//! used ≥ live bytes, a free list of free segments without repeats, index
+//! entries inside their segment's records, not overlapping, summing to each
+//! segment's live bytes), reads the open segment back into its buffer, checks
+//! the record headers there against the index, and goes on appending to it:
+//! [`Capacity`] is the same before and after. Anything wrong is one
+//! [`TierError::Config`] naming it. Records of sealed segments are not read
+//! back (that would read the whole file); values are authenticated by the
+//! caller anyway (below).
+//!
+//! Ownership: only the owner's drop empties a regular file. A built tier
+//! owns its file; an adopted one does not until [`Tier::set_owner`]`(true)`,
+//! so a successor that fails leaves the predecessor's values alone, and the
+//! predecessor that handed over calls `set_owner(false)` before it exits.
 //!
 //! # Authentication is the caller's job
 //!
@@ -124,6 +155,7 @@
 
 use tmem_sys::aligned;
 mod gc;
+mod handover;
 mod read;
 mod segment;
 mod stats;
@@ -147,7 +179,8 @@ use std::time::Instant;
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use tmem_tier::{
-    check_len, Capacity, Health, LatencyHistogram, Tier, TierError, TierGet, TierKey, TierPut, TierStats, MAX_VALUE,
+    check_len, Capacity, Health, LatencyHistogram, Tier, TierError, TierGet, TierHandover, TierKey, TierPut, TierStats,
+    MAX_VALUE,
 };
 
 use aligned::{AlignedBuf, ALIGN};
@@ -207,6 +240,10 @@ fn decode_header(h: &[u8]) -> (TierKey, u32) {
     let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().expect("4 bytes"));
     let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
     (TierKey { pool: u32_at(0), object: u64_at(4), index: u64_at(12) }, u32_at(20))
+}
+
+fn valid_segment_bytes(s: u32) -> bool {
+    s.is_multiple_of(PAGE) && (MIN_SEGMENT_BYTES..=MAX_SEGMENT_BYTES).contains(&s)
 }
 
 fn config_err(reason: impl Into<String>) -> TierError {
@@ -340,6 +377,30 @@ struct State {
     waste_bytes: u64,
 }
 
+impl State {
+    /// Every segment free.
+    fn new(seg_bytes: u32, nsegs: u32) -> Self {
+        Self {
+            seg_bytes,
+            index: HashMap::new(),
+            segs: vec![Seg { state: SegState::Free, used: 0, live: 0 }; us(nsegs)],
+            // Popped from the end: segment 0 is used first.
+            free: (0..nsegs).rev().collect(),
+            discards: Vec::new(),
+            discarding: 0,
+            open: None,
+            inflight: Vec::new(),
+            queue: VecDeque::new(),
+            failed: Vec::new(),
+            spares: (0..=SPARE_BUFFERS).map(|_| AlignedBuf::zeroed(us(seg_bytes))).collect(),
+            epoch: 0,
+            live_bytes: 0,
+            value_bytes: 0,
+            waste_bytes: 0,
+        }
+    }
+}
+
 /// Owned by the holder of the writer lock.
 struct Writer {
     /// Copy of the open segment's dirty pages for a flush.
@@ -371,6 +432,8 @@ pub struct DiskTier {
     failed_writes: AtomicUsize,
     io_error: Mutex<Option<String>>,
     io_error_set: AtomicBool,
+    /// Drop empties a regular file ([`Tier::set_owner`]).
+    owner: AtomicBool,
     counters: Counters,
     get_latency: LatencyHistogram,
     put_latency: LatencyHistogram,
@@ -412,7 +475,7 @@ fn probe_direct(file: &File) -> io::Result<()> {
 impl DiskTier {
     fn open(cfg: &DiskTierConfig) -> Result<Self, TierError> {
         let s = cfg.segment_bytes;
-        if !s.is_multiple_of(PAGE) || !(MIN_SEGMENT_BYTES..=MAX_SEGMENT_BYTES).contains(&s) {
+        if !valid_segment_bytes(s) {
             return Err(config_err(format!(
                 "segment_bytes {s} must be a multiple of {PAGE} in {MIN_SEGMENT_BYTES}..={MAX_SEGMENT_BYTES}"
             )));
@@ -513,34 +576,21 @@ impl DiskTier {
             true
         };
 
-        let min_gain = (s / 16).max(2 * MAX_RECORD);
-        let state = State {
-            seg_bytes: s,
-            index: HashMap::new(),
-            segs: vec![Seg { state: SegState::Free, used: 0, live: 0 }; us(nsegs)],
-            // Popped from the end: segment 0 is used first.
-            free: (0..nsegs).rev().collect(),
-            discards: Vec::new(),
-            discarding: 0,
-            open: None,
-            inflight: Vec::new(),
-            queue: VecDeque::new(),
-            failed: Vec::new(),
-            spares: (0..=SPARE_BUFFERS).map(|_| AlignedBuf::zeroed(us(s))).collect(),
-            epoch: 0,
-            live_bytes: 0,
-            value_bytes: 0,
-            waste_bytes: 0,
-        };
-        Ok(Self {
+        Ok(Self::assemble(file, path.clone(), block, (direct, fallback), State::new(s, nsegs), discard_ok))
+    }
+
+    /// A tier on an open, checked file with `state`; the owner of the file.
+    fn assemble(file: File, path: PathBuf, block: bool, mode: (bool, bool), state: State, discard_ok: bool) -> Self {
+        let (s, nsegs) = (state.seg_bytes, u32::try_from(state.segs.len()).expect("checked segment count"));
+        Self {
             file,
-            path: path.clone(),
+            path,
             block,
-            direct,
-            fallback,
+            direct: mode.0,
+            fallback: mode.1,
             seg_bytes: s,
             nsegs,
-            min_gain,
+            min_gain: (s / 16).max(2 * MAX_RECORD),
             state: Mutex::new(Rank::DiskState, state),
             gens: (0..nsegs).map(|_| AtomicU64::new(0)).collect(),
             writer: Mutex::new(Rank::DiskWriter, Writer { flush_buf: None }),
@@ -550,12 +600,13 @@ impl DiskTier {
             failed_writes: AtomicUsize::new(0),
             io_error: Mutex::new(Rank::DiskIoError, None),
             io_error_set: AtomicBool::new(false),
+            owner: AtomicBool::new(true),
             counters: Counters::default(),
             get_latency: LatencyHistogram::default(),
             put_latency: LatencyHistogram::default(),
             #[cfg(test)]
             fail_writes: std::sync::atomic::AtomicU32::new(0),
-        })
+        }
     }
 
     /// The backing file or device.
@@ -579,39 +630,7 @@ impl DiskTier {
     /// flush; this bounds what only memory holds. Fails while segment writes fail.
     pub fn flush(&self) -> Result<(), TierError> {
         let mut w = self.writer.lock();
-        self.pump_locked(&mut w, true);
-        let mut result = Ok(());
-        let mut st = self.lock();
-        let pending = st.open.as_ref().map(|o| (o.seg, o.flushed, o.epoch, st.segs[us(o.seg)].used));
-        if let Some((seg, flushed, epoch, used)) = pending.filter(|&(_, flushed, _, used)| used > flushed) {
-            // Copy the new pages under the state lock, write them outside it.
-            let (start, end) = (align_down(flushed), align_up(used));
-            let o = st.open.as_mut().expect("checked");
-            o.buf[us(used)..us(end)].fill(0);
-            let fb = w.flush_buf.get_or_insert_with(|| AlignedBuf::zeroed(us(self.seg_bytes)));
-            fb[us(start)..us(end)].copy_from_slice(&o.buf[us(start)..us(end)]);
-            drop(st);
-            let at = self.seg_off(seg) + u64::from(start);
-            match self.write_at(&fb[us(start)..us(end)], at) {
-                Ok(()) => {
-                    add(&self.counters.wire_out, u64::from(end - start));
-                    add(&self.counters.flushes, 1);
-                    self.io_ok();
-                    let mut st = self.lock();
-                    // Unless the segment was sealed or started over meanwhile.
-                    if let Some(o) = st.open.as_mut().filter(|o| o.seg == seg && o.epoch == epoch) {
-                        o.flushed = o.flushed.max(used);
-                    }
-                }
-                Err(e) => {
-                    add(&self.counters.failures, 1);
-                    self.io_failed("write", &e);
-                    result = Err(io_err(e));
-                }
-            }
-        } else {
-            drop(st);
-        }
+        let result = self.flush_locked(&mut w);
         drop(w);
         if self.work_hint.load(Ordering::SeqCst) {
             self.pump(false); // queued while we wrote, by threads that left it to us
@@ -623,6 +642,43 @@ impl DiskTier {
                 tier: NAME.into(),
                 reason: format!("{n} segment writes failing: {}", self.io_error_text()),
             }),
+        }
+    }
+
+    /// With the writer lock held: queued work (failed writes retried), then
+    /// the open segment's new pages. Fails if that last write fails.
+    fn flush_locked(&self, w: &mut Writer) -> Result<(), TierError> {
+        self.pump_locked(w, true);
+        let mut st = self.lock();
+        let pending = st.open.as_ref().map(|o| (o.seg, o.flushed, o.epoch, st.segs[us(o.seg)].used));
+        let Some((seg, flushed, epoch, used)) = pending.filter(|&(_, flushed, _, used)| used > flushed) else {
+            return Ok(());
+        };
+        // Copy the new pages under the state lock, write them outside it.
+        let (start, end) = (align_down(flushed), align_up(used));
+        let o = st.open.as_mut().expect("checked");
+        o.buf[us(used)..us(end)].fill(0);
+        let fb = w.flush_buf.get_or_insert_with(|| AlignedBuf::zeroed(us(self.seg_bytes)));
+        fb[us(start)..us(end)].copy_from_slice(&o.buf[us(start)..us(end)]);
+        drop(st);
+        let at = self.seg_off(seg) + u64::from(start);
+        match self.write_at(&fb[us(start)..us(end)], at) {
+            Ok(()) => {
+                add(&self.counters.wire_out, u64::from(end - start));
+                add(&self.counters.flushes, 1);
+                self.io_ok();
+                let mut st = self.lock();
+                // Unless the segment was sealed or started over meanwhile.
+                if let Some(o) = st.open.as_mut().filter(|o| o.seg == seg && o.epoch == epoch) {
+                    o.flushed = o.flushed.max(used);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                add(&self.counters.failures, 1);
+                self.io_failed("write", &e);
+                Err(io_err(e))
+            }
         }
     }
 
@@ -806,6 +862,18 @@ impl Tier for DiskTier {
         Health::Healthy
     }
 
+    /// Writes the open segment's new pages and waits for every queued
+    /// write and discard (failed writes retried: they fail the hand-over),
+    /// then hands over the state ([`DiskTier::adopt`]) and a duplicate of
+    /// the file's descriptor (the same open file, `O_DIRECT` and lock).
+    fn hand_over(&self) -> Result<TierHandover, TierError> {
+        self.hand_over_inner()
+    }
+
+    fn set_owner(&self, owner: bool) {
+        self.owner.store(owner, Ordering::SeqCst);
+    }
+
     fn stats(&self) -> TierStats {
         let (pages, bytes) = {
             let st = self.lock();
@@ -836,10 +904,10 @@ impl Tier for DiskTier {
 }
 
 impl Drop for DiskTier {
-    /// Swap content does not outlive its tier: a regular file is emptied
-    /// (its blocks freed, its length kept).
+    /// Swap content does not outlive its tier: the owner of a regular file
+    /// empties it (its blocks freed, its length kept).
     fn drop(&mut self) {
-        if !self.block {
+        if !self.block && self.owner.load(Ordering::SeqCst) {
             let len = self.file.metadata().map(|m| m.len());
             if let Ok(len) = len {
                 let _ = self.file.set_len(0).and_then(|()| self.file.set_len(len));

@@ -26,6 +26,34 @@ pub(crate) struct Counters {
     pub(crate) read_retries: AtomicU64,
 }
 
+/// Fields of [`Counters`].
+pub(crate) const COUNTERS: usize = 17;
+
+impl Counters {
+    /// Every counter, in declaration order (the hand-over state's order).
+    pub(crate) fn all(&self) -> [&AtomicU64; COUNTERS] {
+        [
+            &self.writes,
+            &self.full,
+            &self.reads,
+            &self.misses,
+            &self.removes,
+            &self.failures,
+            &self.bytes_written,
+            &self.bytes_read,
+            &self.wire_out,
+            &self.wire_in,
+            &self.segment_writes,
+            &self.flushes,
+            &self.discards,
+            &self.gc_runs,
+            &self.gc_moved_values,
+            &self.gc_moved_bytes,
+            &self.read_retries,
+        ]
+    }
+}
+
 pub(crate) fn add(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }

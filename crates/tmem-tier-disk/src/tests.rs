@@ -1,4 +1,5 @@
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU32;
@@ -589,4 +590,307 @@ fn failed_segment_writes_keep_values_and_are_retried() {
         assert_eq!(out, value(i));
     }
     check_invariants(&tier);
+}
+
+/// A tier the test still sees after the conformance suite drops its box.
+struct Shared(Arc<DiskTier>);
+
+impl Tier for Shared {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn put(&self, key: TierKey, value: &[u8]) -> Result<TierPut, TierError> {
+        self.0.put(key, value)
+    }
+    fn get(&self, key: TierKey, out: &mut Vec<u8>) -> Result<TierGet, TierError> {
+        self.0.get(key, out)
+    }
+    fn remove(&self, key: TierKey) -> Result<bool, TierError> {
+        self.0.remove(key)
+    }
+    fn put_batch(&self, items: &[(TierKey, &[u8])]) -> Vec<Result<TierPut, TierError>> {
+        self.0.put_batch(items)
+    }
+    fn get_batch(&self, keys: &[TierKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
+        self.0.get_batch(keys)
+    }
+    fn clear_pool(&self, pool: u32) -> Result<(), TierError> {
+        self.0.clear_pool(pool)
+    }
+    fn capacity(&self) -> Capacity {
+        self.0.capacity()
+    }
+    fn health(&self) -> Health {
+        self.0.health()
+    }
+    fn stats(&self) -> TierStats {
+        self.0.stats()
+    }
+}
+
+#[test]
+fn conformance_hand_over_across_segments_and_gc() {
+    let p = TempPath::new(disk_dir(), "handover-conf");
+    // 12 segments of 64 KiB: the suite's values fill ten, and the successor's puts need the GC.
+    let tier = config(&p, 64 << 10, 12).build().unwrap();
+    let next = std::sync::OnceLock::new();
+    conformance::check_hand_over(&tier, &|h| {
+        let t = Arc::new(DiskTier::adopt(h).unwrap());
+        next.set(Arc::clone(&t)).unwrap();
+        Box::new(Shared(t))
+    });
+    check_invariants(&tier);
+    assert!(tier.disk_stats().segment_writes >= 8, "{:?}", tier.disk_stats());
+    let next = next.get().unwrap();
+    check_invariants(next);
+    assert!(next.disk_stats().gc_runs > 0, "{:?}", next.disk_stats());
+}
+
+/// Random puts and removes of values of 300 keys (~360 KB live for 448 KB of
+/// usable segments: the GC runs); `oracle` follows.
+fn churn(tier: &DiskTier, oracle: &mut HashMap<TierKey, Vec<u8>>, rng: &mut Rng, steps: u64) {
+    for step in 0..steps {
+        let key = TierKey { pool: u32::from(rng.below(4) == 0), object: 0, index: rng.below(300) };
+        if rng.below(10) < 7 {
+            let v = rng.value(step);
+            match tier.put(key, &v).unwrap() {
+                TierPut::Stored => oracle.insert(key, v),
+                TierPut::Full => oracle.remove(&key),
+            };
+        } else {
+            assert_eq!(tier.remove(key).unwrap(), oracle.remove(&key).is_some());
+        }
+    }
+}
+
+fn check_values(tier: &DiskTier, oracle: &HashMap<TierKey, Vec<u8>>) {
+    let mut out = Vec::new();
+    for (k, v) in oracle {
+        assert_eq!(tier.get(*k, &mut out).unwrap(), TierGet::Hit, "{k:?}");
+        assert_eq!(&out, v, "{k:?}");
+    }
+    let keys: Vec<TierKey> = oracle.keys().copied().collect();
+    for (k, g) in keys.iter().zip(tier.get_batch(&keys)) {
+        assert_eq!(g.unwrap().as_deref(), Some(oracle[k].as_slice()), "batch {k:?}");
+    }
+}
+
+/// A restart after the GC has run: the successor holds and counts the same,
+/// and goes on putting and collecting.
+fn hand_over_after_gc(dir: &Path, direct_io: bool, seed: u64) {
+    let p = TempPath::new(dir, "handover-gc");
+    let old = DiskTierConfig { direct_io, ..config(&p, 64 << 10, 8) }.build().unwrap();
+    let (mut oracle, mut rng) = (HashMap::new(), Rng(seed));
+    while old.disk_stats().gc_runs < 3 {
+        churn(&old, &mut oracle, &mut rng, 500);
+    }
+    churn(&old, &mut oracle, &mut rng, 77); // the open segment has unwritten pages
+    let st = old.lock();
+    assert!(st.open.as_ref().is_some_and(|o| o.flushed < st.segs[us(o.seg)].used), "unwritten pages");
+    drop(st);
+    let capacity = old.capacity();
+    let h = old.hand_over().unwrap();
+    assert_eq!((h.kind.as_str(), h.fds.len()), ("disk", 1));
+    let next = DiskTier::adopt(h).unwrap();
+    check_invariants(&next);
+    assert_eq!(next.capacity(), capacity);
+    assert_eq!(next.direct_io(), direct_io);
+    // Counters carry on; latencies are the new process's own.
+    let (mut want, got) = (old.disk_stats(), next.disk_stats());
+    (want.tier.get_p50_us, want.tier.get_p99_us, want.tier.put_p50_us, want.tier.put_p99_us) =
+        (got.tier.get_p50_us, got.tier.get_p99_us, got.tier.put_p50_us, got.tier.put_p99_us);
+    assert_eq!(got, want);
+    // The predecessor steps down; its drop leaves the file.
+    next.set_owner(true);
+    old.set_owner(false);
+    drop(old);
+    check_values(&next, &oracle);
+    let gc_runs = got.gc_runs;
+    while next.disk_stats().gc_runs < gc_runs + 3 {
+        churn(&next, &mut oracle, &mut rng, 500);
+    }
+    check_invariants(&next);
+    check_values(&next, &oracle);
+    next.flush().unwrap();
+    assert_eq!(next.disk_stats().tier.failures, 0);
+    assert_eq!(next.health(), Health::Healthy);
+}
+
+#[test]
+fn hand_over_after_gc_direct_io() {
+    hand_over_after_gc(&disk_dir(), true, 0xabc);
+}
+
+#[test]
+fn hand_over_after_gc_buffered_io() {
+    hand_over_after_gc(&tmpfs_dir(), false, 0xdef);
+}
+
+#[test]
+fn an_adopted_tier_owns_the_file_only_when_told() {
+    let p = TempPath::new(disk_dir(), "handover-owner");
+    let old = config(&p, 64 << 10, 8).build().unwrap();
+    let oracle: HashMap<TierKey, Vec<u8>> =
+        (0..100u64).map(|i| (TierKey { pool: 1, object: 0, index: i }, vec![u8::try_from(i).unwrap(); 2000])).collect();
+    for (k, v) in &oracle {
+        assert_eq!(old.put(*k, v).unwrap(), TierPut::Stored);
+    }
+    let adopt = || DiskTier::adopt(old.hand_over().unwrap()).unwrap();
+    // A successor that fails (dropped before it serves) leaves the predecessor's file alone.
+    let failed = adopt();
+    let allocated = allocated_bytes(&p.0);
+    assert!(allocated >= 100 * 2000, "{allocated}");
+    drop(failed);
+    assert_eq!(allocated_bytes(&p.0), allocated);
+    check_values(&old, &oracle);
+    // One that took over owns it.
+    let next = adopt();
+    next.set_owner(true);
+    old.set_owner(false);
+    drop(old);
+    assert_eq!(allocated_bytes(&p.0), allocated);
+    check_values(&next, &oracle);
+    drop(next);
+    assert_eq!(allocated_bytes(&p.0), 0, "the owner's drop empties the file");
+}
+
+#[test]
+fn a_failed_hand_over_leaves_the_tier_serving() {
+    let p = TempPath::new(disk_dir(), "handover-eio");
+    let tier = config(&p, 64 << 10, 8).build().unwrap();
+    // Nothing put yet: no open segment.
+    let empty = DiskTier::adopt(tier.hand_over().unwrap()).unwrap();
+    assert_eq!(empty.capacity(), tier.capacity());
+    drop(empty);
+    let key = |i: u64| TierKey { pool: 1, object: 0, index: i };
+    let value = |i: u64| vec![u8::try_from(i % 199).unwrap(); 1500];
+    tier.fail_writes.store(u32::MAX, Ordering::SeqCst);
+    for i in 0..60 {
+        assert_eq!(tier.put(key(i), &value(i)).unwrap(), TierPut::Stored);
+    }
+    assert!(tier.hand_over().is_err(), "writes fail");
+    tier.fail_writes.store(0, Ordering::SeqCst);
+    let oracle: HashMap<_, _> = (0..60).map(|i| (key(i), value(i))).collect();
+    check_values(&tier, &oracle);
+    let next = DiskTier::adopt(tier.hand_over().unwrap()).unwrap();
+    check_values(&next, &oracle);
+    check_invariants(&next);
+}
+
+/// Offsets in a hand-over state: the segment table, the free list and the index.
+fn layout(state: &[u8]) -> (usize, usize, usize) {
+    let u32_at = |i: usize| us(u32::from_le_bytes(state[i..i + 4].try_into().unwrap()));
+    let segs_at = 25 + u32_at(21);
+    let free_at = segs_at + 17 * u32_at(16) + 8;
+    (segs_at, free_at, free_at + 4 + 4 * u32_at(free_at) + 8)
+}
+
+#[test]
+fn corrupt_hand_over_states_are_refused() {
+    let p = TempPath::new(disk_dir(), "handover-corrupt");
+    let tier = config(&p, 64 << 10, 6).build().unwrap();
+    let key = |i: u64| TierKey { pool: 1, object: 0, index: i };
+    for i in 0..70 {
+        assert_eq!(tier.put(key(i), &vec![u8::try_from(i).unwrap(); 2000]).unwrap(), TierPut::Stored);
+    }
+    for i in (0..70).step_by(4) {
+        assert!(tier.remove(key(i)).unwrap());
+    }
+    let good = tier.hand_over().unwrap().state;
+    let fd = || vec![OwnedFd::from(tier.file.try_clone().unwrap())];
+    let adopt = |state: Vec<u8>| DiskTier::adopt(TierHandover { kind: "disk".into(), state, fds: fd() });
+    let refused = |state: Vec<u8>, what: &str| match adopt(state) {
+        Err(e @ TierError::Config { .. }) => assert!(e.to_string().contains(what), "{what}: {e}"),
+        r => panic!("{what}: {r:?}"),
+    };
+    check_invariants(&adopt(good.clone()).unwrap());
+
+    // The checksum: every flipped byte, every truncation.
+    for i in 0..good.len() {
+        for mask in [0x01, 0x80, 0xff] {
+            let mut s = good.clone();
+            s[i] ^= mask;
+            refused(s, "checksum");
+        }
+    }
+    for n in 0..good.len() {
+        assert!(matches!(adopt(good[..n].to_vec()), Err(TierError::Config { .. })), "truncated to {n}");
+    }
+
+    // With a valid checksum, each number is checked: no change is a panic or an inconsistent tier.
+    let body = &good[..good.len() - 4];
+    let seal = |mut s: Vec<u8>| {
+        let crc = crc32fast::hash(&s);
+        s.extend_from_slice(&crc.to_le_bytes());
+        s
+    };
+    for i in 0..body.len() {
+        for mask in [0x01, 0x80, 0xff] {
+            let mut s = body.to_vec();
+            s[i] ^= mask;
+            if let Ok(t) = adopt(seal(s)) {
+                check_invariants(&t);
+            }
+        }
+    }
+    let (segs_at, free_at, index_at) = layout(body);
+    let edit = |at: usize, bytes: &[u8]| {
+        let mut s = body.to_vec();
+        s[at..at + bytes.len()].copy_from_slice(bytes);
+        seal(s)
+    };
+    let last = body.len() - 4 - 17 * 8 - 32; // the last index entry
+    refused(edit(0, b"tmemdist"), "not a disk tier");
+    refused(edit(8, &2u32.to_le_bytes()), "version 2");
+    refused(edit(12, &5000u32.to_le_bytes()), "segment size 5000");
+    refused(edit(16, &u32::MAX.to_le_bytes()), "overrun");
+    refused(edit(segs_at, &[9]), "segment 0: state 9");
+    refused(edit(segs_at + 5, &u32::MAX.to_le_bytes()), "segment 0: Sealed");
+    refused(edit(free_at + 8, &body[free_at + 4..free_at + 8]), "listed twice");
+    refused(edit(index_at - 8, &u64::MAX.to_le_bytes()), "overrun");
+    refused(edit(last + 20, &99u32.to_le_bytes()), "outside its segment");
+    refused(edit(last + 28, &u32::MAX.to_le_bytes()), "outside its segment");
+    refused(edit(last, &body[last - 32..last - 12]), "listed twice");
+    refused(edit(body.len() - 4 - 17 * 8, &16u32.to_le_bytes()), "counter count");
+    refused(seal([body, &[0]].concat()), "trailing");
+    // An index entry of the open segment naming another key: its header disagrees.
+    let open = u32::from_le_bytes(body[free_at - 8..free_at - 4].try_into().unwrap());
+    let entries = (index_at..last + 1).step_by(32);
+    let in_open = entries.clone().find(|&e| body[e + 20..e + 24] == open.to_le_bytes()).unwrap();
+    refused(edit(in_open + 4, &u64::MAX.to_le_bytes()), "does not hold");
+    // Two records of one segment at one offset.
+    let seg_of = |e: usize| &body[e + 20..e + 24];
+    let (a, b) = entries
+        .clone()
+        .flat_map(|a| entries.clone().map(move |b| (a, b)))
+        .find(|&(a, b)| a < b && seg_of(a) == seg_of(b))
+        .unwrap();
+    refused(edit(b + 24, &body[a + 24..a + 28]), "overlap");
+
+    // The descriptor and the kind.
+    let h = |kind: &str, fds| TierHandover { kind: kind.into(), state: good.clone(), fds };
+    let e = DiskTier::adopt(h("mem", fd())).unwrap_err();
+    assert!(e.to_string().contains("\"mem\" tier"), "{e}");
+    let e = DiskTier::adopt(h("disk", Vec::new())).unwrap_err();
+    assert!(e.to_string().contains("0 descriptors"), "{e}");
+    let small = TempPath::new(disk_dir(), "handover-small");
+    let f = OpenOptions::new().read(true).write(true).create(true).custom_flags(libc::O_DIRECT).open(&small.0);
+    let e = DiskTier::adopt(h("disk", vec![f.unwrap().into()])).unwrap_err();
+    assert!(e.to_string().contains("segments need"), "{e}");
+    let ro = File::open(&p.0).unwrap();
+    let e = DiskTier::adopt(h("disk", vec![ro.into()])).unwrap_err();
+    assert!(e.to_string().contains("reading and writing"), "{e}");
+    let buffered = OpenOptions::new().read(true).write(true).open(&p.0).unwrap();
+    let e = DiskTier::adopt(h("disk", vec![buffered.into()])).unwrap_err();
+    assert!(e.to_string().contains("O_DIRECT"), "{e}");
+    let other = OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&p.0).unwrap();
+    let e = DiskTier::adopt(h("disk", vec![other.into()])).unwrap_err();
+    assert!(e.to_string().contains("in use by another disk tier"), "{e}");
+    // All of that left the tier as it was.
+    check_invariants(&tier);
+    let mut out = Vec::new();
+    for i in 0..70 {
+        let hit = if i % 4 == 0 { TierGet::Miss } else { TierGet::Hit };
+        assert_eq!(tier.get(key(i), &mut out).unwrap(), hit);
+    }
 }

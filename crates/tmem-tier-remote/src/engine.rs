@@ -18,6 +18,8 @@ use crate::placement::{bit, count, key_hash, key_name, rendezvous, resp_cmd_len,
 mod nodes;
 mod repair;
 
+pub(crate) use nodes::BringUp;
+
 pub(crate) const TIER: &str = "remote";
 
 /// Stripes of the per-key write locks (puts, removes and repairs of one key are serialized).
@@ -45,6 +47,9 @@ pub(crate) fn config_error(reason: impl Into<String>) -> TierError {
 /// Settings the engine needs from the configuration.
 pub(crate) struct Settings {
     pub replicas: usize,
+    pub cluster_id: String,
+    /// The configured nodes without credentials (a cluster's seeds), in order.
+    pub configured: Vec<String>,
     /// This machine's id: the base of its cluster hash tags.
     pub host_id: String,
     pub require_noeviction: bool,
@@ -77,6 +82,29 @@ pub(crate) struct Counters {
     pub master_changes: AtomicU64,
     /// Cluster shards moved to another master's slot (theirs was shared).
     pub retags: AtomicU64,
+}
+
+impl Counters {
+    /// The counters (latencies aside), in the order a hand-over carries them.
+    pub fn fields(&self) -> [&AtomicU64; 15] {
+        [
+            &self.writes,
+            &self.full,
+            &self.reads,
+            &self.misses,
+            &self.removes,
+            &self.failures,
+            &self.bytes_written,
+            &self.bytes_read,
+            &self.wire_out,
+            &self.wire_in,
+            &self.rereplicated,
+            &self.vanished,
+            &self.degraded_puts,
+            &self.master_changes,
+            &self.retags,
+        ]
+    }
 }
 
 fn add(c: &AtomicU64, n: u64) {
@@ -116,6 +144,8 @@ struct Fetch {
 pub(crate) struct RepairOutcome {
     pub repaired: usize,
     pub remaining: usize,
+    /// Stopped by a hand-over.
+    pub held: bool,
 }
 
 /// The shared state of a tier.
@@ -131,10 +161,18 @@ pub(crate) struct Inner {
     pub wake: tokio::sync::Notify,
     pub repair_needed: AtomicBool,
     pub stop: AtomicBool,
+    /// Held shared by every write (put, remove, clear, a repair step, a
+    /// node's return), exclusively by a hand-over: it waits for them.
+    pub gate: tokio::sync::RwLock<()>,
+    /// Set by a hand-over: re-replication and reconnects wait for the next write.
+    pub paused: AtomicBool,
+    /// The tier deletes keys of its namespace on servers that come back and
+    /// at drop only while set ([`tmem_tier::Tier::set_owner`]).
+    pub owner: AtomicBool,
 }
 
 impl Inner {
-    pub fn new(s: Settings, prefix: String, nodes: Vec<Node>) -> Self {
+    pub fn new(s: Settings, prefix: String, nodes: Vec<Node>, owner: bool) -> Self {
         let seeds = nodes.iter().map(|n| n.seed).collect();
         Self {
             s,
@@ -147,6 +185,9 @@ impl Inner {
             wake: tokio::sync::Notify::new(),
             repair_needed: AtomicBool::new(false),
             stop: AtomicBool::new(false),
+            gate: tokio::sync::RwLock::new(()),
+            paused: AtomicBool::new(false),
+            owner: AtomicBool::new(owner),
         }
     }
 
@@ -164,7 +205,21 @@ impl Inner {
         key_name(&self.nodes[n].place().prefix, k)
     }
 
-    fn request_repair(&self) {
+    /// Enters the gate for a write of the caller's (waiting out a hand-over);
+    /// background work a hand-over held off goes on.
+    async fn write_gate(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
+        let g = self.gate.read().await;
+        self.paused.store(false, Ordering::Release);
+        g
+    }
+
+    /// Whether down servers may come back (wiped of this tier's keys): the
+    /// tier owns its keys and no hand-over holds background work off.
+    pub fn may_return(&self) -> bool {
+        self.owner.load(Ordering::Acquire) && !self.paused.load(Ordering::Acquire)
+    }
+
+    pub fn request_repair(&self) {
         self.repair_needed.store(true, Ordering::Release);
         self.wake.notify_one();
     }
@@ -460,6 +515,7 @@ impl Inner {
         }
         let mut active: Vec<usize> = last.into_values().collect();
         active.sort_unstable();
+        let gate = self.write_gate().await;
         let guards = self.lock_keys(active.iter().map(|&i| items[i].0)).await;
 
         let r = self.s.replicas;
@@ -515,6 +571,7 @@ impl Inner {
         }
         self.delete(dels).await;
         drop(guards);
+        drop(gate);
         if degraded {
             add(&self.c.degraded_puts, 1);
             self.request_repair();
@@ -618,6 +675,7 @@ impl Inner {
     }
 
     pub async fn remove_batch(&self, keys: Vec<TierKey>) -> Vec<Result<bool, TierError>> {
+        let _gate = self.write_gate().await;
         let guards = self.lock_keys(keys.iter().copied()).await;
         let mut dels: Vec<Vec<TierKey>> = vec![Vec::new(); self.nodes.len()];
         let mut results = Vec::with_capacity(keys.len());
@@ -642,6 +700,7 @@ impl Inner {
     }
 
     pub async fn clear_pool(&self, pool: u32) {
+        let _gate = self.write_gate().await;
         let mut dels: Vec<Vec<TierKey>> = vec![Vec::new(); self.nodes.len()];
         for mut shard in self.index.shards() {
             let keys: Vec<TierKey> = shard.keys().filter(|k| k.pool == pool).copied().collect();

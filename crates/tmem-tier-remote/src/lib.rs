@@ -17,6 +17,12 @@
 //! * A server that answers OOM is full for that write; when no other server
 //!   can take the copy the put answers [`TierPut::Full`] and the caller moves
 //!   on to the next tier.
+//! * The tier hands over to a successor process (`tmem swap restart`):
+//!   [`Tier::hand_over`] waits for the writes in flight and describes the
+//!   index, the nodes in order, the namespace and the counters (the values
+//!   stay on the servers); [`RemoteTierConfig::adopt`] checks them against
+//!   its own configuration and serves the same pages. An adopted tier
+//!   deletes none of its keys until it owns them ([`Tier::set_owner`]).
 //!
 //! The tier runs the `redis` crate's async client on a small tokio runtime
 //! of its own and exposes the blocking [`Tier`] trait on top of it, so callers
@@ -24,6 +30,7 @@
 
 pub mod cluster;
 mod engine;
+mod handover;
 mod index;
 mod node;
 mod placement;
@@ -36,10 +43,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use tmem_tier::{Capacity, Health, Tier, TierError, TierGet, TierKey, TierPut, TierStats};
+use tmem_tier::{Capacity, Health, Tier, TierError, TierGet, TierHandover, TierKey, TierPut, TierStats};
 
-use engine::{config_error, unavailable, Inner, Settings, TIER};
-use node::{ConnectError, Node};
+use engine::{config_error, unavailable, BringUp, Inner, Settings, TIER};
+use handover::State;
+use node::{ConnectError, Node, Placement};
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 
 /// Largest number of servers (node sets are 64-bit masks).
@@ -163,16 +171,26 @@ impl RemoteTierConfig {
         }
     }
 
-    /// The nodes of a cluster: reads its slot map from a seed and makes one
-    /// node per master, each with a hash tag of a slot that master serves.
-    fn shards(&self, rt: &tokio::runtime::Runtime, ca: Option<&[u8]>, namespace: &str) -> Result<Vec<Node>, TierError> {
+    /// The seeds, credentials redacted, for messages.
+    fn seed_names(&self) -> String {
+        self.nodes.iter().map(|u| node::redact(u)).collect::<Vec<_>>().join(", ")
+    }
+
+    /// A client of the cluster the seeds name.
+    fn cluster_client(&self, ca: Option<&[u8]>) -> Result<redis::cluster::ClusterClient, TierError> {
         let seeds: Vec<String> = self.nodes.iter().map(|u| u.replacen("+cluster://", "://", 1)).collect();
-        let names = || self.nodes.iter().map(|u| node::redact(u)).collect::<Vec<_>>().join(", ");
         let mut builder = redis::cluster::ClusterClient::builder(seeds).connection_timeout(self.connect_timeout);
         if let Some(pem) = ca {
             builder = builder.certs(redis::TlsCertificates { client_tls: None, root_cert: Some(pem.to_vec()) });
         }
-        let client = builder.build().map_err(|e| config_error(format!("cluster {}: {e}", names())))?;
+        builder.build().map_err(|e| config_error(format!("cluster {}: {e}", self.seed_names())))
+    }
+
+    /// The nodes of a cluster: reads its slot map from a seed and makes one
+    /// node per master, each with a hash tag of a slot that master serves.
+    fn shards(&self, rt: &tokio::runtime::Runtime, ca: Option<&[u8]>, namespace: &str) -> Result<Vec<Node>, TierError> {
+        let names = || self.seed_names();
+        let client = self.cluster_client(ca)?;
         let discover = {
             let client = client.clone();
             let limit = self.connect_timeout + self.op_timeout;
@@ -212,7 +230,7 @@ impl RemoteTierConfig {
                 let (tag, slot) = m
                     .tag(&self.host_id)
                     .ok_or_else(|| unavailable(format!("cluster master {} serves no slot", m.addr)))?;
-                Ok(Node::shard(&m.addr, slot, &tag, client.clone(), namespace))
+                Ok(Node::shard(&m.addr, Placement::shard(namespace, &tag, slot), client.clone()))
             })
             .collect()
     }
@@ -224,6 +242,30 @@ impl RemoteTierConfig {
     /// eviction policy fail the build with [`TierError::Config`] naming the server.
     pub fn build(self) -> Result<RemoteTier, TierError> {
         self.validate()?;
+        self.start(None)
+    }
+
+    /// The successor of a tier that was handed over ([`Tier::hand_over`]),
+    /// built like [`build`](Self::build) but keeping the namespace's keys:
+    /// its index, counters and nodes (for a cluster, the masters and tags
+    /// found at build) come from `h`. The configuration must name the same
+    /// nodes in the same order, the same `cluster_id`, `host_id` and
+    /// replicas; a mismatch, or a truncated or corrupt state, is a
+    /// [`TierError::Config`] saying what is wrong. A node that was down,
+    /// or is at adopt, is treated as one that went down: skipped, its pages
+    /// copied again from their other replicas; it comes back (wiped) once
+    /// the tier owns its keys. A cluster shard whose slot changed master
+    /// since is treated the same way. The tier does not own its keys until
+    /// [`Tier::set_owner`]`(true)`: until then neither its drop nor a
+    /// returning server deletes any of them.
+    pub fn adopt(self, h: &TierHandover) -> Result<RemoteTier, TierError> {
+        self.validate()?;
+        let state = State::decode(h, &self)?;
+        self.start(Some(state))
+    }
+
+    /// Builds the tier afresh, or from a predecessor's `state`.
+    fn start(self, state: Option<State<'_>>) -> Result<RemoteTier, TierError> {
         // Only the ring provider is compiled in; installing it explicitly keeps
         // rustls working if another crate enables a second provider.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -240,7 +282,11 @@ impl RemoteTierConfig {
             .build()
             .map_err(|source| TierError::Io { tier: TIER.into(), source })?;
         let namespace = placement::prefix(&self.cluster_id, &self.host_id);
-        let nodes = if self.nodes.iter().any(|u| is_cluster_url(u)) {
+        let cluster = self.nodes.iter().any(|u| is_cluster_url(u));
+        let nodes = if let (true, Some(st)) = (cluster, &state) {
+            let client = self.cluster_client(ca.as_deref())?;
+            st.nodes.iter().map(|n| Node::shard(&n.id, n.place.clone(), client.clone())).collect()
+        } else if cluster {
             self.shards(&rt, ca.as_deref(), &namespace)?
         } else {
             self.nodes
@@ -250,17 +296,42 @@ impl RemoteTierConfig {
         };
         let settings = Settings {
             replicas: self.replicas,
+            cluster_id: self.cluster_id.clone(),
+            configured: self.nodes.iter().map(|u| node::identity(u)).collect(),
             host_id: self.host_id.clone(),
             require_noeviction: self.require_noeviction,
             op_timeout: self.op_timeout,
             connect_timeout: self.connect_timeout,
         };
-        let inner = Arc::new(Inner::new(settings, namespace, nodes));
+        // An adopted tier owns no key until told so; dropped on a failure
+        // below, it deletes none.
+        let inner = Arc::new(Inner::new(settings, namespace, nodes, state.is_none()));
         let tier = RemoteTier { inner: Arc::clone(&inner), rt: RtGuard(Some(rt)) };
+        // Nodes down when handed over come back (wiped) once the tier owns its keys.
+        let how: Vec<Option<BringUp>> = match &state {
+            None => inner.nodes.iter().map(|_| Some(BringUp::Build)).collect(),
+            Some(st) => {
+                st.restore(&inner)?;
+                st.nodes.iter().map(|n| n.up.then(|| BringUp::Adopt(n.master_id.clone()))).collect()
+            }
+        };
 
         let init = Arc::clone(&inner);
         let results = tier
-            .run(async move { join_all((0..init.nodes.len()).map(|n| init.bring_up(n, true))).await })
+            .run(async move {
+                join_all(how.into_iter().enumerate().map(|(n, how)| {
+                    let init = &init;
+                    async move {
+                        match how {
+                            Some(how) => init.bring_up(n, how).await,
+                            None => {
+                                Err(ConnectError::Unreachable(format!("{}: down when handed over", init.nodes[n].name)))
+                            }
+                        }
+                    }
+                }))
+                .await
+            })
             .ok_or_else(|| unavailable("runtime stopped"))?;
         let mut config_errors = Vec::new();
         let mut unreachable = Vec::new();
@@ -282,6 +353,8 @@ impl RemoteTierConfig {
         }
         tier.rt().spawn(Arc::clone(&inner).watch_nodes());
         tier.rt().spawn(Arc::clone(&inner).repair_loop());
+        // Pages with a copy on a down node (or left short by the predecessor) get theirs.
+        inner.request_repair();
         Ok(tier)
     }
 }
@@ -485,12 +558,15 @@ impl RemoteTier {
 impl Drop for RemoteTier {
     /// Deletes this tier's keys from the servers (SCAN + UNLINK of its
     /// namespace, best effort, bounded by twice the operation timeout, at
-    /// least 2 s): swap content does not outlive its daemon. Keys a crashed
-    /// daemon leaves behind are deleted by the next `build` with the same
-    /// `cluster_id`/`host_id`.
+    /// least 2 s) when it owns them ([`Tier::set_owner`]): swap content does
+    /// not outlive its daemon. Keys a crashed daemon leaves behind are
+    /// deleted by the next `build` with the same `cluster_id`/`host_id`.
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::Relaxed);
         self.inner.wake.notify_one();
+        if !self.inner.owner.load(Ordering::Acquire) {
+            return;
+        }
         let inner = Arc::clone(&self.inner);
         let limit = (inner.s.op_timeout * 2).max(Duration::from_secs(2));
         let _ = self.run(async move { tokio::time::timeout(limit, inner.wipe_all()).await });
@@ -540,6 +616,30 @@ impl Tier for RemoteTier {
         let inner = Arc::clone(&self.inner);
         self.run(async move { inner.remove_batch(owned).await })
             .unwrap_or_else(|| keys.iter().map(|_| Err(unavailable("runtime stopped"))).collect())
+    }
+
+    /// Waits for the writes in flight (puts, removes, a re-replication step,
+    /// a server's return) and describes the index, nodes and counters (see
+    /// `handover.rs` for the format). Re-replication and reconnects stay
+    /// held off until the next put, remove or clear, so that this tier
+    /// changes nothing on the servers while a successor takes over; reads
+    /// go on.
+    fn hand_over(&self) -> Result<TierHandover, TierError> {
+        let inner = Arc::clone(&self.inner);
+        let state = self
+            .run(async move {
+                inner.paused.store(true, Ordering::Release);
+                let _gate = inner.gate.write().await;
+                handover::encode(&inner)
+            })
+            .ok_or_else(|| unavailable("runtime stopped"))?;
+        Ok(TierHandover { kind: TIER.into(), state, fds: Vec::new() })
+    }
+
+    /// While not the owner, the tier deletes none of its keys: not at drop,
+    /// and not on a server that comes back (down servers stay down).
+    fn set_owner(&self, owner: bool) {
+        self.inner.owner.store(owner, Ordering::Release);
     }
 
     fn clear_pool(&self, pool: u32) -> Result<(), TierError> {

@@ -59,12 +59,6 @@ impl std::fmt::Display for ConnectError {
     }
 }
 
-/// `{namespace}{tag}:`: the prefix of a cluster shard's keys, whose hash
-/// tag puts them all in the tag's slot.
-pub(crate) fn shard_prefix(namespace: &str, tag: &str) -> String {
-    format!("{namespace}{{{tag}}}:")
-}
-
 /// How a node is reached.
 pub(crate) enum Connector {
     /// A standalone server.
@@ -142,6 +136,14 @@ pub(crate) struct Placement {
     pub slot: Option<u16>,
 }
 
+impl Placement {
+    /// A cluster shard's: keys `{namespace}{tag}:…`, whose hash tag puts
+    /// them all in `slot`, the tag's.
+    pub fn shard(namespace: &str, tag: &str, slot: u16) -> Self {
+        Self { prefix: format!("{namespace}{{{tag}}}:").into(), slot: Some(slot) }
+    }
+}
+
 pub(crate) struct NodeState {
     pub conn: Option<Conn>,
     /// Changes only while the node is down (see `Inner::bring_up`).
@@ -159,6 +161,9 @@ pub(crate) struct NodeState {
 pub(crate) struct Node {
     /// URL with credentials redacted: for messages and stats.
     pub name: String,
+    /// URL without credentials (a cluster shard: its master's address at
+    /// build): the rendezvous seed's source, and the node's name in a hand-over.
+    pub id: String,
     /// Rendezvous seed.
     pub seed: u64,
     connector: Connector,
@@ -186,25 +191,20 @@ impl Node {
     /// A standalone server at `url`.
     pub fn server(url: &str, client: Client, namespace: &str) -> Self {
         let place = Placement { prefix: namespace.into(), slot: None };
-        Self::new(redact(url), crate::placement::node_seed(&identity(url)), place, Connector::Server(Box::new(client)))
+        Self::new(redact(url), identity(url), place, Connector::Server(Box::new(client)))
     }
 
-    /// The shard of a cluster whose master (at `master`, `host:port`) served
-    /// `slot`, the slot of `tag`, at build.
-    pub fn shard(master: &str, slot: u16, tag: &str, client: ClusterClient, namespace: &str) -> Self {
-        let place = Placement { prefix: shard_prefix(namespace, tag).into(), slot: Some(slot) };
-        Self::new(
-            format!("redis+cluster://{master}"),
-            crate::placement::node_seed(master),
-            place,
-            Connector::Shard(Box::new(client)),
-        )
+    /// The shard of a cluster whose master was at `master` (`host:port`) at
+    /// build, keeping its keys at `place`.
+    pub fn shard(master: &str, place: Placement, client: ClusterClient) -> Self {
+        Self::new(format!("redis+cluster://{master}"), master.to_owned(), place, Connector::Shard(Box::new(client)))
     }
 
-    fn new(name: String, seed: u64, place: Placement, connector: Connector) -> Self {
+    fn new(name: String, id: String, place: Placement, connector: Connector) -> Self {
         Self {
             name,
-            seed,
+            seed: crate::placement::node_seed(&id),
+            id,
             connector,
             up: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
@@ -229,6 +229,11 @@ impl Node {
         }
     }
 
+    /// Its counters, in the order a hand-over carries them.
+    pub fn counters(&self) -> [&AtomicU64; 4] {
+        [&self.errors, &self.oom, &self.down_events, &self.reconnects]
+    }
+
     pub fn is_up(&self) -> bool {
         self.up.load(Ordering::Acquire)
     }
@@ -251,7 +256,7 @@ impl Node {
     pub fn retag(&self, namespace: &str, tag: &str, slot: u16) {
         let mut st = self.state.lock();
         debug_assert!(!self.is_up(), "a node is retagged only while down");
-        st.place = Placement { prefix: shard_prefix(namespace, tag).into(), slot: Some(slot) };
+        st.place = Placement::shard(namespace, tag, slot);
     }
 
     /// Marks the node down if it is still in `epoch`; returns whether this call did it.

@@ -13,7 +13,7 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use tmem_bench::redis::cluster::RedisCluster;
 use tmem_bench::redis::redis_server_binary;
 use tmem_testkit::{skip, Feature};
-use tmem_tier::conformance::{check, Expect};
+use tmem_tier::conformance::{check, check_hand_over, Expect};
 use tmem_tier::{Health, Tier, TierKey, TierPut};
 use tmem_tier_remote::{RemoteTier, RemoteTierConfig};
 
@@ -25,12 +25,16 @@ fn cluster(masters: usize, replicas: usize) -> Option<RedisCluster> {
     Some(RedisCluster::start(masters, replicas).expect("start a redis cluster"))
 }
 
-fn tier(c: &RedisCluster, host: &str) -> RemoteTier {
+fn config(c: &RedisCluster, host: &str) -> RemoteTierConfig {
     let mut cfg = RemoteTierConfig::new(c.seeds(), "test", host);
     // The machine is shared with compilers: be generous.
     cfg.op_timeout = Duration::from_secs(3);
     cfg.connect_timeout = Duration::from_secs(3);
-    cfg.build().expect("tier on the cluster")
+    cfg
+}
+
+fn tier(c: &RedisCluster, host: &str) -> RemoteTier {
+    config(c, host).build().expect("tier on the cluster")
 }
 
 fn key(i: u64) -> TierKey {
@@ -52,6 +56,15 @@ fn cluster_conformance_three_masters() {
     assert_eq!(t.node_names().len(), 3, "{:?}", t.node_names());
     assert_eq!(t.health(), Health::Healthy);
     check(&t, Expect::Stores);
+    // Handed over, the successor keeps the masters and tags found at build.
+    let cfg = config(&c, "handover");
+    let t = cfg.clone().build().unwrap();
+    check_hand_over(&t, &|h| {
+        t.set_owner(false);
+        let next = cfg.clone().adopt(&h).unwrap();
+        assert_eq!((next.node_names(), next.node_slots()), (t.node_names(), t.node_slots()));
+        Box::new(next)
+    });
 }
 
 #[test]

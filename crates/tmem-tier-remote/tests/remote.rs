@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use tmem_bench::redis::{redis_server_binary, RedisOptions, RedisServer, TlsFiles};
 use tmem_testkit::{skip, Feature};
-use tmem_tier::conformance::{check, Expect};
+use tmem_tier::conformance::{check, check_hand_over, Expect};
 use tmem_tier::seal::{MasterKey, SealError, Sealer};
-use tmem_tier::{Health, Tier, TierError, TierGet, TierKey, TierPut};
+use tmem_tier::{Health, Tier, TierError, TierGet, TierHandover, TierKey, TierPut};
 use tmem_tier_remote::{RemoteTier, RemoteTierConfig};
 
 fn servers(n: usize, opts: &RedisOptions) -> Option<Vec<RedisServer>> {
@@ -180,14 +180,21 @@ fn kill_one_of_three_mid_workload_r2() {
     eprintln!("{}", serde_json_lite(&ns));
 
     // Two copies of every page on the surviving servers, read directly.
-    let mut survivors: Vec<redis::Connection> = [0, 2].iter().map(|&n| direct(&all_urls[n])).collect();
+    assert_two_copies(&tier, &[&all_urls[0], &all_urls[2]], N);
+    assert_eq!(tier.stats().failures, 0);
+}
+
+/// Every page `key(0..n)` has two copies, of `value(i)`, on `servers`
+/// (read directly), and two in the tier's index.
+fn assert_two_copies(tier: &RemoteTier, servers: &[&str], n: u64) {
+    let keys: Vec<TierKey> = (0..n).map(key).collect();
     let mut copies = vec![0u32; keys.len()];
-    for c in &mut survivors {
+    for url in servers {
         let mut pipe = redis::pipe();
         for k in &keys {
             pipe.cmd("GET").arg(tier.key_name(*k));
         }
-        let vals: Vec<Option<Vec<u8>>> = pipe.query(c).unwrap();
+        let vals: Vec<Option<Vec<u8>>> = pipe.query(&mut direct(url)).unwrap();
         for (i, v) in vals.into_iter().enumerate() {
             if let Some(v) = v {
                 assert_eq!(v, value(u64::try_from(i).unwrap()), "copy of {i}");
@@ -203,7 +210,194 @@ fn kill_one_of_three_mid_workload_r2() {
     for k in &keys {
         assert_eq!(tier.replica_nodes(*k).unwrap().len(), 2);
     }
-    assert_eq!(tier.stats().failures, 0);
+}
+
+/// Stores `value(i)` under `key(i)` for `0..n`, in batches.
+fn put_all(tier: &RemoteTier, n: u64) {
+    for chunk in (0..n).collect::<Vec<_>>().chunks(64) {
+        let vals: Vec<(TierKey, Vec<u8>)> = chunk.iter().map(|&i| (key(i), value(i))).collect();
+        let items: Vec<(TierKey, &[u8])> = vals.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+        assert!(tier.put_batch(&items).into_iter().all(|r| r.unwrap() == TierPut::Stored));
+    }
+}
+
+/// Every page `key(0..n)` reads back as `value(i)`.
+fn assert_all_read(tier: &RemoteTier, n: u64) {
+    let keys: Vec<TierKey> = (0..n).map(key).collect();
+    for (i, g) in (0..n).zip(tier.get_batch(&keys)) {
+        let v = g.unwrap_or_else(|e| panic!("get {i}: {e}")).unwrap_or_else(|| panic!("get {i}: miss"));
+        assert_eq!(v, value(i), "value of {i}");
+    }
+}
+
+/// This tier's keys on one server.
+fn keys_on(url: &str, host: &str) -> usize {
+    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("tmem:test:{host}:*")).query(&mut direct(url)).unwrap();
+    keys.len()
+}
+
+#[test]
+fn hand_over_conformance_three_nodes_r2() {
+    let Some(s) = servers(3, &RedisOptions::default()) else { return };
+    let cfg = config(urls(&s), "handover", 2);
+    let tier = cfg.clone().build().unwrap();
+    timed("hand-over conformance 3 nodes R=2", || {
+        check_hand_over(&tier, &|h| {
+            // The old process would exit now: its drop must leave the keys.
+            tier.set_owner(false);
+            Box::new(cfg.clone().adopt(&h).unwrap())
+        });
+    });
+}
+
+#[test]
+fn adopt_with_a_server_killed_after_the_hand_over() {
+    let Some(mut s) = servers(3, &RedisOptions::default()) else { return };
+    let all = urls(&s);
+    let cfg = config(all.clone(), "handkill", 2);
+    let tier = cfg.clone().build().unwrap();
+    const N: u64 = 1500;
+    put_all(&tier, N);
+    let on_killed = (0..N).filter(|&i| tier.replica_nodes(key(i)).unwrap().contains(&1)).count();
+    assert!(on_killed > 500, "{on_killed}");
+    let t = Instant::now();
+    let h = tier.hand_over().unwrap();
+    eprintln!("hand_over of {N} pages: {:?}, {} bytes", t.elapsed(), h.state.len());
+    tier.set_owner(false);
+    drop(tier);
+    s[1].kill();
+
+    let t = Instant::now();
+    let next = cfg.adopt(&h).unwrap();
+    eprintln!("adopt with a server down: {:?}", t.elapsed());
+    assert!(matches!(next.health(), Health::Degraded(_)), "{:?}", next.health());
+    assert_eq!(next.stats().stored_pages, N);
+    assert_all_read(&next, N);
+    let t = Instant::now();
+    assert!(next.wait_repaired(Duration::from_secs(20)), "{:?}", next.node_stats());
+    eprintln!("re-replication after adopt: {:?}", t.elapsed());
+    assert!((0..N).all(|i| !next.replica_nodes(key(i)).unwrap().contains(&1)));
+    assert_two_copies(&next, &[&all[0], &all[2]], N);
+    assert!(next.node_stats().rereplicated_pages >= u64::try_from(on_killed).unwrap());
+
+    // The server returns, but comes back (wiped) only once the tier owns its keys.
+    s[1].restart().unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!next.node_stats().nodes[1].up, "a tier that does not own its keys wiped a server");
+    next.set_owner(true);
+    let t = Instant::now();
+    while !next.node_stats().nodes[1].up {
+        assert!(t.elapsed() < Duration::from_secs(15), "did not come back: {:?}", next.node_stats());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(next.health(), Health::Healthy);
+    assert_all_read(&next, N);
+}
+
+/// Handed over while re-replication runs: the state lists only copies the
+/// servers hold; the predecessor's re-replication waits for its next write.
+#[test]
+fn hand_over_during_re_replication() {
+    let Some(mut s) = servers(3, &RedisOptions::default()) else { return };
+    let all = urls(&s);
+    let cfg = config(all.clone(), "handrepair", 2);
+    let tier = cfg.clone().build().unwrap();
+    const N: u64 = 6000;
+    put_all(&tier, N);
+    s[1].kill();
+    // A read of the dead server marks it down and starts re-replication.
+    let _ = tier.get_batch(&(0..N).map(key).collect::<Vec<_>>());
+    std::thread::sleep(Duration::from_millis(5));
+    let h = tier.hand_over().unwrap();
+    let (short, done) = (tier.under_replicated(), tier.node_stats().rereplicated_pages);
+    eprintln!("handed over with {done} pages re-replicated, {short} short");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(tier.node_stats().rereplicated_pages, done, "re-replication went on after the hand-over");
+
+    let next = cfg.adopt(&h).unwrap();
+    assert_all_read(&next, N);
+    // Every copy the successor's index lists is on its server.
+    for (n, url) in all.iter().enumerate().filter(|(n, _)| *n != 1) {
+        let keys: Vec<u64> = (0..N).filter(|&i| next.replica_nodes(key(i)).unwrap().contains(&n)).collect();
+        let mut pipe = redis::pipe();
+        for &i in &keys {
+            pipe.cmd("GET").arg(next.key_name(key(i)));
+        }
+        let vals: Vec<Option<Vec<u8>>> = pipe.query(&mut direct(url)).unwrap();
+        for (i, v) in keys.into_iter().zip(vals) {
+            assert_eq!(v, Some(value(i)), "copy of {i} the index lists on node {n}");
+        }
+    }
+    drop(next);
+
+    // The hand-over failed: the predecessor's next write lets re-replication go on.
+    put_all(&tier, 10);
+    assert!(tier.wait_repaired(Duration::from_secs(20)), "{:?}", tier.node_stats());
+    assert_two_copies(&tier, &[&all[0], &all[2]], N);
+}
+
+#[test]
+fn an_adopted_tier_deletes_nothing_until_it_owns_the_keys() {
+    let Some(s) = servers(2, &RedisOptions::default()) else { return };
+    let cfg = config(urls(&s), "handown", 2);
+    let tier = cfg.clone().build().unwrap();
+    const N: u64 = 200;
+    put_all(&tier, N);
+    let h = tier.hand_over().unwrap();
+    tier.set_owner(false);
+    drop(tier);
+    let held = |what: &str| {
+        for srv in &s {
+            assert_eq!(keys_on(&srv.url(), "handown"), usize::try_from(N).unwrap(), "{what}");
+        }
+    };
+    held("the predecessor, not owner, deleted keys at drop");
+    let a = cfg.clone().adopt(&h).unwrap();
+    assert_all_read(&a, N);
+    drop(a);
+    held("an adopted tier deleted keys at drop");
+    let b = cfg.adopt(&h).unwrap();
+    assert_all_read(&b, N);
+    b.set_owner(true);
+    drop(b);
+    for srv in &s {
+        assert_eq!(keys_on(&srv.url(), "handown"), 0, "the owner's drop deletes its keys");
+    }
+}
+
+#[test]
+fn mismatched_or_corrupt_states_are_refused() {
+    let Some(s) = servers(3, &RedisOptions::default()) else { return };
+    let all = urls(&s);
+    let tier = config(all.clone(), "handbad", 2).build().unwrap();
+    put_all(&tier, 50);
+    let h = tier.hand_over().unwrap();
+    let refused = |cfg: RemoteTierConfig, h: &TierHandover, what: &str| {
+        let err = cfg.adopt(h).map(|_| ()).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, TierError::Config { .. }) && msg.contains(what), "{what}: {msg}");
+        eprintln!("{what}: {msg}");
+    };
+    let with = |state: Vec<u8>| TierHandover { kind: h.kind.clone(), state, fds: Vec::new() };
+    refused(config(all.clone(), "other", 2), &h, "host_id");
+    let mut c = config(all.clone(), "handbad", 2);
+    c.cluster_id = "elsewhere".into();
+    refused(c, &h, "cluster_id");
+    refused(config(all.clone(), "handbad", 3), &h, "replicas");
+    refused(config(vec![all[1].clone(), all[0].clone(), all[2].clone()], "handbad", 2), &h, "nodes");
+    refused(config(all[..2].to_vec(), "handbad", 2), &h, "nodes");
+    for len in [0, 7, 20, h.state.len() / 2, h.state.len() - 1] {
+        refused(config(all.clone(), "handbad", 2), &with(h.state[..len].to_vec()), "truncated");
+    }
+    let mut flipped = h.state.clone();
+    flipped[h.state.len() / 2] ^= 4;
+    refused(config(all.clone(), "handbad", 2), &with(flipped), "corrupt");
+    let disk = TierHandover { kind: "disk".into(), state: h.state.clone(), fds: Vec::new() };
+    refused(config(all.clone(), "handbad", 2), &disk, "\"disk\"");
+    // Nothing was deleted by the refused successors: the predecessor goes on.
+    assert_all_read(&tier, 50);
+    put_all(&tier, 60);
+    assert_all_read(&tier, 60);
 }
 
 fn serde_json_lite(s: &tmem_tier_remote::RemoteStats) -> String {

@@ -144,3 +144,80 @@ pub fn check(tier: &dyn Tier, expect: Expect) {
     }
     assert_eq!(tier.capacity().stored_pages, 0, "{name}: everything cleared");
 }
+
+/// The hand-over part of the suite ([`Tier::hand_over`]): `tier` (fresh and
+/// empty, able to hold a few hundred values) is filled, partly overwritten
+/// and removed, handed over and given to `adopt`, which builds the
+/// successor's tier from the [`TierHandover`](crate::TierHandover) as a new
+/// process would. The successor must hold exactly the values the
+/// predecessor held, count them alike, and serve puts, removes and clears.
+/// Handing over must leave the predecessor as it was.
+pub fn check_hand_over(tier: &dyn Tier, adopt: &dyn Fn(crate::TierHandover) -> Box<dyn Tier>) {
+    let name = tier.name().to_owned();
+    let mut oracle: HashMap<TierKey, Vec<u8>> = HashMap::new();
+    let items: Vec<(TierKey, Vec<u8>)> = (0..300)
+        .map(|i| (key(1 + u32::from(i % 7 == 0), i), value(i, 1 + usize::try_from(i * 37).expect("small") % MAX_VALUE)))
+        .collect();
+    for (k, v) in &items {
+        assert_eq!(tier.put(*k, v).unwrap(), TierPut::Stored, "{name}: put {k:?}");
+        oracle.insert(*k, v.clone());
+    }
+    for i in (0..300).step_by(5) {
+        let (k, v) = (key(1 + u32::from(i % 7 == 0), i), value(i + 1000, 200));
+        assert_eq!(tier.put(k, &v).unwrap(), TierPut::Stored, "{name}: overwrite {k:?}");
+        oracle.insert(k, v);
+    }
+    for i in (0..300).step_by(3) {
+        let k = key(1 + u32::from(i % 7 == 0), i);
+        assert!(tier.remove(k).unwrap(), "{name}: remove {k:?}");
+        oracle.remove(&k);
+    }
+    let before = tier.capacity();
+    let handed = tier.hand_over().unwrap_or_else(|e| panic!("{name}: hand_over: {e}"));
+    assert_eq!(handed.kind, name, "{name}: the handed kind");
+    // The predecessor is unchanged by handing over (a failed hand-over goes on with it).
+    let mut out = Vec::new();
+    for (k, v) in &oracle {
+        assert_eq!(tier.get(*k, &mut out).unwrap(), TierGet::Hit, "{name}: {k:?} gone after hand_over");
+        assert_eq!(&out, v, "{name}: {k:?} changed by hand_over");
+    }
+    let next = adopt(handed);
+    assert_eq!(next.name(), name);
+    let after = next.capacity();
+    assert_eq!(after.stored_pages, before.stored_pages, "{name}: stored pages across the hand-over");
+    assert_eq!(after.used_bytes, before.used_bytes, "{name}: used bytes across the hand-over");
+    assert_eq!(after.limit_bytes, before.limit_bytes, "{name}: limit across the hand-over");
+    for i in 0..300 {
+        let k = key(1 + u32::from(i % 7 == 0), i);
+        match oracle.get(&k) {
+            Some(v) => {
+                assert_eq!(next.get(k, &mut out).unwrap(), TierGet::Hit, "{name}: successor lost {k:?}");
+                assert_eq!(&out, v, "{name}: successor's value of {k:?}");
+            }
+            None => assert_eq!(next.get(k, &mut out).unwrap(), TierGet::Miss, "{name}: successor has removed {k:?}"),
+        }
+    }
+    let keys: Vec<TierKey> = oracle.keys().copied().collect();
+    for (k, g) in keys.iter().zip(next.get_batch(&keys)) {
+        assert_eq!(g.unwrap().as_deref(), Some(oracle[k].as_slice()), "{name}: successor's batch get of {k:?}");
+    }
+    // The successor writes, replaces and removes like any tier.
+    for i in 300..400 {
+        let (k, v) = (key(1, i), value(i, 1500));
+        assert_eq!(next.put(k, &v).unwrap(), TierPut::Stored, "{name}: successor's put");
+        oracle.insert(k, v);
+    }
+    let k = keys[0];
+    assert_eq!(next.put(k, b"replaced").unwrap(), TierPut::Stored);
+    oracle.insert(k, b"replaced".to_vec());
+    assert!(next.remove(keys[1]).unwrap(), "{name}: successor's remove of a handed value");
+    oracle.remove(&keys[1]);
+    for (k, v) in &oracle {
+        assert_eq!(next.get(*k, &mut out).unwrap(), TierGet::Hit, "{name}: successor lost {k:?}");
+        assert_eq!(&out, v, "{name}: successor's value of {k:?}");
+    }
+    assert_eq!(next.capacity().stored_pages, oracle.len() as u64, "{name}: successor's count");
+    next.clear_pool(2).unwrap();
+    next.clear_pool(1).unwrap();
+    assert_eq!(next.capacity().stored_pages, 0, "{name}: successor cleared");
+}

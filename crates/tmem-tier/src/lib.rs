@@ -228,6 +228,36 @@ pub trait Tier: Send + Sync {
 
     /// Counters.
     fn stats(&self) -> TierStats;
+
+    /// Describes this tier for a successor process that takes it over
+    /// (`tmem swap restart`): everything it needs to serve every value held
+    /// now, and the descriptors that state refers to. Writes in flight are
+    /// finished first, none is dropped. The caller keeps puts and removes
+    /// out from the call until it exits, or, when the hand-over failed,
+    /// goes on using this tier, which is unchanged. Tiers that cannot be
+    /// handed over answer [`TierError::Config`] (the default).
+    fn hand_over(&self) -> Result<TierHandover, TierError> {
+        Err(TierError::Config { tier: self.name().into(), reason: "this tier cannot be handed over".into() })
+    }
+
+    /// Whether dropping this tier deletes what it holds (a disk tier's
+    /// file, a remote tier's keys). True for a tier that was built; false
+    /// for one adopted from a predecessor, until the successor serves: a
+    /// successor that fails must leave the predecessor's values alone.
+    fn set_owner(&self, _owner: bool) {}
+}
+
+/// A tier's part of a restart ([`Tier::hand_over`]): its state in the
+/// tier's own format (read back by that tier's `adopt`), and the
+/// descriptors the state refers to, in order.
+#[derive(Debug, Default)]
+pub struct TierHandover {
+    /// The tier's kind ([`Tier::name`]), checked by the adopting side.
+    pub kind: String,
+    /// The state, with a checksum of the tier's choosing.
+    pub state: Vec<u8>,
+    /// Descriptors (a disk tier's file).
+    pub fds: Vec<std::os::fd::OwnedFd>,
 }
 
 /// Stores nothing: every put is `Full`, every get a miss.
@@ -332,6 +362,14 @@ impl LatencyHistogram {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mem_tier_is_handed_over() {
+        let tier = MemTier::new(1 << 20);
+        conformance::check_hand_over(&tier, &|h| Box::new(MemTier::adopt(&h).unwrap()));
+        let bad = TierHandover { kind: "mem".into(), state: vec![1, 2, 3], fds: Vec::new() };
+        assert!(MemTier::adopt(&bad).is_err());
+    }
 
     #[test]
     fn mem_tier_passes_the_suite() {

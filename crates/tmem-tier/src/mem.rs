@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
-use crate::{check_len, Capacity, Health, LatencyHistogram, Tier, TierError, TierGet, TierKey, TierPut, TierStats};
+use crate::{
+    check_len, Capacity, Health, LatencyHistogram, Tier, TierError, TierGet, TierHandover, TierKey, TierPut, TierStats,
+};
 
 /// Values in a `HashMap`, at most `limit` bytes of them.
 #[derive(Debug)]
@@ -60,6 +62,47 @@ impl MemTier {
     /// Keys held.
     pub fn keys(&self) -> Vec<TierKey> {
         self.lock().keys().copied().collect()
+    }
+
+    /// The successor of a [`MemTier`] that was handed over: its limit and
+    /// values (the state of [`Tier::hand_over`], the reference format:
+    /// limit, then per value pool, object, index, length and bytes, little
+    /// endian). A state that does not parse is an error.
+    pub fn adopt(h: &TierHandover) -> Result<Self, TierError> {
+        let bad = |why: &str| TierError::Config { tier: "mem".into(), reason: format!("hand-over state: {why}") };
+        if h.kind != "mem" {
+            return Err(bad(&format!("a {} tier's state", h.kind)));
+        }
+        let mut rest = h.state.as_slice();
+        let mut take = |n: usize| -> Result<&[u8], TierError> {
+            if rest.len() < n {
+                return Err(bad("truncated"));
+            }
+            let (head, tail) = rest.split_at(n);
+            rest = tail;
+            Ok(head)
+        };
+        let u64_of = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+        let tier = Self::new(u64_of(take(8)?));
+        let n = u64_of(take(8)?);
+        let mut map = tier.lock();
+        let mut bytes = 0u64;
+        for _ in 0..n {
+            let pool = u32::from_le_bytes(take(4)?.try_into().expect("4 bytes"));
+            let (object, index) = (u64_of(take(8)?), u64_of(take(8)?));
+            let len = u32::from_le_bytes(take(4)?.try_into().expect("4 bytes")) as usize;
+            if len > crate::MAX_VALUE {
+                return Err(bad("a value over the largest"));
+            }
+            map.insert(TierKey { pool, object, index }, take(len)?.to_vec());
+            bytes += len as u64;
+        }
+        if !rest.is_empty() || map.len() as u64 != n {
+            return Err(bad("trailing bytes or repeated keys"));
+        }
+        drop(map);
+        tier.bytes.store(bytes, Ordering::Relaxed);
+        Ok(tier)
     }
 }
 
@@ -135,6 +178,22 @@ impl Tier for MemTier {
 
     fn health(&self) -> Health {
         Health::Healthy
+    }
+
+    fn hand_over(&self) -> Result<TierHandover, TierError> {
+        let m = self.lock();
+        let values: usize = m.values().map(Vec::len).sum();
+        let mut state = Vec::with_capacity(16 + m.len() * 24 + values);
+        state.extend_from_slice(&self.limit.to_le_bytes());
+        state.extend_from_slice(&(m.len() as u64).to_le_bytes());
+        for (k, v) in m.iter() {
+            state.extend_from_slice(&k.pool.to_le_bytes());
+            state.extend_from_slice(&k.object.to_le_bytes());
+            state.extend_from_slice(&k.index.to_le_bytes());
+            state.extend_from_slice(&u32::try_from(v.len()).expect("a value is under a page").to_le_bytes());
+            state.extend_from_slice(v);
+        }
+        Ok(TierHandover { kind: "mem".into(), state, fds: Vec::new() })
     }
 
     fn stats(&self) -> TierStats {

@@ -37,6 +37,8 @@ use crate::TierKey;
 pub const SEAL_OVERHEAD: usize = 16;
 /// Bytes of the per-sealer random salt.
 pub const SALT_LEN: usize = 32;
+/// Bytes of [`Sealer::hand_over`]'s state: algorithm, salt, master key.
+pub const SEALER_STATE: usize = 1 + SALT_LEN + 32;
 
 /// Sealing errors.
 #[derive(Debug, thiserror::Error)]
@@ -174,6 +176,8 @@ impl MasterKey {
 /// salt of its own.
 pub struct Sealer {
     key: LessSafeKey,
+    /// Kept for [`Sealer::hand_over`] only.
+    master: MasterKey,
     algorithm: SealAlgorithm,
     key_id: u32,
     salt: [u8; SALT_LEN],
@@ -233,6 +237,7 @@ impl Sealer {
         let unbound = UnboundKey::new(algorithm.ring(), &subkey).expect("both algorithms take 256-bit keys");
         Self {
             key: LessSafeKey::new(unbound),
+            master: master.clone(),
             algorithm,
             key_id: u32::from_le_bytes(id),
             salt,
@@ -259,6 +264,34 @@ impl Sealer {
     /// The salt this sealer's subkey was derived with (handed to a successor).
     pub fn salt(&self) -> [u8; SALT_LEN] {
         self.salt
+    }
+
+    /// What a successor process needs to seal and open as this sealer
+    /// does ([`Sealer::adopt`]): the algorithm, the salt and the master
+    /// key. It travels only over the hand-over socket (owner only), which
+    /// already carries the pages themselves.
+    pub fn hand_over(&self) -> [u8; SEALER_STATE] {
+        let mut b = [0u8; SEALER_STATE];
+        b[0] = match self.algorithm {
+            SealAlgorithm::Aes256Gcm => 1,
+            SealAlgorithm::ChaCha20Poly1305 => 2,
+        };
+        b[1..1 + SALT_LEN].copy_from_slice(&self.salt);
+        b[1 + SALT_LEN..].copy_from_slice(&self.master.0);
+        b
+    }
+
+    /// The sealer that [`Sealer::hand_over`] described; `None` for an
+    /// unknown algorithm.
+    pub fn adopt(state: &[u8; SEALER_STATE]) -> Option<Self> {
+        let algorithm = match state[0] {
+            1 => SealAlgorithm::Aes256Gcm,
+            2 => SealAlgorithm::ChaCha20Poly1305,
+            _ => return None,
+        };
+        let salt = state[1..1 + SALT_LEN].try_into().expect("a salt's bytes");
+        let master = MasterKey(state[1 + SALT_LEN..].try_into().expect("a key's bytes"));
+        Some(Self::resume(&master, algorithm, salt))
     }
 
     fn nonce(&self, version: u64) -> Nonce {
@@ -377,6 +410,25 @@ mod tests {
 
     fn both() -> [SealAlgorithm; 2] {
         [SealAlgorithm::Aes256Gcm, SealAlgorithm::ChaCha20Poly1305]
+    }
+
+    #[test]
+    fn an_adopted_sealer_opens_what_its_predecessor_sealed() {
+        for alg in both() {
+            let a = Sealer::with_algorithm(&MasterKey::random().unwrap(), alg).unwrap();
+            let mut v = Vec::new();
+            a.seal(K, 7, b"page", &mut v);
+            let state = a.hand_over();
+            let b = Sealer::adopt(&state).unwrap();
+            assert_eq!((b.algorithm(), b.key_id(), b.salt()), (alg, a.key_id(), a.salt()));
+            b.open(K, 7, &mut v).unwrap();
+            assert_eq!(v, b"page");
+            let other = Sealer::with_algorithm(&MasterKey::random().unwrap(), alg).unwrap();
+            assert_ne!(Sealer::adopt(&other.hand_over()).unwrap().key_id(), a.key_id());
+        }
+        let mut state = Sealer::random().unwrap().hand_over();
+        state[0] = 9;
+        assert!(Sealer::adopt(&state).is_none());
     }
 
     #[test]

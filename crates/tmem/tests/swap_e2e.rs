@@ -778,6 +778,85 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
     assert_clean(&s);
 }
 
+/// `tmem swap restart` of a daemon with a remote tier (2 Redis servers,
+/// R = 2) and a disk tier below its pool (issue 26 item 2): a job with
+/// pages in all three keeps running through two restarts and reads back
+/// what it wrote; the successor reads pages from both tiers, and no read
+/// fails.
+#[test]
+fn swap_restart_keeps_the_pages_in_its_tiers() {
+    use tmem_bench::redis::{redis_server_binary, RedisOptions, RedisServer};
+    if !can_run() {
+        return;
+    }
+    if redis_server_binary().is_none() {
+        tmem_testkit::skip(tmem_testkit::Feature::Tools, "redis-server not installed");
+        return;
+    }
+    let opts = RedisOptions { maxmemory: Some("16mb".into()), policy: "noeviction".into(), ..Default::default() };
+    let (r1, r2) = (RedisServer::start(&opts).unwrap(), RedisServer::start(&opts).unwrap());
+    let mut s = Setup::new("restart-tiers");
+    let disk_dir = std::env::temp_dir().join(format!("tmem-test-restart-disk-{}", std::process::id()));
+    std::fs::create_dir_all(&disk_dir).unwrap();
+    let remote = format!("remote={},{}", r1.url(), r2.url());
+    let disk = format!("disk={}", disk_dir.display());
+    let up = s.swap_up_with("24M", &["--tier", &remote, "--tier", &disk, "--replicas", "2"]);
+    assert!(up.contains("pool -> remote -> disk"), "{up}");
+    let stop = s.dir.join("stop-job");
+    let mut job = s
+        .in_cgroup(128, LONG_HOG, &["288", stop.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let writes = |st: &serde_json::Value, name: &str| {
+        let tiers = st[0]["store"]["tiers"].as_array().cloned().unwrap_or_default();
+        tiers.iter().find(|t| t["name"] == name).and_then(|t| t["writes"].as_u64()).unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(240);
+    loop {
+        let st = s.stat();
+        if writes(&st, "remote") > 2000 && writes(&st, "disk") > 2000 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the tiers never took pages: {}", st[0]["store"]["tiers"]);
+        assert!(job.try_wait().unwrap().is_none(), "the job ended early");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let mut pid = s.daemon_pid();
+    for round in 0..2 {
+        let before = s.stat()[0]["store"]["total"].clone();
+        let (ok, out) = tmem(&["swap", "restart", "--runtime-dir", s.dir()]);
+        assert!(ok && out.contains("took over from daemon pid"), "restart {round}: {out}");
+        assert!(out.contains("pages in its tiers (remote, disk) came along"), "restart {round}: {out}");
+        println!("restart {round}: {}", out.lines().find(|l| l.contains("took over")).unwrap());
+        let now = s.daemon_pid();
+        assert_ne!(now, pid, "restart {round}: a new process serves");
+        pid = now;
+        assert!(job.try_wait().unwrap().is_none(), "restart {round}: the job died");
+        // The successor serves pages from both tiers.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while s.stat()[0]["store"]["total"]["tier_gets"].as_u64() <= before["tier_gets"].as_u64() {
+            assert!(std::time::Instant::now() < deadline, "restart {round}: no page came back from a tier");
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+    std::fs::write(&stop, b"").unwrap();
+    let status = tmem_testkit::wait_timeout(&mut job, std::time::Duration::from_secs(300)).expect("the job ends");
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut job.stdout.take().unwrap(), &mut out).unwrap();
+    println!("job: {status:?} {out}");
+    assert!(status.success() && out.contains("\nOK "), "the job read back what it wrote: {status:?} {out}");
+    let st = s.stat();
+    let t = &st[0]["store"]["total"];
+    let log = || std::fs::read_to_string(s.dir.join("daemon.log")).unwrap_or_default();
+    assert_eq!(t["tier_get_fail"].as_u64(), Some(0), "{t}\n{}\n{}", st[0]["store"]["tiers"], log());
+    assert_eq!(st[0]["failed_reads"].as_u64(), Some(0));
+    assert_eq!(st[0]["failed_writes"].as_u64(), Some(0), "{}\n{}", st[0]["store"]["pools"][0], log());
+    s.swap_down();
+    assert_clean(&s);
+    let _ = std::fs::remove_dir_all(&disk_dir);
+}
+
 /// zswap's parameters now.
 fn zswap_params() -> std::collections::BTreeMap<String, String> {
     tmem_sys::zswap::read_params(Path::new(tmem_sys::zswap::PARAMS_DIR)).unwrap()

@@ -9,8 +9,7 @@
 //! is recompressed). What does not: the allocator layout (the successor
 //! allocates afresh and compacts as it goes), LRU order and reference bits
 //! (pages arrive oldest-unknown), background workers (the successor starts
-//! its own from its configuration). A store with lower tiers is refused:
-//! their indexes would have to travel too.
+//! its own from its configuration).
 //!
 //! The exporter must keep writers out while it runs (the daemon pauses its
 //! frontends first); each shard is read under its lock. The format is a
@@ -25,6 +24,14 @@
 //! pool's grouping counters. A successor that groups takes the groups as
 //! they are; one that does not decodes them and stores their live pages
 //! singly, in the codec new puts use. Format 1 streams are still read.
+//!
+//! Format 3 adds tiers: the store's sealing version counter, and for each
+//! pool with tiers below it their number, whether gets promote, and its
+//! sealer ([`Sealer::hand_over`]); a page that lives in a tier is a record
+//! with its tier, its sealing version, its length and checksum, and no
+//! bytes. The tiers themselves travel apart ([`Store::hold_tiers`],
+//! [`tmem_tier::Tier::hand_over`]): the importer is given them, built from
+//! what they handed over, by pool ([`Store::import_tiered`]).
 //!
 //! # Images (zero-copy)
 //!
@@ -44,15 +51,18 @@
 use std::io::{Read, Write};
 
 use super::*;
+use crate::shard::MAX_TIERS;
+use tmem_tier::seal::Sealer;
 
 /// First bytes of an export.
 const MAGIC: &[u8; 8] = b"TMEMSTOR";
-/// Format version written; an import reads this one and format 1.
-pub const HANDOVER_VERSION: u32 = 2;
+/// Format version written; an import reads this one and the older ones.
+pub const HANDOVER_VERSION: u32 = 3;
 /// First bytes of an image ([`Store::export_image`]).
 const IMAGE_MAGIC: &[u8; 8] = b"TMEMIMAG";
-/// Image format version.
-pub const IMAGE_VERSION: u32 = 1;
+/// Image format version: image 1 carries a format 2 stream, image 2 a
+/// format 3 one.
+pub const IMAGE_VERSION: u32 = 2;
 /// Most chunks of the arena an image may name (64 TiB).
 const MAX_CHUNKS: u32 = 1 << 24;
 /// The oldest format an import reads.
@@ -60,10 +70,33 @@ const OLDEST_VERSION: u32 = 1;
 /// Entry flags in the stream.
 const REC_SAME: u8 = 1;
 const REC_INCOMPRESSIBLE: u8 = 2;
+/// The page lives in a tier, whose index is in bits 4..7 (format 3).
+const REC_TIER: u8 = 4;
+const REC_TIER_SHIFT: u8 = 4;
 
 /// An entry's flags as a page record (stream and image) carries them.
 fn record_flags(e: &Entry) -> u8 {
-    (if e.has(F_SAME) { REC_SAME } else { 0 }) | if e.has(F_INCOMPRESSIBLE) { REC_INCOMPRESSIBLE } else { 0 }
+    let tier = if e.has(F_TIER) {
+        REC_TIER | (u8::try_from(e.tier()).expect("a tier index < 8") << REC_TIER_SHIFT)
+    } else {
+        0
+    };
+    (if e.has(F_SAME) { REC_SAME } else { 0 }) | if e.has(F_INCOMPRESSIBLE) { REC_INCOMPRESSIBLE } else { 0 } | tier
+}
+
+/// The tier of a record with [`REC_TIER`].
+fn record_tier(record: u8) -> Option<usize> {
+    (record & REC_TIER != 0).then_some(usize::from(record >> REC_TIER_SHIFT))
+}
+
+/// Tiers below the pools of a store being imported: for pool `id` with
+/// `n` tiers, those tiers in chain order, built from what the exporter's
+/// tiers handed over.
+pub type ImportTiers<'a> = &'a mut dyn FnMut(u32, usize) -> Result<Vec<Arc<dyn tmem_tier::Tier>>, StoreError>;
+
+/// An import given no tiers: a pool with tiers is an error.
+fn no_tiers(id: u32, _: usize) -> Result<Vec<Arc<dyn tmem_tier::Tier>>, StoreError> {
+    Err(bad(format!("pool {id} has tiers below it, and this import was given none")))
 }
 
 /// The entry flags of a stored (not same-filled) page record.
@@ -465,6 +498,11 @@ impl Store {
     /// a finished one in the successor.
     pub fn seal(&self, sealed: bool) {
         self.shared.alloc.arena().seal(sealed);
+        // Writeback would write to tiers that another process may go on
+        // with, and free objects a sealed arena keeps.
+        for p in self.shared.pools_snapshot() {
+            p.tier_puts.set_held(sealed);
+        }
     }
 
     /// Maps every page of an imported image into this process, which locks
@@ -477,9 +515,6 @@ impl Store {
     fn export_as(&self, w: &mut dyn Write, image: bool) -> Result<HandoverSummary, StoreError> {
         let sh = &*self.shared;
         let pools = sh.pools.read().clone();
-        if pools.iter().flatten().any(|p| p.chain.is_some()) {
-            return Err(bad("a store with lower tiers cannot be handed over (their indexes stay behind)"));
-        }
         let mut w = W(w, crc32fast::Hasher::new());
         let mut sum = HandoverSummary::default();
         if image {
@@ -499,6 +534,7 @@ impl Store {
             write_codec(&mut w, cfg)?;
         }
         w.u8(sh.current_codec.load(Ordering::Relaxed))?;
+        w.u64(sh.next_version.load(Ordering::SeqCst))?;
         w.u32(u32::try_from(pools.len()).expect("fewer than 2^32 pools"))?;
         for pool in &pools {
             sum.pools += 1;
@@ -512,6 +548,14 @@ impl Store {
             w.u8(u8::from(c.exclusive_gets))?;
             w.u8(u8::from(c.reject_keeps_old))?;
             w.u8(u8::from(c.eviction == Eviction::Lru))?;
+            match &pool.chain {
+                None => w.u8(0)?,
+                Some(chain) => {
+                    w.u8(u8::try_from(chain.tiers.len()).expect("at most 8 tiers"))?;
+                    w.u8(u8::from(chain.promote_on_get))?;
+                    w.bytes(&chain.sealer.hand_over())?;
+                }
+            }
             for e in events(&pool.events) {
                 w.u64(e.load(Ordering::Relaxed))?;
             }
@@ -531,7 +575,9 @@ impl Store {
                     }
                     if image {
                         w.bytes(&image_record(e))?;
-                        sum.object_bytes += e.len() as u64;
+                        if e.alloc_loc().is_some() {
+                            sum.object_bytes += e.len() as u64;
+                        }
                         sum.pages += 1;
                         continue;
                     }
@@ -541,6 +587,9 @@ impl Store {
                     w.u8(e.codec())?;
                     w.u32(e.check)?;
                     if e.has(F_SAME) {
+                        w.u64(e.loc)?;
+                    } else if e.has(F_TIER) {
+                        w.u32(u32::try_from(e.len()).expect("an object is under a page"))?;
                         w.u64(e.loc)?;
                     } else {
                         let loc = e.alloc_loc().expect("a pool page without tiers has an object");
@@ -574,7 +623,19 @@ impl Store {
     /// kept. Any inconsistency (version, length, codec id, checksum) is an
     /// error naming it, and nothing is returned.
     pub fn import(cfg: StoreConfig, r: &mut dyn Read) -> Result<(Store, HandoverSummary), StoreError> {
-        Self::import_as(cfg, r, None)
+        Self::import_as(cfg, r, None, &mut no_tiers)
+    }
+
+    /// [`Store::import`] (`memfd` `None`) or [`Store::import_image`] of a
+    /// store whose pools may have tiers below them: `tiers` gives each such
+    /// pool its tiers (module docs).
+    pub fn import_tiered(
+        cfg: StoreConfig,
+        r: &mut dyn Read,
+        memfd: Option<std::os::fd::OwnedFd>,
+        tiers: ImportTiers<'_>,
+    ) -> Result<(Store, HandoverSummary), StoreError> {
+        Self::import_as(cfg, r, memfd, tiers)
     }
 
     /// Builds a store from [`Store::export_image`]'s stream and the
@@ -588,24 +649,26 @@ impl Store {
         r: &mut dyn Read,
         fd: std::os::fd::OwnedFd,
     ) -> Result<(Store, HandoverSummary), StoreError> {
-        Self::import_as(cfg, r, Some(fd))
+        Self::import_as(cfg, r, Some(fd), &mut no_tiers)
     }
 
     fn import_as(
         mut cfg: StoreConfig,
         r: &mut dyn Read,
         memfd: Option<std::os::fd::OwnedFd>,
+        tiers: ImportTiers<'_>,
     ) -> Result<(Store, HandoverSummary), StoreError> {
         let mut r = R(r, crc32fast::Hasher::new());
         let magic = r.array::<8>()?;
         let image = memfd.is_some();
+        let mut image_version = 0;
         let alloc = if let Some(fd) = memfd {
             if &magic != IMAGE_MAGIC {
                 return Err(bad("not a tmem store image (bad magic)"));
             }
-            let version = r.u32()?;
-            if version != IMAGE_VERSION {
-                return Err(bad(format!("image format {version}, this build reads {IMAGE_VERSION}")));
+            image_version = r.u32()?;
+            if !(1..=IMAGE_VERSION).contains(&image_version) {
+                return Err(bad(format!("image format {image_version}, this build reads 1..={IMAGE_VERSION}")));
             }
             let shift = u32::from(r.u8()?);
             let ours = if cfg.group.is_some() { crate::group::WINDOW_SHIFT } else { 0 };
@@ -624,13 +687,13 @@ impl Store {
             }
             None
         };
-        let version = if image { HANDOVER_VERSION } else { r.u32()? };
+        let version = if image { image_version + 1 } else { r.u32()? };
         if !(OLDEST_VERSION..=HANDOVER_VERSION).contains(&version) {
             return Err(bad(format!(
                 "export format {version}, this build reads {OLDEST_VERSION}..={HANDOVER_VERSION}"
             )));
         }
-        let v2 = version >= 2;
+        let (v2, v3) = (version >= 2, version >= 3);
         cfg.policy = read_policy(&mut r)?;
         // The successor trains no dictionary of its own: the pages come with theirs.
         cfg.dictionary = None;
@@ -652,6 +715,9 @@ impl Store {
         let current = r.u8()?;
         let new_id = |old: u8| ids.get(usize::from(old)).copied().ok_or_else(|| bad(format!("no codec {old}")));
         store.set_codec(new_id(current)?)?;
+        if v3 {
+            sh.next_version.store(r.u64()?, Ordering::SeqCst);
+        }
         let mut sum = HandoverSummary::default();
         let pools = r.u32()?;
         if pools > MAX_POOLS {
@@ -671,7 +737,25 @@ impl Store {
                 reject_keeps_old: r.bool("reject keeps old")?,
                 eviction: if r.bool("eviction")? { Eviction::Lru } else { Eviction::Sieve },
             };
-            let pool = store.create_pool(pc);
+            let tiered = if v3 { usize::from(r.u8()?) } else { 0 };
+            let pool = if tiered == 0 {
+                store.create_pool(pc)
+            } else {
+                if tiered > MAX_TIERS {
+                    return Err(bad(format!("pool {id}: {tiered} tiers (at most {MAX_TIERS})")));
+                }
+                let promote = r.bool("promote on get")?;
+                let sealer = Sealer::adopt(&r.array()?).ok_or_else(|| bad(format!("pool {id}: an unknown sealer")))?;
+                let below = tiers(id, tiered)?;
+                if below.len() != tiered {
+                    return Err(bad(format!("pool {id}: {} tiers given for {tiered}", below.len())));
+                }
+                let chain = TierChain::new(below, Arc::new(sealer))?.promote_on_get(promote);
+                let pool = store.create_pool_inner(pc, Some(chain), false);
+                // Sealed like the image until the caller opens the store.
+                pool.tier_puts.set_held(image);
+                pool
+            };
             debug_assert_eq!(pool.id, id);
             let (events_in, cumulative_in) = if v2 { (usize::MAX, usize::MAX) } else { (EVENTS_V1, CUMULATIVE_V1) };
             for e in events(&pool.events).into_iter().take(events_in) {
@@ -943,6 +1027,8 @@ impl Store {
             (b[16], (image.new_id)(b[17])?, u32_at(18), u32_at(22) as usize, u64_at(26));
         let entry = if flags & REC_SAME != 0 {
             Entry::new(key, loc, 0, 0, RAW_CODEC, F_SAME)
+        } else if let Some(t) = record_tier(flags) {
+            self.tier_entry(image.pool, key, t, loc, check, len, codec, flags)?
         } else {
             let at = crate::alloc::Loc::unpack(loc);
             if len == 0 || len > PAGE_SIZE || !image.slots.holds(at, len) {
@@ -953,6 +1039,36 @@ impl Store {
         };
         sum.pages += 1;
         Ok((key, entry))
+    }
+
+    /// The entry of a page that lives in tier `t` of `pool` under sealing
+    /// `version`: `len` bytes with checksum `check` once opened.
+    #[allow(clippy::too_many_arguments)]
+    fn tier_entry(
+        &self,
+        pool: &Pool,
+        key: Key,
+        t: usize,
+        version: u64,
+        check: u32,
+        len: usize,
+        codec: u8,
+        flags: u8,
+    ) -> Result<Entry, StoreError> {
+        let tiers = pool.chain.as_ref().map_or(0, |c| c.tiers.len());
+        if t >= tiers {
+            return Err(bad(format!("page {key:?}: in tier {t} of a pool with {tiers} tiers")));
+        }
+        if len == 0 || len > PAGE_SIZE {
+            return Err(bad(format!("page {key:?}: a tier value of {len} bytes")));
+        }
+        // A version at or past the counter would be sealed again: a nonce reused.
+        if version >= self.shared.next_version.load(Ordering::SeqCst) {
+            return Err(bad(format!("page {key:?}: sealing version {version} is not below the store's counter")));
+        }
+        let mut e = Entry::new(key, 0, check, len, codec, stored_flags(flags));
+        e.set_tier(t, version);
+        Ok(e)
     }
 
     /// Reads one page record and stores it as it is.
@@ -970,6 +1086,9 @@ impl Store {
         let hash = hash_key(key);
         let entry = if flags & REC_SAME != 0 {
             Entry::new(key, r.u64()?, 0, 0, RAW_CODEC, F_SAME)
+        } else if let Some(t) = record_tier(flags) {
+            let (len, version) = (r.u32()? as usize, r.u64()?);
+            self.tier_entry(pool, key, t, version, check, len, codec, flags)?
         } else {
             let len = r.u32()? as usize;
             if len == 0 || len > PAGE_SIZE {
@@ -1001,11 +1120,12 @@ impl Store {
 mod tests {
     use super::*;
 
-    /// Copies a format 2 stream of a store without groups into format 1:
-    /// the same fields without those format 2 added (4 events per pool, 2
-    /// cumulative counters and the group count per shard), version 1, and
-    /// the checksum recomputed.
-    fn to_v1(v2: &[u8]) -> Vec<u8> {
+    /// Copies a format 3 stream of a store without groups or tiers into
+    /// format 1: the same fields without those formats 2 and 3 added (the
+    /// version counter; per pool its tier count, 4 events; per shard 2
+    /// cumulative counters and the group count), version 1, and the
+    /// checksum recomputed.
+    fn to_v1(v3: &[u8]) -> Vec<u8> {
         struct Cut<'a> {
             src: &'a [u8],
             at: usize,
@@ -1031,9 +1151,9 @@ mod tests {
                 u64::from_le_bytes(v)
             }
         }
-        let mut c = Cut { src: v2, at: 0, out: Vec::new() };
+        let mut c = Cut { src: v3, at: 0, out: Vec::new() };
         c.keep(8);
-        assert_eq!(c.skip(4), 2);
+        assert_eq!(c.skip(4), 3);
         c.out.extend_from_slice(&1u32.to_le_bytes());
         c.keep(34); // policy
         for _ in 0..c.keep(1) {
@@ -1042,11 +1162,13 @@ mod tests {
             c.keep(len);
         }
         c.keep(1);
+        c.skip(8);
         for _ in 0..c.keep(4) {
             if c.keep(1) == 0 {
                 continue;
             }
             c.keep(4);
+            assert_eq!(c.skip(1), 0, "no tiers in a format 1 stream");
             c.keep(8 * EVENTS_V1);
             c.skip(8 * (17 - EVENTS_V1));
             for _ in 0..c.keep(4) {
@@ -1069,7 +1191,7 @@ mod tests {
         c.keep(8);
         let crc = crc32fast::hash(&c.out);
         c.out.extend_from_slice(&crc.to_le_bytes());
-        assert_eq!(c.at + 4, v2.len());
+        assert_eq!(c.at + 4, v3.len());
         c.out
     }
 
@@ -1092,10 +1214,10 @@ mod tests {
         assert_eq!(pool.put(Key::new(1, 99), &[7u8; PAGE_SIZE]).unwrap(), PutOutcome::Stored);
         let mut out = [0u8; PAGE_SIZE];
         assert_eq!(pool.get(Key::new(1, 3), &mut out).unwrap(), GetOutcome::Hit);
-        let mut v2 = Vec::new();
-        store.export(&mut v2).unwrap();
-        let v1 = to_v1(&v2);
-        assert!(v1.len() < v2.len());
+        let mut v3 = Vec::new();
+        store.export(&mut v3).unwrap();
+        let v1 = to_v1(&v3);
+        assert!(v1.len() < v3.len());
         for cfg in [StoreConfig::default(), StoreConfig { group: Some(GroupConfig::default()), ..Default::default() }] {
             let (back, sum) = Store::import(cfg, &mut v1.as_slice()).unwrap();
             assert_eq!(sum.pages, 51);
@@ -1110,8 +1232,8 @@ mod tests {
             assert!(matches!(back.pool(1), Err(StoreError::PoolDestroyed(1))));
         }
         // A version from the future is refused.
-        let mut v3 = v2.clone();
-        v3[8..12].copy_from_slice(&3u32.to_le_bytes());
-        assert!(Store::import(StoreConfig::default(), &mut v3.as_slice()).is_err());
+        let mut v4 = v3.clone();
+        v4[8..12].copy_from_slice(&4u32.to_le_bytes());
+        assert!(Store::import(StoreConfig::default(), &mut v4.as_slice()).is_err());
     }
 }

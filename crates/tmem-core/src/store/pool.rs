@@ -55,6 +55,11 @@ impl Pool {
         &self.cfg
     }
 
+    /// The tiers below the pool, if any.
+    pub fn tier_chain(&self) -> Option<&TierChain> {
+        self.chain.as_ref()
+    }
+
     pub(super) fn check_live(&self) -> Result<(), StoreError> {
         if self.destroyed.load(Ordering::Acquire) {
             return Err(StoreError::PoolDestroyed(self.id));

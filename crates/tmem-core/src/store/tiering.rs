@@ -23,7 +23,7 @@ use tmem_lock::{Mutex, MutexGuard, Rank};
 use tmem_tier::seal::Sealer;
 use tmem_tier::{Tier, TierError, TierGet, TierKey, TierPut, TierStats};
 
-use super::{GetOutcome, Pool, PoolEvents, PutOutcome, Shared, StoreError, Work, RAW_CODEC};
+use super::{GetOutcome, Pool, PoolEvents, PutOutcome, Shared, Store, StoreError, Work, RAW_CODEC};
 use crate::codec::COMPRESS_BUF_SIZE;
 use crate::shard::{hash_key, Entry, F_GROUP, F_INCOMPRESSIBLE, F_TIER, F_WB, MAX_TIERS};
 use crate::{Key, PAGE_SIZE};
@@ -60,13 +60,31 @@ const TIER_PUT_STRIPES: usize = 256;
 pub(super) struct TierPutLocks {
     writeback: Box<[Mutex<()>]>,
     stripes: Box<[Mutex<()>]>,
+    /// Writeback is held off for a hand-over ([`Store::hold_tiers`]): a
+    /// writeback that takes its shard's lock while this is set moves nothing.
+    held: std::sync::atomic::AtomicBool,
 }
 
 impl TierPutLocks {
     /// Locks for a pool of `shards` shards.
     pub(super) fn new(shards: usize) -> Self {
         let locks = |n: usize, rank| (0..n).map(|_| Mutex::new(rank, ())).collect();
-        Self { writeback: locks(shards, Rank::Writeback), stripes: locks(TIER_PUT_STRIPES, Rank::TierPutStripe) }
+        Self {
+            writeback: locks(shards, Rank::Writeback),
+            stripes: locks(TIER_PUT_STRIPES, Rank::TierPutStripe),
+            held: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Holds writeback off (once every writeback in flight has ended), or
+    /// lets it go on.
+    pub(super) fn set_held(&self, held: bool) {
+        self.held.store(held, Ordering::SeqCst);
+        if held {
+            for m in self.writeback.iter() {
+                drop(m.lock());
+            }
+        }
     }
 
     fn stripe(hash: u64) -> usize {
@@ -150,9 +168,9 @@ impl TierRemovals {
 /// The tiers below one pool, in order, and the sealer for values sent there.
 #[derive(Clone)]
 pub struct TierChain {
-    tiers: Vec<Arc<dyn Tier>>,
-    sealer: Arc<Sealer>,
-    promote_on_get: bool,
+    pub(super) tiers: Vec<Arc<dyn Tier>>,
+    pub(super) sealer: Arc<Sealer>,
+    pub(super) promote_on_get: bool,
 }
 
 impl std::fmt::Debug for TierChain {
@@ -206,6 +224,57 @@ impl TierChain {
     }
 }
 
+/// Writeback to the tiers held off for a hand-over ([`Store::hold_tiers`]),
+/// until this is dropped.
+#[must_use]
+pub struct TierHold {
+    pools: Vec<Arc<Pool>>,
+}
+
+impl TierHold {
+    /// Describes every tier below every pool for a successor
+    /// ([`Tier::hand_over`]): per pool with tiers, its id and its tiers'
+    /// states in chain order.
+    pub fn hand_over(&self) -> Result<Vec<(u32, Vec<tmem_tier::TierHandover>)>, StoreError> {
+        let mut out = Vec::new();
+        for p in &self.pools {
+            let chain = p.chain.as_ref().expect("held pools have tiers");
+            let states = chain.tiers.iter().map(|t| t.hand_over()).collect::<Result<Vec<_>, _>>();
+            out.push((p.id, states.map_err(|e| StoreError::TierChain(format!("hand-over: {e}")))?));
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for TierHold {
+    fn drop(&mut self) {
+        for p in &self.pools {
+            p.tier_puts.set_held(false);
+        }
+    }
+}
+
+impl Store {
+    /// Every distinct tier below the store's pools.
+    pub fn tiers(&self) -> Vec<Arc<dyn Tier>> {
+        distinct_tiers(&self.shared.pools_snapshot())
+    }
+
+    /// Holds writeback to the tiers off and sends the tier removals queued
+    /// so far, so that the tiers hold exactly what the index names: for a
+    /// hand-over ([`TierHold::hand_over`]), while the caller keeps writers
+    /// (puts, removes, gets that promote) out.
+    pub fn hold_tiers(&self) -> TierHold {
+        let pools: Vec<Arc<Pool>> =
+            self.shared.pools.read().iter().flatten().filter(|p| p.chain.is_some()).cloned().collect();
+        for p in &pools {
+            p.tier_puts.set_held(true);
+            p.removals.send(p.chain.as_ref().expect("filtered"));
+        }
+        TierHold { pools }
+    }
+}
+
 /// A page recorded in a tier of a pool without tiers.
 fn no_chain() -> StoreError {
     StoreError::TierChain("page recorded in a tier but the pool has none".into())
@@ -216,20 +285,20 @@ fn no_tier(e: &Entry) -> StoreError {
     StoreError::TierChain(format!("no tier {}", e.tier()))
 }
 
-/// Counters of every distinct tier of `pools`.
-pub(super) fn tier_stats(pools: &[Arc<Pool>]) -> Vec<TierStats> {
-    let mut seen: Vec<*const ()> = Vec::new();
-    let mut out = Vec::new();
-    for p in pools {
-        for t in p.chain.iter().flat_map(|c| c.tiers.iter()) {
-            let id = Arc::as_ptr(t).cast::<()>();
-            if !seen.contains(&id) {
-                seen.push(id);
-                out.push(TierStats { health: t.health().to_string(), ..t.stats() });
-            }
+/// Every distinct tier below `pools`.
+fn distinct_tiers(pools: &[Arc<Pool>]) -> Vec<Arc<dyn Tier>> {
+    let mut out: Vec<Arc<dyn Tier>> = Vec::new();
+    for t in pools.iter().flat_map(|p| p.chain.iter().flat_map(|c| c.tiers.iter())) {
+        if !out.iter().any(|o| Arc::ptr_eq(o, t)) {
+            out.push(Arc::clone(t));
         }
     }
     out
+}
+
+/// Counters of every distinct tier of `pools`.
+pub(super) fn tier_stats(pools: &[Arc<Pool>]) -> Vec<TierStats> {
+    distinct_tiers(pools).iter().map(|t| TierStats { health: t.health().to_string(), ..t.stats() }).collect()
 }
 
 /// What one writeback pass did.
@@ -515,6 +584,9 @@ impl Pool {
     fn write_back_shard(&self, chain: &TierChain, i: usize, max: usize) -> WritebackReport {
         let mut report = WritebackReport::default();
         let _one_writeback = self.tier_puts.writeback[i].lock();
+        if self.tier_puts.held.load(Ordering::SeqCst) {
+            return report;
+        }
         // 1. Pick victims and copy their bytes out, under the shard lock.
         let mut victims = Vec::new();
         {

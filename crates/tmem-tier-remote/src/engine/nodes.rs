@@ -3,23 +3,34 @@
 
 use super::*;
 
-impl Inner {
-    /// Connects node `n`, checks its eviction policy, deletes this tier's
-    /// keys left on it (from an earlier run, or from before it went down),
-    /// forgets the copies the index had on it, and puts it in service.
-    /// `first`: at build, when the whole namespace is deleted on the server
+/// When a node is brought into service.
+pub(crate) enum BringUp {
+    /// At build: this machine's whole namespace on the server is deleted
     /// (for a cluster shard, on its master: keys of earlier runs may carry
-    /// other tags); later only the node's own keys (a cluster master may
-    /// serve other nodes' slots too). A cluster shard coming back whose
-    /// master also serves another node's slot (resharding moved it there)
-    /// moves to a slot of a master that serves none, if there is one, so
-    /// that a page's copies stay on distinct masters.
-    pub async fn bring_up(&self, n: usize, first: bool) -> Result<(), ConnectError> {
+    /// other tags).
+    Build,
+    /// Back from down: the node's own keys are deleted (a cluster master may
+    /// serve other nodes' slots too) and the index forgets its copies.
+    Return,
+    /// At adopt, a node that served the predecessor: its keys and copies
+    /// are kept, if (for a cluster shard) its slot's master is still this one.
+    Adopt(Option<String>),
+}
+
+impl Inner {
+    /// Connects node `n`, checks its eviction policy, and puts it in
+    /// service; deletes this tier's keys left on it (from an earlier run, or
+    /// from before it went down) and forgets the copies the index had on it,
+    /// except when adopted. A cluster shard coming back whose master also
+    /// serves another node's slot (resharding moved it there) moves to a
+    /// slot of a master that serves none, if there is one, so that a page's
+    /// copies stay on distinct masters.
+    pub async fn bring_up(&self, n: usize, how: BringUp) -> Result<(), ConnectError> {
         let node = &self.nodes[n];
         let unreachable = |e: String| ConnectError::Unreachable(format!("{}: {e}", node.name));
         let long = self.s.op_timeout.max(Duration::from_secs(5));
         let mut conn = node.connect(self.s.connect_timeout, self.s.op_timeout).await?;
-        if !first && node.place().slot.is_some() {
+        if matches!(how, BringUp::Return) && node.place().slot.is_some() {
             if let Some((tag, slot)) = self.free_master_tag(n, &mut conn).await.map_err(unreachable)? {
                 // The keys under the old tag go first, through the old route.
                 let old = format!("{}*", node.place().prefix);
@@ -45,15 +56,29 @@ impl Inner {
             }
         }
         let place = node.place();
-        let pattern = format!("{}*", if first { &self.prefix } else { &*place.prefix });
-        delete_matching(&mut conn, &pattern, long)
-            .await
-            .map_err(|e| unreachable(format!("deleting leftover keys: {e}")))?;
         let master_id = match place.slot {
             Some(_) => Some(server_id(&mut conn, self.s.op_timeout).await.map_err(unreachable)?),
             None => None,
         };
-        self.strip_node(n);
+        let stale = match &how {
+            BringUp::Build => Some(&*self.prefix),
+            BringUp::Return => Some(&*place.prefix),
+            BringUp::Adopt(was) if *was == master_id => None,
+            BringUp::Adopt(was) => {
+                return Err(unreachable(format!(
+                    "slot {} is served by master {}, not {} as when handed over; it comes back empty",
+                    place.slot.unwrap_or_default(),
+                    master_id.unwrap_or_default(),
+                    was.as_deref().unwrap_or("?")
+                )))
+            }
+        };
+        if let Some(stale) = stale {
+            delete_matching(&mut conn, &format!("{stale}*"), long)
+                .await
+                .map_err(|e| unreachable(format!("deleting leftover keys: {e}")))?;
+            self.strip_node(n);
+        }
         node.bring_up(conn, memory, master_id);
         Ok(())
     }
@@ -178,17 +203,21 @@ impl Inner {
             for (n, node) in self.nodes.iter().enumerate() {
                 if !node.is_up() {
                     let due = node.state.lock().next_attempt <= now;
-                    if due && !node.connecting.swap(true, Ordering::AcqRel) {
+                    if due && self.may_return() && !node.connecting.swap(true, Ordering::AcqRel) {
                         let me = Arc::clone(&self);
                         tokio::spawn(async move {
                             let node = &me.nodes[n];
-                            match me.bring_up(n, false).await {
-                                Ok(()) => {
-                                    add(&node.reconnects, 1);
-                                    me.request_repair();
+                            let gate = me.gate.read().await;
+                            if me.may_return() {
+                                match me.bring_up(n, BringUp::Return).await {
+                                    Ok(()) => {
+                                        add(&node.reconnects, 1);
+                                        me.request_repair();
+                                    }
+                                    Err(e) => node.attempt_failed(e.to_string()),
                                 }
-                                Err(e) => node.attempt_failed(e.to_string()),
                             }
+                            drop(gate);
                             node.connecting.store(false, Ordering::Release);
                         });
                     }

@@ -25,6 +25,11 @@ impl Inner {
             if self.stop.load(Ordering::Relaxed) {
                 break;
             }
+            let _gate = self.gate.read().await;
+            if self.paused.load(Ordering::Acquire) {
+                out.held = true;
+                break;
+            }
             let guards = self.lock_keys(chunk.iter().copied()).await;
             let up = self.up_mask();
             let target = self.s.replicas.min(count(up));
@@ -117,9 +122,9 @@ impl Inner {
             if self.stop.load(Ordering::Relaxed) {
                 return;
             }
-            if self.repair_needed.swap(false, Ordering::AcqRel) {
+            if !self.paused.load(Ordering::Acquire) && self.repair_needed.swap(false, Ordering::AcqRel) {
                 let o = self.repair_pass().await;
-                if o.repaired > 0 && o.remaining > 0 {
+                if o.held || (o.repaired > 0 && o.remaining > 0) {
                     self.repair_needed.store(true, Ordering::Release);
                 }
             }
