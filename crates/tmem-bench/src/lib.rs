@@ -15,6 +15,7 @@ pub mod pressure;
 pub mod progress;
 pub mod ramp;
 pub mod redis;
+pub mod soak;
 pub mod store;
 pub mod table;
 pub mod tier;

@@ -130,6 +130,10 @@ enum BenchCommand {
     /// MADV_PAGEOUT, then touched one at a time (random and sequential);
     /// fault latency and swap readahead over zram, fuse-ram and tmem.
     Fault(Box<tmem_bench::fault::FaultArgs>),
+    /// Checksum jobs swap against a pool with a remote and a disk tier while
+    /// restarts, Redis node kills, `tmem set` changes, recompression and
+    /// daemon kills arrive at seeded random times; every page must come back.
+    Soak(Box<tmem_bench::soak::SoakArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -163,6 +167,7 @@ fn main() -> ExitCode {
         Command::Bench { what: BenchCommand::Capacity(args) } => tmem_bench::capacity::run(&args),
         Command::Bench { what: BenchCommand::Ramp(args) } => tmem_bench::ramp::run(&args),
         Command::Bench { what: BenchCommand::Fault(args) } => tmem_bench::fault::run(&args),
+        Command::Bench { what: BenchCommand::Soak(args) } => tmem_bench::soak::run(&args),
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpuscmd::info(&files),
         Command::Corpus { what: CorpusCommand::Export(a) } => corpuscmd::export(&a),

@@ -13,16 +13,10 @@ fn capacity_smoke() {
     }
     let before = common::Before::now();
     // Other tests may start swap of their own meanwhile.
-    let run = common::run_bench(&[
-        "capacity",
-        "--budget-mib",
-        "48",
-        "--swap-budgets",
-        "4",
-        "--timeout",
-        "60",
-        "--allow-other-swap",
-    ]);
+    let run = common::run_bench(
+        &["capacity", "--budget-mib", "48", "--swap-budgets", "4", "--timeout", "60", "--allow-other-swap"],
+        true,
+    );
     let (v, stdout) = (&run.json, &run.stdout);
     before.assert_nothing_left(v["machine"]["zram_device"].as_str());
 

@@ -15,22 +15,25 @@ fn pressure_ladder_smoke() {
     // 65 %, not 50: under a v1 memory cgroup a 50 % limit OOM-killed a
     // job now and then (zram and tmem alike) while other tests loaded the CPU.
     // Other tests may start swap of their own meanwhile: do not wait for it.
-    let run = common::run_bench(&[
-        "pressure",
-        "--workload-mib",
-        "192",
-        "--levels",
-        "100,65",
-        "--runs",
-        "1",
-        "--passes",
-        "1",
-        "--backends",
-        "zram,tmem,fuse-ram",
-        "--allow-other-swap",
-        "--after-exit-secs",
-        "1",
-    ]);
+    let run = common::run_bench(
+        &[
+            "pressure",
+            "--workload-mib",
+            "192",
+            "--levels",
+            "100,65",
+            "--runs",
+            "1",
+            "--passes",
+            "1",
+            "--backends",
+            "zram,tmem,fuse-ram",
+            "--allow-other-swap",
+            "--after-exit-secs",
+            "1",
+        ],
+        true,
+    );
     let (v, stdout, svg_text) = (&run.json, &run.stdout, &run.svg);
 
     // Nothing remains, whatever happened.

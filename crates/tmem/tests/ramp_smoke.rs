@@ -14,26 +14,29 @@ fn ramp_smoke() {
         return tmem_testkit::skip(tmem_testkit::Feature::Tools, "no java (default-jdk-headless)");
     }
     let before = common::Before::now();
-    let run = common::run_bench(&[
-        "ramp",
-        "--limit-mib",
-        "768",
-        // The JVM's fixed part (young generation, metaspace, the source
-        // launcher's compiler) is a smaller share of a larger limit, and at
-        // 75 % the footprint (the old generation keeps 40-70 % free) is well
-        // past it. At 512 MiB the v1 memory cgroup OOM-killed the JVM at
-        // 75 % in 3 of 6 runs on 2026-11-26 (70 %: 1 of 5); at
-        // 768 MiB, 0 of 7. At 256 MiB it was killed at 50 % in 3 of 4.
-        "--steps",
-        "25,75",
-        "--step-secs",
-        "2",
-        "--backends",
-        "zram,tmem",
-        "--timeout",
-        "300",
-        "--allow-other-swap",
-    ]);
+    let run = common::run_bench(
+        &[
+            "ramp",
+            "--limit-mib",
+            "768",
+            // The JVM's fixed part (young generation, metaspace, the source
+            // launcher's compiler) is a smaller share of a larger limit, and at
+            // 75 % the footprint (the old generation keeps 40-70 % free) is well
+            // past it. At 512 MiB the v1 memory cgroup OOM-killed the JVM at
+            // 75 % in 3 of 6 runs on 2026-11-26 (70 %: 1 of 5); at
+            // 768 MiB, 0 of 7. At 256 MiB it was killed at 50 % in 3 of 4.
+            "--steps",
+            "25,75",
+            "--step-secs",
+            "2",
+            "--backends",
+            "zram,tmem",
+            "--timeout",
+            "300",
+            "--allow-other-swap",
+        ],
+        true,
+    );
     let (v, stdout) = (&run.json, &run.stdout);
     before.assert_nothing_left(v["machine"]["zram_device"].as_str());
 

@@ -1,4 +1,4 @@
-//! Shared by the swap benches' smoke tests (`pressure_smoke`,
+//! Shared by the benches' smoke tests (`pressure_smoke`, `ramp_smoke`, `soak_smoke`,
 //! `capacity_smoke`): what a bench needs from the machine, and the check
 //! that it left nothing behind: no swap area, loop device, memory cgroup,
 //! mount, runtime directory or file of its own, its hot-added zram device
@@ -149,9 +149,9 @@ const BENCH_DEADLINE: Duration = Duration::from_secs(420);
 /// How long a stopped bench gets to undo what it set up.
 const BENCH_TEARDOWN: Duration = Duration::from_secs(90);
 
-/// Runs `tmem bench ARGS --json FILE --plot FILE.svg`, prints what it
-/// said and removes the files.
-pub fn run_bench(args: &[&str]) -> BenchRun {
+/// Runs `tmem bench ARGS --json FILE`, with `--plot FILE.svg` where
+/// `plot` (benches with figures), prints what it said and removes the files.
+pub fn run_bench(args: &[&str], plot: bool) -> BenchRun {
     let json = std::env::temp_dir().join(format!("tmem-{}-smoke-{}.json", args[0], std::process::id()));
     let svg = json.with_extension("svg");
     let (out_path, err_path) = (json.with_extension("out"), json.with_extension("err"));
@@ -161,8 +161,7 @@ pub fn run_bench(args: &[&str]) -> BenchRun {
         .args(args)
         .arg("--json")
         .arg(&json)
-        .arg("--plot")
-        .arg(&svg)
+        .args(plot.then_some(["--plot".as_ref(), svg.as_os_str()]).into_iter().flatten())
         .stdout(std::fs::File::create(&out_path).unwrap())
         .stderr(std::fs::File::create(&err_path).unwrap())
         .spawn()
