@@ -509,3 +509,16 @@ fn an_adopted_pool_grows_past_the_chunks_it_was_handed() {
         assert_eq!(out, page(0, i), "page {i}");
     }
 }
+
+#[test]
+fn a_tier_below_two_pools_is_not_handed_over() {
+    let store = config(0).build().unwrap();
+    let tier: Arc<dyn Tier> = Arc::new(MemTier::new(1 << 20));
+    let sealer = Arc::new(Sealer::random().unwrap());
+    for _ in 0..2 {
+        let chain = TierChain::new(vec![tier.clone()], sealer.clone()).unwrap();
+        store.create_pool_with_tiers(PoolConfig::persistent(), chain);
+    }
+    let e = store.hold_tiers().hand_over().unwrap_err().to_string();
+    assert!(e.contains("tier mem is below two pools"), "{e}");
+}

@@ -7,10 +7,12 @@
 //!
 //! 1. successor → `HELLO`: its hand-over protocol, store export format and
 //!    version. The running daemon refuses (`REFUSE` with the reason, and
-//!    goes on serving) another protocol or format, tiers below the pool
-//!    (their indexes would have to travel too) and FUSE over io_uring. A
-//!    daemon under systemd hands over too: its `OFFER` names the notify
-//!    socket and the watchdog, for a successor that `ExecReload` started;
+//!    goes on serving) another protocol or format, FUSE over io_uring (a
+//!    ring cannot be paused: a request the kernel gives a retiring entry
+//!    would be lost), and tiers with a successor that does not take shared
+//!    stores. A daemon under systemd hands over too: its `OFFER` names the
+//!    notify socket and the watchdog, for a successor that `ExecReload`
+//!    started;
 //! 2. it pauses its FUSE workers (they answer what they have taken and take
 //!    nothing more, so requests wait in the kernel) and its NBD sessions
 //!    (each stops between two requests; clients' requests wait in the
@@ -26,6 +28,14 @@
 //!      tables, no page. The successor maps the memfds and rebuilds the
 //!      index and the tables: the pause grows with the number of pages,
 //!      not with their bytes.
+//!    * **tiers** (before either): writeback to them is held
+//!      ([`tmem_core::Store::hold_tiers`]) and each tier describes itself
+//!      ([`tmem_tier::Tier::hand_over`]); the offer lists them, their
+//!      states follow it, and their descriptors (a disk tier's file) come
+//!      after the NBD sockets, before the memfds. The successor adopts them
+//!      ([`crate::tiers::TierArgs::adopt`]) and imports its stores with
+//!      them ([`tmem_core::Store::import_tiered`]); they own nothing
+//!      ([`tmem_tier::Tier::set_owner`]) until it serves.
 //!    * **streamed** (an older successor, or a store in private memory):
 //!      each store's export ([`tmem_core::Store::export`]), pages and all;
 //!      once the successor says `READY`, the descriptors.

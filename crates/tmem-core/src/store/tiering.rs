@@ -234,8 +234,13 @@ pub struct TierHold {
 impl TierHold {
     /// Describes every tier below every pool for a successor
     /// ([`Tier::hand_over`]): per pool with tiers, its id and its tiers'
-    /// states in chain order.
+    /// states in chain order. A tier below two pools is refused: the
+    /// successor would adopt it twice.
     pub fn hand_over(&self) -> Result<Vec<(u32, Vec<tmem_tier::TierHandover>)>, StoreError> {
+        let all: Vec<&Arc<dyn Tier>> = self.pools.iter().flat_map(|p| p.chain.iter().flat_map(|c| &c.tiers)).collect();
+        if let Some(t) = all.iter().enumerate().find(|(i, t)| all[..*i].iter().any(|o| Arc::ptr_eq(o, t))) {
+            return Err(StoreError::TierChain(format!("hand-over: tier {} is below two pools", t.1.name())));
+        }
         let mut out = Vec::new();
         for p in &self.pools {
             let chain = p.chain.as_ref().expect("held pools have tiers");
