@@ -1,7 +1,8 @@
 //! Smoke test of `tmem bench ramp` (root only), small and short: the Java
 //! job's heap grows past its limit over zram and tmem; every row must end
-//! with every order verified, swap past the limit, carry per-step
-//! throughput, swap rate and CPU, and leave nothing behind.
+//! with every order verified (zram's may end in an OOM kill, reported as
+//! such), swap past the limit, carry per-step throughput, swap rate and
+//! CPU, and leave nothing behind.
 
 mod common;
 
@@ -51,6 +52,13 @@ fn ramp_smoke() {
     assert_eq!(rows.len(), 2);
     for r in std::iter::once(reference).chain(rows) {
         let what = r["backend"].to_string();
+        // The kernel's own row may end in its memory cgroup's OOM kill (once
+        // in CI on 2026-11-27, zram at 75 % of 768 MiB under v1): the bench
+        // reports that as it is. The reference and tmem must run to the end.
+        if r["backend"] == "zram" && r["outcome"] == "oom" {
+            eprintln!("zram's row was OOM-killed: {r}");
+            continue;
+        }
         assert_eq!(r["outcome"], "ok", "{what}: {r}");
         assert!(r["verified_orders"].as_u64().unwrap() > 100_000, "{what}");
         let steps = r["steps"].as_array().unwrap();

@@ -472,28 +472,55 @@ fn full_pool_refuses_pages_without_corrupting_the_job() {
     assert_clean(&s);
 }
 
+/// A remote tier on `n` Redis servers of `maxmemory` each (noeviction) and
+/// a disk tier in a directory of its own, removed on drop; `None` (the test
+/// skipped) without redis-server.
+struct TestTiers {
+    _nodes: Vec<tmem_bench::redis::RedisServer>,
+    disk_dir: PathBuf,
+    remote: String,
+    disk: String,
+}
+
+impl TestTiers {
+    fn start(n: usize, maxmemory: &str, tag: &str) -> Option<Self> {
+        use tmem_bench::redis::{redis_server_binary, RedisOptions, RedisServer};
+        if redis_server_binary().is_none() {
+            tmem_testkit::skip(tmem_testkit::Feature::Tools, "redis-server not installed");
+            return None;
+        }
+        let opts =
+            RedisOptions { maxmemory: Some(maxmemory.into()), policy: "noeviction".into(), ..Default::default() };
+        let nodes: Vec<RedisServer> = (0..n).map(|_| RedisServer::start(&opts).unwrap()).collect();
+        let disk_dir = std::env::temp_dir().join(format!("tmem-test-{tag}-disk-{}", std::process::id()));
+        std::fs::create_dir_all(&disk_dir).unwrap();
+        let remote = format!("remote={}", nodes.iter().map(RedisServer::url).collect::<Vec<_>>().join(","));
+        let disk = format!("disk={}", disk_dir.display());
+        Some(Self { _nodes: nodes, disk_dir, remote, disk })
+    }
+
+    /// The `swap up` options: both tiers, R = 2.
+    fn args(&self) -> [&str; 6] {
+        ["--tier", &self.remote, "--tier", &self.disk, "--replicas", "2"]
+    }
+}
+
+impl Drop for TestTiers {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.disk_dir);
+    }
+}
+
 /// pool → remote (3 Redis servers, R=2, small maxmemory) → disk, under a job
 /// that needs far more than the pool: pages spill to remote RAM, then to disk.
 #[test]
 fn pool_spills_to_remote_ram_and_disk() {
-    use tmem_bench::redis::{redis_server_binary, RedisOptions, RedisServer};
     if !can_run() {
         return;
     }
-    if redis_server_binary().is_none() {
-        tmem_testkit::skip(tmem_testkit::Feature::Tools, "redis-server not installed");
-        return;
-    }
-    let opts = RedisOptions { maxmemory: Some("24mb".into()), policy: "noeviction".into(), ..Default::default() };
-    let r1 = RedisServer::start(&opts).unwrap();
-    let r2 = RedisServer::start(&opts).unwrap();
-    let r3 = RedisServer::start(&opts).unwrap();
+    let Some(below) = TestTiers::start(3, "24mb", "tiers") else { return };
     let mut s = Setup::new("tiers");
-    let disk_dir = std::env::temp_dir().join(format!("tmem-test-disk-{}", std::process::id()));
-    std::fs::create_dir_all(&disk_dir).unwrap();
-    let remote = format!("remote={},{},{}", r1.url(), r2.url(), r3.url());
-    let disk = format!("disk={}", disk_dir.display());
-    let up = s.swap_up_with("32M", &["--tier", &remote, "--tier", &disk, "--replicas", "2"]);
+    let up = s.swap_up_with("32M", &below.args());
     assert!(up.contains("pool -> remote -> disk"), "{up}");
     let out = s.run_hog(512, 192);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -511,7 +538,6 @@ fn pool_spills_to_remote_ram_and_disk() {
     assert!(writes("disk") > 1000, "a full remote spilled to disk: {tiers:?}");
     s.swap_down();
     assert_clean(&s);
-    let _ = std::fs::remove_dir_all(&disk_dir);
 }
 
 /// pool → a Redis Cluster (3 masters, a replica each, R = 2): a master is
@@ -785,22 +811,12 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
 /// fails.
 #[test]
 fn swap_restart_keeps_the_pages_in_its_tiers() {
-    use tmem_bench::redis::{redis_server_binary, RedisOptions, RedisServer};
     if !can_run() {
         return;
     }
-    if redis_server_binary().is_none() {
-        tmem_testkit::skip(tmem_testkit::Feature::Tools, "redis-server not installed");
-        return;
-    }
-    let opts = RedisOptions { maxmemory: Some("16mb".into()), policy: "noeviction".into(), ..Default::default() };
-    let (r1, r2) = (RedisServer::start(&opts).unwrap(), RedisServer::start(&opts).unwrap());
+    let Some(below) = TestTiers::start(2, "16mb", "restart") else { return };
     let mut s = Setup::new("restart-tiers");
-    let disk_dir = std::env::temp_dir().join(format!("tmem-test-restart-disk-{}", std::process::id()));
-    std::fs::create_dir_all(&disk_dir).unwrap();
-    let remote = format!("remote={},{}", r1.url(), r2.url());
-    let disk = format!("disk={}", disk_dir.display());
-    let up = s.swap_up_with("24M", &["--tier", &remote, "--tier", &disk, "--replicas", "2"]);
+    let up = s.swap_up_with("24M", &below.args());
     assert!(up.contains("pool -> remote -> disk"), "{up}");
     let stop = s.dir.join("stop-job");
     let mut job = s
@@ -854,7 +870,6 @@ fn swap_restart_keeps_the_pages_in_its_tiers() {
     assert_eq!(st[0]["failed_writes"].as_u64(), Some(0), "{}\n{}", st[0]["store"]["pools"][0], log());
     s.swap_down();
     assert_clean(&s);
-    let _ = std::fs::remove_dir_all(&disk_dir);
 }
 
 /// zswap's parameters now.
