@@ -154,8 +154,9 @@ pub struct SoakReport {
     pub died_jobs: u64,
     /// Jobs ended with a killed daemon (expected; counted apart).
     pub ended_with_daemon: u64,
-    /// Pages the recoveries after daemon kills reported lost (expected;
-    /// counted apart): slots still in use when the daemon died.
+    /// Pages the recoveries after daemon kills reported lost, at most
+    /// (expected; counted apart): the swap area's use when the daemon died,
+    /// slots that only the swap cache held included.
     pub lost_with_killed_daemons: u64,
     /// The longest one 1 MiB chunk took to read back in any job, ms.
     pub longest_stall_ms: f64,
@@ -553,12 +554,16 @@ fn kill_daemon(
     rig.up = false;
     rig.swap_up().context("swap up after the recovery")?;
     let recovered = down.lines().last().unwrap_or("").to_owned();
-    let lost = recovered.split_once(" pages were lost").and_then(|(a, _)| a.rsplit('(').next()?.parse::<u64>().ok());
-    report.lost_with_killed_daemons += lost.unwrap_or(0);
+    report.lost_with_killed_daemons += lost_in(&recovered).unwrap_or(0);
     Ok(format!(
         "SIGKILL of daemon pid {}; {ended} jobs ended with it; recovery: {recovered}; swap up again",
         pid.as_raw_nonzero()
     ))
+}
+
+/// N of a recovery's "... (at most N pages were lost with the dead daemon)".
+fn lost_in(line: &str) -> Option<u64> {
+    line.split_once(" pages were lost").and_then(|(a, _)| a.rsplit([' ', '(']).next()?.parse().ok())
 }
 
 /// `tmem bench soak`: runs it, prints the report, fails when it must.
@@ -607,6 +612,13 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_recovery_line_gives_the_pages_lost() {
+        assert_eq!(lost_in("tmem swap is down (at most 6 pages were lost with the dead daemon)"), Some(6));
+        assert_eq!(lost_in("tmem swap is down (12 pages were lost with the dead daemon)"), Some(12));
+        assert_eq!(lost_in("tmem swap is down"), None);
+    }
 
     #[test]
     fn event_intervals_parse() {

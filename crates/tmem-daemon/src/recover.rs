@@ -39,7 +39,8 @@ pub struct Leftovers {
 }
 
 impl Leftovers {
-    /// Pages the kernel had in its swap areas (lost with the daemon).
+    /// Pages the kernel had in its swap areas (lost with the daemon): at
+    /// most, as slots that only the swap cache holds count too.
     pub fn lost_pages(&self) -> u64 {
         self.swap_areas.iter().map(|a| a.used / 4096).sum()
     }

@@ -296,7 +296,9 @@ pub fn down(a: &DaemonArgs, what: &str) -> anyhow::Result<()> {
                 );
                 let r = recover::clean(&a.runtime_dir)?;
                 print_recovery(&r);
-                println!("tmem {what} is down ({} pages were lost with the dead daemon)", r.lost_pages);
+                // The swap areas' use when the daemon died: slots that only the
+                // swap cache held (of processes that have exited) count too.
+                println!("tmem {what} is down (at most {} pages were lost with the dead daemon)", r.lost_pages);
                 Ok(())
             }
             None => {
