@@ -70,6 +70,23 @@ pub struct SoakArgs {
     pub json: Option<PathBuf>,
 }
 
+impl SoakArgs {
+    /// One clear error for the first argument out of range.
+    fn check(&self) -> anyhow::Result<()> {
+        if !(self.minutes.is_finite() && self.minutes > 0.0 && self.minutes <= 7.0 * 24.0 * 60.0) {
+            return Err(anyhow!("--minutes {}: expected more than 0, at most a week", self.minutes));
+        }
+        for (name, v, max) in
+            [("--jobs", self.jobs, 64), ("--job-mib", self.job_mib, 1 << 16), ("--limit-mib", self.limit_mib, 1 << 16)]
+        {
+            if v == 0 || v > max {
+                return Err(anyhow!("{name} {v}: expected 1..={max}"));
+            }
+        }
+        Ok(())
+    }
+}
+
 fn parse_range(s: &str) -> Result<(u64, u64), String> {
     let bad = || format!("{s:?}: expected MIN..MAX seconds, 1 <= MIN <= MAX");
     let (a, b) = s.split_once("..").ok_or_else(bad)?;
@@ -346,6 +363,7 @@ impl Counts {
 /// Runs the soak; returns its report (whose [`SoakReport::failures`] say
 /// whether it passed).
 pub fn soak(args: &SoakArgs) -> anyhow::Result<SoakReport> {
+    args.check()?;
     if !rustix::process::geteuid().is_root() {
         return Err(anyhow!("tmem bench soak swaps: run it as root"));
     }
@@ -618,6 +636,32 @@ mod tests {
         assert_eq!(lost_in("tmem swap is down (at most 6 pages were lost with the dead daemon)"), Some(6));
         assert_eq!(lost_in("tmem swap is down (12 pages were lost with the dead daemon)"), Some(12));
         assert_eq!(lost_in("tmem swap is down"), None);
+    }
+
+    #[test]
+    fn arguments_out_of_range_are_one_clear_error() {
+        let ok = SoakArgs {
+            minutes: 1.0,
+            seed: 1,
+            jobs: 2,
+            job_mib: 96,
+            limit_mib: 48,
+            pool_limit: "16M".into(),
+            every: (5, 15),
+            job_life: (20, 60),
+            json: None,
+        };
+        ok.check().unwrap();
+        for (bad, name) in [
+            (SoakArgs { minutes: -1.0, ..ok.clone() }, "--minutes -1"),
+            (SoakArgs { minutes: f64::NAN, ..ok.clone() }, "--minutes NaN"),
+            (SoakArgs { jobs: 0, ..ok.clone() }, "--jobs 0"),
+            (SoakArgs { job_mib: 0, ..ok.clone() }, "--job-mib 0"),
+            (SoakArgs { limit_mib: 1 << 20, ..ok.clone() }, "--limit-mib 1048576"),
+        ] {
+            let e = bad.check().unwrap_err().to_string();
+            assert!(e.starts_with(name), "{e}");
+        }
     }
 
     #[test]
