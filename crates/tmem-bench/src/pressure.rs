@@ -32,7 +32,7 @@ pub(crate) mod workload;
 
 use anyhow::anyhow;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock};
@@ -200,6 +200,15 @@ pub(crate) fn cmd(program: &str, args: &[&str]) -> anyhow::Result<String> {
         return Err(anyhow!("{line} failed ({}): {msg}", out.status));
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// `EXE ARGS --runtime-dir DIR` (a `tmem` command for the daemon in DIR),
+/// run as [`cmd`] runs it.
+pub(crate) fn tmem_in(exe: &Path, dir: &Path, args: &[&str]) -> anyhow::Result<String> {
+    let dir = dir.to_string_lossy();
+    let mut all = args.to_vec();
+    all.extend(["--runtime-dir", &dir]);
+    cmd(&exe.to_string_lossy(), &all)
 }
 
 /// What a run needs.
@@ -1169,7 +1178,7 @@ fn print_report(
 }
 
 /// The figures of the ladder: a panel per figure, a line per backend, over the levels.
-fn plot(path: &std::path::Path, a: &PressureArgs, summary: &[report::Summary], names: &[&str]) -> anyhow::Result<()> {
+fn plot(path: &Path, a: &PressureArgs, summary: &[report::Summary], names: &[&str]) -> anyhow::Result<()> {
     use crate::plot::{Figure, Panel, Series};
     type Value = fn(&report::Summary) -> Option<f64>;
     let panel = |title: &str, y_label: &str, f: Value| {

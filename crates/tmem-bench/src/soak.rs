@@ -32,7 +32,7 @@ use tmem_ctl::Request;
 use tmem_sys::cgroup::{Layout, MemCgroup};
 
 use crate::pressure::workload::{kill_group, spawn_in_cgroups};
-use crate::pressure::{cmd, install_signal_handlers, interrupted};
+use crate::pressure::{install_signal_handlers, interrupted, tmem_in};
 use crate::redis::{redis_server_binary, RedisOptions, RedisServer};
 
 /// The checksum job (Python).
@@ -229,10 +229,7 @@ struct Rig {
 
 impl Rig {
     fn tmem(&self, args: &[&str]) -> anyhow::Result<String> {
-        let dir = self.dir.to_string_lossy();
-        let mut all = args.to_vec();
-        all.extend(["--runtime-dir", &dir]);
-        cmd(&self.exe.to_string_lossy(), &all)
+        tmem_in(&self.exe, &self.dir, args)
     }
 
     fn swap_up(&mut self) -> anyhow::Result<()> {

@@ -856,12 +856,9 @@ impl Tmem {
     }
 
     fn tmem(&self, args: &[&str]) -> anyhow::Result<String> {
-        let dir = self.dir.to_string_lossy();
-        let mut all: Vec<&str> = args.to_vec();
-        all.extend(["--runtime-dir", &dir]);
         // Resolved every time: the binary may be rebuilt while the bench runs.
         let exe = current_exe().unwrap_or_else(|_| self.exe.clone());
-        cmd(&exe.to_string_lossy(), &all)
+        crate::pressure::tmem_in(&exe, &self.dir, args)
     }
 
     fn activate(&mut self) -> anyhow::Result<()> {
