@@ -357,6 +357,20 @@ impl Counts {
     }
 }
 
+/// The health of the first tier of a `tmem stat` answer that is not
+/// healthy (a node down, or pages short of copies while re-replication
+/// runs), if any.
+fn unhealthy_tier(st: &serde_json::Value) -> Option<String> {
+    let devices = st.as_array().map(Vec::as_slice).unwrap_or_default();
+    devices
+        .iter()
+        .filter_map(|d| d.pointer("/store/tiers")?.as_array())
+        .flatten()
+        .filter_map(|t| t.get("health")?.as_str())
+        .find(|h| *h != "healthy")
+        .map(str::to_owned)
+}
+
 /// Runs the soak; returns its report (whose [`SoakReport::failures`] say
 /// whether it passed).
 pub fn soak(args: &SoakArgs) -> anyhow::Result<SoakReport> {
@@ -467,12 +481,18 @@ pub fn soak(args: &SoakArgs) -> anyhow::Result<SoakReport> {
                     }
                     Err(e) => (format!("{e:#}"), false),
                 },
-                EventKind::NodeKill if node_back.is_none() => {
-                    let i = usize::try_from(rng.next_u64() % rig.nodes.len() as u64)?;
-                    rig.nodes[i].kill();
-                    node_back = Some((Instant::now() + Duration::from_secs(draw(&mut rng, 2, 6)), i));
-                    (format!("SIGKILL of Redis node {i}"), true)
-                }
+                // One failure at a time, as R = 2 is built for: a node is
+                // killed only once every page has both its copies again.
+                EventKind::NodeKill if node_back.is_none() => match rig.stat().as_ref().map(unhealthy_tier) {
+                    Some(None) => {
+                        let i = usize::try_from(rng.next_u64() % rig.nodes.len() as u64)?;
+                        rig.nodes[i].kill();
+                        node_back = Some((Instant::now() + Duration::from_secs(draw(&mut rng, 2, 6)), i));
+                        (format!("SIGKILL of Redis node {i}"), true)
+                    }
+                    Some(Some(why)) => (format!("a tier is not healthy yet ({why}): skipped"), true),
+                    None => ("no answer to stat: skipped".into(), true),
+                },
                 EventKind::NodeKill | EventKind::NodeBack => ("a node is down already: skipped".into(), true),
                 EventKind::Set => {
                     let limits = ["12M", "24M", args.pool_limit.as_str()];

@@ -516,7 +516,7 @@ impl CacheDevice {
         let r = std::sync::atomic::Ordering::Relaxed;
         let b = &self.back;
         let mut stats = self.io.snapshot(&self.name, self.size, self.store.stats());
-        stats.backing = Some(BackingStats {
+        let mut backing = BackingStats {
             path: self.backing.clone(),
             pool: self.pool.id(),
             direct: self.direct,
@@ -529,8 +529,18 @@ impl CacheDevice {
             backing_discards: b.discards.load(r),
             backing_errors: b.errors.load(r),
             fills_refused: b.fills_refused.load(r),
-        });
+        };
+        if let Some(before) = self.io.carried.get().and_then(|c| c.backing.as_ref()) {
+            tmem_counters::Counters::add_counters(&mut backing, before);
+        }
+        stats.backing = Some(backing);
         stats
+    }
+
+    /// Counts on from the device's counters in a predecessor process, as
+    /// [`crate::PoolDevice::carry_on`] does.
+    pub fn carry_on(&self, counters: &DeviceStats) {
+        self.io.carry_on(counters);
     }
 }
 

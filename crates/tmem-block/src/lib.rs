@@ -280,11 +280,31 @@ struct IoCounters {
     stale_pages_kept: AtomicU64,
     /// Times the device's idle swap area was emptied ([`PoolDevice::count_area_emptied`]).
     swap_areas_emptied: AtomicU64,
+    /// A predecessor's counters, carried on after a restart ([`IoCounters::carry_on`]).
+    carried: std::sync::OnceLock<DeviceStats>,
 }
 
 impl IoCounters {
+    /// Counts on from a predecessor's `counters` of the same device (a
+    /// restart): its events are added to every snapshot. Its gauges are
+    /// not (they are this device's own). Only the first call counts.
+    fn carry_on(&self, counters: &DeviceStats) {
+        // Only the counter fields are added (not `store`, which travels with
+        // the store, nor `front`, which travels with the front).
+        let events = DeviceStats { disksize: 0, front: None, ..counters.clone() };
+        let _ = self.carried.set(events);
+    }
+
     /// The device's counters with its store's; no backing store.
     fn snapshot(&self, name: &str, size: u64, store: Stats) -> DeviceStats {
+        let mut s = self.counted(name, size, store);
+        if let Some(before) = self.carried.get() {
+            tmem_counters::Counters::add_counters(&mut s, before);
+        }
+        s
+    }
+
+    fn counted(&self, name: &str, size: u64, store: Stats) -> DeviceStats {
         let r = Ordering::Relaxed;
         DeviceStats {
             name: name.to_owned(),
@@ -597,6 +617,13 @@ impl PoolDevice {
     /// Counters of the device and its store.
     pub fn stats(&self) -> DeviceStats {
         self.io.snapshot(&self.name, self.size, self.store.stats())
+    }
+
+    /// Counts on from the device's counters in a predecessor process
+    /// (`counters`, its [`PoolDevice::stats`] when it handed over), so that
+    /// a restart resets none of them. Only the first call counts.
+    pub fn carry_on(&self, counters: &DeviceStats) {
+        self.io.carry_on(counters);
     }
 }
 

@@ -325,3 +325,27 @@ fn trims_across_groups_leave_tombstones_rewrites_and_nothing_at_the_end() {
     let st = dev.stats().store;
     assert_eq!((st.total.stored_pages, st.total.groups, st.alloc.objects, st.mem_used_total), (0, 0, 0, 0));
 }
+
+/// A restart's successor counts on from its predecessor's I/O counters; its
+/// size and its store's counters are its own.
+#[test]
+fn a_successor_counts_on_from_the_carried_counters() {
+    let before = device(PolicyConfig::default());
+    let page = [7u8; PAGE as usize];
+    let mut out = [0u8; PAGE as usize];
+    before.write_at(&page, 0).unwrap();
+    before.read_at(&mut out, 0).unwrap();
+    assert!(before.read_at(&mut out, SIZE).is_err(), "outside the device");
+    let carried = before.stats();
+    assert_eq!((carried.read_ios, carried.write_ios, carried.invalid_io), (1, 1, 1));
+
+    let after = device(PolicyConfig::default());
+    after.carry_on(&carried);
+    after.carry_on(&carried); // only the first call counts
+    after.read_at(&mut out, 0).unwrap();
+    let s = after.stats();
+    assert_eq!((s.read_ios, s.write_ios, s.invalid_io), (2, 1, 1));
+    assert_eq!(s.read_bytes, carried.read_bytes + PAGE);
+    assert_eq!(s.disksize, SIZE, "a gauge is not added");
+    assert_eq!(s.store.total.stored_pages, 0, "the store's counters are its own");
+}

@@ -138,6 +138,10 @@ struct Offer {
     /// before the memfds.
     #[serde(default)]
     tiers: Vec<Vec<HandedTier>>,
+    /// Each device's, then each cache's, counters when it paused: the
+    /// successor counts on from them ([`PoolDevice::carry_on`]).
+    #[serde(default)]
+    counters: Vec<tmem_block::DeviceStats>,
 }
 
 /// One tier's part of the offer ([`tmem_tier::Tier::hand_over`]).
@@ -459,7 +463,9 @@ impl Daemon {
                 .collect()
             })
             .collect();
-        let offer = Offer { spec: self.spec.clone(), status: self.status(), nbd_sessions, images, supervisor, tiers };
+        let counters = self.devices.iter().map(|d| d.stats()).chain(self.caches.iter().map(|c| c.stats())).collect();
+        let offer =
+            Offer { spec: self.spec.clone(), status: self.status(), nbd_sessions, images, supervisor, tiers, counters };
         send(w, OFFER, &serde_json::to_vec(&offer).map_err(err)?)?;
         let handed: Vec<&tmem_tier::TierHandover> = handed.iter().flatten().flat_map(|(_, ts)| ts).collect();
         for t in &handed {
@@ -661,7 +667,7 @@ fn take(
     protected: Vec<String>,
     role: Successor,
 ) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>, PendingNbd, TakeReport), DaemonError> {
-    let Offer { spec, status: old, nbd_sessions, images, supervisor, tiers } = offer;
+    let Offer { spec, status: old, nbd_sessions, images, supervisor, tiers, counters } = offer;
     let supervisor = match role {
         Successor::InService => Supervisor::inherit(Supervisor::from_env(), supervisor),
         Successor::OutsideService => Supervisor::default(),
@@ -756,6 +762,14 @@ fn take(
             }
         };
         caches.push(Arc::new(c.device_config(tmem_core::StoreConfig::default()).adopt(store, pool).map_err(err)?));
+    }
+    // An older predecessor sends no counters: these start at 0 then.
+    let mut counters = counters.iter();
+    for d in &devices {
+        counters.next().inspect(|c| d.carry_on(c));
+    }
+    for c in &caches {
+        counters.next().inspect(|before| c.carry_on(before));
     }
     if !images {
         send(w, READY, &[])?;

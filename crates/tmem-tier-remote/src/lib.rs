@@ -661,7 +661,8 @@ impl Tier for RemoteTier {
 
     /// `Down` when no server is reachable; `Degraded` when some server is down
     /// (with R = 1 its pages are unavailable until it returns, and then lost),
-    /// when fewer servers are live than R, or when pages were lost.
+    /// when fewer servers are live than R, when pages were lost, or while
+    /// pages have fewer copies than they should (a scan of the index).
     fn health(&self) -> Health {
         let i = &self.inner;
         let down: Vec<&str> = i.nodes.iter().filter(|n| !n.is_up()).map(|n| n.name.as_str()).collect();
@@ -679,6 +680,11 @@ impl Tier for RemoteTier {
         }
         if lost > 0 {
             why.push(format!("{lost} pages lost with their only servers"));
+        }
+        // One more failure would lose these: say so until re-replication ends.
+        let under = i.under_replicated();
+        if under > 0 {
+            why.push(format!("{under} pages with fewer copies than they should have"));
         }
         if why.is_empty() {
             Health::Healthy

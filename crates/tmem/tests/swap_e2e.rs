@@ -763,6 +763,7 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
     }
     let mut pid = s.daemon_pid();
     let mut before = s.stat()[0]["store"]["total"].clone();
+    let mut device_before = s.stat()[0].clone();
     // A successor that speaks another protocol is refused; the daemon goes on.
     let (ok, out) = tmem_env(&["swap", "restart", "--runtime-dir", s.dir()], &[("TMEM_FAULT_HANDOVER_PROTOCOL", "99")]);
     assert!(!ok && out.contains("refused") && out.contains("protocol 99"), "{out}");
@@ -787,9 +788,16 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
         for c in ["succ_puts", "succ_gets", "compressions", "decompressions"] {
             assert!(after[c].as_u64() >= before[c].as_u64(), "restart {round}: {c} went back: {before} -> {after}");
         }
+        // The device's I/O counters carry on too.
+        let device = s.stat()[0].clone();
+        for c in ["read_ios", "write_ios", "read_bytes", "write_bytes"] {
+            let (was, is) = (device_before[c].as_u64().unwrap(), device[c].as_u64().unwrap());
+            assert!(is >= was && (was > 0 || c.starts_with("read")), "restart {round}: {c} went back: {was} -> {is}");
+        }
         assert!(job.try_wait().unwrap().is_none(), "restart {round}: the job died");
         std::thread::sleep(std::time::Duration::from_secs(2));
         before = s.stat()[0]["store"]["total"].clone();
+        device_before = s.stat()[0].clone();
     }
     std::fs::write(&stop, b"").unwrap();
     let status = tmem_testkit::wait_timeout(&mut job, std::time::Duration::from_secs(300)).expect("the job ends");
