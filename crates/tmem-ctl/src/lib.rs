@@ -131,6 +131,12 @@ pub struct Status {
     /// FUSE requests served over io_uring so far.
     #[serde(default)]
     pub fuse_uring_requests: u64,
+    /// Times a `/dev/fuse` worker polled the empty queue before sleeping.
+    #[serde(default)]
+    pub fuse_polls: u64,
+    /// Of those, the polls that found a request.
+    #[serde(default)]
+    pub fuse_poll_hits: u64,
     /// Pages the devices' stores hold (their `stored_pages`) when this was taken.
     #[serde(default)]
     pub stored_pages: u64,

@@ -508,6 +508,7 @@ impl Daemon {
         if let Some(f) = &g.fuse {
             status.fuse_transport = Some(f.transport().to_string());
             status.fuse_uring_requests = f.uring_requests();
+            (status.fuse_polls, status.fuse_poll_hits) = f.polls();
         }
         status.stored_pages = stored;
         status.taken_unix =
@@ -874,12 +875,16 @@ impl Daemon {
         if let Some(f) = fuse {
             let at = f.mountpoint().to_owned();
             let over_uring = f.uring_requests();
+            let (polls, hits) = f.polls();
             f.unmount().map_err(|e| DaemonError::Teardown(e.to_string()))?;
+            let polled =
+                format!("its workers polled the empty queue {polls} times, and {hits} of those polls found a request");
             match over_uring {
-                0 => self.step(format!("FUSE unmounted from {}", at.display())),
-                n => {
-                    self.step(format!("FUSE unmounted from {} ({n} requests were served over io_uring)", at.display()))
-                }
+                0 => self.step(format!("FUSE unmounted from {} ({polled})", at.display())),
+                n => self.step(format!(
+                    "FUSE unmounted from {} ({n} requests were served over io_uring; {polled})",
+                    at.display()
+                )),
             }
             let _ = std::fs::remove_dir(&at);
         }

@@ -374,6 +374,12 @@ impl FuseMount {
         self.uring.as_ref().map_or(0, uring::UringWorkers::served)
     }
 
+    /// `/dev/fuse` workers' polls of an empty queue so far, and those that
+    /// found a request before the worker would have slept ([`devloop`]).
+    pub fn polls(&self) -> (u64, u64) {
+        self.workers.as_ref().map_or((0, 0), devloop::DevWorkers::polls)
+    }
+
     /// Mount point.
     pub fn mountpoint(&self) -> &Path {
         &self.mountpoint
