@@ -30,8 +30,9 @@
 //! poll and 36-56 µs with it (docs/PRESSURE.md). The poll adapts as the
 //! guest kernel's haltpoll governor does ([`PollWindow`]); one worker polls
 //! at a time, so an idle daemon never spins, and it yields the CPU at each
-//! turn, so that it takes only time that would otherwise be idle (the
-//! ladder's CPU per swapped page did not grow).
+//! turn to whatever else is runnable there (the ladder's CPU per swapped
+//! page did not grow; a job that faults one page at a time sees the
+//! machine busier, with time its vCPUs would have spent halted).
 //!
 //! Requests are read into one buffer per worker, allocated when it starts:
 //! `fuse_in_header`, the operation's header, then its data; the answer is
@@ -332,8 +333,7 @@ impl Worker {
                 if start.elapsed() >= self.poll.0 {
                     break false;
                 }
-                // Whatever else this CPU has to run goes first: the poll
-                // takes only time that would otherwise be idle.
+                // Whatever else is runnable on this CPU goes first.
                 rustix::thread::sched_yield();
             };
             ctl.polls.fetch_add(1, Ordering::Relaxed);
