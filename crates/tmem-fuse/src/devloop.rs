@@ -26,7 +26,7 @@
 //! for its request's wake-up of a sleeping worker, and on a virtual machine
 //! whose guest does not halt-poll (`guest_halt_poll_ns` 0) a sleeping vCPU
 //! halts, so that wake-up is a trip through the host: `tmem bench fault`
-//! measured fuse-ram's random swap-in at 207-387 µs at p50 without the
+//! measured fuse-ram's random swap-in at 123-387 µs at p50 without the
 //! poll and 36-56 µs with it (docs/PRESSURE.md). The poll adapts as the
 //! guest kernel's haltpoll governor does ([`PollWindow`]); one worker polls
 //! at a time, so an idle daemon never spins, and it yields the CPU at each
@@ -336,12 +336,10 @@ impl Worker {
                 // Whatever else is runnable on this CPU goes first.
                 rustix::thread::sched_yield();
             };
+            ctl.polling.store(false, Ordering::Release);
             ctl.polls.fetch_add(1, Ordering::Relaxed);
             if found {
                 ctl.poll_hits.fetch_add(1, Ordering::Relaxed);
-            }
-            ctl.polling.store(false, Ordering::Release);
-            if found {
                 return;
             }
         }

@@ -762,8 +762,7 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
     let mut pid = s.daemon_pid();
-    let mut before = s.stat()[0]["store"]["total"].clone();
-    let mut device_before = s.stat()[0].clone();
+    let mut before = s.stat()[0].clone();
     // A successor that speaks another protocol is refused; the daemon goes on.
     let (ok, out) = tmem_env(&["swap", "restart", "--runtime-dir", s.dir()], &[("TMEM_FAULT_HANDOVER_PROTOCOL", "99")]);
     assert!(!ok && out.contains("refused") && out.contains("protocol 99"), "{out}");
@@ -784,20 +783,22 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
         let locked = locked_bytes(pid);
         println!("restart {round}: pool spans {} KiB, locked in the new process {} KiB", span >> 10, locked >> 10);
         assert!(locked >= span * 9 / 10, "restart {round}: {} KiB of {} KiB locked", locked >> 10, span >> 10);
-        let after = s.stat()[0]["store"]["total"].clone();
+        let after = s.stat()[0].clone();
+        let (store_before, store_after) = (&before["store"]["total"], &after["store"]["total"]);
         for c in ["succ_puts", "succ_gets", "compressions", "decompressions"] {
-            assert!(after[c].as_u64() >= before[c].as_u64(), "restart {round}: {c} went back: {before} -> {after}");
+            assert!(
+                store_after[c].as_u64() >= store_before[c].as_u64(),
+                "restart {round}: {c} went back: {store_before} -> {store_after}"
+            );
         }
         // The device's I/O counters carry on too.
-        let device = s.stat()[0].clone();
         for c in ["read_ios", "write_ios", "read_bytes", "write_bytes"] {
-            let (was, is) = (device_before[c].as_u64().unwrap(), device[c].as_u64().unwrap());
+            let (was, is) = (before[c].as_u64().unwrap(), after[c].as_u64().unwrap());
             assert!(is >= was && (was > 0 || c.starts_with("read")), "restart {round}: {c} went back: {was} -> {is}");
         }
         assert!(job.try_wait().unwrap().is_none(), "restart {round}: the job died");
         std::thread::sleep(std::time::Duration::from_secs(2));
-        before = s.stat()[0]["store"]["total"].clone();
-        device_before = s.stat()[0].clone();
+        before = s.stat()[0].clone();
     }
     std::fs::write(&stop, b"").unwrap();
     let status = tmem_testkit::wait_timeout(&mut job, std::time::Duration::from_secs(300)).expect("the job ends");
