@@ -37,6 +37,16 @@ pub enum Rank {
     NbdBudget,
     /// `tmem_nbd` server: the pause switch of a hand-over and its parked sessions.
     NbdPark,
+    /// `tmem run`: the list of managed processes.
+    RunProcesses,
+    /// `tmem run`: one process's agent channel, held across a whole
+    /// eviction batch (move, read, store, drop) or a release.
+    RunAgentChannel,
+    /// `tmem run`: the ranges of one process registered at its last scan.
+    RunRanges,
+    /// `tmem run`: one process's engine (where each of its pages is), held
+    /// across the store calls that serve or evict its pages.
+    RunEngine,
     /// `Shared::compaction`: one compaction at a time.
     StoreCompaction,
     /// `TierPutLocks::writeback`: one writeback pass per shard. Above the
@@ -98,6 +108,12 @@ pub enum Rank {
     FrontStats,
     /// Nonce audit of sealing (test builds only).
     SealAudit,
+    /// `tmem run`: the evictor's wake-up flag (a leaf).
+    RunEvictWanted,
+    /// `tmem run`: the first agent's hello (a leaf).
+    RunHello,
+    /// `tmem run`: counters of ended processes (a leaf).
+    RunDoneStats,
 }
 
 impl Rank {

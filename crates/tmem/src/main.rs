@@ -2,6 +2,7 @@
 
 mod corpuscmd;
 mod restartcmd;
+mod runcmd;
 mod swapcmd;
 
 use std::process::ExitCode;
@@ -60,6 +61,9 @@ enum Command {
         #[arg(required = true)]
         assignments: Vec<String>,
     },
+    /// Runs a program with at most --memory of its anonymous memory resident and the rest
+    /// compressed, through userfaultfd: no root, no swap (see the README for the one-time setup).
+    Run(runcmd::RunArgs),
     /// Serves devices without touching local swap.
     Serve {
         #[command(subcommand)]
@@ -159,6 +163,12 @@ fn main() -> ExitCode {
     }
     let up_matches =
         matches.subcommand_matches("swap").and_then(|m| m.subcommand_matches("up")).cloned().unwrap_or_default();
+    if let Command::Run(a) = &cli.command {
+        return runcmd::run(a).unwrap_or_else(|e| {
+            eprintln!("tmem: {e}");
+            ExitCode::FAILURE
+        });
+    }
     let result: anyhow::Result<()> = match cli.command {
         Command::Bench { what: BenchCommand::Store(args) } => tmem_bench::store::run_store(&args),
         Command::Bench { what: BenchCommand::Tier(args) } => tmem_bench::tier::run(&args),
@@ -188,6 +198,7 @@ fn main() -> ExitCode {
             tmem_daemon::handover::run_successor(dir, role).map_err(Into::into)
         }
         Command::Daemon { .. } => unreachable!("clap requires --spec or --takeover"),
+        Command::Run(_) => unreachable!("handled above"),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

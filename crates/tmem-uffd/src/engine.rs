@@ -1,0 +1,406 @@
+//! The eviction and fault engine of one managed process: where each page
+//! of its registered memory is, and the steps that move it, written against
+//! two traits so that the same code runs on a real process ([`Mem`] over a
+//! userfaultfd) and on the model in the tests.
+//!
+//! A page is in one of three places, and a write can never be lost between
+//! them:
+//! - **resident**: mapped in the program; on the CLOCK ring.
+//! - **in flight**: moved out of the program by `UFFDIO_MOVE` into a slot of
+//!   the staging area (in the program, owned by the agent), not yet stored.
+//!   The move is atomic: a write after it faults, and the fault puts the
+//!   page straight back from its slot.
+//! - **stored**: compressed in the store under a key of this engine.
+//!
+//! Pages the engine has never seen are the kernel's zeros. The program's
+//! own `munmap`, `madvise(MADV_DONTNEED)` and `mremap` arrive as events;
+//! [`Engine::forget`] and [`Engine::remap`] drop or move what they concern,
+//! so that a later fault gets zeros exactly where the kernel would give them.
+//!
+//! Eviction uses a CLOCK hand over the resident pages. A page is referenced
+//! when it is faulted in (userspace sees no accessed bits), so a page that
+//! came back recently survives one pass of the hand.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use crate::sys::{Outcome, PAGE};
+
+/// A page number: an address divided by the page size.
+pub type Pn = u64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Page {
+    Resident { referenced: bool },
+    /// Mapped but not movable (shared with a `fork` child, pinned): not
+    /// counted as resident until a scan finds it exclusive again.
+    Pinned,
+    InFlight { slot: u32 },
+    Stored { key: u64 },
+}
+
+/// What serving a fault takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultPlan {
+    /// Never seen (or dropped by the program): a page of zeros.
+    Zero,
+    /// Decompress this key from the store.
+    FromStore(u64),
+    /// Move the page back from this staging slot.
+    FromSlot(u32),
+    /// Already mapped: another fault on the same page was served first.
+    Present,
+}
+
+/// The program's memory, as the engine acts on it.
+pub trait Mem {
+    /// Maps a copy of `page` at `pn` and wakes its waiters.
+    fn fill(&self, pn: Pn, page: &[u8; PAGE]) -> Outcome;
+    /// Moves page `pages[i]` into staging slot `i`, for each `i`, and says
+    /// how each went in `out[i]`.
+    fn move_out(&self, pages: &[Pn], out: &mut [Outcome]);
+    /// Puts the page in staging slot `slot` back at `pn` and wakes its waiters.
+    fn move_back(&self, slot: u32, pn: Pn) -> Outcome;
+    /// Wakes threads waiting at `pn` (its page is already there).
+    fn wake(&self, pn: Pn);
+}
+
+/// The store under the engine. A `get` that misses is a lost page.
+pub trait Backing {
+    /// Stores `page` under `key`; false when the store refused it (full).
+    fn put(&self, key: u64, page: &[u8; PAGE]) -> bool;
+    /// Reads the page under `key`; false when it is not there.
+    fn get(&self, key: u64, out: &mut [u8; PAGE]) -> bool;
+    fn remove(&self, key: u64);
+}
+
+/// What serving one fault came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Served {
+    /// Mapped (or the page had already come back).
+    Done,
+    /// The memory map is changing: read the pending events, then retry.
+    Retry,
+    /// The address is no longer mapped: an unmap event is on its way.
+    Gone,
+    /// The store did not have a page it holds for this address.
+    Lost,
+}
+
+/// Counters of one engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Faults served with a page of zeros (first touches).
+    pub zero_fills: u64,
+    /// Faults served from the store.
+    pub store_fills: u64,
+    /// Faults that moved an in-flight page straight back.
+    pub slot_returns: u64,
+    /// Pages stored by eviction.
+    pub evicted: u64,
+    /// Moves refused because the page was busy (shared after `fork`, pinned).
+    pub move_busy: u64,
+    /// Pages the store refused; they went back to the program.
+    pub put_refused: u64,
+    /// Pages dropped by the program's `munmap` / `madvise` while away.
+    pub dropped_away: u64,
+    /// Present pages found by a scan that the engine had not mapped.
+    pub adopted: u64,
+}
+
+/// Where every page of one process is.
+#[derive(Debug)]
+pub struct Engine {
+    pages: BTreeMap<Pn, Page>,
+    /// CLOCK ring of resident pages; entries whose page left are skipped.
+    clock: VecDeque<Pn>,
+    /// Staging slot → the page in it, `None` once it came back or was dropped.
+    slots: Vec<Option<Pn>>,
+    resident: u64,
+    stored: u64,
+    next_key: u64,
+    paused: bool,
+    stats: EngineStats,
+}
+
+impl Engine {
+    /// An engine with `slots` staging slots.
+    #[must_use]
+    pub fn new(slots: u32) -> Self {
+        Self {
+            pages: BTreeMap::new(),
+            clock: VecDeque::new(),
+            slots: vec![None; slots as usize],
+            resident: 0,
+            stored: 0,
+            next_key: 0,
+            paused: false,
+            stats: EngineStats::default(),
+        }
+    }
+
+    #[must_use]
+    pub fn resident(&self) -> u64 {
+        self.resident
+    }
+
+    #[must_use]
+    pub fn stored(&self) -> u64 {
+        self.stored
+    }
+
+    #[must_use]
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// Stops or restarts eviction (around a `fork`).
+    pub fn set_paused(&mut self, paused: bool) {
+        self.paused = paused;
+    }
+
+    #[must_use]
+    pub fn plan(&self, pn: Pn) -> FaultPlan {
+        match self.pages.get(&pn) {
+            None => FaultPlan::Zero,
+            Some(Page::Resident { .. } | Page::Pinned) => FaultPlan::Present,
+            Some(Page::InFlight { slot }) => FaultPlan::FromSlot(*slot),
+            Some(Page::Stored { key }) => FaultPlan::FromStore(*key),
+        }
+    }
+
+    /// Serves a fault at `pn`; `buf` is the caller's page buffer.
+    pub fn serve(&mut self, mem: &impl Mem, backing: &impl Backing, pn: Pn, buf: &mut [u8; PAGE]) -> Served {
+        let plan = self.plan(pn);
+        let outcome = match plan {
+            FaultPlan::Present => {
+                mem.wake(pn);
+                return Served::Done;
+            }
+            FaultPlan::Zero => {
+                buf.fill(0);
+                mem.fill(pn, buf)
+            }
+            FaultPlan::FromStore(key) => {
+                if !backing.get(key, buf) {
+                    return Served::Lost;
+                }
+                mem.fill(pn, buf)
+            }
+            FaultPlan::FromSlot(slot) => mem.move_back(slot, pn),
+        };
+        match outcome {
+            Outcome::Done => {
+                match plan {
+                    FaultPlan::Zero => self.stats.zero_fills += 1,
+                    FaultPlan::FromStore(key) => {
+                        backing.remove(key);
+                        self.stored -= 1;
+                        self.stats.store_fills += 1;
+                    }
+                    FaultPlan::FromSlot(slot) => {
+                        self.slots[slot as usize] = None;
+                        self.stats.slot_returns += 1;
+                    }
+                    FaultPlan::Present => {}
+                }
+                self.make_resident(pn, true);
+                Served::Done
+            }
+            Outcome::Retry => Served::Retry,
+            Outcome::Gone | Outcome::Busy => Served::Gone,
+        }
+    }
+
+    fn make_resident(&mut self, pn: Pn, referenced: bool) {
+        self.pages.insert(pn, Page::Resident { referenced });
+        self.resident += 1;
+        self.clock.push_back(pn);
+    }
+
+    /// Takes in a page that a scan found present and mapped only here (a
+    /// pinned page found so becomes movable again); false if the engine knew it.
+    pub fn adopt(&mut self, pn: Pn) -> bool {
+        match self.pages.get(&pn) {
+            Some(Page::Pinned) => {}
+            Some(_) => return false,
+            None => self.stats.adopted += 1,
+        }
+        self.make_resident(pn, false);
+        true
+    }
+
+    /// Drops every page in `[start, end)`: the program unmapped it or
+    /// dropped its contents. Stored keys are removed from `backing`;
+    /// in-flight pages are cancelled (their batch skips them).
+    pub fn forget(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
+        let gone: Vec<(Pn, Page)> = self.pages.range(start..end).map(|(p, s)| (*p, *s)).collect();
+        for (pn, state) in gone {
+            self.pages.remove(&pn);
+            match state {
+                Page::Resident { .. } => self.resident -= 1,
+                Page::Pinned => {}
+                Page::InFlight { slot } => {
+                    self.slots[slot as usize] = None;
+                    self.stats.dropped_away += 1;
+                }
+                Page::Stored { key } => {
+                    backing.remove(key);
+                    self.stored -= 1;
+                    self.stats.dropped_away += 1;
+                }
+            }
+        }
+    }
+
+    /// `mremap` moved `n` pages from `from` to `to`: whatever was at the
+    /// destination is gone, and the pages keep their state at their new place.
+    pub fn remap(&mut self, backing: &impl Backing, from: Pn, to: Pn, n: u64) {
+        let moved: Vec<(Pn, Page)> = self.pages.range(from..from + n).map(|(p, s)| (*p, *s)).collect();
+        for (pn, _) in &moved {
+            self.pages.remove(pn);
+        }
+        self.forget(backing, to, to + n);
+        for (pn, state) in moved {
+            let new = pn - from + to;
+            self.pages.insert(new, state);
+            match state {
+                Page::Resident { .. } => self.clock.push_back(new),
+                Page::InFlight { slot } => self.slots[slot as usize] = Some(new),
+                Page::Pinned | Page::Stored { .. } => {}
+            }
+        }
+    }
+
+    /// Up to `max` resident pages chosen by the CLOCK hand.
+    pub fn victims(&mut self, max: usize, out: &mut Vec<Pn>) {
+        out.clear();
+        if self.paused {
+            return;
+        }
+        if self.clock.len() > 2 * self.pages.len() + 1024 {
+            self.rebuild_clock();
+        }
+        let mut budget = 2 * self.clock.len();
+        while out.len() < max && budget > 0 {
+            budget -= 1;
+            let Some(pn) = self.clock.pop_front() else { break };
+            if let Some(Page::Resident { referenced }) = self.pages.get_mut(&pn) {
+                if *referenced {
+                    *referenced = false;
+                    self.clock.push_back(pn);
+                } else if !out.contains(&pn) {
+                    out.push(pn);
+                }
+            }
+        }
+    }
+
+    fn rebuild_clock(&mut self) {
+        self.clock = self.pages.iter().filter(|(_, s)| matches!(s, Page::Resident { .. })).map(|(p, _)| *p).collect();
+    }
+
+    /// Records how moving victim `pn` into `slot` went (the caller's batch owns the slot).
+    pub fn moved(&mut self, pn: Pn, slot: u32, outcome: Outcome) {
+        debug_assert!(matches!(self.pages.get(&pn), Some(Page::Resident { .. })), "victims are resident");
+        match outcome {
+            Outcome::Done => {
+                self.pages.insert(pn, Page::InFlight { slot });
+                self.resident -= 1;
+                self.slots[slot as usize] = Some(pn);
+            }
+            Outcome::Busy => {
+                self.stats.move_busy += 1;
+                self.pages.insert(pn, Page::Pinned);
+                self.resident -= 1;
+            }
+            Outcome::Retry | Outcome::Gone => self.clock.push_back(pn),
+        }
+    }
+
+    /// The page still waiting in `slot`, if it has not come back.
+    #[must_use]
+    pub fn in_slot(&self, slot: u32) -> Option<Pn> {
+        self.slots[slot as usize]
+    }
+
+    /// A new key for a page about to be stored.
+    pub fn new_key(&mut self) -> u64 {
+        self.next_key += 1;
+        self.next_key
+    }
+
+    /// Finishes slot `slot` whose page was stored under `key`; false if the
+    /// page left the slot meanwhile (the caller then removes `key`).
+    pub fn stored_slot(&mut self, slot: u32, key: u64) -> bool {
+        let Some(pn) = self.slots[slot as usize].take() else { return false };
+        self.pages.insert(pn, Page::Stored { key });
+        self.stored += 1;
+        self.stats.evicted += 1;
+        true
+    }
+
+    /// The store refused the page in `slot`: it goes back to the program.
+    pub fn refused_slot(&mut self, mem: &impl Mem, slot: u32) -> Outcome {
+        let Some(pn) = self.slots[slot as usize] else { return Outcome::Done };
+        let outcome = mem.move_back(slot, pn);
+        if outcome == Outcome::Done {
+            self.slots[slot as usize] = None;
+            self.stats.put_refused += 1;
+            self.make_resident(pn, true);
+        }
+        outcome
+    }
+
+    /// Every page that is away (stored or in flight): what a `fork` brings back.
+    #[must_use]
+    pub fn away(&self) -> Vec<Pn> {
+        self.pages.iter().filter(|(_, s)| matches!(s, Page::InFlight { .. } | Page::Stored { .. })).map(|(p, _)| *p).collect()
+    }
+
+    /// Every stored key (for dropping the whole process).
+    #[must_use]
+    pub fn keys(&self) -> Vec<u64> {
+        self.pages
+            .values()
+            .filter_map(|s| match s {
+                Page::Stored { key } => Some(*key),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// One eviction batch's bookkeeping: its slots and pages.
+#[derive(Debug, Default)]
+pub struct Batch {
+    pub victims: Vec<Pn>,
+    /// Slots filled by this batch, in order.
+    pub slots: Vec<u32>,
+}
+
+impl Batch {
+    /// Moves up to `max` victims out, victim `i` into slot `i`; returns how many moved.
+    pub fn move_out(&mut self, engine: &mut Engine, mem: &impl Mem, max: usize) -> usize {
+        let mut victims = std::mem::take(&mut self.victims);
+        engine.victims(max, &mut victims);
+        self.slots.clear();
+        let mut outcomes = [Outcome::Gone; 256];
+        let outcomes = &mut outcomes[..victims.len()];
+        if !victims.is_empty() {
+            mem.move_out(&victims, outcomes);
+        }
+        for (i, (&pn, &outcome)) in victims.iter().zip(outcomes.iter()).enumerate() {
+            #[allow(clippy::cast_possible_truncation)]
+            let slot = i as u32;
+            engine.moved(pn, slot, outcome);
+            if outcome == Outcome::Done {
+                self.slots.push(slot);
+            }
+        }
+        self.victims = victims;
+        self.slots.len()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,368 @@
+//! The engine against a model of memory: a simulated page table and staging
+//! area that act as the kernel's ioctls do, random program operations
+//! interleaved with the phases of eviction batches, and the oracle: every
+//! read returns the last value written, or zero after `munmap`, `madvise`
+//! or never writing.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeSet, HashMap};
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn value(page: &[u8; PAGE]) -> u64 {
+    u64::from_ne_bytes(page[..8].try_into().unwrap())
+}
+
+fn page_of(v: u64) -> [u8; PAGE] {
+    let mut p = [0u8; PAGE];
+    p[..8].copy_from_slice(&v.to_ne_bytes());
+    p
+}
+
+/// The kernel side: mapped page numbers, present pages (their value), the
+/// staging slots, and an injected "memory map is changing" state.
+#[derive(Default)]
+struct Sim {
+    mapped: RefCell<BTreeSet<Pn>>,
+    ptes: RefCell<HashMap<Pn, u64>>,
+    staging: RefCell<HashMap<u32, u64>>,
+    changing: Cell<bool>,
+}
+
+impl Sim {
+    fn move_one(&self, pn: Pn, slot: u32) -> Outcome {
+        if self.changing.get() {
+            return Outcome::Retry;
+        }
+        if self.staging.borrow().contains_key(&slot) {
+            return Outcome::Gone;
+        }
+        let Some(v) = self.ptes.borrow_mut().remove(&pn) else { return Outcome::Gone };
+        self.staging.borrow_mut().insert(slot, v);
+        Outcome::Done
+    }
+}
+
+impl Mem for Sim {
+    fn fill(&self, pn: Pn, page: &[u8; PAGE]) -> Outcome {
+        if self.changing.get() {
+            return Outcome::Retry;
+        }
+        if !self.mapped.borrow().contains(&pn) || self.ptes.borrow().contains_key(&pn) {
+            return Outcome::Gone;
+        }
+        self.ptes.borrow_mut().insert(pn, value(page));
+        Outcome::Done
+    }
+
+    fn move_out(&self, pages: &[Pn], out: &mut [Outcome]) {
+        for (i, &pn) in pages.iter().enumerate() {
+            #[allow(clippy::cast_possible_truncation)]
+            let slot = i as u32;
+            out[i] = self.move_one(pn, slot);
+        }
+    }
+
+    fn move_back(&self, slot: u32, pn: Pn) -> Outcome {
+        if self.changing.get() {
+            return Outcome::Retry;
+        }
+        if !self.mapped.borrow().contains(&pn) || self.ptes.borrow().contains_key(&pn) {
+            return Outcome::Gone;
+        }
+        let Some(v) = self.staging.borrow_mut().remove(&slot) else { return Outcome::Gone };
+        self.ptes.borrow_mut().insert(pn, v);
+        Outcome::Done
+    }
+
+    fn wake(&self, _pn: Pn) {}
+}
+
+#[derive(Default)]
+struct Store {
+    pages: RefCell<HashMap<u64, u64>>,
+    refuse: Cell<bool>,
+}
+
+impl Backing for Store {
+    fn put(&self, key: u64, page: &[u8; PAGE]) -> bool {
+        if self.refuse.get() {
+            return false;
+        }
+        self.pages.borrow_mut().insert(key, value(page));
+        true
+    }
+
+    fn get(&self, key: u64, out: &mut [u8; PAGE]) -> bool {
+        match self.pages.borrow().get(&key) {
+            Some(v) => {
+                *out = page_of(*v);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn remove(&self, key: u64) {
+        self.pages.borrow_mut().remove(&key);
+    }
+}
+
+const SPACE: u64 = 48;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Write(Pn, u64),
+    Read(Pn),
+    /// Phase 1 of a batch: move up to n victims out.
+    EvictStart(usize),
+    /// Phase 2: read the staging slots (unlocked in the manager).
+    EvictRead,
+    /// Phase 3: store what is still in its slot, then drop the staging area.
+    EvictCommit { refuse: bool },
+    Remove(Pn, u64),
+    Unmap(Pn, u64),
+    Map(Pn, u64),
+    Remap(Pn, Pn, u64),
+    /// The memory map starts changing (ioctls answer EAGAIN) until the next op.
+    Changing,
+    /// `fork`: everything away comes back.
+    ForkFill,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..SPACE, 1..u64::MAX).prop_map(|(p, v)| Op::Write(p, v)),
+        3 => (0..SPACE).prop_map(Op::Read),
+        2 => (1..8usize).prop_map(Op::EvictStart),
+        2 => Just(Op::EvictRead),
+        3 => Just(Op::EvictCommit { refuse: false }),
+        1 => Just(Op::EvictCommit { refuse: true }),
+        1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::Remove(p, n)),
+        1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::Unmap(p, n)),
+        1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::Map(p, n)),
+        1 => (0..SPACE, 0..SPACE, 1..6u64).prop_map(|(a, b, n)| Op::Remap(a, b, n)),
+        1 => Just(Op::Changing),
+        1 => Just(Op::ForkFill),
+    ]
+}
+
+struct World {
+    sim: Sim,
+    store: Store,
+    engine: Engine,
+    /// The oracle: what each mapped page must read as (absent: zero).
+    truth: HashMap<Pn, u64>,
+    batch: Option<(Batch, Option<HashMap<u32, u64>>)>,
+}
+
+impl World {
+    fn new() -> Self {
+        let sim = Sim::default();
+        sim.mapped.borrow_mut().extend(0..SPACE);
+        Self { sim, store: Store::default(), engine: Engine::new(8), truth: HashMap::new(), batch: None }
+    }
+
+    /// Touches `pn` as the program would: a missing page faults, and a
+    /// fault that must retry is retried once the map stops changing.
+    fn touch(&mut self, pn: Pn) {
+        if self.sim.ptes.borrow().contains_key(&pn) {
+            return;
+        }
+        let mut buf = [0u8; PAGE];
+        let mut served = self.engine.serve(&self.sim, &self.store, pn, &mut buf);
+        if served == Served::Retry {
+            self.sim.changing.set(false);
+            served = self.engine.serve(&self.sim, &self.store, pn, &mut buf);
+        }
+        assert_eq!(served, Served::Done, "fault at {pn}");
+        assert!(self.sim.ptes.borrow().contains_key(&pn), "a served fault maps the page");
+    }
+
+    fn mapped(&self, pn: Pn) -> bool {
+        self.sim.mapped.borrow().contains(&pn)
+    }
+
+    fn zap(&self, start: Pn, n: u64) {
+        let mut ptes = self.sim.ptes.borrow_mut();
+        for pn in start..start + n {
+            ptes.remove(&pn);
+        }
+    }
+
+    fn apply(&mut self, op: Op) {
+        let changing = matches!(op, Op::Changing);
+        match op {
+            Op::Write(pn, v) if self.mapped(pn) => {
+                self.touch(pn);
+                self.sim.ptes.borrow_mut().insert(pn, v);
+                self.truth.insert(pn, v);
+            }
+            Op::Read(pn) if self.mapped(pn) => {
+                self.touch(pn);
+                assert_eq!(self.sim.ptes.borrow()[&pn], self.truth.get(&pn).copied().unwrap_or(0), "read at {pn}");
+            }
+            Op::EvictStart(n) if self.batch.is_none() => {
+                let mut b = Batch::default();
+                b.move_out(&mut self.engine, &self.sim, n);
+                self.batch = Some((b, None));
+            }
+            Op::EvictRead => {
+                if let Some((_, snap @ None)) = &mut self.batch {
+                    *snap = Some(self.sim.staging.borrow().clone());
+                }
+            }
+            Op::EvictCommit { refuse } => {
+                if let Some((b, Some(snap))) = self.batch.take_if(|(_, snap)| snap.is_some()) {
+                    self.store.refuse.set(refuse);
+                    for &slot in &b.slots {
+                        // What the manager does under the engine's lock after
+                        // reading the slots without it.
+                        let Some(v) = snap.get(&slot) else { continue };
+                        if self.engine.in_slot(slot).is_none() {
+                            continue;
+                        }
+                        let key = self.engine.new_key();
+                        if self.store.put(key, &page_of(*v)) {
+                            assert!(self.engine.stored_slot(slot, key));
+                        } else {
+                            self.sim.changing.set(false);
+                            assert_eq!(self.engine.refused_slot(&self.sim, slot), Outcome::Done);
+                        }
+                    }
+                    self.store.refuse.set(false);
+                    // The agent drops the staging area.
+                    for &slot in &b.slots {
+                        assert!(self.engine.in_slot(slot).is_none(), "slot {slot} dropped with its page in it");
+                    }
+                    self.sim.staging.borrow_mut().clear();
+                }
+            }
+            Op::Remove(start, n) => {
+                let end = (start + n).min(SPACE);
+                self.engine.forget(&self.store, start, end);
+                self.zap(start, end - start);
+                for pn in start..end {
+                    self.truth.remove(&pn);
+                }
+            }
+            Op::Unmap(start, n) => {
+                let end = (start + n).min(SPACE);
+                self.engine.forget(&self.store, start, end);
+                self.zap(start, end - start);
+                for pn in start..end {
+                    self.truth.remove(&pn);
+                    self.sim.mapped.borrow_mut().remove(&pn);
+                }
+            }
+            Op::Map(start, n) => {
+                let end = (start + n).min(SPACE);
+                for pn in start..end {
+                    self.sim.mapped.borrow_mut().insert(pn);
+                }
+            }
+            Op::Remap(from, to, n) => {
+                let n = n.min(SPACE - from).min(SPACE - to);
+                let overlap = from < to + n && to < from + n;
+                if n == 0 || overlap || !(from..from + n).all(|p| self.mapped(p)) {
+                    return;
+                }
+                let ptes: Vec<(Pn, Option<u64>, Option<u64>)> = (from..from + n)
+                    .map(|p| (p, self.sim.ptes.borrow_mut().remove(&p), self.truth.remove(&p)))
+                    .collect();
+                self.zap(to, n);
+                for p in to..to + n {
+                    self.truth.remove(&p);
+                }
+                for (p, pte, t) in ptes {
+                    let new = p - from + to;
+                    self.sim.mapped.borrow_mut().remove(&p);
+                    self.sim.mapped.borrow_mut().insert(new);
+                    if let Some(v) = pte {
+                        self.sim.ptes.borrow_mut().insert(new, v);
+                    }
+                    if let Some(v) = t {
+                        self.truth.insert(new, v);
+                    }
+                }
+                self.engine.remap(&self.store, from, to, n);
+            }
+            Op::ForkFill => {
+                for pn in self.engine.away() {
+                    self.touch(pn);
+                }
+                assert!(self.engine.away().is_empty());
+            }
+            _ => {}
+        }
+        self.sim.changing.set(changing);
+        self.check_counts();
+    }
+
+    fn check_counts(&self) {
+        assert_eq!(self.engine.resident() as usize, self.sim.ptes.borrow().len(), "resident pages");
+        assert_eq!(self.engine.stored() as usize, self.store.pages.borrow().len(), "stored pages");
+    }
+
+    fn check_all(&mut self) {
+        self.sim.changing.set(false);
+        let mapped: Vec<Pn> = self.sim.mapped.borrow().iter().copied().collect();
+        for pn in mapped {
+            self.apply(Op::Read(pn));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn every_read_sees_the_last_write_or_zero(ops in proptest::collection::vec(op(), 1..200)) {
+        let mut w = World::new();
+        for op in ops {
+            w.apply(op);
+        }
+        w.apply(Op::EvictRead);
+        w.apply(Op::EvictCommit { refuse: false });
+        w.check_all();
+    }
+}
+
+#[test]
+fn the_hand_spares_a_page_faulted_back_since_its_last_pass() {
+    let mut w = World::new();
+    for pn in 0..4 {
+        w.apply(Op::Write(pn, pn + 1));
+    }
+    // The first pass clears the bits set by the first touches; the second
+    // takes the oldest pages.
+    w.apply(Op::EvictStart(2));
+    assert_eq!((w.engine.in_slot(0), w.engine.in_slot(1)), (Some(0), Some(1)));
+    w.apply(Op::EvictRead);
+    w.apply(Op::EvictCommit { refuse: false });
+    // Page 0 comes back through a fault: referenced again, behind 2 and 3.
+    w.apply(Op::Read(0));
+    w.apply(Op::EvictStart(2));
+    assert_eq!((w.engine.in_slot(0), w.engine.in_slot(1)), (Some(2), Some(3)), "the page faulted back is spared");
+    w.apply(Op::EvictRead);
+    w.apply(Op::EvictCommit { refuse: false });
+    w.check_all();
+}
+
+#[test]
+fn a_page_in_flight_comes_straight_back_on_a_fault() {
+    let mut w = World::new();
+    w.apply(Op::Write(3, 7));
+    w.apply(Op::EvictStart(1));
+    w.apply(Op::EvictStart(1)); // a second start is ignored while one runs
+    w.apply(Op::EvictStart(1));
+    assert_eq!(w.engine.in_slot(0), Some(3));
+    w.apply(Op::Write(3, 9));
+    assert_eq!(w.engine.stats().slot_returns, 1);
+    w.apply(Op::EvictRead);
+    w.apply(Op::EvictCommit { refuse: false });
+    assert_eq!(w.engine.stored(), 0, "the page came back before its batch stored it");
+    w.check_all();
+}

@@ -1,0 +1,806 @@
+//! The helper side of `tmem run`: it accepts the agents of the program (and
+//! of whatever it `exec`s), registers their anonymous memory, serves their
+//! faults from a tmem store, and evicts their coldest pages to keep all of
+//! them within one budget.
+//!
+//! Threads, and what each may wait on:
+//! - **acceptor**: one per run; takes each agent's hello, registers the
+//!   process's memory, answers ready.
+//! - **fault thread**: one per process, the only reader of its userfaultfd,
+//!   so events and faults are handled in the kernel's order. Events are
+//!   applied before the faults read with them: a fault served after a
+//!   `MADV_DONTNEED` event must see zeros. A fault that would take the
+//!   process past the budget plus its slack waits (unserved, the thread
+//!   goes on reading) until eviction makes room. Faults on the staging area
+//!   (the helper reading a slot whose page already went back) are served
+//!   at once: eviction may be waiting on them.
+//! - **evictor**: one per run; rescans each process's maps, and while the
+//!   resident total is over the budget, moves a batch of victims out of the
+//!   process with the most resident pages, reads them with one
+//!   `process_vm_readv`, stores them with the engine's lock dropped, then
+//!   asks the agent to empty the staging area.
+//! - **fork thread**: one per process; before a `fork` brings every page
+//!   back and pauses eviction, after it resumes.
+//!
+//! Lock order: `Rank::RunProcesses` (the list), then a process's
+//! `Rank::RunEngine`, then the store's own locks. No thread holds an engine
+//! while it waits on an agent.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, ExitStatus};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustix::event::{poll, PollFd, PollFlags};
+use tmem_core::{CodecConfig, GetOutcome, Key, Pool, PoolConfig, PutOutcome, Store, StoreConfig};
+use tmem_lock::{Condvar, Mutex, Rank};
+
+use crate::engine::{Backing, Batch, Engine, EngineStats, Mem, Pn, Served};
+use crate::maps::{self, PageMap, Range};
+use crate::proto::{self, Hello};
+use crate::sys::{Event, Outcome, Uffd, PAGE};
+
+const P: u64 = PAGE as u64;
+/// How often the evictor rescans the processes' maps for new ranges.
+const RESCAN: Duration = Duration::from_millis(50);
+/// How long the program may run before its agent says hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// What `tmem run` was asked to do.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// The most anonymous memory the program may keep resident.
+    pub memory_bytes: u64,
+    pub codec: CodecConfig,
+    /// The agent library to preload.
+    pub agent: PathBuf,
+    pub program: OsString,
+    pub args: Vec<OsString>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("--memory {0} bytes is less than 1 MiB: the staging area and the slack alone take that")]
+    TooSmall(u64),
+    #[error("store: {0}")]
+    Store(String),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("cannot start {program}: {source}")]
+    Spawn { program: String, source: std::io::Error },
+    #[error("{0}")]
+    Refused(String),
+    #[error("{program} did not load the tmem agent within {secs} s (it clears LD_PRELOAD, or its loader ignores it): stopped rather than run unmanaged")]
+    NoAgent { program: String, secs: u64 },
+}
+
+/// What a run came to.
+#[derive(Clone, Debug, Default)]
+pub struct RunReport {
+    pub status: Option<ExitStatus>,
+    pub limit_pages: u64,
+    pub slack_pages: u64,
+    /// The most pages resident at once, over all processes.
+    pub peak_resident: u64,
+    /// The most bytes the pool held.
+    pub peak_pool_bytes: u64,
+    /// The pages the pool held at that moment.
+    pub peak_pool_pages: u64,
+    pub processes: u64,
+    pub stats: EngineStats,
+    /// Pages the store did not have when a fault asked (must stay 0).
+    pub lost: u64,
+    pub codec: String,
+}
+
+struct PoolBacking<'a>(&'a Pool);
+
+impl Backing for PoolBacking<'_> {
+    fn put(&self, key: u64, page: &[u8; PAGE]) -> bool {
+        matches!(self.0.put(Key::new(0, key), page), Ok(PutOutcome::Stored))
+    }
+
+    fn get(&self, key: u64, out: &mut [u8; PAGE]) -> bool {
+        matches!(self.0.get(Key::new(0, key), out), Ok(GetOutcome::Hit))
+    }
+
+    fn remove(&self, key: u64) {
+        let _ = self.0.flush_page(Key::new(0, key));
+    }
+}
+
+/// The program's memory: its userfaultfd for fills, its agent for moves
+/// (the caller holds the process's agent channel), `process_vm_readv` for
+/// the staging slots.
+struct Real<'a> {
+    p: &'a Process,
+}
+
+impl Mem for Real<'_> {
+    fn fill(&self, pn: Pn, page: &[u8; PAGE]) -> Outcome {
+        self.p.uffd.copy(pn * P, page)
+    }
+
+    fn move_out(&self, pages: &[Pn], out: &mut [Outcome]) {
+        out.fill(Outcome::Gone);
+        let n = pages.len().min(proto::MAX_EVICT);
+        let mut msg = [0u8; 2 + 8 * proto::MAX_EVICT];
+        msg[0] = proto::EVICT;
+        #[allow(clippy::cast_possible_truncation)]
+        let count = n as u8;
+        msg[1] = count;
+        for (i, pn) in pages[..n].iter().enumerate() {
+            msg[2 + 8 * i..10 + 8 * i].copy_from_slice(&(pn * P).to_le_bytes());
+        }
+        if rustix::net::send(&self.p.sock, &msg[..2 + 8 * n], rustix::net::SendFlags::NOSIGNAL).is_err() {
+            return;
+        }
+        let mut reply = [0u8; 2 + proto::MAX_EVICT];
+        let Ok((got, _)) = rustix::net::recv(&self.p.sock, &mut reply, rustix::net::RecvFlags::empty()) else { return };
+        if got < 2 + n || reply[0] != proto::EVICTED {
+            return;
+        }
+        for (o, &code) in out.iter_mut().zip(&reply[2..2 + n]) {
+            *o = proto::outcome_of(code);
+        }
+    }
+
+    fn move_back(&self, slot: u32, pn: Pn) -> Outcome {
+        let mut page = [[0u8; PAGE]; 1];
+        if read_slots(self.p, &[slot], &mut page).is_err() {
+            return Outcome::Gone;
+        }
+        self.p.uffd.copy(pn * P, &page[0])
+    }
+
+    fn wake(&self, pn: Pn) {
+        let _ = self.p.uffd.wake(pn * P, P);
+    }
+}
+
+struct Process {
+    pid: u32,
+    uffd: Uffd,
+    sock: OwnedFd,
+    fork: OwnedFd,
+    staging: Range,
+    slots: u32,
+    stack: Range,
+    pool: Arc<Pool>,
+    /// Held by whoever talks to the agent on `sock` (evictor, release).
+    chan: Mutex<()>,
+    engine: Mutex<Engine>,
+    /// The engine's resident count, readable without its lock.
+    resident: AtomicU64,
+    /// Ranges registered at the last scan.
+    registered: Mutex<Vec<Range>>,
+    pagemap: PageMap,
+    /// Written by the evictor when it made room; the fault thread polls it.
+    room: OwnedFd,
+    gone: AtomicBool,
+}
+
+impl Process {
+    fn real(&self) -> Real<'_> {
+        Real { p: self }
+    }
+
+    fn in_staging(&self, addr: u64) -> bool {
+        self.staging.start <= addr && addr < self.staging.end
+    }
+
+    /// Registers new anonymous ranges and adopts their present pages.
+    fn rescan(&self, shared: &Shared) -> std::io::Result<()> {
+        let ranges = maps::anonymous_ranges(self.pid, &[self.stack])?;
+        let mut registered = self.registered.lock();
+        let mut found = Vec::new();
+        for r in &ranges {
+            if registered.contains(r) {
+                continue;
+            }
+            let rr = self.uffd.register(r.start, r.end - r.start);
+            tracing::debug!(pid = self.pid, "register {:#x}-{:#x}: {rr:?}", r.start, r.end);
+            if rr.is_err() {
+                // A range the kernel will not register (mlocked, special): not managed.
+                continue;
+            }
+            if self.in_staging(r.start) && self.in_staging(r.end - 1) {
+                continue;
+            }
+            self.pagemap.present(*r, |addr| {
+                if !self.in_staging(addr) {
+                    found.push(addr / P);
+                }
+            })?;
+        }
+        *registered = ranges;
+        drop(registered);
+        tracing::debug!(pid = self.pid, "scan adopted {} present pages", found.len());
+        if !found.is_empty() {
+            let mut engine = self.engine.lock();
+            for pn in found {
+                engine.adopt(pn);
+            }
+            shared.sync_resident(self, &engine);
+        }
+        Ok(())
+    }
+}
+
+struct Shared {
+    store: Arc<Store>,
+    limit: u64,
+    slack: u64,
+    procs: Mutex<Vec<Arc<Process>>>,
+    total: AtomicU64,
+    peak: AtomicU64,
+    peak_pool: AtomicU64,
+    peak_pool_pages: AtomicU64,
+    lost: AtomicU64,
+    /// Over the budget with nothing movable (every resident page busy):
+    /// faults go on past the slack and the evictor waits for its next scan.
+    stuck: AtomicBool,
+    stop: AtomicBool,
+    evict_wanted: Mutex<bool>,
+    evict_cv: Condvar,
+    done_stats: Mutex<(EngineStats, u64)>,
+    hello: Mutex<Option<Result<u32, String>>>,
+    hello_cv: Condvar,
+}
+
+impl Shared {
+    /// Brings the process's mirror and the total up to date with its engine.
+    fn sync_resident(&self, p: &Process, engine: &Engine) {
+        let new = engine.resident();
+        let old = p.resident.swap(new, Ordering::SeqCst);
+        let total = if new >= old {
+            self.total.fetch_add(new - old, Ordering::SeqCst) + (new - old)
+        } else {
+            self.total.fetch_sub(old - new, Ordering::SeqCst) - (old - new)
+        };
+        self.peak.fetch_max(total, Ordering::SeqCst);
+        if total > self.limit && !self.stuck.load(Ordering::SeqCst) {
+            self.wake_evictor();
+        }
+    }
+
+    fn wake_evictor(&self) {
+        let mut wanted = self.evict_wanted.lock();
+        if !*wanted {
+            *wanted = true;
+            self.evict_cv.notify_one();
+        }
+    }
+}
+
+fn eventfd() -> std::io::Result<OwnedFd> {
+    Ok(rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)?)
+}
+
+fn signal(fd: &OwnedFd) {
+    let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+}
+
+fn drain(fd: &OwnedFd) {
+    let mut b = [0u8; 8];
+    let _ = rustix::io::read(fd, &mut b);
+}
+
+/// Runs `cfg.program` under `tmem run` and returns when it and every managed
+/// descendant have ended (or been released).
+pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
+    if cfg.memory_bytes < 1 << 20 {
+        return Err(RunError::TooSmall(cfg.memory_bytes));
+    }
+    let limit = cfg.memory_bytes / P;
+    let slack = (limit / 100).max(256);
+    let policy = tmem_core::PolicyConfig { incompressible: tmem_core::Incompressible::StoreRaw, ..Default::default() };
+    let store = StoreConfig { policy, codec: Some(cfg.codec.clone()), ..Default::default() }
+        .build()
+        .map_err(|e| RunError::Store(e.to_string()))?;
+    let shared = Arc::new(Shared {
+        store: Arc::new(store),
+        limit,
+        slack,
+        procs: Mutex::new(Rank::RunProcesses, Vec::new()),
+        total: AtomicU64::new(0),
+        peak: AtomicU64::new(0),
+        peak_pool: AtomicU64::new(0),
+        peak_pool_pages: AtomicU64::new(0),
+        lost: AtomicU64::new(0),
+        stuck: AtomicBool::new(false),
+        stop: AtomicBool::new(false),
+        evict_wanted: Mutex::new(Rank::RunEvictWanted, false),
+        evict_cv: Condvar::new(),
+        done_stats: Mutex::new(Rank::RunDoneStats, (EngineStats::default(), 0)),
+        hello: Mutex::new(Rank::RunHello, None),
+        hello_cv: Condvar::new(),
+    });
+    let dir = tempfile::Builder::new().prefix("tmem-run-").tempdir()?;
+    let path = dir.path().join("agent.sock");
+    let listener = listen(&path)?;
+    let acceptor = {
+        let shared = Arc::clone(&shared);
+        std::thread::Builder::new().name("tmem-run-accept".into()).spawn(move || accept_loop(&shared, &listener))?
+    };
+    let evictor = {
+        let shared = Arc::clone(&shared);
+        std::thread::Builder::new().name("tmem-run-evict".into()).spawn(move || evict_loop(&shared))?
+    };
+    let mut preload = cfg.agent.clone().into_os_string();
+    if let Some(old) = std::env::var_os("LD_PRELOAD") {
+        preload.push(":");
+        preload.push(old);
+    }
+    let mut cmd = Command::new(&cfg.program);
+    cmd.args(&cfg.args).env("LD_PRELOAD", preload).env(proto::ENV_SOCKET, &path);
+    // SAFETY: the closure runs in the child between fork and exec and calls
+    // only prctl(2), which is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            // Ends the program if tmem dies: its evicted pages die with tmem.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Transparent huge pages would be split by every 4 KiB move; the
+            // setting is inherited across exec.
+            if libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let program = cfg.program.to_string_lossy().into_owned();
+    let mut child = cmd.spawn().map_err(|source| RunError::Spawn { program: program.clone(), source })?;
+    let child_pid = child.id();
+    // The agent holds the program in its constructor until the helper answers,
+    // so a program that never says hello has not run managed code: stop it.
+    let first = {
+        let mut hello = shared.hello.lock();
+        let deadline = Instant::now() + HELLO_TIMEOUT;
+        while hello.is_none() && Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            shared.hello_cv.wait_for(&mut hello, Duration::from_millis(50));
+        }
+        hello.take()
+    };
+    let failure = match first {
+        Some(Ok(_)) => None,
+        Some(Err(why)) => Some(RunError::Refused(why)),
+        None if child.try_wait()?.is_some() => None,
+        None => Some(RunError::NoAgent { program, secs: HELLO_TIMEOUT.as_secs() }),
+    };
+    if failure.is_some() {
+        // SAFETY: kill(2) of the child this function spawned and has not reaped.
+        unsafe { libc::kill(i32::try_from(child_pid).unwrap_or(i32::MAX), libc::SIGKILL) };
+    }
+    let status = child.wait()?;
+    // Descendants that outlive the program get their pages back and are let go.
+    let left: Vec<Arc<Process>> = shared.procs.lock().clone();
+    for p in left {
+        release(&shared, &p);
+    }
+    shared.stop.store(true, Ordering::SeqCst);
+    shared.wake_evictor();
+    // The acceptor sits in accept(2): a connection of our own wakes it.
+    let _ = connect(&path);
+    let _ = acceptor.join();
+    let _ = evictor.join();
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let (stats, processes) = *shared.done_stats.lock();
+    Ok(RunReport {
+        status: Some(status),
+        limit_pages: limit,
+        slack_pages: slack,
+        peak_resident: shared.peak.load(Ordering::SeqCst),
+        peak_pool_bytes: shared.peak_pool.load(Ordering::SeqCst),
+        peak_pool_pages: shared.peak_pool_pages.load(Ordering::SeqCst),
+        processes,
+        stats,
+        lost: shared.lost.load(Ordering::SeqCst),
+        codec: shared.store.codec_name(),
+    })
+}
+
+fn listen(path: &std::path::Path) -> std::io::Result<OwnedFd> {
+    use rustix::net::{bind, listen, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let s = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    bind(&s, &SocketAddrUnix::new(path)?)?;
+    listen(&s, 64)?;
+    Ok(s)
+}
+
+fn connect(path: &std::path::Path) -> std::io::Result<OwnedFd> {
+    use rustix::net::{socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let s = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    rustix::net::connect(&s, &SocketAddrUnix::new(path)?)?;
+    Ok(s)
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
+    loop {
+        let Ok(sock) = rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC) else { continue };
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let outcome = admit(shared, sock);
+        let mut hello = shared.hello.lock();
+        if hello.is_none() {
+            *hello = Some(outcome);
+            shared.hello_cv.notify_all();
+        }
+    }
+}
+
+fn refuse(sock: &OwnedFd, why: String) -> Result<u32, String> {
+    let mut msg = vec![proto::REFUSED];
+    msg.extend_from_slice(why.as_bytes());
+    let _ = proto::send_with_fds(sock, &msg, &[]);
+    Err(why)
+}
+
+/// Takes one agent's hello: registers its process and starts its threads.
+fn admit(shared: &Arc<Shared>, sock: OwnedFd) -> Result<u32, String> {
+    let mut buf = [0u8; 1024];
+    let (n, mut fds) = proto::recv_with_fds(&sock, &mut buf).map_err(|e| e.to_string())?;
+    if buf.first() == Some(&proto::REFUSED) {
+        return Err(String::from_utf8_lossy(&buf[1..n]).into_owned());
+    }
+    let hello = match Hello::decode(&buf[..n]) {
+        Ok(h) => h,
+        Err(e) => return refuse(&sock, e.to_string()),
+    };
+    if fds.len() != 2 {
+        return refuse(&sock, proto::ProtoError::Fds(fds.len()).to_string());
+    }
+    let peer = rustix::net::sockopt::socket_peercred(&sock).map(|c| c.pid.as_raw_nonzero().get());
+    if peer.ok().and_then(|p| u32::try_from(p).ok()) != Some(hello.pid) {
+        return refuse(&sock, format!("the hello names pid {} but came from another process", hello.pid));
+    }
+    let fork = fds.pop().expect("two fds");
+    let uffd = Uffd::from_fd(fds.pop().expect("two fds"));
+    if let Err(e) = uffd.handshake() {
+        return refuse(&sock, e.to_string());
+    }
+    let pagemap = match PageMap::open(hello.pid) {
+        Ok(m) => m,
+        Err(e) => return refuse(&sock, format!("/proc/{}/pagemap: {e}", hello.pid)),
+    };
+    let room = eventfd().map_err(|e| e.to_string())?;
+    let p = Arc::new(Process {
+        pid: hello.pid,
+        uffd,
+        sock,
+        fork,
+        staging: Range { start: hello.staging, end: hello.staging + u64::from(hello.slots) * P },
+        slots: hello.slots,
+        stack: Range { start: hello.stack.0, end: hello.stack.1 },
+        pool: shared.store.create_pool(PoolConfig::persistent()),
+        chan: Mutex::new(Rank::RunAgentChannel, ()),
+        engine: Mutex::new(Rank::RunEngine, Engine::new(hello.slots)),
+        resident: AtomicU64::new(0),
+        registered: Mutex::new(Rank::RunRanges, Vec::new()),
+        pagemap,
+        room,
+        gone: AtomicBool::new(false),
+    });
+    if let Err(e) = p.rescan(shared) {
+        return refuse(&p.sock, format!("registering the memory of pid {}: {e}", p.pid));
+    }
+    shared.procs.lock().push(Arc::clone(&p));
+    {
+        let (shared, p) = (Arc::clone(shared), Arc::clone(&p));
+        std::thread::Builder::new()
+            .name(format!("tmem-run-{}", p.pid))
+            .spawn(move || fault_loop(&shared, &p))
+            .map_err(|e| e.to_string())?;
+    }
+    {
+        let (shared, p) = (Arc::clone(shared), Arc::clone(&p));
+        std::thread::Builder::new()
+            .name(format!("tmem-fork-{}", p.pid))
+            .spawn(move || fork_loop(&shared, &p))
+            .map_err(|e| e.to_string())?;
+    }
+    proto::send_byte(&p.sock, proto::READY).map_err(|e| e.to_string())?;
+    Ok(p.pid)
+}
+
+/// The one reader of a process's userfaultfd.
+fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
+    let mut events = [Event::Other(0); 64];
+    let mut waiting: VecDeque<u64> = VecDeque::new();
+    let mut buf = Box::new([0u8; PAGE]);
+    let backing = PoolBacking(&p.pool);
+    let mut retry = false;
+    while !p.gone.load(Ordering::SeqCst) {
+        let timeout = if retry { 1 } else { 200 };
+        let uffd = p.uffd_fd();
+        let mut fds = [
+            PollFd::new(&uffd, PollFlags::IN),
+            PollFd::new(&p.sock, PollFlags::RDHUP),
+            PollFd::new(&p.room, PollFlags::IN),
+        ];
+        let _ = poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: timeout * 1_000_000 }));
+        let hup = fds[1].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR);
+        if fds[2].revents().contains(PollFlags::IN) {
+            drain(&p.room);
+        }
+        if hup {
+            break;
+        }
+        retry = false;
+        loop {
+            let n = match p.uffd.read_events(&mut events) {
+                Ok(n) => n,
+                Err(_) => 0,
+            };
+            if n == 0 {
+                break;
+            }
+            // Events first: the faults read with them happened before them, and
+            // their threads, once woken, must see what the events did.
+            let mut engine = None;
+            for ev in &events[..n] {
+                match *ev {
+                    Event::Fault { addr, .. } if p.in_staging(addr) => {
+                        buf.fill(0);
+                        let _ = p.uffd.copy(addr, &buf);
+                    }
+                    Event::Fault { addr, .. } => waiting.push_back(addr),
+                    Event::Remove { start, end } | Event::Unmap { start, end } => {
+                        let e = engine.get_or_insert_with(|| p.engine.lock());
+                        e.forget(&backing, start / P, end.div_ceil(P));
+                    }
+                    Event::Remap { from, to, len } => {
+                        let e = engine.get_or_insert_with(|| p.engine.lock());
+                        e.remap(&backing, from / P, to / P, len / P);
+                    }
+                    Event::Other(_) => {}
+                }
+            }
+            if let Some(e) = engine {
+                shared.sync_resident(p, &e);
+            }
+        }
+        while let Some(&addr) = waiting.front() {
+            if shared.total.load(Ordering::SeqCst) >= shared.limit + shared.slack && !shared.stuck.load(Ordering::SeqCst) {
+                shared.wake_evictor();
+                break;
+            }
+            let mut engine = p.engine.lock();
+            let served = engine.serve(&p.real(), &backing, addr / P, &mut buf);
+            shared.sync_resident(p, &engine);
+            drop(engine);
+            match served {
+                Served::Done | Served::Gone => {
+                    waiting.pop_front();
+                }
+                Served::Retry => {
+                    retry = true;
+                    break;
+                }
+                Served::Lost => {
+                    shared.lost.fetch_add(1, Ordering::SeqCst);
+                    eprintln!(
+                        "tmem run: the store lost the page at {addr:#x} of pid {}; killing it rather than let it read anything else",
+                        p.pid
+                    );
+                    // SAFETY: kill(2) of a process that this run manages.
+                    unsafe { libc::kill(i32::try_from(p.pid).unwrap_or(i32::MAX), libc::SIGKILL) };
+                    waiting.pop_front();
+                }
+            }
+        }
+    }
+    finish(shared, p);
+}
+
+impl Process {
+    fn uffd_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        // SAFETY: the descriptor lives as long as `self.uffd`.
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(self.uffd.raw()) }
+    }
+}
+
+/// The process ended: its pages and counters leave the run.
+fn finish(shared: &Shared, p: &Arc<Process>) {
+    p.gone.store(true, Ordering::SeqCst);
+    shared.procs.lock().retain(|q| !Arc::ptr_eq(q, p));
+    let engine = p.engine.lock();
+    let old = p.resident.swap(0, Ordering::SeqCst);
+    shared.total.fetch_sub(old, Ordering::SeqCst);
+    let s = engine.stats();
+    drop(engine);
+    let _ = shared.store.destroy_pool(p.pool.id());
+    let mut done = shared.done_stats.lock();
+    let t = &mut done.0;
+    t.zero_fills += s.zero_fills;
+    t.store_fills += s.store_fills;
+    t.slot_returns += s.slot_returns;
+    t.evicted += s.evicted;
+    t.move_busy += s.move_busy;
+    t.put_refused += s.put_refused;
+    t.dropped_away += s.dropped_away;
+    t.adopted += s.adopted;
+    done.1 += 1;
+}
+
+/// Brings every page of `p` back into it, pausing eviction; false if one was lost.
+fn fill_all(shared: &Shared, p: &Process) -> bool {
+    let backing = PoolBacking(&p.pool);
+    let mut buf = Box::new([0u8; PAGE]);
+    let mut engine = p.engine.lock();
+    engine.set_paused(true);
+    let mut ok = true;
+    for pn in engine.away() {
+        let mut tries = 0;
+        loop {
+            match engine.serve(&p.real(), &backing, pn, &mut buf) {
+                Served::Done | Served::Gone => break,
+                Served::Lost => {
+                    shared.lost.fetch_add(1, Ordering::SeqCst);
+                    ok = false;
+                    break;
+                }
+                Served::Retry => {
+                    // The map is changing: the fault thread applies the event.
+                    tries += 1;
+                    if tries > 10_000 {
+                        break;
+                    }
+                    drop(engine);
+                    std::thread::sleep(Duration::from_micros(100));
+                    engine = p.engine.lock();
+                }
+            }
+        }
+    }
+    shared.sync_resident(p, &engine);
+    ok
+}
+
+fn fork_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
+    loop {
+        match proto::recv_byte(&p.fork) {
+            Ok(Some(proto::FORKING)) => {
+                fill_all(shared, p);
+                if proto::send_byte(&p.fork, proto::FILLED).is_err() {
+                    return;
+                }
+            }
+            Ok(Some(proto::FORKED)) => p.engine.lock().set_paused(false),
+            Ok(Some(_)) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Ok(None) | Err(_) => return,
+        }
+    }
+}
+
+/// Gives a process its pages back and lets it go unmanaged.
+fn release(shared: &Shared, p: &Arc<Process>) {
+    let _chan = p.chan.lock();
+    if fill_all(shared, p) && proto::send_byte(&p.sock, proto::RELEASE).is_ok() {
+        let _ = proto::recv_byte(&p.sock);
+    }
+    p.gone.store(true, Ordering::SeqCst);
+}
+
+fn evict_loop(shared: &Arc<Shared>) {
+    let mut last_scan = Instant::now() - RESCAN;
+    let mut batch = Batch::default();
+    let mut bufs = vec![[0u8; PAGE]; 64];
+    while !shared.stop.load(Ordering::SeqCst) {
+        {
+            let mut wanted = shared.evict_wanted.lock();
+            if !*wanted {
+                shared.evict_cv.wait_for(&mut wanted, RESCAN);
+            }
+            *wanted = false;
+        }
+        let procs: Vec<Arc<Process>> = shared.procs.lock().clone();
+        let over = shared.total.load(Ordering::SeqCst) > shared.limit;
+        if over || last_scan.elapsed() >= RESCAN {
+            for p in &procs {
+                let _ = p.rescan(shared);
+            }
+            last_scan = Instant::now();
+        }
+        while shared.total.load(Ordering::SeqCst) > shared.limit && !shared.stop.load(Ordering::SeqCst) {
+            let Some(p) = procs.iter().filter(|p| !p.gone.load(Ordering::SeqCst)).max_by_key(|p| p.resident.load(Ordering::SeqCst))
+            else {
+                break;
+            };
+            let moved = evict_batch(shared, p, &mut batch, &mut bufs);
+            shared.stuck.store(moved == 0, Ordering::SeqCst);
+            for q in &procs {
+                signal(&q.room);
+            }
+            if moved == 0 {
+                break;
+            }
+        }
+        let pool = shared.store.mem_used_total();
+        if pool > shared.peak_pool.fetch_max(pool, Ordering::SeqCst) {
+            let pages: u64 = procs.iter().map(|p| p.engine.lock().stored()).sum();
+            shared.peak_pool_pages.store(pages, Ordering::SeqCst);
+        }
+    }
+}
+
+/// One batch: move out, read, store, empty the staging area. Returns the pages moved.
+fn evict_batch(shared: &Shared, p: &Process, batch: &mut Batch, bufs: &mut [[u8; PAGE]]) -> usize {
+    let _chan = p.chan.lock();
+    let max = bufs.len().min(p.slots as usize).min(proto::MAX_EVICT);
+    let moved = {
+        let mut engine = p.engine.lock();
+        let moved = batch.move_out(&mut engine, &p.real(), max);
+        shared.sync_resident(p, &engine);
+        moved
+    };
+    if moved == 0 {
+        return 0;
+    }
+    let slots = batch.slots.clone();
+    if read_slots(p, &slots, bufs).is_err() {
+        // Unreadable (the process is ending): every page goes back where it was.
+        let mut engine = p.engine.lock();
+        for &slot in &slots {
+            let _ = engine.refused_slot(&p.real(), slot);
+        }
+        shared.sync_resident(p, &engine);
+        return 0;
+    }
+    let backing = PoolBacking(&p.pool);
+    let keys: Vec<u64> = {
+        let mut engine = p.engine.lock();
+        slots.iter().map(|_| engine.new_key()).collect()
+    };
+    let stored: Vec<bool> = slots.iter().zip(&keys).enumerate().map(|(i, (_, &key))| backing.put(key, &bufs[i])).collect();
+    {
+        let mut engine = p.engine.lock();
+        for ((&slot, &key), &ok) in slots.iter().zip(&keys).zip(&stored) {
+            if ok {
+                if !engine.stored_slot(slot, key) {
+                    backing.remove(key);
+                }
+            } else {
+                let _ = engine.refused_slot(&p.real(), slot);
+            }
+        }
+        shared.sync_resident(p, &engine);
+    }
+    if proto::send_byte(&p.sock, proto::DROP_STAGING).is_ok() {
+        let _ = proto::recv_byte(&p.sock);
+    }
+    moved
+}
+
+/// Reads the staging slots out of the process with one `process_vm_readv`.
+fn read_slots(p: &Process, slots: &[u32], bufs: &mut [[u8; PAGE]]) -> std::io::Result<()> {
+    let local: Vec<libc::iovec> =
+        bufs.iter_mut().take(slots.len()).map(|b| libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: PAGE }).collect();
+    let remote: Vec<libc::iovec> = slots
+        .iter()
+        .map(|&s| libc::iovec { iov_base: (p.staging.start + u64::from(s) * P) as *mut libc::c_void, iov_len: PAGE })
+        .collect();
+    #[allow(clippy::cast_possible_truncation)]
+    let n = slots.len() as libc::c_ulong;
+    // SAFETY: the local iovecs cover buffers owned by this thread; the remote
+    // ones name the process's staging area, which the kernel checks.
+    let rc = unsafe { libc::process_vm_readv(p.pid.cast_signed(), local.as_ptr(), n, remote.as_ptr(), n, 0) };
+    #[allow(clippy::cast_sign_loss)]
+    if rc < 0 || (rc as usize) < slots.len() * PAGE {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}

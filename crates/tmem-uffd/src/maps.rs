@@ -1,0 +1,135 @@
+//! What a process has mapped: the private anonymous ranges of
+//! `/proc/PID/maps` that `tmem run` manages, and which of their pages are
+//! present (`/proc/PID/pagemap`, bit 63, readable by the owner).
+
+use std::fs::File;
+use std::io::{self, BufRead, BufReader};
+use std::os::unix::fs::FileExt;
+
+use crate::sys::PAGE;
+
+/// A range `[start, end)` of a process's address space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Range {
+    pub start: u64,
+    pub end: u64,
+}
+
+/// Whether one line of `/proc/PID/maps` is private anonymous read-write
+/// memory: no file (or the heap, the stack, a named anonymous region).
+fn anonymous(line: &str) -> Option<Range> {
+    let mut f = line.split_ascii_whitespace();
+    let (span, perms, _off, _dev, inode) = (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+    if perms != "rw-p" || inode != "0" {
+        return None;
+    }
+    match f.next() {
+        None => {}
+        Some(name) if name == "[heap]" || name == "[stack]" || name.starts_with("[anon:") => {}
+        Some(_) => return None,
+    }
+    let (a, b) = span.split_once('-')?;
+    Some(Range { start: u64::from_str_radix(a, 16).ok()?, end: u64::from_str_radix(b, 16).ok()? })
+}
+
+/// The private anonymous read-write ranges of `pid`, less `exclude`.
+pub fn anonymous_ranges(pid: u32, exclude: &[Range]) -> io::Result<Vec<Range>> {
+    let file = File::open(format!("/proc/{pid}/maps"))?;
+    let mut out = Vec::new();
+    for line in BufReader::new(file).lines() {
+        if let Some(r) = anonymous(&line?) {
+            subtract(r, exclude, &mut out);
+        }
+    }
+    Ok(out)
+}
+
+/// Pushes the parts of `r` outside every range of `exclude`.
+fn subtract(r: Range, exclude: &[Range], out: &mut Vec<Range>) {
+    let mut parts = vec![r];
+    for x in exclude {
+        parts = parts
+            .into_iter()
+            .flat_map(|p| {
+                if x.end <= p.start || p.end <= x.start {
+                    return vec![p];
+                }
+                let mut v = Vec::new();
+                if p.start < x.start {
+                    v.push(Range { start: p.start, end: x.start });
+                }
+                if x.end < p.end {
+                    v.push(Range { start: x.end, end: p.end });
+                }
+                v
+            })
+            .collect();
+    }
+    out.extend(parts);
+}
+
+/// A process's page map, for finding present pages.
+pub struct PageMap(File);
+
+impl PageMap {
+    pub fn open(pid: u32) -> io::Result<Self> {
+        Ok(Self(File::open(format!("/proc/{pid}/pagemap"))?))
+    }
+
+    /// Calls `f` with the address of every page in `r` that is present and
+    /// mapped only by this process (bit 56): not the shared zero page, not a
+    /// page shared with a `fork` child. Those are the pages a move can take.
+    pub fn present(&self, r: Range, mut f: impl FnMut(u64)) -> io::Result<()> {
+        const CHUNK: u64 = 4096;
+        let mut buf = vec![0u8; CHUNK as usize * 8];
+        let mut pn = r.start / PAGE as u64;
+        let end = r.end / PAGE as u64;
+        while pn < end {
+            let n = (end - pn).min(CHUNK);
+            #[allow(clippy::cast_possible_truncation)]
+            let bytes = &mut buf[..n as usize * 8];
+            self.0.read_exact_at(bytes, pn * 8)?;
+            for (i, e) in bytes.chunks_exact(8).enumerate() {
+                let entry = u64::from_ne_bytes(e.try_into().expect("8 bytes"));
+                if entry >> 63 & 1 == 1 && entry >> 56 & 1 == 1 {
+                    f((pn + i as u64) * PAGE as u64);
+                }
+            }
+            pn += n;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_private_anonymous_writable_ranges_count() {
+        assert_eq!(anonymous("7f00-7f10 rw-p 00000000 00:00 0 "), Some(Range { start: 0x7f00, end: 0x7f10 }));
+        assert_eq!(anonymous("1000-2000 rw-p 00000000 00:00 0    [heap]"), Some(Range { start: 0x1000, end: 0x2000 }));
+        assert_eq!(anonymous("1000-2000 rw-s 00000000 00:01 5    /memfd:x (deleted)"), None);
+        assert_eq!(anonymous("1000-2000 rw-p 00001000 08:01 77   /usr/lib/libc.so.6"), None);
+        assert_eq!(anonymous("1000-2000 r--p 00000000 00:00 0    [vvar]"), None);
+    }
+
+    #[test]
+    fn excluded_ranges_are_cut_out() {
+        let mut out = Vec::new();
+        subtract(Range { start: 0, end: 100 }, &[Range { start: 10, end: 20 }, Range { start: 90, end: 200 }], &mut out);
+        assert_eq!(out, vec![Range { start: 0, end: 10 }, Range { start: 20, end: 90 }]);
+    }
+
+    #[test]
+    fn this_process_has_present_anonymous_pages() {
+        let v = vec![7u8; 4 * PAGE];
+        let addr = v.as_ptr() as u64;
+        let ranges = anonymous_ranges(std::process::id(), &[]).unwrap();
+        let r = ranges.iter().find(|r| r.start <= addr && addr < r.end).expect("the heap is anonymous");
+        let mut present = 0;
+        PageMap::open(std::process::id()).unwrap().present(*r, |_| present += 1).unwrap();
+        assert!(present >= 3, "{present}");
+        drop(v);
+    }
+}

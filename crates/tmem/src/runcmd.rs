@@ -1,0 +1,163 @@
+//! `tmem run`: a program with at most `--memory` of its anonymous memory
+//! resident, the rest compressed in a tmem store, through userfaultfd.
+
+use std::ffi::OsString;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use tmem_uffd::manager::{self, RunConfig, RunReport};
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// Most anonymous memory PROGRAM keeps resident: 512M, 2G, ... The rest
+    /// is kept compressed and comes back on the first touch.
+    #[arg(long, value_parser = tmem_corpus::parse_size)]
+    memory: u64,
+    /// Codec of the pool: lz4, zstd, zstd:LEVEL or raw.
+    #[arg(long, default_value = "lz4")]
+    codec: String,
+    /// PROGRAM and its arguments (after `--`).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "PROGRAM")]
+    command: Vec<OsString>,
+}
+
+/// Finds `name` as `execvp` would.
+fn resolve(name: &OsString) -> Option<PathBuf> {
+    let p = Path::new(name);
+    if p.components().count() > 1 {
+        return Some(p.to_path_buf());
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(p)).find(|c| c.is_file())
+}
+
+/// Why the dynamic loader would not preload the agent into `path`, if it would not.
+fn unenterable(path: &Path) -> anyhow::Result<Option<String>> {
+    let meta = std::fs::metadata(path).with_context(|| format!("{}", path.display()))?;
+    if meta.permissions().mode() & 0o6000 != 0 {
+        return Ok(Some("is set-user-ID or set-group-ID: the dynamic loader ignores LD_PRELOAD for it".into()));
+    }
+    let mut head = [0u8; 4096];
+    let n = std::fs::File::open(path)?.read(&mut head)?;
+    let head = &head[..n];
+    if let Some(rest) = head.strip_prefix(b"#!") {
+        // A script: its interpreter is what runs.
+        let line = rest.split(|&b| b == b'\n').next().unwrap_or_default();
+        let interp = String::from_utf8_lossy(line).split_whitespace().next().unwrap_or_default().to_string();
+        return unenterable(Path::new(&interp)).map(|why| why.map(|w| format!("runs {interp}, which {w}")));
+    }
+    match elf_has_interpreter(head) {
+        Some(true) => Ok(None),
+        Some(false) => Ok(Some("is statically linked: there is no dynamic loader to preload the tmem agent".into())),
+        None => Ok(Some("is not a 64-bit ELF executable or script".into())),
+    }
+}
+
+/// Whether a 64-bit little-endian ELF image has a `PT_INTERP` header.
+/// Hand-written: two fields and a loop, where an ELF crate would be a large
+/// dependency for one question.
+fn elf_has_interpreter(head: &[u8]) -> Option<bool> {
+    if head.len() < 64 || &head[..4] != b"\x7fELF" || head[4] != 2 || head[5] != 1 {
+        return None;
+    }
+    let u16_at = |i: usize| u16::from_le_bytes([head[i], head[i + 1]]);
+    let phoff = usize::try_from(u64::from_le_bytes(head[32..40].try_into().ok()?)).ok()?;
+    let (phentsize, phnum) = (usize::from(u16_at(54)), usize::from(u16_at(56)));
+    for i in 0..phnum {
+        let at = phoff + i * phentsize;
+        let p_type = head.get(at..at + 4)?;
+        if u32::from_le_bytes(p_type.try_into().ok()?) == 3 {
+            return Some(true);
+        }
+    }
+    Some(false)
+}
+
+/// The agent library: `TMEM_RUN_AGENT`, beside this binary, or where the package puts it.
+fn agent() -> anyhow::Result<PathBuf> {
+    const NAME: &str = "libtmem_run_agent.so";
+    if let Some(p) = std::env::var_os("TMEM_RUN_AGENT") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    // In a cargo target directory the library is in `deps/` and, when built
+    // on its own, beside the binary too: the newer one is this build's.
+    let built = [dir.join(NAME), dir.join("deps").join(NAME)]
+        .into_iter()
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max()
+        .map(|(_, p)| p);
+    let installed = [dir.join("../lib/tmem").join(NAME), PathBuf::from("/usr/lib/tmem").join(NAME)];
+    built.into_iter().chain(installed).find(|c| c.is_file()).with_context(|| {
+        format!("the tmem agent library {NAME} is not installed (looked in {}); set TMEM_RUN_AGENT to its path", dir.display())
+    })
+}
+
+pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
+    let codec = tmem_core::CodecConfig::parse(&a.codec)?;
+    let program = a.command[0].clone();
+    let Some(path) = resolve(&program) else { bail!("{}: command not found", program.to_string_lossy()) };
+    if let Some(why) = unenterable(&path)? {
+        bail!("{} {why}; tmem run cannot manage it, so it does not start it", path.display());
+    }
+    // The program makes its userfaultfd as this user: check that it may, and
+    // say which setting allows it, before anything runs.
+    tmem_uffd::sys::Uffd::create().and_then(|u| u.handshake())?;
+    let cfg = RunConfig { memory_bytes: a.memory, codec, agent: agent()?, program, args: a.command[1..].to_vec() };
+    let report = manager::run(&cfg)?;
+    eprintln!("{}", summary(&cfg, &report));
+    let code = match report.status {
+        Some(s) => s.code().unwrap_or_else(|| 128 + std::os::unix::process::ExitStatusExt::signal(&s).unwrap_or(0)),
+        None => 1,
+    };
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+fn mib(pages: u64) -> f64 {
+    pages as f64 * 4096.0 / f64::from(1 << 20)
+}
+
+fn summary(cfg: &RunConfig, r: &RunReport) -> String {
+    let s = &r.stats;
+    let ratio = if r.peak_pool_bytes > 0 { r.peak_pool_pages as f64 * 4096.0 / r.peak_pool_bytes as f64 } else { 0.0 };
+    format!(
+        "tmem run: {} {}; resident at most {:.1} MiB (--memory {:.1} MiB, slack {:.1} MiB); pool at most {:.1} MiB for {:.1} MiB of pages ({ratio:.2}x, {}); \
+         faults: {} first touches, {} from the pool, {} caught in flight; {} pages evicted, {} busy, {} lost; {} process(es)",
+        cfg.program.to_string_lossy(),
+        r.status.map_or_else(|| "did not start".into(), |s| s.to_string()),
+        mib(r.peak_resident),
+        mib(r.limit_pages),
+        mib(r.slack_pages),
+        r.peak_pool_bytes as f64 / f64::from(1 << 20),
+        mib(r.peak_pool_pages),
+        r.codec,
+        s.zero_fills,
+        s.store_fills,
+        s.slot_returns,
+        s.evicted,
+        s.move_busy,
+        r.lost,
+        r.processes,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn static_and_dynamic_binaries_are_told_apart() {
+        let head = |p: &str| {
+            let mut b = vec![0u8; 4096];
+            let n = std::fs::File::open(p).unwrap().read(&mut b).unwrap();
+            b.truncate(n);
+            b
+        };
+        assert_eq!(elf_has_interpreter(&head("/bin/sh")), Some(true));
+        assert_eq!(elf_has_interpreter(b"#!/bin/sh\n"), None);
+        assert!(unenterable(Path::new("/bin/sh")).unwrap().is_none());
+    }
+}
