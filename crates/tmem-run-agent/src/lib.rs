@@ -18,11 +18,19 @@
 //!    page is brought back, since the child's copy of the memory is not
 //!    managed. `vfork` and `posix_spawn` run no handlers and stay cheap.
 //!
+//! 6. interposes `mremap`: the helper's scan can split a mapping for a moment
+//!    (it registers what `/proc/PID/maps` showed, and the mapping may have
+//!    grown since), and `mremap` of a range that spans two mappings fails
+//!    with EFAULT. The helper merges the parts again at once; `mremap` here
+//!    retries an EFAULT for up to a second before it returns it. glibc's own
+//!    `realloc` calls its internal `mremap`, which this cannot see; on that
+//!    failure it falls back to allocate, copy and free, which is correct.
+//!
 //! The constructor is a hand-written `.init_array` entry: one static, where
 //! a crate (`ctor`) would add a proc-macro build for it.
 
 use std::ffi::c_void;
-use std::os::fd::{AsFd, BorrowedFd, IntoRawFd, OwnedFd, RawFd};
+use std::os::fd::{BorrowedFd, IntoRawFd, RawFd};
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
 use tmem_uffd::proto::{self, Hello};
@@ -37,6 +45,11 @@ static SOCK: AtomicI32 = AtomicI32::new(-1);
 static FORK: AtomicI32 = AtomicI32::new(-1);
 static UFFD: AtomicI32 = AtomicI32::new(-1);
 static STAGING: AtomicU64 = AtomicU64::new(0);
+static STACK_AT: AtomicU64 = AtomicU64::new(0);
+/// The helper's end of the fork channel, until the hello has sent it.
+static FORK_THEIRS: AtomicI32 = AtomicI32::new(-1);
+/// Write end of the pipe on which the agent thread reports its hello.
+static DONE: AtomicI32 = AtomicI32::new(-1);
 
 #[used]
 #[link_section = ".init_array"]
@@ -89,33 +102,62 @@ fn start(path: &std::path::Path) -> Result<(), String> {
     let staging = map(SLOTS as usize * PAGE, 0)?;
     const _: () = assert!(SLOTS as usize == proto::MAX_EVICT);
     let stack = map(STACK, libc::MAP_NORESERVE | libc::MAP_STACK)?;
+    let (done_read, done_write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    SOCK.store(sock.into_raw_fd(), Ordering::SeqCst);
+    FORK.store(fork_ours.into_raw_fd(), Ordering::SeqCst);
+    FORK_THEIRS.store(fork_theirs.into_raw_fd(), Ordering::SeqCst);
+    UFFD.store(uffd.into_fd().into_raw_fd(), Ordering::SeqCst);
+    STAGING.store(staging, Ordering::SeqCst);
+    STACK_AT.store(stack, Ordering::SeqCst);
+    DONE.store(done_write.into_raw_fd(), Ordering::SeqCst);
+    spawn_agent_thread(stack)?;
+    // The thread says hello (its id is in it) and writes why it failed, or
+    // nothing, before it closes its end.
+    let mut why = Vec::new();
+    let mut buf = [0u8; 256];
+    loop {
+        match rustix::io::read(&done_read, &mut buf) {
+            Ok(0) => break,
+            Ok(n) => why.extend_from_slice(&buf[..n]),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(format!("agent thread: {e}")),
+        }
+    }
+    if !why.is_empty() {
+        return Err(String::from_utf8_lossy(&why).into_owned());
+    }
+    // SAFETY: the handlers are plain extern "C" functions with no arguments.
+    let rc = unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_parent), Some(after_fork_child)) };
+    if rc != 0 {
+        return Err(format!("pthread_atfork: error {rc}"));
+    }
+    Ok(())
+}
+
+/// Runs on the agent thread: the hello and its answer.
+fn hello() -> Result<(), String> {
+    let staging = STAGING.load(Ordering::SeqCst);
+    let stack = STACK_AT.load(Ordering::SeqCst);
+    // SAFETY: gettid(2) has no preconditions.
+    let tid = unsafe { libc::gettid() };
     let hello = Hello {
         version: proto::VERSION,
         pid: std::process::id(),
         staging,
         slots: SLOTS,
         stack: (stack, stack + STACK as u64),
+        tid: tid.cast_unsigned(),
     };
-    let uffd_fd: OwnedFd = uffd.into_fd();
-    proto::send_with_fds(&sock, &hello.encode(), &[uffd_fd.as_fd(), fork_theirs.as_fd()]).map_err(|e| format!("hello: {e}"))?;
-    drop(fork_theirs);
+    let sock = fd(&SOCK);
+    proto::send_with_fds(sock, &hello.encode(), &[fd(&UFFD), fd(&FORK_THEIRS)]).map_err(|e| format!("hello: {e}"))?;
+    close(&FORK_THEIRS);
     let mut reply = [0u8; 1024];
-    let (n, _) = proto::recv_with_fds(&sock, &mut reply).map_err(|e| format!("waiting for the helper: {e}"))?;
+    let (n, _) = proto::recv_with_fds(sock, &mut reply).map_err(|e| format!("waiting for the helper: {e}"))?;
     match reply[..n].first() {
-        Some(&proto::READY) => {}
-        Some(&proto::REFUSED) => return Err(String::from_utf8_lossy(&reply[1..n]).into_owned()),
-        _ => return Err("the helper closed the connection before the program started".into()),
+        Some(&proto::READY) => Ok(()),
+        Some(&proto::REFUSED) => Err(String::from_utf8_lossy(&reply[1..n]).into_owned()),
+        _ => Err("the helper closed the connection before the program started".into()),
     }
-    SOCK.store(sock.into_raw_fd(), Ordering::SeqCst);
-    FORK.store(fork_ours.into_raw_fd(), Ordering::SeqCst);
-    UFFD.store(uffd_fd.into_raw_fd(), Ordering::SeqCst);
-    STAGING.store(staging, Ordering::SeqCst);
-    // SAFETY: the handlers are plain extern "C" functions with no arguments.
-    let rc = unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_parent), Some(after_fork_child)) };
-    if rc != 0 {
-        return Err(format!("pthread_atfork: error {rc}"));
-    }
-    spawn_agent_thread(stack)
 }
 
 fn spawn_agent_thread(stack: u64) -> Result<(), String> {
@@ -162,7 +204,8 @@ fn evict(sock: BorrowedFd<'_>, msg: &[u8]) {
         let at = 2 + 8 * i;
         let Some(addr) = msg.get(at..at + 8) else { break };
         let addr = u64::from_le_bytes(addr.try_into().expect("8 bytes"));
-        let outcome = Uffd::move_page(fd(&UFFD), staging + (i * PAGE) as u64, addr);
+        let dst = staging + (i * PAGE) as u64;
+        let outcome = Uffd::move_page(fd(&UFFD), dst, addr);
         reply[2 + i] = proto::outcome_code(outcome);
     }
     if rustix::net::send(sock, &reply[..2 + n], rustix::net::SendFlags::NOSIGNAL).is_err() {
@@ -173,6 +216,14 @@ fn evict(sock: BorrowedFd<'_>, msg: &[u8]) {
 /// The agent thread: moves pages out and empties the staging area when
 /// asked. Allocation-free, on a stack the helper never registers.
 extern "C" fn agent_thread(_: *mut c_void) -> *mut c_void {
+    let outcome = hello();
+    if let Err(why) = &outcome {
+        let _ = rustix::io::write(fd(&DONE), why.as_bytes());
+    }
+    close(&DONE);
+    if outcome.is_err() {
+        return std::ptr::null_mut();
+    }
     let sock = fd(&SOCK);
     let mut msg = [0u8; 2 + 8 * proto::MAX_EVICT];
     loop {
@@ -252,4 +303,93 @@ extern "C" fn after_fork_child() {
     close(&SOCK);
     close(&FORK);
     close(&UFFD);
+}
+
+/// The mappings that cover `[start, end)` without a hole, from this
+/// process's maps; `None` if any byte of it is unmapped.
+fn covering(start: u64, end: u64) -> Option<Vec<(u64, u64)>> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let mut parts = Vec::new();
+    let mut at = start;
+    for line in maps.lines() {
+        let (s, e) = line.split_whitespace().next()?.split_once('-')?;
+        let (s, e) = (u64::from_str_radix(s, 16).ok()?, u64::from_str_radix(e, 16).ok()?);
+        if e <= at || s >= end {
+            continue;
+        }
+        if s > at {
+            return None;
+        }
+        parts.push((at, e.min(end)));
+        at = e.min(end);
+        if at == end {
+            return Some(parts);
+        }
+    }
+    None
+}
+
+/// `mremap(2)` for the program.
+///
+/// The helper registers what `/proc/PID/maps` showed, and a mapping that
+/// grew meanwhile is split at the old end. Pages that arrive in both parts
+/// before the helper registers the second can give them different anon_vmas,
+/// and then the kernel never merges them again: an `mremap` that grows or
+/// moves the whole fails with EFAULT, since it moves one mapping at a time.
+/// So on EFAULT over a range that is mapped without a hole, this moves each
+/// mapping to its place in a new range with `MREMAP_FIXED` (the helper
+/// follows each move through its remap events), and the new tail is fresh
+/// zeroed memory, as `mremap` would give. glibc's `realloc` calls its own
+/// `mremap`, which this cannot see; on that EFAULT it allocates, copies and
+/// frees, which is also correct.
+///
+/// C declares it variadic (`new_address` only with `MREMAP_FIXED`); on the
+/// x86_64 and aarch64 Linux ABIs the fifth integer argument is passed in the
+/// same register either way, and it is only read when the flag says so.
+///
+/// # Safety
+/// The caller's contract is `mremap(2)`'s.
+#[no_mangle]
+pub unsafe extern "C" fn mremap(
+    old: *mut c_void,
+    old_size: libc::size_t,
+    new_size: libc::size_t,
+    flags: libc::c_int,
+    new_address: *mut c_void,
+) -> *mut c_void {
+    let fixed = flags & libc::MREMAP_FIXED != 0;
+    let target = if fixed { new_address } else { std::ptr::null_mut() };
+    // SAFETY: the arguments are the caller's, passed through to the syscall.
+    let r = unsafe { libc::syscall(libc::SYS_mremap, old, old_size, new_size, flags, target) };
+    if r != -1 {
+        return r as *mut c_void;
+    }
+    // SAFETY: reads this thread's errno.
+    let errno = unsafe { *libc::__errno_location() };
+    let movable = flags & libc::MREMAP_MAYMOVE != 0 && flags & libc::MREMAP_DONTUNMAP == 0;
+    if errno != libc::EFAULT || !movable || SOCK.load(Ordering::SeqCst) < 0 || new_size < old_size {
+        return libc::MAP_FAILED;
+    }
+    let (start, end) = (old as u64, old as u64 + old_size as u64);
+    let Some(parts) = covering(start, end) else { return libc::MAP_FAILED };
+    let map_flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if fixed { libc::MAP_FIXED } else { 0 };
+    // SAFETY: a new private anonymous range for the result (at the caller's
+    // address with MREMAP_FIXED, which mremap too would have replaced).
+    let base = unsafe { libc::mmap(target, new_size, libc::PROT_READ | libc::PROT_WRITE, map_flags, -1, 0) };
+    if base == libc::MAP_FAILED {
+        return libc::MAP_FAILED;
+    }
+    for (s, e) in parts {
+        let to = base as u64 + (s - start);
+        let len = (e - s) as libc::size_t;
+        let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
+        // SAFETY: moves one whole part of the caller's range into the new range.
+        let r = unsafe { libc::syscall(libc::SYS_mremap, s, len, len, fixed_move, to) };
+        if r == -1 {
+            // SAFETY: errno is this thread's; the failure is reported as mremap's own.
+            unsafe { *libc::__errno_location() = libc::ENOMEM };
+            return libc::MAP_FAILED;
+        }
+    }
+    base
 }

@@ -47,7 +47,11 @@ pub enum FaultPlan {
     FromStore(u64),
     /// Move the page back from this staging slot.
     FromSlot(u32),
-    /// Already mapped: another fault on the same page was served first.
+    /// The engine holds it as mapped, yet it faulted: either another fault
+    /// on the page was served first, or the program dropped it in a way no
+    /// event reported yet (an `madvise` racing a scan's adoption). Either
+    /// way its contents are zeros or already there: fill zeros, and a page
+    /// that is there makes the fill fail harmlessly.
     Present,
 }
 
@@ -105,6 +109,9 @@ pub struct EngineStats {
     pub dropped_away: u64,
     /// Present pages found by a scan that the engine had not mapped.
     pub adopted: u64,
+    /// Faults on pages the engine held as mapped: dropped by the program
+    /// before the engine heard of it (zeros were served, as the kernel would).
+    pub dropped_unseen: u64,
 }
 
 /// Where every page of one process is.
@@ -117,6 +124,8 @@ pub struct Engine {
     slots: Vec<Option<Pn>>,
     resident: u64,
     stored: u64,
+    /// Pages that became `Pinned`, to retry later (some may have left since).
+    pinned: Vec<Pn>,
     next_key: u64,
     paused: bool,
     stats: EngineStats,
@@ -132,6 +141,7 @@ impl Engine {
             slots: vec![None; slots as usize],
             resident: 0,
             stored: 0,
+            pinned: Vec::new(),
             next_key: 0,
             paused: false,
             stats: EngineStats::default(),
@@ -172,11 +182,7 @@ impl Engine {
     pub fn serve(&mut self, mem: &impl Mem, backing: &impl Backing, pn: Pn, buf: &mut [u8; PAGE]) -> Served {
         let plan = self.plan(pn);
         let outcome = match plan {
-            FaultPlan::Present => {
-                mem.wake(pn);
-                return Served::Done;
-            }
-            FaultPlan::Zero => {
+            FaultPlan::Zero | FaultPlan::Present => {
                 buf.fill(0);
                 mem.fill(pn, buf)
             }
@@ -192,6 +198,13 @@ impl Engine {
             Outcome::Done => {
                 match plan {
                     FaultPlan::Zero => self.stats.zero_fills += 1,
+                    FaultPlan::Present => {
+                        self.stats.dropped_unseen += 1;
+                        if let Some(Page::Resident { referenced }) = self.pages.get_mut(&pn) {
+                            *referenced = true;
+                            return Served::Done;
+                        }
+                    }
                     FaultPlan::FromStore(key) => {
                         backing.remove(key);
                         self.stored -= 1;
@@ -201,12 +214,15 @@ impl Engine {
                         self.slots[slot as usize] = None;
                         self.stats.slot_returns += 1;
                     }
-                    FaultPlan::Present => {}
                 }
                 self.make_resident(pn, true);
                 Served::Done
             }
             Outcome::Retry => Served::Retry,
+            Outcome::Gone | Outcome::Busy if plan == FaultPlan::Present => {
+                mem.wake(pn);
+                Served::Done
+            }
             Outcome::Gone | Outcome::Busy => Served::Gone,
         }
     }
@@ -217,8 +233,7 @@ impl Engine {
         self.clock.push_back(pn);
     }
 
-    /// Takes in a page that a scan found present and mapped only here (a
-    /// pinned page found so becomes movable again); false if the engine knew it.
+    /// Takes in a page that a scan found present; false if the engine knew it.
     pub fn adopt(&mut self, pn: Pn) -> bool {
         match self.pages.get(&pn) {
             Some(Page::Pinned) => {}
@@ -311,9 +326,20 @@ impl Engine {
             Outcome::Busy => {
                 self.stats.move_busy += 1;
                 self.pages.insert(pn, Page::Pinned);
+                self.pinned.push(pn);
                 self.resident -= 1;
             }
             Outcome::Retry | Outcome::Gone => self.clock.push_back(pn),
+        }
+    }
+
+    /// Makes pinned pages candidates again: a `fork` child that shared them
+    /// may have ended. One that is still shared comes back pinned.
+    pub fn unpin(&mut self) {
+        for pn in std::mem::take(&mut self.pinned) {
+            if self.pages.get(&pn) == Some(&Page::Pinned) {
+                self.make_resident(pn, false);
+            }
         }
     }
 
@@ -379,8 +405,9 @@ pub struct Batch {
 }
 
 impl Batch {
-    /// Moves up to `max` victims out, victim `i` into slot `i`; returns how many moved.
-    pub fn move_out(&mut self, engine: &mut Engine, mem: &impl Mem, max: usize) -> usize {
+    /// Moves up to `max` victims out, victim `i` into slot `i`. Returns how
+    /// many moved and how many must be tried again (the map was changing).
+    pub fn move_out(&mut self, engine: &mut Engine, mem: &impl Mem, max: usize) -> (usize, usize) {
         let mut victims = std::mem::take(&mut self.victims);
         engine.victims(max, &mut victims);
         self.slots.clear();
@@ -389,16 +416,19 @@ impl Batch {
         if !victims.is_empty() {
             mem.move_out(&victims, outcomes);
         }
+        let mut retry = 0;
         for (i, (&pn, &outcome)) in victims.iter().zip(outcomes.iter()).enumerate() {
             #[allow(clippy::cast_possible_truncation)]
             let slot = i as u32;
             engine.moved(pn, slot, outcome);
-            if outcome == Outcome::Done {
-                self.slots.push(slot);
+            match outcome {
+                Outcome::Done => self.slots.push(slot),
+                Outcome::Retry => retry += 1,
+                Outcome::Gone | Outcome::Busy => {}
             }
         }
         self.victims = victims;
-        self.slots.len()
+        (self.slots.len(), retry)
     }
 }
 

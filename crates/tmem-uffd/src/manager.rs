@@ -171,6 +171,7 @@ struct Process {
     staging: Range,
     slots: u32,
     stack: Range,
+    agent_tid: u32,
     pool: Arc<Pool>,
     /// Held by whoever talks to the agent on `sock` (evictor, release).
     chan: Mutex<()>,
@@ -194,33 +195,39 @@ impl Process {
         self.staging.start <= addr && addr < self.staging.end
     }
 
-    /// Registers new anonymous ranges and adopts their present pages.
+    /// Registers the process's anonymous ranges and adopts the present pages
+    /// of those it did not have before.
+    ///
+    /// The maps read can be stale by the time a range is registered: a
+    /// mapping that grew in place meanwhile is split at the old end, and
+    /// until its new part is registered too (which merges the two again),
+    /// an `mremap` of the whole fails with EFAULT (the agent's `mremap`
+    /// retries it). So every range is registered again at once, in a second
+    /// pass: registering a registered range changes nothing and costs one
+    /// call, and the second pass mends what the first split.
     fn rescan(&self, shared: &Shared) -> std::io::Result<()> {
-        let ranges = maps::anonymous_ranges(self.pid, &[self.stack])?;
-        let mut registered = self.registered.lock();
         let mut found = Vec::new();
-        for r in &ranges {
-            if registered.contains(r) {
-                continue;
-            }
-            let rr = self.uffd.register(r.start, r.end - r.start);
-            tracing::debug!(pid = self.pid, "register {:#x}-{:#x}: {rr:?}", r.start, r.end);
-            if rr.is_err() {
-                // A range the kernel will not register (mlocked, special): not managed.
-                continue;
-            }
-            if self.in_staging(r.start) && self.in_staging(r.end - 1) {
-                continue;
-            }
-            self.pagemap.present(*r, |addr| {
-                if !self.in_staging(addr) {
-                    found.push(addr / P);
+        let mut registered = self.registered.lock();
+        for _pass in 0..2 {
+            let ranges = maps::anonymous_ranges(self.pid, &[self.stack])?;
+            for r in &ranges {
+                if let Err(e) = self.uffd.register(r.start, r.end - r.start) {
+                    // Unmapped meanwhile, or a range the kernel will not register (mlocked, special).
+                    tracing::debug!(pid = self.pid, "register {:#x}-{:#x}: {e}", r.start, r.end);
+                    continue;
                 }
-            })?;
+                if registered.contains(r) || (self.in_staging(r.start) && self.in_staging(r.end - 1)) {
+                    continue;
+                }
+                self.pagemap.present(*r, |addr| {
+                    if !self.in_staging(addr) {
+                        found.push(addr / P);
+                    }
+                })?;
+            }
+            *registered = ranges;
         }
-        *registered = ranges;
         drop(registered);
-        tracing::debug!(pid = self.pid, "scan adopted {} present pages", found.len());
         if !found.is_empty() {
             let mut engine = self.engine.lock();
             for pn in found {
@@ -385,7 +392,15 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
     // Descendants that outlive the program get their pages back and are let go.
     let left: Vec<Arc<Process>> = shared.procs.lock().clone();
     for p in left {
-        release(&shared, &p);
+        if p.pid != child_pid && std::path::Path::new(&format!("/proc/{}", p.pid)).exists() {
+            release(&shared, &p);
+        }
+    }
+    // Each process's fault thread sees its agent's socket close and folds
+    // its counters into the totals; wait for them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !shared.procs.lock().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
     }
     shared.stop.store(true, Ordering::SeqCst);
     shared.wake_evictor();
@@ -484,6 +499,7 @@ fn admit(shared: &Arc<Shared>, sock: OwnedFd) -> Result<u32, String> {
         staging: Range { start: hello.staging, end: hello.staging + u64::from(hello.slots) * P },
         slots: hello.slots,
         stack: Range { start: hello.stack.0, end: hello.stack.1 },
+        agent_tid: hello.tid,
         pool: shared.store.create_pool(PoolConfig::persistent()),
         chan: Mutex::new(Rank::RunAgentChannel, ()),
         engine: Mutex::new(Rank::RunEngine, Engine::new(hello.slots)),
@@ -552,7 +568,10 @@ fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
             let mut engine = None;
             for ev in &events[..n] {
                 match *ev {
-                    Event::Fault { addr, .. } if p.in_staging(addr) => {
+                    // The helper reading a staging slot whose page went back, or
+                    // the agent touching a victim the program just dropped:
+                    // zeros, at once, since the evictor may be waiting on it.
+                    Event::Fault { addr, tid, .. } if p.in_staging(addr) || tid == p.agent_tid => {
                         buf.fill(0);
                         let _ = p.uffd.copy(addr, &buf);
                     }
@@ -632,11 +651,15 @@ fn finish(shared: &Shared, p: &Arc<Process>) {
     t.put_refused += s.put_refused;
     t.dropped_away += s.dropped_away;
     t.adopted += s.adopted;
+    t.dropped_unseen += s.dropped_unseen;
     done.1 += 1;
 }
 
 /// Brings every page of `p` back into it, pausing eviction; false if one was lost.
 fn fill_all(shared: &Shared, p: &Process) -> bool {
+    if p.gone.load(Ordering::SeqCst) {
+        return false;
+    }
     let backing = PoolBacking(&p.pool);
     let mut buf = Box::new([0u8; PAGE]);
     let mut engine = p.engine.lock();
@@ -673,6 +696,10 @@ fn fork_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
     loop {
         match proto::recv_byte(&p.fork) {
             Ok(Some(proto::FORKING)) => {
+                // No batch may be moving pages out while the child's copy of
+                // the memory is taken: wait for the one in progress, and
+                // `fill_all` pauses eviction until the parent says it forked.
+                let _chan = p.chan.lock();
                 fill_all(shared, p);
                 if proto::send_byte(&p.fork, proto::FILLED).is_err() {
                     return;
@@ -708,23 +735,34 @@ fn evict_loop(shared: &Arc<Shared>) {
             *wanted = false;
         }
         let procs: Vec<Arc<Process>> = shared.procs.lock().clone();
-        let over = shared.total.load(Ordering::SeqCst) > shared.limit;
-        if over || last_scan.elapsed() >= RESCAN {
-            for p in &procs {
-                let _ = p.rescan(shared);
+        loop {
+            if last_scan.elapsed() >= RESCAN || shared.stuck.load(Ordering::SeqCst) {
+                for p in &procs {
+                    let _ = p.rescan(shared);
+                    let mut engine = p.engine.lock();
+                    engine.unpin();
+                    shared.sync_resident(p, &engine);
+                }
+                last_scan = Instant::now();
             }
-            last_scan = Instant::now();
-        }
-        while shared.total.load(Ordering::SeqCst) > shared.limit && !shared.stop.load(Ordering::SeqCst) {
+            if shared.total.load(Ordering::SeqCst) <= shared.limit || shared.stop.load(Ordering::SeqCst) {
+                break;
+            }
             let Some(p) = procs.iter().filter(|p| !p.gone.load(Ordering::SeqCst)).max_by_key(|p| p.resident.load(Ordering::SeqCst))
             else {
                 break;
             };
-            let moved = evict_batch(shared, p, &mut batch, &mut bufs);
-            shared.stuck.store(moved == 0, Ordering::SeqCst);
+            let (moved, retry) = evict_batch(shared, p, &mut batch, &mut bufs);
             for q in &procs {
                 signal(&q.room);
             }
+            if moved == 0 && retry > 0 {
+                // The program's map is changing: its fault thread reads the
+                // event, and the pages can move again a moment later.
+                std::thread::sleep(Duration::from_micros(50));
+                continue;
+            }
+            shared.stuck.store(moved == 0, Ordering::SeqCst);
             if moved == 0 {
                 break;
             }
@@ -737,18 +775,19 @@ fn evict_loop(shared: &Arc<Shared>) {
     }
 }
 
-/// One batch: move out, read, store, empty the staging area. Returns the pages moved.
-fn evict_batch(shared: &Shared, p: &Process, batch: &mut Batch, bufs: &mut [[u8; PAGE]]) -> usize {
+/// One batch: move out, read, store, empty the staging area. Returns the
+/// pages moved and those to try again (the program's map was changing).
+fn evict_batch(shared: &Shared, p: &Process, batch: &mut Batch, bufs: &mut [[u8; PAGE]]) -> (usize, usize) {
     let _chan = p.chan.lock();
     let max = bufs.len().min(p.slots as usize).min(proto::MAX_EVICT);
-    let moved = {
+    let (moved, retry) = {
         let mut engine = p.engine.lock();
-        let moved = batch.move_out(&mut engine, &p.real(), max);
+        let outcome = batch.move_out(&mut engine, &p.real(), max);
         shared.sync_resident(p, &engine);
-        moved
+        outcome
     };
     if moved == 0 {
-        return 0;
+        return (0, retry);
     }
     let slots = batch.slots.clone();
     if read_slots(p, &slots, bufs).is_err() {
@@ -758,7 +797,7 @@ fn evict_batch(shared: &Shared, p: &Process, batch: &mut Batch, bufs: &mut [[u8;
             let _ = engine.refused_slot(&p.real(), slot);
         }
         shared.sync_resident(p, &engine);
-        return 0;
+        return (0, 0);
     }
     let backing = PoolBacking(&p.pool);
     let keys: Vec<u64> = {
@@ -782,7 +821,7 @@ fn evict_batch(shared: &Shared, p: &Process, batch: &mut Batch, bufs: &mut [[u8;
     if proto::send_byte(&p.sock, proto::DROP_STAGING).is_ok() {
         let _ = proto::recv_byte(&p.sock);
     }
-    moved
+    (moved, retry)
 }
 
 /// Reads the staging slots out of the process with one `process_vm_readv`.

@@ -76,9 +76,9 @@ impl PageMap {
         Ok(Self(File::open(format!("/proc/{pid}/pagemap"))?))
     }
 
-    /// Calls `f` with the address of every page in `r` that is present and
-    /// mapped only by this process (bit 56): not the shared zero page, not a
-    /// page shared with a `fork` child. Those are the pages a move can take.
+    /// Calls `f` with the address of every present page in `r` (bit 63).
+    /// Some may be shared (the zero page, a `fork` child's): the agent makes
+    /// such a page the process's own before it moves it.
     pub fn present(&self, r: Range, mut f: impl FnMut(u64)) -> io::Result<()> {
         const CHUNK: u64 = 4096;
         let mut buf = vec![0u8; CHUNK as usize * 8];
@@ -91,7 +91,7 @@ impl PageMap {
             self.0.read_exact_at(bytes, pn * 8)?;
             for (i, e) in bytes.chunks_exact(8).enumerate() {
                 let entry = u64::from_ne_bytes(e.try_into().expect("8 bytes"));
-                if entry >> 63 & 1 == 1 && entry >> 56 & 1 == 1 {
+                if entry >> 63 & 1 == 1 {
                     f((pn + i as u64) * PAGE as u64);
                 }
             }

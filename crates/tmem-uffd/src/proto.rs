@@ -57,6 +57,9 @@ pub struct Hello {
     pub slots: u32,
     /// The agent thread's own stack, which must never be registered.
     pub stack: (u64, u64),
+    /// The agent thread's id: its faults are served at once (it only ever
+    /// touches a victim page, while the evictor waits on it).
+    pub tid: u32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +89,7 @@ impl Hello {
         b[16..24].copy_from_slice(&self.staging.to_le_bytes());
         b[24..32].copy_from_slice(&self.stack.0.to_le_bytes());
         b[32..40].copy_from_slice(&self.stack.1.to_le_bytes());
+        b[40..44].copy_from_slice(&self.tid.to_le_bytes());
         b
     }
 
@@ -101,7 +105,7 @@ impl Hello {
         if u32_at(4) != VERSION {
             return Err(ProtoError::Version(u32_at(4)));
         }
-        Ok(Self { version: VERSION, pid: u32_at(8), slots: u32_at(12), staging: u64_at(16), stack: (u64_at(24), u64_at(32)) })
+        Ok(Self { version: VERSION, pid: u32_at(8), slots: u32_at(12), staging: u64_at(16), stack: (u64_at(24), u64_at(32)), tid: u32_at(40) })
     }
 }
 
@@ -150,7 +154,7 @@ mod tests {
 
     #[test]
     fn a_hello_round_trips_and_bad_ones_are_named() {
-        let h = Hello { version: VERSION, pid: 42, staging: 0x7f00_0000_0000, slots: 64, stack: (1 << 20, 2 << 20) };
+        let h = Hello { version: VERSION, pid: 42, staging: 0x7f00_0000_0000, slots: 64, stack: (1 << 20, 2 << 20), tid: 7 };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         assert!(matches!(Hello::decode(&[0; 3]), Err(ProtoError::Length(3))));
         let mut bad = h.encode();

@@ -34,6 +34,7 @@ const fn ioc_readwrite(command: u32, size: usize) -> u32 {
 /// `munmap`, `mremap` and `madvise` reported, and `UFFDIO_MOVE` for
 /// eviction.
 pub const FEATURES: u64 = (uapi::UFFD_FEATURE_EVENT_REMAP
+    | uapi::UFFD_FEATURE_THREAD_ID
     | uapi::UFFD_FEATURE_EVENT_REMOVE
     | uapi::UFFD_FEATURE_EVENT_UNMAP
     | uapi::UFFD_FEATURE_MOVE) as u64;
@@ -62,8 +63,8 @@ pub enum AccessError {
 /// What one read from a userfaultfd said.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// A thread touched a missing page at `addr` (page-aligned).
-    Fault { addr: u64, write: bool },
+    /// Thread `tid` touched a missing page at `addr` (page-aligned).
+    Fault { addr: u64, write: bool, tid: u32 },
     /// `madvise(MADV_DONTNEED/FREE/REMOVE)` over `[start, end)`.
     Remove { start: u64, end: u64 },
     /// `munmap` (or a `mremap` that shrank, or `MAP_FIXED` over) `[start, end)`.
@@ -260,6 +261,8 @@ fn parse_msg(msg: &[u8]) -> Event {
         uapi::UFFD_EVENT_PAGEFAULT => Event::Fault {
             addr: word(msg, 16) & !(PAGE as u64 - 1),
             write: word(msg, 8) & u64::from(uapi::UFFD_PAGEFAULT_FLAG_WRITE) != 0,
+            #[allow(clippy::cast_possible_truncation)]
+            tid: word(msg, 24) as u32,
         },
         uapi::UFFD_EVENT_REMOVE => Event::Remove { start: word(msg, 8), end: word(msg, 16) },
         uapi::UFFD_EVENT_UNMAP => Event::Unmap { start: word(msg, 8), end: word(msg, 16) },
@@ -285,6 +288,7 @@ fn feature_names(bits: u64) -> String {
         (uapi::UFFD_FEATURE_EVENT_REMOVE, "EVENT_REMOVE"),
         (uapi::UFFD_FEATURE_EVENT_UNMAP, "EVENT_UNMAP"),
         (uapi::UFFD_FEATURE_MOVE, "UFFDIO_MOVE"),
+        (uapi::UFFD_FEATURE_THREAD_ID, "THREAD_ID"),
     ];
     let list: Vec<&str> = names.iter().filter(|(b, _)| bits & u64::from(*b) != 0).map(|(_, n)| *n).collect();
     if list.is_empty() {
@@ -312,7 +316,8 @@ mod tests {
         m[0] = 0x12; // PAGEFAULT
         m[8..16].copy_from_slice(&1u64.to_ne_bytes());
         m[16..24].copy_from_slice(&0x7f00_1234u64.to_ne_bytes());
-        assert_eq!(parse_msg(&m), Event::Fault { addr: 0x7f00_1000, write: true });
+        m[24..28].copy_from_slice(&42u32.to_ne_bytes());
+        assert_eq!(parse_msg(&m), Event::Fault { addr: 0x7f00_1000, write: true, tid: 42 });
         m[0] = 0x14; // REMAP
         m[24..32].copy_from_slice(&8192u64.to_ne_bytes());
         assert_eq!(parse_msg(&m), Event::Remap { from: 1, to: 0x7f00_1234, len: 8192 });
@@ -361,5 +366,48 @@ mod kernel {
         page[..8].copy_from_slice(&7u64.to_ne_bytes());
         assert_eq!(uffd.copy(src + PAGE as u64, &page), Outcome::Done);
         assert_eq!(uffd.copy(src + PAGE as u64, &page), Outcome::Gone, "a second copy finds the page there");
+    }
+}
+
+#[cfg(test)]
+mod shared_pages {
+    use super::*;
+
+    /// What `tmem run` works around: on this kernel a page of a mapping
+    /// that went through `fork` cannot be moved, even after the child is
+    /// gone and the parent wrote it. A fresh mapping's page can.
+    #[test]
+    fn pages_of_a_forked_mapping_do_not_move() {
+        let Ok(uffd) = Uffd::create() else {
+            eprintln!("SKIP: no userfaultfd for this user");
+            return;
+        };
+        uffd.handshake().unwrap();
+        let map = |n: usize| {
+            // SAFETY: a fresh private anonymous mapping owned by the test.
+            let p = unsafe { libc::mmap(std::ptr::null_mut(), n * PAGE, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+            assert_ne!(p, libc::MAP_FAILED);
+            p as u64
+        };
+        let (src, staging) = (map(1), map(2));
+        // SAFETY: src is this test's page.
+        unsafe { *(src as *mut u64) = 5 };
+        uffd.register(staging, 2 * PAGE as u64).unwrap();
+        // SAFETY: the child exits at once, running nothing of the harness.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            // SAFETY: see above.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: reaps the child forked above.
+        unsafe { libc::waitpid(child, &raw mut status, 0) };
+        // SAFETY: src is this test's page; an atomic add of zero is a write.
+        unsafe { &*(src as *const std::sync::atomic::AtomicU64) }.fetch_add(0, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(Uffd::move_page(uffd.as_fd(), staging, src), Outcome::Busy);
+        let fresh = map(1);
+        // SAFETY: fresh is this test's page.
+        unsafe { *(fresh as *mut u64) = 6 };
+        assert_eq!(Uffd::move_page(uffd.as_fd(), staging + PAGE as u64, fresh), Outcome::Done);
     }
 }

@@ -1,0 +1,237 @@
+/* The `tmem run` stress job: THREADS threads write, rewrite, munmap, mremap
+ * and MADV_DONTNEED their own regions in a seeded pattern, check every byte
+ * against a model, and fork children that check their copies.
+ *
+ * usage: stress SEED TOTAL_MIB OPS_PER_THREAD
+ * Prints "ok CHECKS" and exits 0, or names the first wrong page and exits 1.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <signal.h>
+
+static void on_segv(int sig, siginfo_t *si, void *ctx)
+{
+	(void)ctx;
+	char msg[128];
+	int n = snprintf(msg, sizeof msg, "signal %d at %p in pid %d\n", sig, si->si_addr, getpid());
+	if (write(2, msg, n)) {}
+	_exit(3);
+}
+
+#define PAGE 4096UL
+#define THREADS 8
+#define REGIONS 6
+#define WORDS (PAGE / 8)
+
+struct region {
+	uint64_t *mem;
+	size_t pages;
+	uint64_t *model; /* per page: 0 = zeros, else the value it was filled with */
+};
+
+struct worker {
+	int id;
+	uint64_t rng;
+	size_t max_pages;
+	long ops;
+	long checks;
+	struct region r[REGIONS];
+};
+
+static struct worker workers[THREADS];
+
+static uint64_t next(uint64_t *s)
+{
+	uint64_t x = *s;
+	x ^= x << 13;
+	x ^= x >> 7;
+	x ^= x << 17;
+	return *s = x;
+}
+
+/* Odd values fill every word alike (a same-filled page), even ones a
+ * compressible pattern. */
+static uint64_t word(uint64_t v, size_t i)
+{
+	return (v & 1) ? v : v + (i & 7);
+}
+
+static void fill(uint64_t *page, uint64_t v)
+{
+	for (size_t i = 0; i < WORDS; i++)
+		page[i] = word(v, i);
+}
+
+static void fail(struct worker *w, int r, size_t p, uint64_t want, uint64_t got, size_t i, const char *where)
+{
+	fprintf(stderr, "MISMATCH (%s) thread %d region %d page %zu word %zu: want %#lx got %#lx\n", where, w->id, r,
+		p, i, (unsigned long)want, (unsigned long)got);
+	fflush(stderr);
+	_exit(1);
+}
+
+static void check_page(struct worker *w, int r, size_t p, const char *where)
+{
+	uint64_t v = w->r[r].model[p];
+	uint64_t *page = w->r[r].mem + p * WORDS;
+	for (size_t i = 0; i < WORDS; i++) {
+		uint64_t want = v ? word(v, i) : 0;
+		if (page[i] != want)
+			fail(w, r, p, want, page[i], i, where);
+	}
+	w->checks++;
+}
+
+static void check_all(struct worker *w, const char *where)
+{
+	for (int r = 0; r < REGIONS; r++)
+		for (size_t p = 0; p < w->r[r].pages; p++)
+			check_page(w, r, p, where);
+}
+
+static void map_region(struct worker *w, int r)
+{
+	size_t pages = 8 + next(&w->rng) % (w->max_pages - 8);
+	void *m = mmap(NULL, pages * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (m == MAP_FAILED) {
+		perror("mmap");
+		_exit(2);
+	}
+	w->r[r].mem = m;
+	w->r[r].pages = pages;
+	w->r[r].model = calloc(pages, sizeof(uint64_t));
+}
+
+static void op(struct worker *w)
+{
+	int r = next(&w->rng) % REGIONS;
+	struct region *g = &w->r[r];
+	uint64_t dice = next(&w->rng) % 1000;
+	size_t p = next(&w->rng) % g->pages;
+	if (dice < 550) {
+		/* write: a whole page, a new value */
+		uint64_t v = next(&w->rng) | 2;
+		fill(g->mem + p * WORDS, v);
+		g->model[p] = v;
+	} else if (dice < 900) {
+		check_page(w, r, p, "read");
+	} else if (dice < 940) {
+		/* MADV_DONTNEED over a few pages: they read as zeros */
+		size_t n = 1 + next(&w->rng) % 16;
+		if (p + n > g->pages)
+			n = g->pages - p;
+		if (madvise(g->mem + p * WORDS, n * PAGE, MADV_DONTNEED)) {
+			perror("madvise");
+			_exit(2);
+		}
+		memset(g->model + p, 0, n * sizeof(uint64_t));
+	} else if (dice < 960) {
+		/* munmap the region, map a fresh one */
+		munmap(g->mem, g->pages * PAGE);
+		free(g->model);
+		map_region(w, r);
+	} else if (dice < 975) {
+		/* munmap the tail */
+		size_t keep = 1 + p;
+		if (keep < g->pages) {
+			munmap(g->mem + keep * WORDS, (g->pages - keep) * PAGE);
+			g->pages = keep;
+		}
+	} else if (dice < 999) {
+		/* mremap: grow (maybe moving) or shrink */
+		size_t pages = 8 + next(&w->rng) % (w->max_pages - 8);
+		void *m = mremap(g->mem, g->pages * PAGE, pages * PAGE, MREMAP_MAYMOVE);
+		if (m == MAP_FAILED) {
+			perror("mremap");
+			fprintf(stderr, "region %p-%p\n", (void *)g->mem, (void *)(g->mem + g->pages * WORDS));
+			FILE *f = fopen("/proc/self/smaps", "r");
+			char line[256];
+			int show = 0;
+			unsigned long a = (unsigned long)g->mem, b = a + g->pages * PAGE;
+			while (f && fgets(line, sizeof line, f)) {
+				unsigned long s, e;
+				if (sscanf(line, "%lx-%lx ", &s, &e) == 2 && strchr(line, ' ') == line + strcspn(line, " ") && line[strcspn(line, "-")] == '-' && strstr(line, "p ")) {
+					show = s < b + 0x100000 && e + 0x100000 > a;
+					if (show)
+						fprintf(stderr, "%s", line);
+				} else if (show && (!strncmp(line, "VmFlags", 7) || !strncmp(line, "Rss", 3) || !strncmp(line, "Anonymous", 9)))
+					fprintf(stderr, "   %s", line);
+			}
+			_exit(2);
+		}
+		uint64_t *model = calloc(pages, sizeof(uint64_t));
+		memcpy(model, g->model, (pages < g->pages ? pages : g->pages) * sizeof(uint64_t));
+		free(g->model);
+		g->mem = m;
+		g->model = model;
+		g->pages = pages;
+	} else {
+		/* fork: the child checks its copy of this thread's memory */
+		pid_t child = fork();
+		if (child < 0) {
+			perror("fork");
+			_exit(2);
+		}
+		if (child == 0) {
+			fprintf(stderr, "child %d of thread %d: regions", getpid(), w->id);
+			for (int q = 0; q < REGIONS; q++)
+				fprintf(stderr, " %p+%zu", (void *)w->r[q].mem, w->r[q].pages);
+			fprintf(stderr, "\n");
+			check_all(w, "fork child");
+			_exit(0);
+		}
+		int status;
+		if (waitpid(child, &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+			fprintf(stderr, "fork child of thread %d failed (status %#x)\n", w->id, status);
+			_exit(1);
+		}
+	}
+}
+
+static void *run(void *arg)
+{
+	struct worker *w = arg;
+	for (int r = 0; r < REGIONS; r++)
+		map_region(w, r);
+	for (long i = 0; i < w->ops; i++)
+		op(w);
+	check_all(w, "end");
+	return NULL;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc != 4) {
+		fprintf(stderr, "usage: %s SEED TOTAL_MIB OPS_PER_THREAD\n", argv[0]);
+		return 2;
+	}
+	uint64_t seed = strtoull(argv[1], NULL, 0);
+	size_t total_pages = strtoull(argv[2], NULL, 0) * 256;
+	long ops = strtol(argv[3], NULL, 0);
+	pthread_t t[THREADS];
+	struct sigaction sa = { .sa_sigaction = on_segv, .sa_flags = SA_SIGINFO };
+	sigaction(SIGSEGV, &sa, NULL);
+	sigaction(SIGBUS, &sa, NULL);
+	for (int i = 0; i < THREADS; i++) {
+		workers[i].id = i;
+		workers[i].rng = seed * 0x9E3779B97F4A7C15ULL + i + 1;
+		/* regions average half their maximum */
+		workers[i].max_pages = 2 * total_pages / THREADS / REGIONS;
+		workers[i].ops = ops;
+		pthread_create(&t[i], NULL, run, &workers[i]);
+	}
+	long checks = 0;
+	for (int i = 0; i < THREADS; i++) {
+		pthread_join(t[i], NULL);
+		checks += workers[i].checks;
+	}
+	printf("ok %ld\n", checks);
+	return 0;
+}
