@@ -51,7 +51,7 @@ echo "== cargo nextest"
 # it is missing (tmem-testkit); CI has all of these, so there a skip fails the
 # run instead of hiding a test. Override with e.g. TMEM_REQUIRE= (none) or
 # TMEM_REQUIRE=tools on a machine that lacks some.
-export TMEM_REQUIRE="${TMEM_REQUIRE-root,fuse,fuse-uring,loop,swap,zram,memcg,tools,miri}"
+export TMEM_REQUIRE="${TMEM_REQUIRE-root,fuse,fuse-uring,loop,swap,zram,memcg,tools,miri,userfaultfd}"
 NEXTEST_LOG="$(mktemp)"
 trap 'rm -f "$NEXTEST_LOG"' EXIT
 cargo nextest run --workspace --no-fail-fast 2>&1 | tee "$NEXTEST_LOG"

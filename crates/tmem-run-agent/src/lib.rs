@@ -73,7 +73,14 @@ fn die(msg: &str) -> ! {
 fn map(len: usize, flags: libc::c_int) -> Result<u64, String> {
     // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
     let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags, -1, 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
+            -1,
+            0,
+        )
     };
     if p == libc::MAP_FAILED {
         return Err(format!("mmap of {len} bytes: {}", std::io::Error::last_os_error()));
@@ -86,7 +93,8 @@ fn start(path: &std::path::Path) -> Result<(), String> {
     let sock = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
         .map_err(|e| format!("socket: {e}"))?;
     let addr = SocketAddrUnix::new(path).map_err(|e| format!("socket path {}: {e}", path.display()))?;
-    rustix::net::connect(&sock, &addr).map_err(|e| format!("cannot reach the tmem helper at {}: {e}", path.display()))?;
+    rustix::net::connect(&sock, &addr)
+        .map_err(|e| format!("cannot reach the tmem helper at {}: {e}", path.display()))?;
     let uffd = match Uffd::create() {
         Ok(u) => u,
         Err(e) => {
@@ -102,7 +110,8 @@ fn start(path: &std::path::Path) -> Result<(), String> {
     let staging = map(SLOTS as usize * PAGE, 0)?;
     const _: () = assert!(SLOTS as usize == proto::MAX_EVICT);
     let stack = map(STACK, libc::MAP_NORESERVE | libc::MAP_STACK)?;
-    let (done_read, done_write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    let (done_read, done_write) =
+        rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     SOCK.store(sock.into_raw_fd(), Ordering::SeqCst);
     FORK.store(fork_ours.into_raw_fd(), Ordering::SeqCst);
     FORK_THEIRS.store(fork_theirs.into_raw_fd(), Ordering::SeqCst);

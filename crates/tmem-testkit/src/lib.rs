@@ -34,11 +34,13 @@ pub enum Feature {
     /// Miri (the nightly toolchain's `miri` component), which `scripts/test.sh`
     /// runs on tmem-core's unsafe core.
     Miri,
+    /// userfaultfd with `UFFDIO_MOVE` and the non-cooperative events (Linux 6.8+), for `tmem run`.
+    Userfaultfd,
 }
 
 impl Feature {
     /// Every feature, in the order `all` stands for.
-    pub const ALL: [Feature; 9] = [
+    pub const ALL: [Feature; 10] = [
         Feature::Root,
         Feature::Fuse,
         Feature::FuseUring,
@@ -48,6 +50,7 @@ impl Feature {
         Feature::Memcg,
         Feature::Tools,
         Feature::Miri,
+        Feature::Userfaultfd,
     ];
 
     /// The name used in `TMEM_REQUIRE`.
@@ -63,6 +66,7 @@ impl Feature {
             Feature::Memcg => "memcg",
             Feature::Tools => "tools",
             Feature::Miri => "miri",
+            Feature::Userfaultfd => "userfaultfd",
         }
     }
 }
@@ -216,7 +220,10 @@ mod tests {
     #[test]
     fn names_print_lowercase() {
         let all: Vec<String> = Feature::ALL.iter().map(ToString::to_string).collect();
-        assert_eq!(all, ["root", "fuse", "fuse-uring", "loop", "swap", "zram", "memcg", "tools", "miri"]);
+        assert_eq!(
+            all,
+            ["root", "fuse", "fuse-uring", "loop", "swap", "zram", "memcg", "tools", "miri", "userfaultfd"]
+        );
     }
 
     #[test]

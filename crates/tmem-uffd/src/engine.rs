@@ -30,12 +30,18 @@ pub type Pn = u64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Page {
-    Resident { referenced: bool },
+    Resident {
+        referenced: bool,
+    },
     /// Mapped but not movable (shared with a `fork` child, pinned): not
     /// counted as resident until a scan finds it exclusive again.
     Pinned,
-    InFlight { slot: u32 },
-    Stored { key: u64 },
+    InFlight {
+        slot: u32,
+    },
+    Stored {
+        key: u64,
+    },
 }
 
 /// What serving a fault takes.
@@ -380,7 +386,11 @@ impl Engine {
     /// Every page that is away (stored or in flight): what a `fork` brings back.
     #[must_use]
     pub fn away(&self) -> Vec<Pn> {
-        self.pages.iter().filter(|(_, s)| matches!(s, Page::InFlight { .. } | Page::Stored { .. })).map(|(p, _)| *p).collect()
+        self.pages
+            .iter()
+            .filter(|(_, s)| matches!(s, Page::InFlight { .. } | Page::Stored { .. }))
+            .map(|(p, _)| *p)
+            .collect()
     }
 
     /// Every stored key (for dropping the whole process).

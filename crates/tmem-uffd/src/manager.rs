@@ -47,7 +47,7 @@ use crate::sys::{Event, Outcome, Uffd, PAGE};
 
 const P: u64 = PAGE as u64;
 /// How often the evictor rescans the processes' maps for new ranges.
-const RESCAN: Duration = Duration::from_millis(50);
+const RESCAN: Duration = Duration::from_millis(20);
 /// How long the program may run before its agent says hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -592,7 +592,9 @@ fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
             }
         }
         while let Some(&addr) = waiting.front() {
-            if shared.total.load(Ordering::SeqCst) >= shared.limit + shared.slack && !shared.stuck.load(Ordering::SeqCst) {
+            if shared.total.load(Ordering::SeqCst) >= shared.limit + shared.slack
+                && !shared.stuck.load(Ordering::SeqCst)
+            {
                 shared.wake_evictor();
                 break;
             }
@@ -631,28 +633,31 @@ impl Process {
     }
 }
 
-/// The process ended: its pages and counters leave the run.
+/// The process ended: its pages and counters leave the run. The counters
+/// are folded in before the process leaves the list, which `run` waits on.
 fn finish(shared: &Shared, p: &Arc<Process>) {
     p.gone.store(true, Ordering::SeqCst);
-    shared.procs.lock().retain(|q| !Arc::ptr_eq(q, p));
     let engine = p.engine.lock();
     let old = p.resident.swap(0, Ordering::SeqCst);
     shared.total.fetch_sub(old, Ordering::SeqCst);
     let s = engine.stats();
     drop(engine);
+    {
+        let mut done = shared.done_stats.lock();
+        let t = &mut done.0;
+        t.zero_fills += s.zero_fills;
+        t.store_fills += s.store_fills;
+        t.slot_returns += s.slot_returns;
+        t.evicted += s.evicted;
+        t.move_busy += s.move_busy;
+        t.put_refused += s.put_refused;
+        t.dropped_away += s.dropped_away;
+        t.adopted += s.adopted;
+        t.dropped_unseen += s.dropped_unseen;
+        done.1 += 1;
+    }
     let _ = shared.store.destroy_pool(p.pool.id());
-    let mut done = shared.done_stats.lock();
-    let t = &mut done.0;
-    t.zero_fills += s.zero_fills;
-    t.store_fills += s.store_fills;
-    t.slot_returns += s.slot_returns;
-    t.evicted += s.evicted;
-    t.move_busy += s.move_busy;
-    t.put_refused += s.put_refused;
-    t.dropped_away += s.dropped_away;
-    t.adopted += s.adopted;
-    t.dropped_unseen += s.dropped_unseen;
-    done.1 += 1;
+    shared.procs.lock().retain(|q| !Arc::ptr_eq(q, p));
 }
 
 /// Brings every page of `p` back into it, pausing eviction; false if one was lost.
@@ -748,7 +753,10 @@ fn evict_loop(shared: &Arc<Shared>) {
             if shared.total.load(Ordering::SeqCst) <= shared.limit || shared.stop.load(Ordering::SeqCst) {
                 break;
             }
-            let Some(p) = procs.iter().filter(|p| !p.gone.load(Ordering::SeqCst)).max_by_key(|p| p.resident.load(Ordering::SeqCst))
+            let Some(p) = procs
+                .iter()
+                .filter(|p| !p.gone.load(Ordering::SeqCst))
+                .max_by_key(|p| p.resident.load(Ordering::SeqCst))
             else {
                 break;
             };
@@ -804,7 +812,8 @@ fn evict_batch(shared: &Shared, p: &Process, batch: &mut Batch, bufs: &mut [[u8;
         let mut engine = p.engine.lock();
         slots.iter().map(|_| engine.new_key()).collect()
     };
-    let stored: Vec<bool> = slots.iter().zip(&keys).enumerate().map(|(i, (_, &key))| backing.put(key, &bufs[i])).collect();
+    let stored: Vec<bool> =
+        slots.iter().zip(&keys).enumerate().map(|(i, (_, &key))| backing.put(key, &bufs[i])).collect();
     {
         let mut engine = p.engine.lock();
         for ((&slot, &key), &ok) in slots.iter().zip(&keys).zip(&stored) {
@@ -826,8 +835,11 @@ fn evict_batch(shared: &Shared, p: &Process, batch: &mut Batch, bufs: &mut [[u8;
 
 /// Reads the staging slots out of the process with one `process_vm_readv`.
 fn read_slots(p: &Process, slots: &[u32], bufs: &mut [[u8; PAGE]]) -> std::io::Result<()> {
-    let local: Vec<libc::iovec> =
-        bufs.iter_mut().take(slots.len()).map(|b| libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: PAGE }).collect();
+    let local: Vec<libc::iovec> = bufs
+        .iter_mut()
+        .take(slots.len())
+        .map(|b| libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: PAGE })
+        .collect();
     let remote: Vec<libc::iovec> = slots
         .iter()
         .map(|&s| libc::iovec { iov_base: (p.staging.start + u64::from(s) * P) as *mut libc::c_void, iov_len: PAGE })

@@ -117,7 +117,11 @@ mod tests {
     #[test]
     fn excluded_ranges_are_cut_out() {
         let mut out = Vec::new();
-        subtract(Range { start: 0, end: 100 }, &[Range { start: 10, end: 20 }, Range { start: 90, end: 200 }], &mut out);
+        subtract(
+            Range { start: 0, end: 100 },
+            &[Range { start: 10, end: 20 }, Range { start: 90, end: 200 }],
+            &mut out,
+        );
         assert_eq!(out, vec![Range { start: 0, end: 10 }, Range { start: 20, end: 90 }]);
     }
 

@@ -68,7 +68,9 @@ pub enum ProtoError {
     Length(usize),
     #[error("the agent's hello has the wrong magic number")]
     Magic,
-    #[error("the agent speaks protocol {0}, this helper {VERSION}: the agent library and tmem come from different builds")]
+    #[error(
+        "the agent speaks protocol {0}, this helper {VERSION}: the agent library and tmem come from different builds"
+    )]
     Version(u32),
     #[error("the agent sent {0} descriptors, not 2")]
     Fds(usize),
@@ -105,7 +107,14 @@ impl Hello {
         if u32_at(4) != VERSION {
             return Err(ProtoError::Version(u32_at(4)));
         }
-        Ok(Self { version: VERSION, pid: u32_at(8), slots: u32_at(12), staging: u64_at(16), stack: (u64_at(24), u64_at(32)), tid: u32_at(40) })
+        Ok(Self {
+            version: VERSION,
+            pid: u32_at(8),
+            slots: u32_at(12),
+            staging: u64_at(16),
+            stack: (u64_at(24), u64_at(32)),
+            tid: u32_at(40),
+        })
     }
 }
 
@@ -154,7 +163,14 @@ mod tests {
 
     #[test]
     fn a_hello_round_trips_and_bad_ones_are_named() {
-        let h = Hello { version: VERSION, pid: 42, staging: 0x7f00_0000_0000, slots: 64, stack: (1 << 20, 2 << 20), tid: 7 };
+        let h = Hello {
+            version: VERSION,
+            pid: 42,
+            staging: 0x7f00_0000_0000,
+            slots: 64,
+            stack: (1 << 20, 2 << 20),
+            tid: 7,
+        };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         assert!(matches!(Hello::decode(&[0; 3]), Err(ProtoError::Length(3))));
         let mut bad = h.encode();

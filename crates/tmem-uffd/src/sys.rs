@@ -95,7 +95,8 @@ pub enum Outcome {
 pub struct Uffd(OwnedFd);
 
 fn sysctl_value() -> String {
-    std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd").map_or_else(|_| "unreadable".into(), |s| s.trim().to_string())
+    std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd")
+        .map_or_else(|_| "unreadable".into(), |s| s.trim().to_string())
 }
 
 impl Uffd {
@@ -123,17 +124,18 @@ impl Uffd {
             Some(libc::EPERM) => {}
             _ => return Err(AccessError::Other(err)),
         }
-        let device = match OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open("/dev/userfaultfd") {
-            Ok(dev) => dev,
-            Err(e) => {
-                let device = match e.kind() {
-                    io::ErrorKind::NotFound => "does not exist (Linux 6.1+)".to_string(),
-                    io::ErrorKind::PermissionDenied => "is not readable and writable by this user".to_string(),
-                    _ => format!("cannot be opened: {e}"),
-                };
-                return Err(AccessError::NotAllowed { sysctl: sysctl_value(), device });
-            }
-        };
+        let device =
+            match OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open("/dev/userfaultfd") {
+                Ok(dev) => dev,
+                Err(e) => {
+                    let device = match e.kind() {
+                        io::ErrorKind::NotFound => "does not exist (Linux 6.1+)".to_string(),
+                        io::ErrorKind::PermissionDenied => "is not readable and writable by this user".to_string(),
+                        _ => format!("cannot be opened: {e}"),
+                    };
+                    return Err(AccessError::NotAllowed { sysctl: sysctl_value(), device });
+                }
+            };
         // SAFETY: USERFAULTFD_IOC_NEW takes the new fd's flags as its argument.
         let fd = unsafe { libc::ioctl(device.as_raw_fd(), USERFAULTFD_IOC_NEW.into(), flags) };
         if fd < 0 {
@@ -337,7 +339,14 @@ mod kernel {
     fn map_with(pages: usize, flags: libc::c_int) -> u64 {
         // SAFETY: a fresh private anonymous mapping owned by the test.
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), pages * PAGE, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags, -1, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                pages * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
+                -1,
+                0,
+            )
         };
         assert_ne!(p, libc::MAP_FAILED);
         p as u64
@@ -385,7 +394,16 @@ mod shared_pages {
         uffd.handshake().unwrap();
         let map = |n: usize| {
             // SAFETY: a fresh private anonymous mapping owned by the test.
-            let p = unsafe { libc::mmap(std::ptr::null_mut(), n * PAGE, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    n * PAGE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
             assert_ne!(p, libc::MAP_FAILED);
             p as u64
         };

@@ -92,7 +92,10 @@ fn agent() -> anyhow::Result<PathBuf> {
         .map(|(_, p)| p);
     let installed = [dir.join("../lib/tmem").join(NAME), PathBuf::from("/usr/lib/tmem").join(NAME)];
     built.into_iter().chain(installed).find(|c| c.is_file()).with_context(|| {
-        format!("the tmem agent library {NAME} is not installed (looked in {}); set TMEM_RUN_AGENT to its path", dir.display())
+        format!(
+            "the tmem agent library {NAME} is not installed (looked in {}); set TMEM_RUN_AGENT to its path",
+            dir.display()
+        )
     })
 }
 
@@ -124,12 +127,14 @@ fn summary(cfg: &RunConfig, r: &RunReport) -> String {
     let s = &r.stats;
     let ratio = if r.peak_pool_bytes > 0 { r.peak_pool_pages as f64 * 4096.0 / r.peak_pool_bytes as f64 } else { 0.0 };
     format!(
-        "tmem run: {} {}; resident at most {:.1} MiB (--memory {:.1} MiB, slack {:.1} MiB); pool at most {:.1} MiB for {:.1} MiB of pages ({ratio:.2}x, {}); \
-         faults: {} first touches, {} from the pool, {} caught in flight; {} pages evicted, {} busy, {} lost; {} process(es)",
+        "tmem run: {} {}; resident at most {:.1} MiB of --memory {:.1} MiB ({:.1} MiB over it at most; faults wait past {:.1} MiB over, \
+         and pages the program touched before a scan registered them come on top); pool at most {:.1} MiB for {:.1} MiB of pages ({ratio:.2}x, {}); \
+         faults: {} first touches, {} from the pool, {} caught in flight; {} pages evicted, {} adopted by scans, {} busy, {} lost; {} process(es)",
         cfg.program.to_string_lossy(),
         r.status.map_or_else(|| "did not start".into(), |s| s.to_string()),
         mib(r.peak_resident),
         mib(r.limit_pages),
+        mib(r.peak_resident.saturating_sub(r.limit_pages)),
         mib(r.slack_pages),
         r.peak_pool_bytes as f64 / f64::from(1 << 20),
         mib(r.peak_pool_pages),
@@ -138,6 +143,7 @@ fn summary(cfg: &RunConfig, r: &RunReport) -> String {
         s.store_fills,
         s.slot_returns,
         s.evicted,
+        s.adopted,
         s.move_busy,
         r.lost,
         r.processes,

@@ -121,7 +121,9 @@ enum Op {
     /// Phase 2: read the staging slots (unlocked in the manager).
     EvictRead,
     /// Phase 3: store what is still in its slot, then drop the staging area.
-    EvictCommit { refuse: bool },
+    EvictCommit {
+        refuse: bool,
+    },
     Remove(Pn, u64),
     Unmap(Pn, u64),
     Map(Pn, u64),

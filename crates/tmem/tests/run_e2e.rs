@@ -1,0 +1,204 @@
+//! `tmem run` end to end, on this machine's kernel: a C job of 8 threads
+//! that writes, rewrites, unmaps, remaps and drops its memory and forks
+//! checking children (tests/run/stress.c), a python job whose resident
+//! memory must stay within `--memory`, and the unprivileged user: refused
+//! with the setting to change when it lacks access, and served when it has
+//! `/dev/userfaultfd` as the README says.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use tmem_testkit::{is_root, skip, Feature};
+
+fn tmem() -> &'static str {
+    env!("CARGO_BIN_EXE_tmem")
+}
+
+/// Whether this kernel and user give `tmem run` what it needs; skips (or
+/// fails under `TMEM_REQUIRE`) when not.
+fn userfaultfd() -> bool {
+    match tmem_uffd::sys::Uffd::create().and_then(|u| u.handshake()) {
+        Ok(()) => true,
+        Err(e) => {
+            skip(Feature::Userfaultfd, &format!("tmem run needs userfaultfd: {e}"));
+            false
+        }
+    }
+}
+
+/// Builds the stress job into `dir`.
+fn stress(dir: &Path) -> Option<PathBuf> {
+    if !tmem_testkit::have_tool("cc") {
+        skip(Feature::Tools, "cc is not installed");
+        return None;
+    }
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/run/stress.c");
+    let out = dir.join("stress");
+    let st = Command::new("cc").args(["-O2", "-pthread", "-Wall", "-o"]).arg(&out).arg(&src).status().unwrap();
+    assert!(st.success(), "cc {}", src.display());
+    Some(out)
+}
+
+/// The summary's "resident at most R MiB of --memory M MiB" and the fault slack.
+fn resident(stderr: &str) -> (f64, f64, f64) {
+    let line = stderr.lines().find(|l| l.starts_with("tmem run: ")).unwrap_or_else(|| panic!("no summary in {stderr}"));
+    let num = |after: &str| -> f64 {
+        let at = line.find(after).unwrap_or_else(|| panic!("{after:?} not in {line}")) + after.len();
+        line[at..].split_whitespace().next().unwrap().parse().unwrap()
+    };
+    (num("resident at most "), num("of --memory "), num("faults wait past "))
+}
+
+fn count(stderr: &str, what: &str) -> u64 {
+    let line = stderr.lines().find(|l| l.starts_with("tmem run: ")).unwrap();
+    let at = line.find(what).unwrap_or_else(|| panic!("{what:?} not in {line}"));
+    line[..at].split_whitespace().last().unwrap().parse().unwrap()
+}
+
+fn run(args: &[&str], program: &[&str]) -> Output {
+    Command::new(tmem()).arg("run").args(args).arg("--").args(program).output().unwrap()
+}
+
+#[test]
+fn the_stress_job_keeps_every_byte_at_a_quarter_of_its_memory() {
+    if !userfaultfd() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let Some(job) = stress(dir.path()) else { return };
+    let job = job.to_str().unwrap();
+    // 64 MiB of regions; natively the job peaks at about 60 MiB resident.
+    for seed in ["1", "2", "3"] {
+        let out = run(&["--memory", "16M"], &[job, seed, "64", "20000"]);
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && stdout.starts_with("ok "), "seed {seed}: {stdout}{stderr}");
+        assert_eq!(count(&stderr, "lost"), 0, "{stderr}");
+        assert!(count(&stderr, "pages evicted") > 0, "nothing was evicted: {stderr}");
+        assert!(count(&stderr, "from the pool") > 0, "nothing came back from the pool: {stderr}");
+    }
+}
+
+/// A python heap of text-like records, hashed, rewritten in part and hashed again.
+const PY_JOB: &str = r#"
+import hashlib, random, sys
+random.seed(7)
+words = [bytes(random.choice(b"etaoinshrdlu ") for _ in range(6)) for _ in range(300)]
+blocks = [bytearray(b"".join(random.choice(words) for _ in range(4096 // 6 + 1))[:4096]) for _ in range(int(sys.argv[1]) * 256)]
+h = hashlib.sha256(b"".join(blocks)).hexdigest()
+for i in range(0, len(blocks), 5):
+    blocks[i][0] ^= 0xff
+    blocks[i][0] ^= 0xff
+print("ok" if hashlib.sha256(b"".join(blocks)).hexdigest() == h else "MISMATCH")
+"#;
+
+#[test]
+fn a_python_heap_stays_within_its_memory_and_reads_back_whole() {
+    if !userfaultfd() {
+        return;
+    }
+    if !tmem_testkit::have_tool("python3") {
+        skip(Feature::Tools, "python3 is not installed");
+        return;
+    }
+    // 96 MiB of records (about 110 MiB resident natively) in 40 MiB.
+    let out = run(&["--memory", "40M"], &["python3", "-c", PY_JOB, "96"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.trim() == "ok", "{stdout}{stderr}");
+    // Faults wait once the program is `slack` over; pages it touched in new
+    // mappings before a scan (every 20 ms) registered them come on top.
+    let (peak, limit, slack) = resident(&stderr);
+    assert!(slack <= limit / 20.0, "{stderr}");
+    assert!(peak <= limit * 1.15, "resident {peak} MiB, more than 15% over --memory {limit}: {stderr}");
+    assert!(count(&stderr, "from the pool") > 1000, "{stderr}");
+    assert_eq!(count(&stderr, "lost"), 0, "{stderr}");
+}
+
+/// Puts /dev/userfaultfd's mode back when dropped.
+struct DeviceMode(u32);
+
+impl Drop for DeviceMode {
+    fn drop(&mut self) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions("/dev/userfaultfd", std::fs::Permissions::from_mode(self.0)).unwrap();
+    }
+}
+
+fn as_nobody(groups: &str, args: &[&str], program: &[&str]) -> Output {
+    Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", groups, "--"])
+        .arg(tmem())
+        .arg("run")
+        .args(args)
+        .arg("--")
+        .args(program)
+        .env("TMPDIR", "/tmp")
+        .output()
+        .unwrap()
+}
+
+/// One test, not two: the refusal needs the device closed to the user, the
+/// run needs it open, and tests run in parallel.
+#[test]
+fn a_user_without_userfaultfd_is_refused_and_one_given_the_device_runs() {
+    use std::os::unix::fs::PermissionsExt;
+    if !is_root() {
+        skip(Feature::Root, "changing /dev/userfaultfd's mode and running as another user need root");
+        return;
+    }
+    if !userfaultfd() {
+        return;
+    }
+    let sysctl = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd").unwrap_or_default();
+    let Ok(meta) = std::fs::metadata("/dev/userfaultfd") else {
+        skip(Feature::Userfaultfd, "no /dev/userfaultfd (Linux 6.1+)");
+        return;
+    };
+    assert_eq!(sysctl.trim(), "0", "the refusal needs vm.unprivileged_userfaultfd=0, the default");
+    let mode = meta.permissions().mode() & 0o7777;
+    let _restore = DeviceMode(mode);
+    std::fs::set_permissions("/dev/userfaultfd", std::fs::Permissions::from_mode(0o600)).unwrap();
+
+    // Refused: one clear error naming both settings, and the program never ran.
+    let out = as_nobody("--clear-groups", &["--memory", "64M"], &["/bin/sh", "-c", "echo RAN"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{stdout}{stderr}");
+    assert!(!stdout.contains("RAN"), "the program ran unmanaged: {stdout}");
+    assert!(stderr.contains("vm.unprivileged_userfaultfd") && stderr.contains("/dev/userfaultfd"), "{stderr}");
+    assert!(stderr.contains("UFFD_USER_MODE_ONLY"), "the error says why there is no fallback: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+
+    // Given the device through a group, as the udev rule does (group root here).
+    std::fs::set_permissions("/dev/userfaultfd", std::fs::Permissions::from_mode(0o660)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let Some(job) = stress(dir.path()) else { return };
+    let out = as_nobody("--groups=0", &["--memory", "16M"], &[job.to_str().unwrap(), "5", "64", "10000"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.starts_with("ok "), "{stdout}{stderr}");
+    assert!(count(&stderr, "pages evicted") > 0, "{stderr}");
+    assert_eq!(count(&stderr, "lost"), 0, "{stderr}");
+}
+
+#[test]
+fn a_static_program_is_refused_before_it_runs() {
+    if !userfaultfd() {
+        return;
+    }
+    if !tmem_testkit::have_tool("cc") {
+        skip(Feature::Tools, "cc is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("hello.c");
+    std::fs::write(&src, "#include <stdio.h>\nint main(void) { puts(\"RAN\"); return 0; }\n").unwrap();
+    let bin = dir.path().join("hello");
+    let built = Command::new("cc").args(["-static", "-o"]).arg(&bin).arg(&src).status().unwrap();
+    if !built.success() {
+        skip(Feature::Tools, "cc cannot link statically (no static libc)");
+        return;
+    }
+    let out = run(&["--memory", "64M"], &[bin.to_str().unwrap()]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success() && !stdout.contains("RAN"), "{stdout}{stderr}");
+    assert!(stderr.contains("statically linked"), "{stderr}");
+}
