@@ -390,7 +390,7 @@ pub unsafe extern "C" fn mremap(
     }
     for (s, e) in parts {
         let to = base as u64 + (s - start);
-        let len = (e - s) as libc::size_t;
+        let Ok(len) = libc::size_t::try_from(e - s) else { return libc::MAP_FAILED };
         let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
         // SAFETY: moves one whole part of the caller's range into the new range.
         let r = unsafe { libc::syscall(libc::SYS_mremap, s, len, len, fixed_move, to) };

@@ -556,10 +556,7 @@ fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
         }
         retry = false;
         loop {
-            let n = match p.uffd.read_events(&mut events) {
-                Ok(n) => n,
-                Err(_) => 0,
-            };
+            let n = p.uffd.read_events(&mut events).unwrap_or_default();
             if n == 0 {
                 break;
             }

@@ -81,7 +81,7 @@ impl PageMap {
     /// such a page the process's own before it moves it.
     pub fn present(&self, r: Range, mut f: impl FnMut(u64)) -> io::Result<()> {
         const CHUNK: u64 = 4096;
-        let mut buf = vec![0u8; CHUNK as usize * 8];
+        let mut buf = vec![0u8; 8 * 4096];
         let mut pn = r.start / PAGE as u64;
         let end = r.end / PAGE as u64;
         while pn < end {

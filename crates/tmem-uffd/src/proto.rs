@@ -157,6 +157,30 @@ pub fn recv_byte(sock: impl AsFd) -> io::Result<Option<u8>> {
     Ok((n > 0).then_some(b[0]))
 }
 
+/// An outcome as one byte on the wire.
+#[must_use]
+pub fn outcome_code(o: crate::sys::Outcome) -> u8 {
+    use crate::sys::Outcome;
+    match o {
+        Outcome::Done => 0,
+        Outcome::Retry => 1,
+        Outcome::Gone => 2,
+        Outcome::Busy => 3,
+    }
+}
+
+/// The outcome a byte stands for; anything unknown is `Gone`.
+#[must_use]
+pub fn outcome_of(b: u8) -> crate::sys::Outcome {
+    use crate::sys::Outcome;
+    match b {
+        0 => Outcome::Done,
+        1 => Outcome::Retry,
+        3 => Outcome::Busy,
+        _ => Outcome::Gone,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,29 +203,5 @@ mod tests {
         let mut old = h.encode();
         old[4] = 9;
         assert!(matches!(Hello::decode(&old), Err(ProtoError::Version(9))));
-    }
-}
-
-/// An outcome as one byte on the wire.
-#[must_use]
-pub fn outcome_code(o: crate::sys::Outcome) -> u8 {
-    use crate::sys::Outcome;
-    match o {
-        Outcome::Done => 0,
-        Outcome::Retry => 1,
-        Outcome::Gone => 2,
-        Outcome::Busy => 3,
-    }
-}
-
-/// The outcome a byte stands for; anything unknown is `Gone`.
-#[must_use]
-pub fn outcome_of(b: u8) -> crate::sys::Outcome {
-    use crate::sys::Outcome;
-    match b {
-        0 => Outcome::Done,
-        1 => Outcome::Retry,
-        3 => Outcome::Busy,
-        _ => Outcome::Gone,
     }
 }

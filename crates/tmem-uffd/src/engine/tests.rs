@@ -297,11 +297,10 @@ impl World {
                 }
                 self.engine.remap(&self.store, from, to, n);
             }
-            Op::DropUnseen(pn) => {
-                if self.sim.ptes.borrow_mut().remove(&pn).is_some() {
-                    self.truth.remove(&pn);
-                    self.unseen += 1;
-                }
+            Op::DropUnseen(pn) if self.sim.ptes.borrow().contains_key(&pn) => {
+                self.sim.ptes.borrow_mut().remove(&pn);
+                self.truth.remove(&pn);
+                self.unseen += 1;
             }
             Op::ForkFill => {
                 for pn in self.engine.away() {
@@ -316,10 +315,10 @@ impl World {
     }
 
     fn check_counts(&self) {
-        let resident = self.engine.resident() as usize;
+        let resident = usize::try_from(self.engine.resident()).unwrap();
         let ptes = self.sim.ptes.borrow().len();
         assert!(resident >= ptes && resident <= ptes + self.unseen, "resident pages: engine {resident}, mapped {ptes}");
-        assert_eq!(self.engine.stored() as usize, self.store.pages.borrow().len(), "stored pages");
+        assert_eq!(usize::try_from(self.engine.stored()).unwrap(), self.store.pages.borrow().len(), "stored pages");
     }
 
     fn check_all(&mut self) {
