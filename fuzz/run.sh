@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds every cargo-fuzz target of this project (tmem-core, tmem-ctl) and runs each for SECONDS
+# Builds every cargo-fuzz target of this project (tmem-core, tmem-ctl, tmem-uffd) and runs each for SECONDS
 # (default 60). Needs a nightly toolchain and cargo-fuzz
 # (`cargo install cargo-fuzz --locked`). Crashes are saved under
 # fuzz/artifacts/TARGET/; re-run one with

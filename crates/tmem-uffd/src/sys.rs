@@ -220,7 +220,7 @@ impl Uffd {
 
     /// Reads up to `out.len()` events; 0 when none is pending (the fd is non-blocking).
     pub fn read_events(&self, out: &mut [Event]) -> io::Result<usize> {
-        const MSG: usize = 32;
+        const MSG: usize = MSG_LEN;
         let mut raw = [0u8; MSG * 64];
         let want = out.len().min(64) * MSG;
         // SAFETY: reads at most `want` bytes into `raw`, which is at least that long.
@@ -232,7 +232,7 @@ impl Uffd {
         #[allow(clippy::cast_sign_loss)]
         let count = n as usize / MSG;
         for (i, slot) in out.iter_mut().enumerate().take(count) {
-            *slot = parse_msg(&raw[i * MSG..(i + 1) * MSG]);
+            *slot = parse_msg(raw[i * MSG..(i + 1) * MSG].try_into().expect("one message"));
         }
         Ok(count)
     }
@@ -256,8 +256,12 @@ fn word(msg: &[u8], at: usize) -> u64 {
     u64::from_ne_bytes(b)
 }
 
-/// One `struct uffd_msg` (32 bytes, packed): event at 0, its argument at 8.
-fn parse_msg(msg: &[u8]) -> Event {
+/// Bytes of one `struct uffd_msg`.
+pub const MSG_LEN: usize = 32;
+
+/// One `struct uffd_msg` (packed): event at 0, its argument at 8.
+#[must_use]
+pub fn parse_msg(msg: &[u8; MSG_LEN]) -> Event {
     let event = u32::from(msg[0]);
     match event {
         uapi::UFFD_EVENT_PAGEFAULT => Event::Fault {
@@ -355,7 +359,7 @@ mod kernel {
     #[test]
     fn a_page_moves_out_and_back_and_a_copy_fills_a_hole() {
         let Ok(uffd) = Uffd::create() else {
-            eprintln!("SKIP: no userfaultfd for this user");
+            tmem_testkit::skip(tmem_testkit::Feature::Userfaultfd, "no userfaultfd for this user");
             return;
         };
         uffd.handshake().unwrap();
@@ -376,11 +380,6 @@ mod kernel {
         assert_eq!(uffd.copy(src + PAGE as u64, &page), Outcome::Done);
         assert_eq!(uffd.copy(src + PAGE as u64, &page), Outcome::Gone, "a second copy finds the page there");
     }
-}
-
-#[cfg(test)]
-mod shared_pages {
-    use super::*;
 
     /// What `tmem run` works around: on this kernel a page of a mapping
     /// that went through `fork` cannot be moved, even after the child is
@@ -388,25 +387,10 @@ mod shared_pages {
     #[test]
     fn pages_of_a_forked_mapping_do_not_move() {
         let Ok(uffd) = Uffd::create() else {
-            eprintln!("SKIP: no userfaultfd for this user");
+            tmem_testkit::skip(tmem_testkit::Feature::Userfaultfd, "no userfaultfd for this user");
             return;
         };
         uffd.handshake().unwrap();
-        let map = |n: usize| {
-            // SAFETY: a fresh private anonymous mapping owned by the test.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    n * PAGE,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            assert_ne!(p, libc::MAP_FAILED);
-            p as u64
-        };
         let (src, staging) = (map(1), map(2));
         // SAFETY: src is this test's page.
         unsafe { *(src as *mut u64) = 5 };
