@@ -12,19 +12,25 @@
 //!   `MADV_DONTNEED` event must see zeros. A fault that would take the
 //!   process past the budget plus its slack waits (unserved, the thread
 //!   goes on reading) until eviction makes room. Faults on the staging area
-//!   (the helper reading a slot whose page already went back) are served
-//!   at once: eviction may be waiting on them.
+//!   (the helper reading a slot whose page already went back) and faults
+//!   of the agent's own thread are served with zeros at once, without the
+//!   engine: eviction may be waiting on them.
 //! - **evictor**: one per run; rescans each process's maps, and while the
-//!   resident total is over the budget, moves a batch of victims out of the
-//!   process with the most resident pages, reads them with one
-//!   `process_vm_readv`, stores them with the engine's lock dropped, then
-//!   asks the agent to empty the staging area.
-//! - **fork thread**: one per process; before a `fork` brings every page
-//!   back and pauses eviction, after it resumes.
+//!   resident total is over the budget, has the agent move a batch of
+//!   victims out of the process with the most resident pages (holding that
+//!   engine, so no fault sees a page half moved), reads them with one
+//!   `process_vm_readv`, stores them with the engine's lock dropped,
+//!   records them, then asks the agent to empty the staging area.
+//! - **fork thread**: one per process; before a `fork` waits for the batch
+//!   in flight, brings every page back and pauses eviction; after it resumes.
 //!
-//! Lock order: `Rank::RunProcesses` (the list), then a process's
-//! `Rank::RunEngine`, then the store's own locks. No thread holds an engine
-//! while it waits on an agent.
+//! Lock order (`tmem_lock::Rank`, docs/ARCHITECTURE.md): the process list,
+//! then a process's agent channel, its registered ranges, its engine, then
+//! the store's own locks. The evictor waits on the agent while it holds an
+//! engine; that cannot deadlock, because the agent thread runs on a stack
+//! the helper never registers, allocates nothing, and the faults it can
+//! still take (on a victim the program just dropped) are served without
+//! the engine.
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
