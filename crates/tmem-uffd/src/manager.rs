@@ -369,8 +369,23 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
         });
     }
     let program = cfg.program.to_string_lossy().into_owned();
+    // The program decides what a signal means: a terminal's Ctrl-C or
+    // Ctrl-\ reaches it directly (the same process group), and tmem, which
+    // holds its evicted pages, must outlive it. So tmem takes these signals
+    // itself and passes the ones sent to it alone on to the program.
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGQUIT, libc::SIGTERM, libc::SIGHUP])?;
     let mut child = cmd.spawn().map_err(|source| RunError::Spawn { program: program.clone(), source })?;
     let child_pid = child.id();
+    let signal_handle = signals.handle();
+    let forwarder = std::thread::Builder::new().name("tmem-run-signals".into()).spawn(move || {
+        for sig in signals.forever() {
+            if matches!(sig, libc::SIGTERM | libc::SIGHUP) {
+                // SAFETY: kill(2) of the child this run spawned, not reaped
+                // before this thread has stopped (see the wait below).
+                unsafe { libc::kill(i32::try_from(child_pid).unwrap_or(i32::MAX), sig) };
+            }
+        }
+    })?;
     // The agent holds the program in its constructor until the helper answers,
     // so a program that never says hello has not run managed code: stop it.
     let first = {
@@ -394,6 +409,20 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
         // SAFETY: kill(2) of the child this function spawned and has not reaped.
         unsafe { libc::kill(i32::try_from(child_pid).unwrap_or(i32::MAX), libc::SIGKILL) };
     }
+    // Wait for the exit without reaping, so that the pid cannot be reused
+    // while the forwarder may still signal it; then stop that, then reap.
+    let pid = rustix::process::Pid::from_raw(i32::try_from(child_pid).unwrap_or(i32::MAX)).expect("a child's pid is positive");
+    loop {
+        match rustix::process::waitid(
+            rustix::process::WaitId::Pid(pid),
+            rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOWAIT,
+        ) {
+            Err(rustix::io::Errno::INTR) => continue,
+            _ => break,
+        }
+    }
+    signal_handle.close();
+    let _ = forwarder.join();
     let status = child.wait()?;
     // Descendants that outlive the program get their pages back and are let go.
     let left: Vec<Arc<Process>> = shared.procs.lock().clone();
