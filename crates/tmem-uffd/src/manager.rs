@@ -411,16 +411,10 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
     }
     // Wait for the exit without reaping, so that the pid cannot be reused
     // while the forwarder may still signal it; then stop that, then reap.
-    let pid = rustix::process::Pid::from_raw(i32::try_from(child_pid).unwrap_or(i32::MAX)).expect("a child's pid is positive");
-    loop {
-        match rustix::process::waitid(
-            rustix::process::WaitId::Pid(pid),
-            rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOWAIT,
-        ) {
-            Err(rustix::io::Errno::INTR) => continue,
-            _ => break,
-        }
-    }
+    let pid = rustix::process::Pid::from_raw(i32::try_from(child_pid).unwrap_or(i32::MAX))
+        .expect("a child's pid is positive");
+    let exited = rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOWAIT;
+    while let Err(rustix::io::Errno::INTR) = rustix::process::waitid(rustix::process::WaitId::Pid(pid), exited) {}
     signal_handle.close();
     let _ = forwarder.join();
     let status = child.wait()?;
