@@ -4,27 +4,24 @@
 //! be made inside the program. Before the program's `main`, this library:
 //! 1. makes the program's userfaultfd in full mode (never
 //!    `UFFD_USER_MODE_ONLY`: there a page touched inside a system call fails
-//!    with EFAULT) and sends it to the helper with a [`Hello`];
-//! 2. maps the staging area that the helper moves evicted pages into, and
-//!    its own thread's stack, which the helper never registers;
-//! 3. waits until the helper has registered the program's memory;
-//! 4. starts one thread that empties the staging area when asked
-//!    (`MADV_DONTNEED` can only be done from inside the process). It
-//!    allocates nothing and touches no registered memory, so it never waits
-//!    on a fault. If the helper goes away without releasing the program,
-//!    the thread kills the program: its evicted pages are gone with the
-//!    helper, and reading zeros in their place must never happen silently.
+//!    with EFAULT);
+//! 2. maps the staging area that evicted pages are moved into, and a stack
+//!    for its own thread, which the helper never registers;
+//! 3. starts that thread, which sends the userfaultfd to the helper with a
+//!    [`Hello`] (its thread id in it) and holds the program in this
+//!    constructor until the helper has registered the program's memory;
+//! 4. the thread then moves victim pages into the staging area when asked
+//!    (`UFFDIO_MOVE` works only from the memory's own process) and empties
+//!    it (`MADV_DONTNEED`). It allocates nothing and touches no registered
+//!    memory, so it never waits on a fault. If the helper goes away without
+//!    releasing the program, the thread kills the program: its evicted
+//!    pages are gone with the helper, and reading zeros in their place must
+//!    never happen silently;
 //! 5. registers `pthread_atfork` handlers: before a `fork`, every evicted
 //!    page is brought back, since the child's copy of the memory is not
-//!    managed. `vfork` and `posix_spawn` run no handlers and stay cheap.
-//!
-//! 6. interposes `mremap`: the helper's scan can split a mapping for a moment
-//!    (it registers what `/proc/PID/maps` showed, and the mapping may have
-//!    grown since), and `mremap` of a range that spans two mappings fails
-//!    with EFAULT. The helper merges the parts again at once; `mremap` here
-//!    retries an EFAULT for up to a second before it returns it. glibc's own
-//!    `realloc` calls its internal `mremap`, which this cannot see; on that
-//!    failure it falls back to allocate, copy and free, which is correct.
+//!    managed. `vfork` and `posix_spawn` run no handlers and stay cheap;
+//! 6. interposes `mremap`, for mappings the helper's registration split
+//!    (see [`mremap`]).
 //!
 //! The constructor is a hand-written `.init_array` entry: one static, where
 //! a crate (`ctor`) would add a proc-macro build for it.
@@ -93,8 +90,18 @@ fn start(path: &std::path::Path) -> Result<(), String> {
     let sock = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
         .map_err(|e| format!("socket: {e}"))?;
     let addr = SocketAddrUnix::new(path).map_err(|e| format!("socket path {}: {e}", path.display()))?;
-    rustix::net::connect(&sock, &addr)
-        .map_err(|e| format!("cannot reach the tmem helper at {}: {e}", path.display()))?;
+    if let Err(e) = rustix::net::connect(&sock, &addr) {
+        // A descendant that starts after `tmem run` let its processes go
+        // (the program ended first): nothing manages memory any more, so it
+        // runs as it would without tmem, and so do its own children.
+        let msg = format!("tmem run: the helper at {} is gone ({e}); this process runs unmanaged\n", path.display());
+        // SAFETY: write(2) of a valid buffer to stderr.
+        unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+        // The constructor runs before the program has threads of its own.
+        std::env::remove_var("LD_PRELOAD");
+        std::env::remove_var(proto::ENV_SOCKET);
+        return Ok(());
+    }
     let uffd = match Uffd::create() {
         Ok(u) => u,
         Err(e) => {
