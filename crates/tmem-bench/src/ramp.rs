@@ -79,6 +79,10 @@ pub struct RampArgs {
     /// Kill a row's job after this many seconds.
     #[arg(long, default_value_t = 1800)]
     pub timeout: u64,
+    /// Also run the job under `tmem run --memory LIMIT --codec TMEM_CODEC`
+    /// (userfaultfd, no swap; its cgroup has no limit): the `tmem-run` row.
+    #[arg(long)]
+    pub tmem_run: bool,
     /// Run even if other swap areas are active.
     #[arg(long)]
     pub allow_other_swap: bool,
@@ -154,8 +158,15 @@ impl Ctx<'_> {
     }
 
     /// Runs the job in `cg` (removed here) over `backend` (or none: the
-    /// whole ramp in RAM, no limit).
-    fn run_job(&self, backend: Option<&Backend>, cg: MemCgroup, name: &str) -> anyhow::Result<RowRecord> {
+    /// whole ramp in RAM, no limit), or, with `under_tmem_run`, inside
+    /// `tmem run --memory LIMIT`.
+    fn run_job(
+        &self,
+        backend: Option<&Backend>,
+        cg: MemCgroup,
+        name: &str,
+        under_tmem_run: bool,
+    ) -> anyhow::Result<RowRecord> {
         let a = self.args;
         let limit = a.limit_mib << 20;
         let steps_mib: Vec<u64> = a.steps.iter().map(|p| a.limit_mib * p / 100).collect();
@@ -177,8 +188,20 @@ impl Ctx<'_> {
         let below = backend.and_then(Backend::backing_dev);
         let reads_before = below.as_deref().and_then(BlockReads::of);
         let row_start = Mark::now()?;
-        let mut child = spawn_in_cgroups(&[&cg.procs_file()], &a.java, &args, out, err)
-            .map_err(|e| anyhow!("cannot start the job ({}): {e}", a.java))?;
+        let (program, args): (String, Vec<String>) = if under_tmem_run {
+            let tmem = std::env::current_exe()?.to_string_lossy().into_owned();
+            let mut wrapped: Vec<String> =
+                ["run", "--memory", &limit.to_string(), "--codec", &a.tmem_codec, "--", &a.java]
+                    .map(str::to_owned)
+                    .to_vec();
+            wrapped.extend(args.iter().map(|s| (*s).to_owned()));
+            (tmem, wrapped)
+        } else {
+            (a.java.clone(), args.iter().map(|s| (*s).to_owned()).collect())
+        };
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut child = spawn_in_cgroups(&[&cg.procs_file()], &program, &args, out, err)
+            .map_err(|e| anyhow!("cannot start the job ({program}): {e}"))?;
         let timeout = Duration::from_secs(a.timeout);
         let (mut seen, mut begin, mut steps) = (0, None, Vec::new());
         let (mut verified, mut corrupt, mut timed_out) = (None, None, false);
@@ -311,7 +334,7 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         args: a,
         layout,
         dir: dir.path().to_owned(),
-        progress: Progress::new(1 + a.backends.len()),
+        progress: Progress::new(1 + a.backends.len() + usize::from(a.tmem_run)),
         cpus: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
     };
     let cfg = BackendConfig {
@@ -333,7 +356,7 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut errors = Vec::new();
     ctx.progress.show("reference: the whole ramp in RAM, no limit", true);
-    let reference = ctx.run_job(None, ctx.cgroup(false)?, "no limit")?;
+    let reference = ctx.run_job(None, ctx.cgroup(false)?, "no limit", false)?;
     ctx.progress.steps_done(1);
     if reference.outcome != report::Outcome::Ok {
         return Err(anyhow!("the reference run failed ({:?}): {}", reference.outcome, reference.stderr_tail));
@@ -362,7 +385,7 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         let r = ctx.cgroup(true).and_then(|cg| {
             backend.set_run_cgroup((cg.version() == Version::V2).then(|| cg.path()));
             backend.activate()?;
-            ctx.run_job(Some(&backend), cg, name)
+            ctx.run_job(Some(&backend), cg, name, false)
         });
         let down = backend.deactivate();
         match r.and_then(|r| down.map(|()| r)) {
@@ -376,6 +399,19 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         }
         if let Err(e) = backend.finish() {
             errors.push(format!("{name}: cleanup: {e}"));
+        }
+        ctx.progress.steps_done(1);
+    }
+    if a.tmem_run && !interrupted() {
+        ctx.progress.show("tmem-run", true);
+        match ctx.cgroup(false).and_then(|cg| ctx.run_job(None, cg, "tmem-run", true)) {
+            Ok(r) => {
+                if r.outcome != report::Outcome::Ok {
+                    ctx.progress.note(&format!("tmem-run: {:?} {}", r.outcome, r.stderr_tail));
+                }
+                rows.push(r);
+            }
+            Err(e) => errors.push(format!("tmem-run: {e}")),
         }
         ctx.progress.steps_done(1);
     }

@@ -1,8 +1,9 @@
 //! Smoke test of `tmem bench ramp` (root only), small and short: the Java
-//! job's heap grows past its limit over zram and tmem; every row must end
-//! with every order verified (zram's may end in an OOM kill, reported as
-//! such), swap past the limit, carry per-step throughput, swap rate and
-//! CPU, and leave nothing behind.
+//! job's heap grows past its limit over zram and tmem, and under `tmem run`
+//! with the limit as `--memory`; every row must end with every order
+//! verified (zram's may end in an OOM kill, reported as such), swap (or, for
+//! `tmem run`, evict) past the limit, carry per-step throughput, swap rate
+//! and CPU, and leave nothing behind.
 
 mod common;
 
@@ -35,6 +36,7 @@ fn ramp_smoke() {
             "--timeout",
             "300",
             "--allow-other-swap",
+            "--tmem-run",
         ],
         true,
     );
@@ -49,7 +51,7 @@ fn ramp_smoke() {
     let reference = &v["reference"];
     assert_eq!(reference["outcome"], "ok", "{reference}");
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 2);
+    assert_eq!(rows.len(), 3);
     for r in std::iter::once(reference).chain(rows) {
         let what = r["backend"].to_string();
         // The kernel's own row may end in its memory cgroup's OOM kill (once
@@ -67,7 +69,14 @@ fn ramp_smoke() {
             assert!(s["ops_per_sec"].as_f64().unwrap() > 0.0, "{what}: {s}");
             assert!(s["machine_busy_percent"].as_f64().unwrap() > 0.0, "{what}: {s}");
         }
-        if r != reference {
+        if r["backend"] == "tmem-run" {
+            // No swap: its own summary says what it evicted.
+            let summary = stdout.lines().find(|l| l.starts_with("tmem run: ")).expect("the tmem-run row's summary");
+            let evicted: u64 =
+                summary.split(" pages evicted").next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(evicted > 0, "tmem run evicted nothing: {summary}");
+            assert!(summary.contains(" 0 lost"), "{summary}");
+        } else if r != reference {
             // Past the limit the heap is in swap.
             assert!(steps[1]["swapped_pages_per_sec"].as_f64().unwrap() > 0.0, "{what} did not swap: {r}");
             assert!(r["daemon_cpu_user_secs"].is_f64() == (r["backend"] == "tmem"), "{what}: {r}");

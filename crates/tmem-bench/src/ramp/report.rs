@@ -206,6 +206,15 @@ pub fn print(a: &RampArgs, m: &Machine, reference: &RowRecord, rows: &[RowRecord
     if let (Some(tmem), Some(disk)) = (find("tmem"), find("disk")) {
         println!("tmem / disk swap file throughput: {}", ratios(tmem, disk));
     }
+    if let (Some(run), Some(zram)) = (find("tmem-run"), find("zram")) {
+        println!("tmem-run / zram throughput: {}", ratios(run, zram));
+    }
+    if let Some(run) = find("tmem-run") {
+        // Its own summary: resident peak, pool, faults (the last lines of its stderr).
+        if let Some(line) = run.stderr_tail.lines().find(|l| l.starts_with("tmem run: ")) {
+            println!("{line}");
+        }
+    }
     if rows.iter().any(|r| r.front.is_some()) {
         println!("front rows: {}", a.front.config(m.limit_bytes).describe());
     }
