@@ -258,6 +258,8 @@ struct Shared {
     /// Over the budget with nothing movable (every resident page busy):
     /// faults go on past the slack and the evictor waits for its next scan.
     stuck: AtomicBool,
+    /// The program has ended: no process joins any more.
+    closing: AtomicBool,
     stop: AtomicBool,
     evict_wanted: Mutex<bool>,
     evict_cv: Condvar,
@@ -327,6 +329,7 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
         peak_pool_pages: AtomicU64::new(0),
         lost: AtomicU64::new(0),
         stuck: AtomicBool::new(false),
+        closing: AtomicBool::new(false),
         stop: AtomicBool::new(false),
         evict_wanted: Mutex::new(Rank::RunEvictWanted, false),
         evict_cv: Condvar::new(),
@@ -336,9 +339,9 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
     });
     let dir = tempfile::Builder::new().prefix("tmem-run-").tempdir()?;
     let path = dir.path().join("agent.sock");
-    let listener = listen(&path)?;
+    let listener = Arc::new(listen(&path)?);
     let acceptor = {
-        let shared = Arc::clone(&shared);
+        let (shared, listener) = (Arc::clone(&shared), Arc::clone(&listener));
         std::thread::Builder::new().name("tmem-run-accept".into()).spawn(move || accept_loop(&shared, &listener))?
     };
     let evictor = {
@@ -418,6 +421,12 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
     signal_handle.close();
     let _ = forwarder.join();
     let status = child.wait()?;
+    // No process joins from here on: one that starts now finds no helper
+    // and runs unmanaged (the agent says so).
+    shared.closing.store(true, Ordering::SeqCst);
+    let _ = std::fs::remove_file(&path);
+    let _ = rustix::net::shutdown(&*listener, rustix::net::Shutdown::Both);
+    let _ = acceptor.join();
     // Descendants that outlive the program get their pages back and are let go.
     let left: Vec<Arc<Process>> = shared.procs.lock().clone();
     for p in left {
@@ -433,9 +442,6 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
     }
     shared.stop.store(true, Ordering::SeqCst);
     shared.wake_evictor();
-    // The acceptor sits in accept(2): a connection of our own wakes it.
-    let _ = connect(&path);
-    let _ = acceptor.join();
     let _ = evictor.join();
     if let Some(e) = failure {
         return Err(e);
@@ -463,19 +469,13 @@ fn listen(path: &std::path::Path) -> std::io::Result<OwnedFd> {
     Ok(s)
 }
 
-fn connect(path: &std::path::Path) -> std::io::Result<OwnedFd> {
-    use rustix::net::{socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    let s = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
-    rustix::net::connect(&s, &SocketAddrUnix::new(path)?)?;
-    Ok(s)
-}
-
 fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
     loop {
-        let Ok(sock) = rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC) else { continue };
-        if shared.stop.load(Ordering::SeqCst) {
+        let accepted = rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC);
+        if shared.closing.load(Ordering::SeqCst) {
             return;
         }
+        let Ok(sock) = accepted else { continue };
         let outcome = admit(shared, sock);
         let mut hello = shared.hello.lock();
         if hello.is_none() {

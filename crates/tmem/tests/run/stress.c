@@ -180,10 +180,6 @@ static void op(struct worker *w)
 			_exit(2);
 		}
 		if (child == 0) {
-			fprintf(stderr, "child %d of thread %d: regions", getpid(), w->id);
-			for (int q = 0; q < REGIONS; q++)
-				fprintf(stderr, " %p+%zu", (void *)w->r[q].mem, w->r[q].pages);
-			fprintf(stderr, "\n");
 			check_all(w, "fork child");
 			_exit(0);
 		}
