@@ -356,13 +356,19 @@ mod kernel {
         p as u64
     }
 
-    #[test]
-    fn a_page_moves_out_and_back_and_a_copy_fills_a_hole() {
+    /// A userfaultfd of this process after its handshake, or a skip.
+    fn ready() -> Option<Uffd> {
         let Ok(uffd) = Uffd::create() else {
             tmem_testkit::skip(tmem_testkit::Feature::Userfaultfd, "no userfaultfd for this user");
-            return;
+            return None;
         };
         uffd.handshake().unwrap();
+        Some(uffd)
+    }
+
+    #[test]
+    fn a_page_moves_out_and_back_and_a_copy_fills_a_hole() {
+        let Some(uffd) = ready() else { return };
         let (src, staging) = (map(4), map_with(4, libc::MAP_NORESERVE));
         // SAFETY: src is a 4-page mapping of this test; written before it is
         // registered, since no thread here serves faults.
@@ -386,11 +392,7 @@ mod kernel {
     /// gone and the parent wrote it. A fresh mapping's page can.
     #[test]
     fn pages_of_a_forked_mapping_do_not_move() {
-        let Ok(uffd) = Uffd::create() else {
-            tmem_testkit::skip(tmem_testkit::Feature::Userfaultfd, "no userfaultfd for this user");
-            return;
-        };
-        uffd.handshake().unwrap();
+        let Some(uffd) = ready() else { return };
         let (src, staging) = (map(1), map(2));
         // SAFETY: src is this test's page.
         unsafe { *(src as *mut u64) = 5 };
