@@ -22,7 +22,7 @@ mod spawn;
 pub use capture::capture_pid;
 pub use cli::{parse_size, run_capture, CaptureArgs};
 pub use error::CorpusError;
-pub use spawn::{generated_c_source, spawn_and_capture, SpawnKind};
+pub use spawn::{generated_c_source, spawn_and_capture, which, SpawnKind};
 
 /// Size of one page, in bytes. Corpora only ever hold 4 KiB pages.
 pub const PAGE_SIZE: usize = 4096;

@@ -105,8 +105,8 @@ fn build_timeout(target: u64) -> Duration {
 
 // ----- helpers -------------------------------------------------------------
 
-/// Finds `program` in `$PATH`.
-fn which(program: &str) -> Option<PathBuf> {
+/// Finds `program` in `$PATH`: the first executable file of that name.
+pub fn which(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|dir| dir.join(program))

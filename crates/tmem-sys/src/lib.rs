@@ -29,5 +29,6 @@ pub fn process_runs(pid: u32) -> bool {
 }
 
 pub mod cgroup;
+pub mod procmaps;
 pub mod vmstat;
 pub mod zswap;

@@ -120,6 +120,32 @@ pub struct EngineStats {
     pub dropped_unseen: u64,
 }
 
+impl std::ops::AddAssign for EngineStats {
+    /// Sums the counters of several engines (a run's processes).
+    fn add_assign(&mut self, o: Self) {
+        let Self {
+            zero_fills,
+            store_fills,
+            slot_returns,
+            evicted,
+            move_busy,
+            put_refused,
+            dropped_away,
+            adopted,
+            dropped_unseen,
+        } = o;
+        self.zero_fills += zero_fills;
+        self.store_fills += store_fills;
+        self.slot_returns += slot_returns;
+        self.evicted += evicted;
+        self.move_busy += move_busy;
+        self.put_refused += put_refused;
+        self.dropped_away += dropped_away;
+        self.adopted += adopted;
+        self.dropped_unseen += dropped_unseen;
+    }
+}
+
 /// Where every page of one process is.
 #[derive(Debug)]
 pub struct Engine {

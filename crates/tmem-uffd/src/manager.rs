@@ -670,16 +670,7 @@ fn finish(shared: &Shared, p: &Arc<Process>) {
     drop(engine);
     {
         let mut done = shared.done_stats.lock();
-        let t = &mut done.0;
-        t.zero_fills += s.zero_fills;
-        t.store_fills += s.store_fills;
-        t.slot_returns += s.slot_returns;
-        t.evicted += s.evicted;
-        t.move_busy += s.move_busy;
-        t.put_refused += s.put_refused;
-        t.dropped_away += s.dropped_away;
-        t.adopted += s.adopted;
-        t.dropped_unseen += s.dropped_unseen;
+        done.0 += s;
         done.1 += 1;
     }
     let _ = shared.store.destroy_pool(p.pool.id());

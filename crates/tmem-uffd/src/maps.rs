@@ -15,21 +15,12 @@ pub struct Range {
     pub end: u64,
 }
 
-/// Whether one line of `/proc/PID/maps` is private anonymous read-write
-/// memory: no file (or the heap, the stack, a named anonymous region).
+/// The range of one line of `/proc/PID/maps`, if it is private anonymous
+/// read-write memory that is not executable: a page moves only into a
+/// mapping with the same access flags, and the staging area is `rw-`.
 fn anonymous(line: &str) -> Option<Range> {
-    let mut f = line.split_ascii_whitespace();
-    let (span, perms, _off, _dev, inode) = (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
-    if perms != "rw-p" || inode != "0" {
-        return None;
-    }
-    match f.next() {
-        None => {}
-        Some(name) if name == "[heap]" || name == "[stack]" || name.starts_with("[anon:") => {}
-        Some(_) => return None,
-    }
-    let (a, b) = span.split_once('-')?;
-    Some(Range { start: u64::from_str_radix(a, 16).ok()?, end: u64::from_str_radix(b, 16).ok()? })
+    let (start, end, perms, name) = tmem_sys::procmaps::parse_line(line)?;
+    (perms == "rw-p" && tmem_sys::procmaps::is_private_anonymous(perms, name)).then_some(Range { start, end })
 }
 
 /// The private anonymous read-write ranges of `pid`, less `exclude`.

@@ -30,7 +30,7 @@ fn resolve(name: &OsString) -> Option<PathBuf> {
     if p.components().count() > 1 {
         return Some(p.to_path_buf());
     }
-    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(p)).find(|c| c.is_file())
+    tmem_corpus::which(p.to_str()?)
 }
 
 /// Why the dynamic loader would not preload the agent into `path`, if it would not.
