@@ -311,6 +311,7 @@ impl IoCounters {
             store,
             backing: None,
             front: None,
+            run: None,
             disksize: size,
             read_ios: self.read_ios.load(r),
             write_ios: self.write_ios.load(r),
@@ -330,6 +331,16 @@ impl IoCounters {
     }
 }
 
+impl DeviceStats {
+    /// A `tmem run` instance as a device of `tmem stat` and the metrics:
+    /// its store, its counters, its `--memory` as the size; no I/O.
+    #[must_use]
+    pub fn of_run(name: &str, store: Stats, run: tmem_uffd::stats::RunStats) -> Self {
+        let size = run.memory_limit_bytes;
+        Self { run: Some(run), ..IoCounters::default().counted(name, size, store) }
+    }
+}
+
 counters! {
     /// Snapshot of a device's counters.
     #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -346,6 +357,9 @@ counters! {
             /// (filled in by the daemon).
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub front: Option<tmem_front::FrontStats>,
+            /// A `tmem run` instance, when this is one (filled in by `tmem run`).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub run: Option<tmem_uffd::stats::RunStats>,
         }
         /// Size in bytes (zram `disksize`).
         disksize: Gauge(Bytes),

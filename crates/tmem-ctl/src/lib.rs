@@ -175,6 +175,56 @@ pub fn socket_path(dir: &Path) -> PathBuf {
     dir.join(SOCKET)
 }
 
+/// Where this user's `tmem run` instances listen: `<pid>/ctl.sock` in
+/// `$XDG_RUNTIME_DIR/tmem-run`, or in `/tmp/tmem-run-UID` without it. An
+/// unprivileged user has no `/run/tmem`, and each user sees only their own
+/// runs. Not created here.
+#[must_use]
+pub fn runs_dir() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| Path::new(d).is_absolute()) {
+        Some(d) => Path::new(&d).join("tmem-run"),
+        None => std::env::temp_dir().join(format!("tmem-run-{}", rustix::process::geteuid().as_raw())),
+    }
+}
+
+/// Makes `dir` (and the per-run directory `dir/PID`) if missing, mode 0700,
+/// and refuses a directory that is a symbolic link or that another user
+/// owns or can write: a control socket there could be someone else's.
+pub fn make_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(std::io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
+    }
+    let meta = std::fs::symlink_metadata(dir)?;
+    let me = rustix::process::geteuid().as_raw();
+    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{} is not a directory of uid {me} that only it can write", dir.display()),
+        ));
+    }
+    Ok(())
+}
+
+/// The `tmem run` instances in [`runs_dir`]: each one's pid and directory
+/// (for [`call`]), lowest pid first. Entries of runs that died (SIGKILL)
+/// are listed too; a [`call`] to them fails with [`CtlError::NoDaemon`].
+#[must_use]
+pub fn runs() -> Vec<(u32, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(runs_dir()) else { return Vec::new() };
+    let mut found: Vec<(u32, PathBuf)> = entries
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let pid = e.file_name().to_str()?.parse().ok()?;
+            socket_path(&e.path()).exists().then(|| (pid, e.path()))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
 /// Parses one request line (as read, newline included).
 pub fn parse_request(line: &[u8]) -> Result<Request, CtlError> {
     if line.len() > MAX_REQUEST || line.last() != Some(&b'\n') {

@@ -101,6 +101,10 @@ impl Collector for Snapshot {
         family(&mut encoder, "alloc", devs.iter().map(|d| (dev(d), &d.store.alloc)))?;
         family(&mut encoder, "backing", devs.iter().filter_map(|d| d.backing.as_ref().map(|b| (dev(d), b))))?;
         family(&mut encoder, "front", devs.iter().filter_map(|d| d.front.as_ref().map(|f| (dev(d), f))))?;
+        // A `tmem run` instance: its budget, and what its engines did (one
+        // group, `tmem_run_*`: the two structs' names do not overlap).
+        family(&mut encoder, "run", devs.iter().filter_map(|d| d.run.as_ref().map(|r| (dev(d), r))))?;
+        family(&mut encoder, "run", devs.iter().filter_map(|d| d.run.as_ref().map(|r| (dev(d), &r.engine))))?;
         let tiers = devs.iter().flat_map(|d| d.store.tiers.iter().map(|t| (tier_labels(d, t), t)));
         family(&mut encoder, "tier", tiers)?;
         if let Some(server) = &self.1 {

@@ -23,6 +23,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+pub use crate::stats::EngineStats;
 use crate::sys::{Outcome, PAGE};
 
 /// A page number: an address divided by the page size.
@@ -94,56 +95,6 @@ pub enum Served {
     Gone,
     /// The store did not have a page it holds for this address.
     Lost,
-}
-
-/// Counters of one engine.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EngineStats {
-    /// Faults served with a page of zeros (first touches).
-    pub zero_fills: u64,
-    /// Faults served from the store.
-    pub store_fills: u64,
-    /// Faults that moved an in-flight page straight back.
-    pub slot_returns: u64,
-    /// Pages stored by eviction.
-    pub evicted: u64,
-    /// Moves refused because the page was busy (shared after `fork`, pinned).
-    pub move_busy: u64,
-    /// Pages the store refused; they went back to the program.
-    pub put_refused: u64,
-    /// Pages dropped by the program's `munmap` / `madvise` while away.
-    pub dropped_away: u64,
-    /// Present pages found by a scan that the engine had not mapped.
-    pub adopted: u64,
-    /// Faults on pages the engine held as mapped: dropped by the program
-    /// before the engine heard of it (zeros were served, as the kernel would).
-    pub dropped_unseen: u64,
-}
-
-impl std::ops::AddAssign for EngineStats {
-    /// Sums the counters of several engines (a run's processes).
-    fn add_assign(&mut self, o: Self) {
-        let Self {
-            zero_fills,
-            store_fills,
-            slot_returns,
-            evicted,
-            move_busy,
-            put_refused,
-            dropped_away,
-            adopted,
-            dropped_unseen,
-        } = o;
-        self.zero_fills += zero_fills;
-        self.store_fills += store_fills;
-        self.slot_returns += slot_returns;
-        self.evicted += evicted;
-        self.move_busy += move_busy;
-        self.put_refused += put_refused;
-        self.dropped_away += dropped_away;
-        self.adopted += adopted;
-        self.dropped_unseen += dropped_unseen;
-    }
 }
 
 /// Where every page of one process is.

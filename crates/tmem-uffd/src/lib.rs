@@ -7,6 +7,7 @@
 //! - [`engine`]: where each page of one process is; the fault and eviction
 //!   steps, tested against a model of memory.
 //! - [`maps`]: the process's private anonymous ranges and present pages.
+//! - [`stats`]: the counters of a run, defined once.
 //! - `manager` (feature `manager`): the helper's threads over a store.
 //!
 //! The agent itself is the `tmem-run-agent` cdylib.
@@ -14,6 +15,7 @@
 pub mod engine;
 pub mod maps;
 pub mod proto;
+pub mod stats;
 pub mod sys;
 
 #[cfg(feature = "manager")]

@@ -44,11 +44,13 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags};
 use tmem_core::{CodecConfig, GetOutcome, Key, Pool, PoolConfig, PutOutcome, Store, StoreConfig};
+use tmem_counters::Counters;
 use tmem_lock::{Condvar, Mutex, Rank};
 
-use crate::engine::{Backing, Batch, Engine, EngineStats, Mem, Pn, Served};
+use crate::engine::{Backing, Batch, Engine, Mem, Pn, Served};
 use crate::maps::{self, PageMap, Range};
 use crate::proto::{self, Hello};
+use crate::stats::{EngineStats, RunStats};
 use crate::sys::{Event, Outcome, Uffd, PAGE};
 
 const P: u64 = PAGE as u64;
@@ -89,19 +91,23 @@ pub enum RunError {
 #[derive(Clone, Debug, Default)]
 pub struct RunReport {
     pub status: Option<ExitStatus>,
-    pub limit_pages: u64,
-    pub slack_pages: u64,
-    /// The most pages resident at once, over all processes.
-    pub peak_resident: u64,
-    /// The most bytes the pool held.
-    pub peak_pool_bytes: u64,
-    /// The pages the pool held at that moment.
+    /// The counters at the end.
+    pub stats: RunStats,
+    /// The pages the pool held when it held the most bytes.
     pub peak_pool_pages: u64,
-    pub processes: u64,
-    pub stats: EngineStats,
-    /// Pages the store did not have when a fault asked (must stay 0).
-    pub lost: u64,
     pub codec: String,
+}
+
+/// A run in progress, seen from outside (`tmem stat --runs`, the metrics).
+#[derive(Clone)]
+pub struct Observer(Arc<Shared>);
+
+impl Observer {
+    /// The run's counters now, and its store's.
+    #[must_use]
+    pub fn snapshot(&self) -> (RunStats, tmem_core::Stats) {
+        (self.0.stats(), self.0.store.stats())
+    }
 }
 
 struct PoolBacking<'a>(&'a Pool);
@@ -246,6 +252,7 @@ impl Process {
 }
 
 struct Shared {
+    program: String,
     store: Arc<Store>,
     limit: u64,
     slack: u64,
@@ -269,6 +276,32 @@ struct Shared {
 }
 
 impl Shared {
+    /// The counters now: the ended processes' engines plus the live ones'.
+    fn stats(&self) -> RunStats {
+        let procs: Vec<Arc<Process>> = self.procs.lock().clone();
+        let (mut engine, ended) = *self.done_stats.lock();
+        let mut stored = 0;
+        for p in procs.iter().filter(|p| !p.gone.load(Ordering::SeqCst)) {
+            let e = p.engine.lock();
+            engine.add_counters(&e.stats());
+            stored += e.stored();
+        }
+        RunStats {
+            pid: std::process::id(),
+            program: self.program.clone(),
+            engine,
+            memory_limit_bytes: self.limit * P,
+            slack_pages: self.slack,
+            resident_pages: self.total.load(Ordering::SeqCst),
+            resident_peak_pages: self.peak.load(Ordering::SeqCst),
+            stored_pages: stored,
+            pool_peak_bytes: self.peak_pool.load(Ordering::SeqCst),
+            processes: procs.len() as u64,
+            processes_ended: ended,
+            lost_pages: self.lost.load(Ordering::SeqCst),
+        }
+    }
+
     /// Brings the process's mirror and the total up to date with its engine.
     fn sync_resident(&self, p: &Process, engine: &Engine) {
         let new = engine.resident();
@@ -308,7 +341,8 @@ fn drain(fd: &OwnedFd) {
 
 /// Runs `cfg.program` under `tmem run` and returns when it and every managed
 /// descendant have ended (or been released).
-pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
+/// `started` gets a view of the run before the program starts.
+pub fn run(cfg: &RunConfig, started: impl FnOnce(Observer) -> std::io::Result<()>) -> Result<RunReport, RunError> {
     if cfg.memory_bytes < 1 << 20 {
         return Err(RunError::TooSmall(cfg.memory_bytes));
     }
@@ -319,6 +353,7 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
         .build()
         .map_err(|e| RunError::Store(e.to_string()))?;
     let shared = Arc::new(Shared {
+        program: cfg.program.to_string_lossy().into_owned(),
         store: Arc::new(store),
         limit,
         slack,
@@ -337,6 +372,7 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
         hello: Mutex::new(Rank::RunHello, None),
         hello_cv: Condvar::new(),
     });
+    started(Observer(Arc::clone(&shared)))?;
     let dir = tempfile::Builder::new().prefix("tmem-run-").tempdir()?;
     let path = dir.path().join("agent.sock");
     let listener = Arc::new(listen(&path)?);
@@ -446,17 +482,10 @@ pub fn run(cfg: &RunConfig) -> Result<RunReport, RunError> {
     if let Some(e) = failure {
         return Err(e);
     }
-    let (stats, processes) = *shared.done_stats.lock();
     Ok(RunReport {
         status: Some(status),
-        limit_pages: limit,
-        slack_pages: slack,
-        peak_resident: shared.peak.load(Ordering::SeqCst),
-        peak_pool_bytes: shared.peak_pool.load(Ordering::SeqCst),
+        stats: shared.stats(),
         peak_pool_pages: shared.peak_pool_pages.load(Ordering::SeqCst),
-        processes,
-        stats,
-        lost: shared.lost.load(Ordering::SeqCst),
         codec: shared.store.codec_name(),
     })
 }
@@ -670,7 +699,7 @@ fn finish(shared: &Shared, p: &Arc<Process>) {
     drop(engine);
     {
         let mut done = shared.done_stats.lock();
-        done.0 += s;
+        done.0.add_counters(&s);
         done.1 += 1;
     }
     let _ = shared.store.destroy_pool(p.pool.id());

@@ -39,7 +39,7 @@ enum Command {
         #[command(subcommand)]
         what: CacheCommand,
     },
-    /// Counters of the running daemon's devices (zramctl-like).
+    /// Counters of the running daemon's devices (zramctl-like), or of this user's `tmem run` instances.
     Stat {
         #[command(flatten)]
         daemon: swapcmd::DaemonArgs,
@@ -49,6 +49,9 @@ enum Command {
         /// Every counter of every device, one per line, with its unit and meaning.
         #[arg(long)]
         counters: bool,
+        /// This user's `tmem run` instances rather than the daemon (also shown when no daemon runs).
+        #[arg(long)]
+        runs: bool,
     },
     /// Changes knobs of a device at run time: pool-limit=2G|25%, frozen=1, codec=zstd:3 (or lz4+dict: train a dictionary on the stored pages now),
     /// incompressible=reject|store_raw, max_compressed_size=N, accept_threshold_percent=N, compact=now.
@@ -186,7 +189,7 @@ fn main() -> ExitCode {
         Command::Swap { what: SwapCommand::Restart(a) } => restartcmd::restart(&a),
         Command::Cache { what: CacheCommand::Up(a) } => swapcmd::cache_up(&a),
         Command::Cache { what: CacheCommand::Down(a) } => swapcmd::down(&a, "cache"),
-        Command::Stat { daemon, json, counters } => swapcmd::stat(&daemon, json, counters),
+        Command::Stat { daemon, json, counters, runs } => swapcmd::stat(&daemon, json, counters, runs),
         Command::Set { daemon, device, assignments } => swapcmd::set(&daemon, &device, &assignments),
         Command::Serve { what: ServeCommand::Nbd(a) } => swapcmd::serve_nbd(&a),
         Command::Daemon { spec: Some(spec), .. } => swapcmd::run_daemon(&spec),

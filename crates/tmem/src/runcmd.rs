@@ -10,6 +10,8 @@ use std::process::ExitCode;
 use anyhow::{bail, Context};
 use tmem_uffd::manager::{self, RunConfig, RunReport};
 
+mod control;
+
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
     /// Most anonymous memory PROGRAM keeps resident: 512M, 2G, ... The rest
@@ -19,6 +21,12 @@ pub struct RunArgs {
     /// Codec of the pool: lz4, zstd, zstd:LEVEL or raw.
     #[arg(long, default_value = "lz4")]
     codec: String,
+    /// Serve Prometheus metrics (OpenMetrics text at /metrics) on this address, e.g. 127.0.0.1:9849.
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
+    /// Allow a non-loopback --metrics address (/metrics has no authentication: trusted networks only).
+    #[arg(long, requires = "metrics")]
+    allow_remote_metrics: bool,
     /// PROGRAM and its arguments (after `--`).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "PROGRAM")]
     command: Vec<OsString>,
@@ -110,7 +118,13 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     // say which setting allows it, before anything runs.
     tmem_uffd::sys::Uffd::create().and_then(|u| u.handshake())?;
     let cfg = RunConfig { memory_bytes: a.memory, codec, agent: agent()?, program, args: a.command[1..].to_vec() };
-    let report = manager::run(&cfg)?;
+    let mut exposed = None;
+    let metrics = a.metrics.map(|m| (m, a.allow_remote_metrics));
+    let report = manager::run(&cfg, |o| {
+        exposed = Some(control::Exposed::start(&o, metrics)?);
+        Ok(())
+    })?;
+    drop(exposed);
     eprintln!("{}", summary(&cfg, &report));
     let code = match report.status {
         Some(s) => s.code().unwrap_or_else(|| 128 + std::os::unix::process::ExitStatusExt::signal(&s).unwrap_or(0)),
@@ -125,28 +139,30 @@ fn mib(pages: u64) -> f64 {
 
 fn summary(cfg: &RunConfig, r: &RunReport) -> String {
     let s = &r.stats;
-    let ratio = if r.peak_pool_bytes > 0 { r.peak_pool_pages as f64 * 4096.0 / r.peak_pool_bytes as f64 } else { 0.0 };
+    let e = &s.engine;
+    let limit = s.memory_limit_bytes / 4096;
+    let ratio = if s.pool_peak_bytes > 0 { r.peak_pool_pages as f64 * 4096.0 / s.pool_peak_bytes as f64 } else { 0.0 };
     format!(
         "tmem run: {} {}; resident at most {:.1} MiB of --memory {:.1} MiB ({:.1} MiB over it at most; faults wait past {:.1} MiB over, \
          and pages the program touched before a scan registered them come on top); pool at most {:.1} MiB for {:.1} MiB of pages ({ratio:.2}x, {}); \
          faults: {} first touches, {} from the pool, {} caught in flight; {} pages evicted, {} adopted by scans, {} busy, {} lost; {} process(es)",
         cfg.program.to_string_lossy(),
         r.status.map_or_else(|| "did not start".into(), |s| s.to_string()),
-        mib(r.peak_resident),
-        mib(r.limit_pages),
-        mib(r.peak_resident.saturating_sub(r.limit_pages)),
-        mib(r.slack_pages),
-        r.peak_pool_bytes as f64 / f64::from(1 << 20),
+        mib(s.resident_peak_pages),
+        mib(limit),
+        mib(s.resident_peak_pages.saturating_sub(limit)),
+        mib(s.slack_pages),
+        s.pool_peak_bytes as f64 / f64::from(1 << 20),
         mib(r.peak_pool_pages),
         r.codec,
-        s.zero_fills,
-        s.store_fills,
-        s.slot_returns,
-        s.evicted,
-        s.adopted,
-        s.move_busy,
-        r.lost,
-        r.processes,
+        e.zero_fills,
+        e.store_fills,
+        e.slot_returns,
+        e.evicted,
+        e.adopted,
+        e.move_busy,
+        s.lost_pages,
+        s.processes_ended,
     )
 }
 

@@ -317,9 +317,16 @@ fn print_recovery(r: &recover::Recovery) {
 }
 
 /// `tmem stat`: a zramctl-like table, or every counter as JSON.
-pub fn stat(a: &DaemonArgs, json: bool, counters: bool) -> anyhow::Result<()> {
+pub fn stat(a: &DaemonArgs, json: bool, counters: bool, runs: bool) -> anyhow::Result<()> {
+    if runs {
+        return stat_runs(json, counters);
+    }
     let data = match ctl::call_ok(&a.runtime_dir, &Request::Stat, Duration::from_secs(10)) {
         Ok(d) => d,
+        // No daemon where none was asked for by name: this user's runs, if any.
+        Err(_) if a.runtime_dir == std::path::Path::new(ctl::RUNTIME_DIR) && !run_devices()?.is_empty() => {
+            return stat_runs(json, counters);
+        }
         Err(e @ ctl::CtlError::NoDaemon { .. }) => match recover::inspect(&a.runtime_dir)? {
             Some(left) => anyhow::bail!(
                 "the tmem daemon{} is dead and its swap is orphaned: {} ({} pages lost); `tmem swap down --runtime-dir {}` cleans up",
@@ -337,12 +344,75 @@ pub fn stat(a: &DaemonArgs, json: bool, counters: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     let devs: Vec<DeviceStats> = serde_json::from_value(data)?;
-    if counters {
-        print_counters(&devs);
+    print_stat(&devs, json, counters)
+}
+
+fn print_stat(devs: &[DeviceStats], json: bool, counters: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(devs)?);
+    } else if counters {
+        print_counters(devs);
     } else {
-        print_stat_table(&devs);
+        print_stat_table(devs);
     }
     Ok(())
+}
+
+/// Every `tmem run` instance of this user, as devices. The directory of a
+/// run that died without removing it (SIGKILL) is removed.
+fn run_devices() -> anyhow::Result<Vec<DeviceStats>> {
+    let mut devs = Vec::new();
+    for (pid, dir) in ctl::runs() {
+        match ctl::call_ok(&dir, &Request::Stat, Duration::from_secs(10)) {
+            Ok(v) => devs.extend(serde_json::from_value::<Vec<DeviceStats>>(v)?),
+            Err(ctl::CtlError::NoDaemon { .. }) if !std::path::Path::new(&format!("/proc/{pid}")).exists() => {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            Err(e) => anyhow::bail!("tmem run (pid {pid}): {e}"),
+        }
+    }
+    Ok(devs)
+}
+
+fn stat_runs(json: bool, counters: bool) -> anyhow::Result<()> {
+    let devs = run_devices()?;
+    if devs.is_empty() && !json {
+        anyhow::bail!("no tmem run instance of this user is running (none listens in {})", ctl::runs_dir().display());
+    }
+    if json || counters {
+        return print_stat(&devs, json, counters);
+    }
+    print_run_table(&devs);
+    Ok(())
+}
+
+/// One row per `tmem run` instance.
+fn print_run_table(devs: &[DeviceStats]) {
+    let mut t = tmem_bench::table::plain([
+        "NAME", "PROGRAM", "MEMORY", "RESIDENT", "PEAK", "STORED", "TOTAL", "RATIO", "FAULTS", "EVICTED", "BUSY",
+        "LOST", "PROCS", "CODEC",
+    ]);
+    let pages = |n: u64| human(n * 4096);
+    for d in devs {
+        let Some(r) = &d.run else { continue };
+        t.add_row([
+            d.name.clone(),
+            r.program.clone(),
+            human(r.memory_limit_bytes),
+            pages(r.resident_pages),
+            pages(r.resident_peak_pages),
+            pages(r.stored_pages),
+            human(d.store.mem_used_total),
+            format!("{:.2}", d.store.ratio),
+            (r.engine.store_fills + r.engine.slot_returns).to_string(),
+            r.engine.evicted.to_string(),
+            r.engine.move_busy.to_string(),
+            r.lost_pages.to_string(),
+            r.processes.to_string(),
+            d.store.codec.clone(),
+        ]);
+    }
+    println!("{t}");
 }
 
 /// Prints every counter of every device, from the counters' definitions.
@@ -363,6 +433,10 @@ fn print_counters(devs: &[DeviceStats]) {
         }
         if let Some(f) = &d.front {
             rows(&mut t, &d.name, "front", f);
+        }
+        if let Some(r) = &d.run {
+            rows(&mut t, &d.name, "run", r);
+            rows(&mut t, &d.name, "run", &r.engine);
         }
         for tier in &d.store.tiers {
             rows(&mut t, &d.name, &format!("tier {}", tier.name), tier);

@@ -113,6 +113,103 @@ fn a_python_heap_stays_within_its_memory_and_reads_back_whole() {
     assert_eq!(count(&stderr, "lost"), 0, "{stderr}");
 }
 
+/// Holds 48 MiB, says so, and waits for its standard input to close.
+const PY_HOLD: &str = r#"
+import sys
+held = [bytearray(bytes([i % 251]) * 4096) for i in range(48 * 256)]
+print("holding", flush=True)
+sys.stdin.read()
+print("ok" if all(b[0] == i % 251 for i, b in enumerate(held)) else "MISMATCH")
+"#;
+
+/// A GET of `url` (`http://ADDR/PATH`) over a plain socket; the body.
+fn http_get(url: &str) -> String {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").unwrap();
+    let (addr, path) = rest.split_at(rest.find('/').unwrap());
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default()
+}
+
+#[test]
+fn a_run_is_seen_by_tmem_stat_and_its_metrics_while_it_lasts() {
+    use std::io::{BufRead, BufReader};
+    if !userfaultfd() {
+        return;
+    }
+    if !tmem_testkit::have_tool("python3") {
+        skip(Feature::Tools, "python3 is not installed");
+        return;
+    }
+    // Its own runs directory: other tests' runs stay out of the listing.
+    let xdg = tempfile::tempdir().unwrap();
+    let mut child = Command::new(tmem())
+        .env("XDG_RUNTIME_DIR", xdg.path())
+        .args(["run", "--memory", "16M", "--metrics", "127.0.0.1:0", "--", "python3", "-c", PY_HOLD])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    let url = line.trim().strip_prefix("tmem run: metrics at ").unwrap_or_else(|| panic!("{line}")).to_owned();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    line.clear();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "holding");
+    let stat = |args: &[&str]| {
+        Command::new(tmem()).env("XDG_RUNTIME_DIR", xdg.path()).arg("stat").args(args).output().unwrap()
+    };
+    // Pages in mappings the last scan (every 20 ms) had not seen yet are
+    // counted by the next one: ask until the held memory is all counted.
+    let name = format!("run-{}", child.id());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let (dev, evicted) = loop {
+        let out = stat(&["--runs", "--json"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let devs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let devs = devs.as_array().unwrap();
+        assert_eq!(devs.len(), 1, "{devs:?}");
+        let (dev, run) = (devs[0].clone(), &devs[0]["run"]);
+        assert_eq!(dev["name"], name.as_str());
+        assert_eq!(run["memory_limit_bytes"], 16 << 20);
+        assert_eq!(run["processes"], 1);
+        assert!(run["resident_pages"].as_u64().unwrap() <= 4096 + run["slack_pages"].as_u64().unwrap(), "{run}");
+        // 48 MiB held in 16: at least 32 MiB of it is in the store.
+        let evicted = run["engine"]["evicted"].as_u64().unwrap();
+        if run["stored_pages"].as_u64().unwrap() >= 32 * 256 {
+            assert!(evicted >= 32 * 256, "{run}");
+            break (dev, evicted);
+        }
+        assert!(std::time::Instant::now() < deadline, "the store never held 32 MiB: {run}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(dev["store"]["total"]["stored_pages"].as_u64().unwrap() >= 32 * 256, "{dev}");
+    // The table and the metrics say the same.
+    let table = String::from_utf8_lossy(&stat(&["--runs"]).stdout).into_owned();
+    assert!(table.contains(&name) && table.contains("python3"), "{table}");
+    let metrics = http_get(&url);
+    let sample = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("tmem_run_evicted_total{{device=\"{name}\"}} ")))
+        .unwrap_or_else(|| panic!("no tmem_run_evicted_total in\n{metrics}"));
+    assert!(sample.parse::<u64>().unwrap() >= evicted);
+    drop(child.stdin.take());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    assert_eq!(rest.trim(), "ok");
+    assert!(child.wait().unwrap().success());
+    // Gone with it: its socket, and so its entry.
+    let out = stat(&["--runs"]);
+    assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no tmem run instance"));
+}
+
 /// Puts /dev/userfaultfd's mode back when dropped.
 struct DeviceMode(u32);
 
