@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use rustix::process::{Pid, Signal, WaitOptions};
 use tmem_sys::vmstat::CpuTimes;
 
-use crate::pressure::backend::{Backend, BackendConfig, BackendKind, PoolSample};
+use crate::pressure::backend::{Backend, BackendConfig, BackendKind, PoolSample, TmemRun};
 use crate::pressure::{foreign_swap, install_signal_handlers, interrupted, zswap_off};
 use crate::progress::Progress;
 pub use child::{OutReport, TouchReport};
@@ -232,12 +232,16 @@ impl Drop for PageCluster {
     }
 }
 
-/// The forked process that holds the pages; killed and reaped on drop.
+/// The process that holds the pages (forked, or a `tmem run` of
+/// `tmem bench fault-toucher`); killed and reaped on drop.
 struct Toucher {
     pid: Pid,
-    commands: std::io::PipeWriter,
-    replies: BufReader<std::io::PipeReader>,
+    commands: std::fs::File,
+    replies: BufReader<std::fs::File>,
     timeout: Duration,
+    /// Its pages go out by themselves (`tmem run` evicts them past its
+    /// budget, this many pages): it is told `settle`, not `out`.
+    evicts_itself: Option<u64>,
 }
 
 impl Toucher {
@@ -272,10 +276,49 @@ impl Toucher {
         }
         let pid = Pid::from_raw(pid).ok_or_else(|| anyhow!("fork returned pid {pid}"))?;
         drop((command_rx, reply_tx));
-        let mut t = Self { pid, commands: command_tx, replies: BufReader::new(reply_rx), timeout };
-        match t.recv()? {
-            Reply::Ready { .. } => Ok(t),
+        let commands = std::fs::File::from(std::os::fd::OwnedFd::from(command_tx));
+        let replies = BufReader::new(std::fs::File::from(std::os::fd::OwnedFd::from(reply_rx)));
+        Self { pid, commands, replies, timeout, evicts_itself: None }.ready()
+    }
+
+    /// Starts `tmem bench fault-toucher` under `tmem run --memory BUDGET`:
+    /// its pages go to tmem run's store once past the budget.
+    fn start_under_run(run: &TmemRun, budget: u64, pages: usize, seed: u64, timeout: Duration) -> anyhow::Result<Self> {
+        let exe = crate::cache::setup::current_exe()?.to_string_lossy().into_owned();
+        let (pages_s, seed_s) = (pages.to_string(), seed.to_string());
+        let (program, args) =
+            run.wrap(budget, &exe, &["bench", "fault-toucher", "--pages", &pages_s, "--seed", &seed_s]);
+        let mut child = std::process::Command::new(&program)
+            .args(&args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| anyhow!("cannot start {program}: {e}"))?;
+        let pid = Pid::from_raw(i32::try_from(child.id())?).ok_or_else(|| anyhow!("bad pid"))?;
+        let commands = std::fs::File::from(std::os::fd::OwnedFd::from(child.stdin.take().expect("piped")));
+        let replies = std::fs::File::from(std::os::fd::OwnedFd::from(child.stdout.take().expect("piped")));
+        // Reaped by pid in `drop`, as the forked toucher is.
+        drop(child);
+        Self { pid, commands, replies: BufReader::new(replies), timeout, evicts_itself: Some(budget / 4096) }.ready()
+    }
+
+    fn ready(mut self) -> anyhow::Result<Self> {
+        match self.recv()? {
+            Reply::Ready { .. } => Ok(self),
             other => Err(anyhow!("the touching process did not start: {other:?}")),
+        }
+    }
+
+    /// Has the region go out: `MADV_PAGEOUT` to swap, or, under tmem run,
+    /// waits for its eviction to settle.
+    fn out(&mut self) -> anyhow::Result<OutReport> {
+        let command = match self.evicts_itself {
+            Some(budget) => format!("settle {budget}"),
+            None => "out".to_owned(),
+        };
+        match self.call(&command)? {
+            Reply::Out(out) => Ok(out),
+            other => Err(anyhow!("unexpected reply to {command}: {other:?}")),
         }
     }
 
@@ -362,6 +405,13 @@ fn preflight(a: &FaultArgs) -> anyhow::Result<()> {
     crate::pressure::refuse_other_swap(a.allow_other_swap)
 }
 
+/// `tmem bench fault-toucher`: the touching process on standard input and
+/// output, for the tmem-run row (started under `tmem run`). Its exit code.
+#[must_use]
+pub fn toucher_main(pages: usize, seed: u64) -> i32 {
+    child::serve(pages, seed, std::io::stdin().lock(), std::io::stdout().lock())
+}
+
 /// Runs the bench: every backend, every order; returns what it measured
 /// (cells that failed are in `errors`). Everything set up is undone.
 pub fn bench(a: &FaultArgs) -> anyhow::Result<FaultReport> {
@@ -403,9 +453,27 @@ pub fn bench(a: &FaultArgs) -> anyhow::Result<FaultReport> {
             }
         };
         zram_device = zram_device.or_else(|| backend.zram_device());
+        // tmem-run: a toucher of its own, under `tmem run` with a budget of
+        // 1/32 of the region (at least 4 MiB), for this row's cells.
+        let mut own = match &backend {
+            Backend::TmemRun(r) => {
+                let budget = ((a.mib << 20) / 32).max(4 << 20);
+                match Toucher::start_under_run(r, budget, pages, a.seed, Duration::from_secs(a.timeout.max(1))) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        progress.note(&format!("{name}: {e:#}"));
+                        errors.push(format!("{name}: {e:#}"));
+                        progress.steps_done(a.orders.len());
+                        continue;
+                    }
+                }
+            }
+            _ => None,
+        };
         for &order in &a.orders {
             progress.show(&format!("{name}, {}", order.name()), true);
-            match cell(&mut toucher, &mut backend, name, order) {
+            let toucher = own.as_mut().unwrap_or(&mut toucher);
+            match cell(toucher, &mut backend, name, order) {
                 Ok(c) => {
                     if c.touch.wrong_pages > 0 {
                         progress.note(&format!(
@@ -428,6 +496,7 @@ pub fn bench(a: &FaultArgs) -> anyhow::Result<FaultReport> {
             }
         }
         progress.show(&format!("{name}: cleaning up"), false);
+        drop(own);
         if let Err(e) = backend.finish() {
             errors.push(format!("{name}: cleanup: {e:#}"));
         }
@@ -474,7 +543,7 @@ fn cell(toucher: &mut Toucher, backend: &mut Backend, name: &str, order: Order) 
 fn measure(toucher: &mut Toucher, backend: &Backend, name: &str, order: Order) -> anyhow::Result<Cell> {
     let ours = backend.swap_paths();
     let mut foreign = foreign_swap(&ours);
-    let Reply::Out(out) = toucher.call("out")? else { return Err(anyhow!("unexpected reply to out")) };
+    let out = toucher.out()?;
     let pool = backend.sample();
     let cpu = CpuTimes::now();
     let Reply::Touched(touch) = toucher.call(&format!("touch {}", order.name()))? else {
@@ -527,7 +596,9 @@ pub fn render_table(cells: &[Cell]) -> String {
         "steal %",
     ]);
     for c in cells {
-        let m = &c.touch.major;
+        // userfaultfd's faults count as minor (the kernel did no I/O): under
+        // tmem run every touched page was out, so every touch is the fault.
+        let m = if c.backend == BackendKind::TmemRun.name() { &c.touch.all } else { &c.touch.major };
         let per_page = c.touch.all.mean_us;
         let ratio = (c.pool.pool_bytes > 0).then(|| c.pool.stored_bytes as f64 / c.pool.pool_bytes as f64);
         t.add_row([
@@ -584,7 +655,9 @@ fn print_report(r: &FaultReport) {
     print!("{}", render_table(&r.cells));
     println!();
     println!(
-        "major: touches that took a major fault (waited for swap I/O); p50/p99/p99.9/max are theirs. minor: the \
+        "major: touches that took a major fault (waited for swap I/O); p50/p99/p99.9/max are theirs (tmem-run's: \
+         every touch's, as userfaultfd's faults count as minor; its pages went out by tmem run's eviction past a \
+         budget of 1/32 of the region, at least 4 MiB, which goes on during the pass). minor: the \
          page was already in the swap cache (read ahead by an earlier fault). read/major: pages read from swap \
          (pswpin + zswpin, system-wide) per major fault; zero pages never reach a device (the swap layer keeps \
          them itself), so it can sit a little under 1. us/page: mean over every touch. ratio: uncompressed / pool \

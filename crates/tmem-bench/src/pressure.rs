@@ -300,8 +300,16 @@ impl Ctx<'_> {
     }
 
     /// Runs the workload once in `cg` (from [`Ctx::run_cgroup`], removed
-    /// here), sampling `backend`'s pool.
-    fn measure(&mut self, mut backend: Option<&mut Backend>, cg: MemCgroup, label: &str) -> anyhow::Result<Measured> {
+    /// here), sampling `backend`'s pool. The tmem-run row's jobs run under
+    /// `tmem run` with `budget` between them (the level's limit, which
+    /// its cgroup then does not have).
+    fn measure(
+        &mut self,
+        mut backend: Option<&mut Backend>,
+        cg: MemCgroup,
+        label: &str,
+        budget: Option<u64>,
+    ) -> anyhow::Result<Measured> {
         let ours = backend.as_deref().map(Backend::swap_paths).unwrap_or_default();
         let mut foreign = foreign_swap(&ours);
         let below = backend.as_deref().and_then(Backend::backing_dev);
@@ -316,7 +324,11 @@ impl Ctx<'_> {
         let mut kill_at = self.kill_node_at;
         let mut killed_node = None;
         let start = Instant::now();
-        let mut running = self.workload.spawn(&cg.procs_file())?;
+        let run = match backend.as_deref() {
+            Some(Backend::TmemRun(r)) => budget.map(|b| (r, b)),
+            _ => None,
+        };
+        let mut running = self.workload.spawn(&cg.procs_file(), run)?;
         let sample_every = Duration::from_millis(self.args.sample_ms.max(10));
         let mut next_sample = start;
         let mut next_swap_check = start;
@@ -491,7 +503,9 @@ impl Ctx<'_> {
         label: &str,
     ) -> anyhow::Result<RunRecord> {
         let limit = limit_for(level, peak);
-        let cg = self.run_cgroup(limit)?;
+        // tmem run keeps the jobs within the limit itself; their cgroup only counts.
+        let under_run = matches!(backend, Backend::TmemRun(_));
+        let cg = self.run_cgroup(if under_run { None } else { limit })?;
         backend.set_run_cgroup((cg.version() == Version::V2).then(|| cg.path()));
         let t = Instant::now();
         if let Err(e) = backend.activate() {
@@ -503,7 +517,7 @@ impl Ctx<'_> {
         let setup_secs = t.elapsed().as_secs_f64();
         let counters_before = backend.counters();
         self.kill_node_at = (name == BackendKind::TmemRemoteKill.name()).then_some(self.args.kill_node_at_tier_pages);
-        let measured = self.measure(Some(&mut *backend), cg, label);
+        let measured = self.measure(Some(&mut *backend), cg, label, limit);
         let counters = backend.counters().map(|after| counter_deltas(counters_before.as_ref(), &after));
         let t = Instant::now();
         let down = backend.deactivate();
@@ -811,7 +825,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
     // Reference run: no limit, no swap of ours; gives the peak and the checksums.
     ctx.progress.show("reference run (no limit, no swap)", true);
     let cg = ctx.run_cgroup(None)?;
-    let m = ctx.measure(None, cg, "reference run")?;
+    let m = ctx.measure(None, cg, "reference run", None)?;
     if m.timed_out || m.oom_kills > 0 || m.jobs.iter().any(|j| j.code != Some(0) || j.output.is_empty()) {
         return Err(anyhow!("the reference run failed: {:?}", m.jobs));
     }
@@ -1085,6 +1099,13 @@ fn print_report(
             backend::RAM_PRIORITY
         );
     }
+    if names.contains(&"tmem-run") {
+        println!(
+            "tmem-run = each job under tmem run --memory (limit / {}) --codec {}: userfaultfd, no swap; the jobs' \
+             cgroup has no limit and holds the tmem run helpers, their pools included; pool = their pools.",
+            a.jobs, a.tmem_codec
+        );
+    }
     if names.iter().any(|n| backend_has_front(n)) {
         println!("front rows, one policy: {}.", shown.front.describe());
         if names.contains(&"zram+tmem") {
@@ -1139,8 +1160,9 @@ fn print_report(
     } else {
         println!(
             "note: no backend's pool counts against the workload's limit: zram's is uncharged kernel memory, \
-             tmem's belongs to its daemon in the root cgroup{}.",
-            if names.contains(&"fuse-ram") { ", fuse-ram's to the bench process" } else { "" }
+             tmem's belongs to its daemon in the root cgroup{}{}.",
+            if names.contains(&"fuse-ram") { ", fuse-ram's to the bench process" } else { "" },
+            if names.contains(&"tmem-run") { "; tmem-run's jobs have no limit, tmem run keeps them within it" } else { "" }
         );
     }
     println!(

@@ -141,6 +141,14 @@ enum BenchCommand {
     /// restarts, Redis node kills, `tmem set` changes, recompression and
     /// daemon kills arrive at seeded random times; every page must come back.
     Soak(Box<tmem_bench::soak::SoakArgs>),
+    /// The touching process of `bench fault`'s tmem-run row (started by it, under `tmem run`).
+    #[command(hide = true, name = "fault-toucher")]
+    FaultToucher {
+        #[arg(long)]
+        pages: usize,
+        #[arg(long)]
+        seed: u64,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -180,6 +188,9 @@ fn main() -> ExitCode {
         Command::Bench { what: BenchCommand::Capacity(args) } => tmem_bench::capacity::run(&args),
         Command::Bench { what: BenchCommand::Ramp(args) } => tmem_bench::ramp::run(&args),
         Command::Bench { what: BenchCommand::Fault(args) } => tmem_bench::fault::run(&args),
+        Command::Bench { what: BenchCommand::FaultToucher { pages, seed } } => {
+            std::process::exit(tmem_bench::fault::toucher_main(pages, seed))
+        }
         Command::Bench { what: BenchCommand::Soak(args) } => tmem_bench::soak::run(&args),
         Command::Corpus { what: CorpusCommand::Capture(args) } => tmem_corpus::run_capture(&args).map_err(Into::into),
         Command::Corpus { what: CorpusCommand::Info { files } } => corpuscmd::info(&files),

@@ -99,3 +99,50 @@ fn pressure_ladder_smoke() {
         }
     }
 }
+
+/// The tmem-run row: each job under `tmem run` with its share of the limit,
+/// no swap; its checksums match and its pools are seen through their
+/// control sockets.
+#[test]
+fn pressure_tmem_run_row_smoke() {
+    if let Some((feature, reason)) = common::missing_feature() {
+        return tmem_testkit::skip(feature, reason);
+    }
+    if let Err(e) = tmem_uffd::sys::Uffd::create().and_then(|u| u.handshake()) {
+        return tmem_testkit::skip(tmem_testkit::Feature::Userfaultfd, &format!("tmem run needs userfaultfd: {e}"));
+    }
+    let run = common::run_bench(
+        &[
+            "pressure",
+            "--workload-mib",
+            "192",
+            "--levels",
+            "65",
+            "--runs",
+            "1",
+            "--passes",
+            "1",
+            "--backends",
+            "zram,tmem-run",
+            "--allow-other-swap",
+            "--after-exit-secs",
+            "1",
+        ],
+        true,
+    );
+    let (v, stdout) = (&run.json, &run.stdout);
+    assert!(run.ok, "tmem bench pressure failed");
+    assert!(stdout.contains("tmem-run = each job under tmem run"), "{stdout}");
+    assert!(stdout.contains("memory of the whole stack"), "{stdout}");
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    let r = runs.iter().find(|r| r["backend"] == "tmem-run").unwrap();
+    assert_eq!(r["outcome"], "OK", "{r}");
+    for (j, want) in r["jobs"].as_array().unwrap().iter().zip(v["reference"]["jobs"].as_array().unwrap()) {
+        assert_eq!(j["output"], want["output"]);
+    }
+    // The pages went to the helpers' pools (pswpout is system-wide: other tests may swap).
+    assert!(r["limit_bytes"].as_u64().is_some(), "{r}");
+    assert!(r["pool_peak_bytes"].as_u64().unwrap() > 1 << 20, "no pool seen: {r}");
+    assert!(r["pool_stored_bytes_at_peak"].as_u64().unwrap() > r["pool_peak_bytes"].as_u64().unwrap(), "{r}");
+}

@@ -7,8 +7,10 @@
 //! while it waits on I/O that worker serves would block for good. The child maps its pages after the fork, so no
 //! page is shared with the parent (`MADV_PAGEOUT` skips shared pages).
 //!
-//! Commands come one per line on a pipe (`out`, `touch random`, `touch
-//! sequential`, `quit`); each is answered with one JSON line ([`Reply`]).
+//! Commands come one per line on a pipe (`out`, `settle BUDGET`, `touch
+//! random`, `touch sequential`, `quit`); each is answered with one JSON
+//! line ([`Reply`]). Under `tmem run` it is `tmem bench fault-toucher`, and
+//! its pipes are its standard input and output.
 
 use std::io::{BufRead, BufReader, Write};
 use std::time::{Duration, Instant};
@@ -238,6 +240,30 @@ impl Child {
         Ok(OutReport { pages, pages_out: out, rounds, secs: start.elapsed().as_secs_f64() })
     }
 
+    /// Under `tmem run`, which evicts past its budget of `budget` pages by
+    /// itself: waits until the resident count has not fallen for half a
+    /// second; fails unless all but the budget (and 4 MiB of the process's
+    /// own) are out.
+    fn settle(&mut self, budget: u64) -> anyhow::Result<OutReport> {
+        let start = Instant::now();
+        let (mut fewest, mut progress_at, mut rounds) = (usize::MAX, start, 0);
+        while progress_at.elapsed() < Duration::from_millis(500) && start.elapsed() < PAGE_OUT_STALL {
+            let resident = self.resident_pages()?.len();
+            rounds += 1;
+            if resident < fewest {
+                (fewest, progress_at) = (resident, Instant::now());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let pages = self.region.pages as u64;
+        let out = pages - fewest as u64;
+        let want = pages.saturating_sub(budget + 1024);
+        if out < want {
+            return Err(anyhow!("only {out} of {pages} pages were out after {:.1} s (want {want})", start.elapsed().as_secs_f64()));
+        }
+        Ok(OutReport { pages, pages_out: out, rounds, secs: start.elapsed().as_secs_f64() })
+    }
+
     /// Touches every page that is out, one at a time, in `order`, timing
     /// each; then checks every page of the region.
     fn touch(&mut self, order: Order) -> anyhow::Result<TouchReport> {
@@ -329,6 +355,10 @@ pub fn serve(pages: usize, seed: u64, commands: impl std::io::Read, mut replies:
         let reply = match line.trim() {
             "quit" => return 0,
             "out" => child.out().map(Reply::Out),
+            settle if settle.starts_with("settle ") => match settle["settle ".len()..].parse() {
+                Ok(budget) => child.settle(budget).map(Reply::Out),
+                Err(e) => Err(anyhow!("{settle:?}: {e}")),
+            },
             "touch random" => child.touch(Order::Random).map(|t| Reply::Touched(Box::new(t))),
             "touch sequential" => child.touch(Order::Sequential).map(|t| Reply::Touched(Box::new(t))),
             other => Err(anyhow!("unknown command {other:?}")),

@@ -85,6 +85,11 @@ pub enum BackendKind {
     #[value(name = "zswap+tmem")]
     #[serde(rename = "zswap+tmem")]
     ZswapTmem,
+    /// No swap: each job runs under `tmem run --memory BUDGET` (userfaultfd),
+    /// its cgroup without a limit; the helpers, pools included, are in it.
+    #[value(name = "tmem-run")]
+    #[serde(rename = "tmem-run")]
+    TmemRun,
 }
 
 impl BackendKind {
@@ -103,6 +108,7 @@ impl BackendKind {
             Self::ZramTmem => "zram+tmem",
             Self::ZramDisk => "zram+disk",
             Self::ZswapTmem => "zswap+tmem",
+            Self::TmemRun => "tmem-run",
         }
     }
 
@@ -257,6 +263,8 @@ pub enum Backend {
     FuseRam(FuseRam),
     /// zram writing back to a disk file, its policy in the bench.
     ZramDisk(ZramDisk),
+    /// `tmem run` around each job: nothing to set up.
+    TmemRun(TmemRun),
 }
 
 impl Backend {
@@ -314,6 +322,7 @@ impl Backend {
                 t.front = Some(TmemFront::new(FrontRow::Zswap, c.front.daemon_args("zswap", &c.zswap_compressor)));
                 Ok(Self::Tmem(t))
             }
+            BackendKind::TmemRun => Ok(Self::TmemRun(TmemRun::prepare(c)?)),
             BackendKind::ZramDisk => Ok(Self::ZramDisk(ZramDisk::prepare(
                 &c.front_disk_file,
                 c.swap_size,
@@ -362,6 +371,7 @@ impl Backend {
             Self::Tmem(t) => t.loop_devs.iter().chain(t.front.iter().flat_map(|f| f.nodes.iter())).cloned().collect(),
             Self::FuseRam(f) => f.active.iter().filter_map(|a| a.loop_dev.clone()).collect(),
             Self::ZramDisk(z) => z.node().map(Path::to_owned).into_iter().collect(),
+            Self::TmemRun(_) => Vec::new(),
         }
     }
 
@@ -373,6 +383,7 @@ impl Backend {
             Self::Tmem(t) => t.activate(),
             Self::FuseRam(f) => f.activate(),
             Self::ZramDisk(z) => z.activate(),
+            Self::TmemRun(_) => Ok(()),
         }
     }
 
@@ -384,6 +395,7 @@ impl Backend {
             Self::Tmem(t) => t.deactivate(),
             Self::FuseRam(f) => f.deactivate(),
             Self::ZramDisk(z) => z.deactivate(),
+            Self::TmemRun(_) => Ok(()),
         }
     }
 
@@ -406,6 +418,7 @@ impl Backend {
             Self::Tmem(t) => t.sample(),
             Self::FuseRam(f) => f.sample(),
             Self::ZramDisk(z) => z.sample(),
+            Self::TmemRun(_) => TmemRun::sample(),
         }
     }
 
@@ -429,7 +442,8 @@ impl Backend {
         match self {
             Self::Tmem(t) => t.pid,
             Self::FuseRam(_) => i32::try_from(std::process::id()).ok(),
-            Self::Disk(_) | Self::Zram(_) | Self::Zswap { .. } | Self::ZramDisk(_) => None,
+            // tmem run's helpers are in the run's cgroup: their CPU is in the machine's busy time.
+            Self::Disk(_) | Self::Zram(_) | Self::Zswap { .. } | Self::ZramDisk(_) | Self::TmemRun(_) => None,
         }
     }
 
@@ -495,7 +509,45 @@ impl Backend {
             Self::Tmem(mut t) => t.finish(),
             Self::FuseRam(mut f) => f.deactivate(),
             Self::ZramDisk(mut z) => z.finish(),
+            Self::TmemRun(_) => Ok(()),
         }
+    }
+}
+
+/// The tmem-run row: each job under `tmem run`.
+pub struct TmemRun {
+    exe: PathBuf,
+    codec: String,
+}
+
+impl TmemRun {
+    fn prepare(c: &BackendConfig) -> anyhow::Result<Self> {
+        let exe = current_exe()?;
+        Ok(Self { exe, codec: c.tmem_codec.clone() })
+    }
+
+    /// `PROGRAM ARGS` under `tmem run --memory BUDGET --codec C`.
+    #[must_use]
+    pub fn wrap(&self, budget: u64, program: &str, args: &[&str]) -> (String, Vec<String>) {
+        let mut wrapped: Vec<String> =
+            ["run", "--memory", &budget.to_string(), "--codec", &self.codec, "--", program].map(str::to_owned).to_vec();
+        wrapped.extend(args.iter().map(|s| (*s).to_owned()));
+        (self.exe.to_string_lossy().into_owned(), wrapped)
+    }
+
+    /// The pools of this user's `tmem run` instances (the bench's own, as
+    /// no other runs during a bench), from their control sockets.
+    fn sample() -> PoolSample {
+        let mut s = PoolSample::default();
+        for (_, dir) in ctl::runs() {
+            let Ok(v) = ctl::call_ok(&dir, &Request::Stat, Duration::from_secs(2)) else { continue };
+            let Ok(devs) = serde_json::from_value::<Vec<tmem_block::DeviceStats>>(v) else { continue };
+            for d in devs {
+                s.pool_bytes += d.store.mem_used_total;
+                s.stored_bytes += d.store.total.orig_data_size;
+            }
+        }
+        s
     }
 }
 

@@ -8,6 +8,7 @@
 //! so a Ctrl-C on the terminal reaches only the bench, which kills them.
 
 use anyhow::anyhow;
+use super::backend::TmemRun;
 use std::fs::File;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -92,8 +93,10 @@ impl Workload {
         args
     }
 
-    /// Starts every job; each joins the cgroup whose `cgroup.procs` is `procs` first.
-    pub fn spawn(&self, procs: &Path) -> anyhow::Result<Running> {
+    /// Starts every job; each joins the cgroup whose `cgroup.procs` is
+    /// `procs` first. With `run`, each job runs under `tmem run` with an
+    /// even share of the budget.
+    pub fn spawn(&self, procs: &Path, run: Option<(&TmemRun, u64)>) -> anyhow::Result<Running> {
         let mut running = Running { jobs: Vec::new() };
         for i in 0..self.jobs {
             let seed = Self::seed(i);
@@ -103,8 +106,13 @@ impl Workload {
             let err = File::create(&err_path).map_err(|e| anyhow!("{}: {e}", err_path.display()))?;
             let args = self.job_args(i);
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let child = spawn_in_cgroups(&[procs], &self.python, &args, out, err)
-                .map_err(|e| anyhow!("cannot start the workload (sh, {}): {e}", self.python))?;
+            let (program, args) = match run {
+                Some((r, budget)) => r.wrap(budget / u64::from(self.jobs), &self.python, &args),
+                None => (self.python.clone(), args.iter().map(|s| (*s).to_owned()).collect()),
+            };
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let child = spawn_in_cgroups(&[procs], &program, &args, out, err)
+                .map_err(|e| anyhow!("cannot start the workload (sh, {program}): {e}"))?;
             running.jobs.push(Job { seed, child, out_path, err_path, status: None });
         }
         Ok(running)
