@@ -311,15 +311,39 @@ impl Toucher {
 
     /// Has the region go out: `MADV_PAGEOUT` to swap, or, under tmem run,
     /// waits for its eviction to settle.
+    ///
+    /// Under tmem run, the budget is then raised past the region, so that
+    /// the pass measures faults served from the pool alone, with no
+    /// eviction going on (it is put back before the next `settle`).
     fn out(&mut self) -> anyhow::Result<OutReport> {
         let command = match self.evicts_itself {
-            Some(budget) => format!("settle {budget}"),
+            Some(budget) => {
+                self.set_run_memory(budget * 4096)?;
+                format!("settle {budget}")
+            }
             None => "out".to_owned(),
         };
-        match self.call(&command)? {
-            Reply::Out(out) => Ok(out),
-            other => Err(anyhow!("unexpected reply to {command}: {other:?}")),
+        let out = match self.call(&command)? {
+            Reply::Out(out) => out,
+            other => return Err(anyhow!("unexpected reply to {command}: {other:?}")),
+        };
+        if self.evicts_itself.is_some() {
+            self.set_run_memory(out.pages * 4096 * 2 + (64 << 20))?;
         }
+        Ok(out)
+    }
+
+    /// `tmem set run-PID memory=BYTES` on the tmem run this toucher is under.
+    fn set_run_memory(&self, bytes: u64) -> anyhow::Result<()> {
+        let pid = self.pid.as_raw_nonzero().get();
+        let req = tmem_ctl::Request::Set {
+            device: format!("run-{pid}"),
+            key: "memory".into(),
+            value: bytes.to_string(),
+        };
+        tmem_ctl::call_ok(&tmem_ctl::runs_dir().join(pid.to_string()), &req, Duration::from_secs(10))
+            .map(drop)
+            .map_err(|e| anyhow!("tmem run (pid {pid}): memory={bytes}: {e}"))
     }
 
     fn call(&mut self, command: &str) -> anyhow::Result<Reply> {
@@ -657,7 +681,8 @@ fn print_report(r: &FaultReport) {
     println!(
         "major: touches that took a major fault (waited for swap I/O); p50/p99/p99.9/max are theirs (tmem-run's: \
          every touch's, as userfaultfd's faults count as minor; its pages went out by tmem run's eviction past a \
-         budget of 1/32 of the region, at least 4 MiB, which goes on during the pass). minor: the \
+         budget of 1/32 of the region, at least 4 MiB, raised past the region for the pass: the faults are served \
+         from the pool with no eviction going on). minor: the \
          page was already in the swap cache (read ahead by an earlier fault). read/major: pages read from swap \
          (pswpin + zswpin, system-wide) per major fault; zero pages never reach a device (the swap layer keeps \
          them itself), so it can sit a little under 1. us/page: mean over every touch. ratio: uncompressed / pool \

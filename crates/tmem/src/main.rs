@@ -53,7 +53,7 @@ enum Command {
         #[arg(long)]
         runs: bool,
     },
-    /// Changes knobs of a device at run time: pool-limit=2G|25%, frozen=1, codec=zstd:3 (or lz4+dict: train a dictionary on the stored pages now),
+    /// Changes knobs of a device at run time (of a `tmem run` instance, run-PID: memory=SIZE): pool-limit=2G|25%, frozen=1, codec=zstd:3 (or lz4+dict: train a dictionary on the stored pages now),
     /// incompressible=reject|store_raw, max_compressed_size=N, accept_threshold_percent=N, compact=now.
     Set {
         #[command(flatten)]

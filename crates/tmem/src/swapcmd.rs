@@ -615,11 +615,16 @@ fn print_codec_table(devs: &[DeviceStats]) {
 
 /// `tmem set DEVICE KEY=VALUE...`.
 pub fn set(a: &DaemonArgs, device: &str, assignments: &[String]) -> anyhow::Result<()> {
+    // A `tmem run` instance (`tmem stat --runs` names them) has its own socket.
+    let dir = match device.strip_prefix("run-").and_then(|pid| pid.parse::<u32>().ok()) {
+        Some(pid) => ctl::runs_dir().join(pid.to_string()),
+        None => a.runtime_dir.clone(),
+    };
     for kv in assignments {
         let (key, value) = kv.split_once('=').ok_or_else(|| anyhow::anyhow!("expected KEY=VALUE, got {kv:?}"))?;
         let req =
             Request::Set { device: device.to_owned(), key: key.trim().to_owned(), value: value.trim().to_owned() };
-        let msg = ctl::call_ok(&a.runtime_dir, &req, Duration::from_secs(60))?;
+        let msg = ctl::call_ok(&dir, &req, Duration::from_secs(60))?;
         println!("{device}: {}", msg.as_str().unwrap_or_default());
     }
     Ok(())

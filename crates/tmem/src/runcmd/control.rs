@@ -1,5 +1,6 @@
 //! How a `tmem run` instance is seen from outside: its control socket,
-//! which answers `tmem stat --runs` (`stat`, `status`), and `--metrics`.
+//! which answers `tmem stat --runs` (`stat`, `status`) and `tmem set
+//! run-PID memory=SIZE`, and `--metrics`.
 //! Both reuse the daemon's servers: the same client limits, the same
 //! exposition, a run being one more device (`DeviceStats::of_run`).
 
@@ -10,6 +11,7 @@ use std::sync::Arc;
 use tmem_block::DeviceStats;
 use tmem_ctl::{Request, Response, Status};
 use tmem_daemon::control::Handler;
+use tmem_daemon::human;
 use tmem_daemon::metrics::MetricsServer;
 use tmem_uffd::manager::Observer;
 
@@ -44,9 +46,23 @@ impl Handler for RunHandler {
                 };
                 serde_json::to_value(status).map_or_else(Response::err, Response::ok)
             }
-            Request::Set { .. } | Request::Down => {
-                Response::err("a tmem run instance answers stat and status only; it ends with its program")
+            Request::Set { device, key, value } => {
+                let name = device_name(std::process::id());
+                if device != name {
+                    return Response::err(format!("this tmem run instance is {name}, not {device}"));
+                }
+                if key != "memory" {
+                    return Response::err(format!("{key}: a tmem run instance has one knob, memory=SIZE"));
+                }
+                match tmem_corpus::parse_size(&value) {
+                    Ok(bytes) => match self.0.set_memory(bytes) {
+                        Ok(()) => Response::ok(format!("memory={bytes} (at most {} resident)", human(bytes)).into()),
+                        Err(e) => Response::err(e),
+                    },
+                    Err(e) => Response::err(format!("memory={value}: {e}")),
+                }
             }
+            Request::Down => Response::err("a tmem run instance ends with its program, not with swap down"),
         }
     }
 
