@@ -66,8 +66,8 @@ cargo run -q -p tmem -- bench store --rounds 1 --mix-only
 echo "== smoke: tmem bench cache (48 MiB SQLite database on ext4, job at 50%)"; cargo run -q -p tmem -- bench cache --db-mib 48 --levels 50 --queries 100000 --json /tmp/cache.json
 echo "== smoke: tmem bench tier (2000 pages; mem, three Redis servers, a three-master Redis Cluster)"
 cargo run -q -p tmem -- bench tier --tiers mem,remote,remote-cluster --pages 2000 --latency-samples 200
-echo "== smoke: tmem bench fault (32 MiB paged out and touched; zram, fuse-ram, tmem)"
-cargo run -q -p tmem -- bench fault --mib 32 --backends zram,fuse-ram,tmem
+echo "== smoke: tmem bench fault (32 MiB paged out and touched; zram, fuse-ram, tmem, tmem-run)"
+cargo run -q -p tmem -- bench fault --mib 32 --backends zram,fuse-ram,tmem,tmem-run
 echo "== smoke: tmem bench pressure --cold-share 50 (128 MiB at 50%; the front rows run in the VM test, where zram has writeback)"
 cargo run -q -p tmem -- bench pressure --workload-mib 128 --levels 50 --runs 1 --passes 1 --cold-share 50 \
     --backends zram,tmem --allow-other-swap

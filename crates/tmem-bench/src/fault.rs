@@ -336,11 +336,8 @@ impl Toucher {
     /// `tmem set run-PID memory=BYTES` on the tmem run this toucher is under.
     fn set_run_memory(&self, bytes: u64) -> anyhow::Result<()> {
         let pid = self.pid.as_raw_nonzero().get();
-        let req = tmem_ctl::Request::Set {
-            device: format!("run-{pid}"),
-            key: "memory".into(),
-            value: bytes.to_string(),
-        };
+        let req =
+            tmem_ctl::Request::Set { device: format!("run-{pid}"), key: "memory".into(), value: bytes.to_string() };
         tmem_ctl::call_ok(&tmem_ctl::runs_dir().join(pid.to_string()), &req, Duration::from_secs(10))
             .map(drop)
             .map_err(|e| anyhow!("tmem run (pid {pid}): memory={bytes}: {e}"))

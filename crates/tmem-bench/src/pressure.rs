@@ -1162,7 +1162,11 @@ fn print_report(
             "note: no backend's pool counts against the workload's limit: zram's is uncharged kernel memory, \
              tmem's belongs to its daemon in the root cgroup{}{}.",
             if names.contains(&"fuse-ram") { ", fuse-ram's to the bench process" } else { "" },
-            if names.contains(&"tmem-run") { "; tmem-run's jobs have no limit, tmem run keeps them within it" } else { "" }
+            if names.contains(&"tmem-run") {
+                "; tmem-run's jobs have no limit, tmem run keeps them within it"
+            } else {
+                ""
+            }
         );
     }
     println!(

@@ -18,9 +18,18 @@ pub struct RunArgs {
     /// is kept compressed and comes back on the first touch.
     #[arg(long, value_parser = tmem_corpus::parse_size)]
     memory: u64,
-    /// Codec of the pool: lz4, zstd, zstd:LEVEL or raw.
+    /// Codec of the pool: lz4, zstd, zstd:LEVEL or raw; "+dict" trains a
+    /// dictionary once the pool holds 8 MiB, and newer ones as it grows.
     #[arg(long, default_value = "lz4")]
     codec: String,
+    /// Most memory the pool may use (a size, or a percentage of RAM); with
+    /// --tier, the oldest pages then move down to the tier.
+    #[arg(long, default_value = "100%")]
+    pool_limit: tmem_daemon::PoolLimit,
+    #[command(flatten)]
+    tiers: tmem_daemon::tiers::TierArgs,
+    #[command(flatten)]
+    recompress: tmem_daemon::spec::RecompressArgs,
     /// Serve Prometheus metrics (OpenMetrics text at /metrics) on this address, e.g. 127.0.0.1:9849.
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
@@ -108,7 +117,6 @@ fn agent() -> anyhow::Result<PathBuf> {
 }
 
 pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
-    let codec = tmem_core::CodecConfig::parse(&a.codec)?;
     let program = a.command[0].clone();
     let Some(path) = resolve(&program) else { bail!("{}: command not found", program.to_string_lossy()) };
     if let Some(why) = unenterable(&path)? {
@@ -117,9 +125,41 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     // The program makes its userfaultfd as this user: check that it may, and
     // say which setting allows it, before anything runs.
     tmem_uffd::sys::Uffd::create().and_then(|u| u.handshake())?;
-    let cfg = RunConfig { memory_bytes: a.memory, codec, agent: agent()?, program, args: a.command[1..].to_vec() };
+    let ram = tmem_sys::swap::total_ram_bytes()?;
+    // The store a device of this codec and pool limit would have.
+    let spec = tmem_daemon::spec::DeviceSpec {
+        name: "run".into(),
+        size: a.memory,
+        codec: a.codec.clone(),
+        pool_limit: a.pool_limit,
+        recompress: a.recompress.clone(),
+        group: tmem_daemon::spec::GroupArgs::default(),
+    };
+    let store = tmem_daemon::spec::store_config(&spec, ram)?;
+    a.tiers.validate(1)?;
+    // Sized as for a device of all of RAM: the disk tier's file is sparse.
+    let tiers = a.tiers.build(&format!("run-{}", std::process::id()), ram)?;
+    let cfg = RunConfig {
+        memory_bytes: a.memory,
+        store: tmem_core::StoreConfig { shared_memory: false, ..store },
+        tiers,
+        recompress: a.recompress.config()?,
+        agent: agent()?,
+        program,
+        args: a.command[1..].to_vec(),
+    };
     let mut exposed = None;
     let metrics = a.metrics.map(|m| (m, a.allow_remote_metrics));
+    // The disk tier's file of this run, when tmem named it: its pages die with the run.
+    let tier_file = a.tiers.tiers.iter().find_map(|t| match t {
+        tmem_daemon::tiers::TierSpec::Disk(p) if p.is_dir() => Some(p.join(format!("run-{}.back", std::process::id()))),
+        _ => None,
+    });
+    let _remove_tier_file = scopeguard::guard(tier_file, |f| {
+        if let Some(f) = f {
+            let _ = std::fs::remove_file(f);
+        }
+    });
     let report = manager::run(&cfg, |o| {
         exposed = Some(control::Exposed::start(&o, metrics)?);
         Ok(())

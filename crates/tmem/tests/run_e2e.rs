@@ -210,6 +210,87 @@ fn a_run_is_seen_by_tmem_stat_and_its_metrics_while_it_lasts() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no tmem run instance"));
 }
 
+/// Holds 48 MiB of half-random pages (about 2x compressible), says so, and
+/// checks them once its standard input closes.
+const PY_HOLD_RANDOM: &str = r#"
+import hashlib, os, sys
+held = [bytearray(os.urandom(2048) + bytes(2048)) for i in range(48 * 256)]
+h = hashlib.sha256(b"".join(held)).hexdigest()
+print("holding", flush=True)
+sys.stdin.read()
+print("ok" if hashlib.sha256(b"".join(held)).hexdigest() == h else "MISMATCH")
+"#;
+
+#[test]
+fn a_run_with_a_small_pool_moves_pages_to_its_disk_tier_and_reads_them_back() {
+    use std::io::{BufRead, BufReader};
+    if !userfaultfd() {
+        return;
+    }
+    if !tmem_testkit::have_tool("python3") {
+        skip(Feature::Tools, "python3 is not installed");
+        return;
+    }
+    let xdg = tempfile::tempdir().unwrap();
+    let tier = tempfile::tempdir().unwrap();
+    // 48 MiB held in 16 MiB, a pool of 4 MiB: most of it goes on to the disk
+    // tier; a dictionary is trained and cold pages recompressed meanwhile.
+    let mut child = Command::new(tmem())
+        .env("XDG_RUNTIME_DIR", xdg.path())
+        .args(["run", "--memory", "16M", "--pool-limit", "4M", "--tier"])
+        .arg(format!("disk={}", tier.path().display()))
+        .args([
+            "--codec",
+            "lz4+dict",
+            "--recompress",
+            "zstd",
+            "--recompress-after",
+            "0.5",
+            "--",
+            "python3",
+            "-c",
+            PY_HOLD_RANDOM,
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "holding");
+    let file = tier.path().join(format!("run-{}.back", child.id()));
+    assert!(file.exists(), "no {}", file.display());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let out = Command::new(tmem())
+            .env("XDG_RUNTIME_DIR", xdg.path())
+            .args(["stat", "--runs", "--json"])
+            .output()
+            .unwrap();
+        let devs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let store = &devs[0]["store"];
+        let disk = store["tiers"].as_array().and_then(|t| t.iter().find(|t| t["name"] == "disk")).cloned();
+        let in_tier = disk.as_ref().map_or(0, |d| d["stored_pages"].as_u64().unwrap());
+        if in_tier >= 16 * 256 {
+            assert!(store["mem_used_total"].as_u64().unwrap() <= 6 << 20, "{store}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the disk tier never held 16 MiB: {}", devs[0]["run"]);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    drop(child.stdin.take());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(rest.trim(), "ok", "{stderr}");
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(count(&stderr, "lost"), 0, "{stderr}");
+    assert!(!file.exists(), "the run's tier file was left behind");
+}
+
 /// Puts /dev/userfaultfd's mode back when dropped.
 struct DeviceMode(u32);
 

@@ -443,8 +443,11 @@ pub fn render_table(sums: &[Summary], backends: &[&str], levels: &[u32]) -> Stri
             &rows(&fronts, lat),
         );
     }
-    let daemon_rows: Vec<&str> =
-        backends.iter().copied().filter(|b| (b.starts_with("tmem") || b.ends_with("+tmem")) && *b != "tmem-run").collect();
+    let daemon_rows: Vec<&str> = backends
+        .iter()
+        .copied()
+        .filter(|b| (b.starts_with("tmem") || b.ends_with("+tmem")) && *b != "tmem-run")
+        .collect();
     if !daemon_rows.is_empty() {
         let refused: Fmt<'_> = &|s| s.median_refused_writes.map(|n| format!("{n:.0}"));
         block(&mut t, "swap writes refused (pool full)", &rows(&daemon_rows, refused));

@@ -7,8 +7,8 @@
 //! allocates is charged to the cgroup. Jobs run in their own process groups,
 //! so a Ctrl-C on the terminal reaches only the bench, which kills them.
 
-use anyhow::anyhow;
 use super::backend::TmemRun;
+use anyhow::anyhow;
 use std::fs::File;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -288,7 +288,7 @@ mod tests {
         let w = Workload::install(&dir.join(name), "python3", 16, 1, 1, cold_share).unwrap();
         let procs = dir.join("procs");
         std::fs::write(&procs, "").unwrap();
-        let mut running = w.spawn(&procs).unwrap();
+        let mut running = w.spawn(&procs, None).unwrap();
         let deadline = Instant::now() + Duration::from_secs(120);
         while !running.poll().unwrap() {
             assert!(Instant::now() < deadline, "heap.py --mib 16 took over 2 minutes");
