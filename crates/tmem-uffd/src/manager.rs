@@ -647,6 +647,7 @@ fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
     let mut buf = Box::new([0u8; PAGE]);
     let backing = PoolBacking(&p.pool);
     let mut retry = false;
+    // TMEM_RUN_SPIN_US overrides SPIN, for measuring (docs/PRESSURE.md).
     let spin = std::env::var("TMEM_RUN_SPIN_US").ok().and_then(|v| v.parse().ok()).map_or(SPIN, Duration::from_micros);
     let mut last_fault = Instant::now() - spin;
     while !p.gone.load(Ordering::SeqCst) {
