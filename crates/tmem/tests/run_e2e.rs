@@ -134,64 +134,102 @@ fn http_get(url: &str) -> String {
     out.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default()
 }
 
+/// A `tmem run` of a python script that holds its memory until its
+/// standard input closes, in a runs directory of its own (other tests'
+/// runs stay out of its listing).
+struct Held {
+    child: std::process::Child,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    xdg: tempfile::TempDir,
+}
+
+impl Held {
+    /// Starts `tmem run ARGS -- python3 -c SCRIPT` and waits for its
+    /// "holding"; `None` (skipped) without userfaultfd or python3.
+    fn start(args: &[&str], script: &str) -> Option<Self> {
+        use std::io::BufRead;
+        if !userfaultfd() {
+            return None;
+        }
+        if !tmem_testkit::have_tool("python3") {
+            skip(Feature::Tools, "python3 is not installed");
+            return None;
+        }
+        let xdg = tempfile::tempdir().unwrap();
+        let mut child = Command::new(tmem())
+            .env("XDG_RUNTIME_DIR", xdg.path())
+            .arg("run")
+            .args(args)
+            .args(["--", "python3", "-c", script])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "holding");
+        Some(Self { child, stdout, xdg })
+    }
+
+    /// `tmem stat ARGS` as this run's user sees it.
+    fn stat(&self, args: &[&str]) -> Output {
+        Command::new(tmem()).env("XDG_RUNTIME_DIR", self.xdg.path()).arg("stat").args(args).output().unwrap()
+    }
+
+    /// Asks `tmem stat --runs --json` until `done` says yes of the one run
+    /// listed (pages in mappings the last scan, every 20 ms, had not seen
+    /// are counted by the next one), for 20 s at most; that run's entry.
+    fn stat_until(&self, what: &str, done: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let out = self.stat(&["--runs", "--json"]);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let devs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let devs = devs.as_array().unwrap();
+            assert_eq!(devs.len(), 1, "{devs:?}");
+            if done(&devs[0]) {
+                return devs[0].clone();
+            }
+            assert!(std::time::Instant::now() < deadline, "{what}: {}", devs[0]);
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+
+    /// Closes its standard input; its last line ("ok" or "MISMATCH"), and how
+    /// it ended (with its summary, where its standard error was not taken).
+    fn finish(mut self) -> (String, Output) {
+        drop(self.child.stdin.take());
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut self.stdout, &mut rest).unwrap();
+        (rest.trim().to_owned(), self.child.wait_with_output().unwrap())
+    }
+}
+
 #[test]
 fn a_run_is_seen_by_tmem_stat_and_its_metrics_while_it_lasts() {
-    use std::io::{BufRead, BufReader};
-    if !userfaultfd() {
-        return;
-    }
-    if !tmem_testkit::have_tool("python3") {
-        skip(Feature::Tools, "python3 is not installed");
-        return;
-    }
-    // Its own runs directory: other tests' runs stay out of the listing.
-    let xdg = tempfile::tempdir().unwrap();
-    let mut child = Command::new(tmem())
-        .env("XDG_RUNTIME_DIR", xdg.path())
-        .args(["run", "--memory", "16M", "--metrics", "127.0.0.1:0", "--", "python3", "-c", PY_HOLD])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    use std::io::BufRead;
+    let Some(mut held) = Held::start(&["--memory", "16M", "--metrics", "127.0.0.1:0"], PY_HOLD) else { return };
+    let mut stderr = std::io::BufReader::new(held.child.stderr.take().unwrap());
     let mut line = String::new();
     stderr.read_line(&mut line).unwrap();
     let url = line.trim().strip_prefix("tmem run: metrics at ").unwrap_or_else(|| panic!("{line}")).to_owned();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    line.clear();
-    stdout.read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "holding");
-    let stat = |args: &[&str]| {
-        Command::new(tmem()).env("XDG_RUNTIME_DIR", xdg.path()).arg("stat").args(args).output().unwrap()
-    };
-    // Pages in mappings the last scan (every 20 ms) had not seen yet are
-    // counted by the next one: ask until the held memory is all counted.
-    let name = format!("run-{}", child.id());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let (dev, evicted) = loop {
-        let out = stat(&["--runs", "--json"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let devs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let devs = devs.as_array().unwrap();
-        assert_eq!(devs.len(), 1, "{devs:?}");
-        let (dev, run) = (devs[0].clone(), &devs[0]["run"]);
+    let name = format!("run-{}", held.child.id());
+    // 48 MiB held in 16: at least 32 MiB of it is in the store.
+    let dev = held.stat_until("the store never held 32 MiB", |dev| {
+        let run = &dev["run"];
         assert_eq!(dev["name"], name.as_str());
         assert_eq!(run["memory_limit_bytes"], 16 << 20);
         assert_eq!(run["processes"], 1);
         assert!(run["resident_pages"].as_u64().unwrap() <= 4096 + run["slack_pages"].as_u64().unwrap(), "{run}");
-        // 48 MiB held in 16: at least 32 MiB of it is in the store.
-        let evicted = run["engine"]["evicted"].as_u64().unwrap();
-        if run["stored_pages"].as_u64().unwrap() >= 32 * 256 {
-            assert!(evicted >= 32 * 256, "{run}");
-            break (dev, evicted);
-        }
-        assert!(std::time::Instant::now() < deadline, "the store never held 32 MiB: {run}");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    };
+        run["stored_pages"].as_u64().unwrap() >= 32 * 256
+    });
+    let evicted = dev["run"]["engine"]["evicted"].as_u64().unwrap();
+    assert!(evicted >= 32 * 256, "{dev}");
     assert!(dev["store"]["total"]["stored_pages"].as_u64().unwrap() >= 32 * 256, "{dev}");
     // The table and the metrics say the same.
-    let table = String::from_utf8_lossy(&stat(&["--runs"]).stdout).into_owned();
+    let table = String::from_utf8_lossy(&held.stat(&["--runs"]).stdout).into_owned();
     assert!(table.contains(&name) && table.contains("python3"), "{table}");
     let metrics = http_get(&url);
     let sample = metrics
@@ -199,13 +237,20 @@ fn a_run_is_seen_by_tmem_stat_and_its_metrics_while_it_lasts() {
         .find_map(|l| l.strip_prefix(&format!("tmem_run_evicted_total{{device=\"{name}\"}} ")))
         .unwrap_or_else(|| panic!("no tmem_run_evicted_total in\n{metrics}"));
     assert!(sample.parse::<u64>().unwrap() >= evicted);
-    drop(child.stdin.take());
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
-    assert_eq!(rest.trim(), "ok");
-    assert!(child.wait().unwrap().success());
+    // `tmem set` changes its budget.
+    let set = Command::new(tmem())
+        .env("XDG_RUNTIME_DIR", held.xdg.path())
+        .args(["set", &name, "memory=24M"])
+        .output()
+        .unwrap();
+    assert!(set.status.success(), "{}", String::from_utf8_lossy(&set.stderr));
+    held.stat_until("the new budget", |dev| dev["run"]["memory_limit_bytes"] == 24 << 20);
+    let xdg_path = held.xdg.path().to_owned();
+    let (last, out) = held.finish();
+    assert_eq!(last, "ok");
+    assert!(out.status.success());
     // Gone with it: its socket, and so its entry.
-    let out = stat(&["--runs"]);
+    let out = Command::new(tmem()).env("XDG_RUNTIME_DIR", &xdg_path).args(["stat", "--runs"]).output().unwrap();
     assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no tmem run instance"));
 }
@@ -223,69 +268,36 @@ print("ok" if hashlib.sha256(b"".join(held)).hexdigest() == h else "MISMATCH")
 
 #[test]
 fn a_run_with_a_small_pool_moves_pages_to_its_disk_tier_and_reads_them_back() {
-    use std::io::{BufRead, BufReader};
-    if !userfaultfd() {
-        return;
-    }
-    if !tmem_testkit::have_tool("python3") {
-        skip(Feature::Tools, "python3 is not installed");
-        return;
-    }
-    let xdg = tempfile::tempdir().unwrap();
     let tier = tempfile::tempdir().unwrap();
+    let disk = format!("disk={}", tier.path().display());
     // 48 MiB held in 16 MiB, a pool of 4 MiB: most of it goes on to the disk
     // tier; a dictionary is trained and cold pages recompressed meanwhile.
-    let mut child = Command::new(tmem())
-        .env("XDG_RUNTIME_DIR", xdg.path())
-        .args(["run", "--memory", "16M", "--pool-limit", "4M", "--tier"])
-        .arg(format!("disk={}", tier.path().display()))
-        .args([
-            "--codec",
-            "lz4+dict",
-            "--recompress",
-            "zstd",
-            "--recompress-after",
-            "0.5",
-            "--",
-            "python3",
-            "-c",
-            PY_HOLD_RANDOM,
-        ])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "holding");
-    let file = tier.path().join(format!("run-{}.back", child.id()));
+    let args = [
+        "--memory",
+        "16M",
+        "--pool-limit",
+        "4M",
+        "--tier",
+        &disk,
+        "--codec",
+        "lz4+dict",
+        "--recompress",
+        "zstd",
+        "--recompress-after",
+        "0.5",
+    ];
+    let Some(held) = Held::start(&args, PY_HOLD_RANDOM) else { return };
+    let file = tier.path().join(format!("run-{}.back", held.child.id()));
     assert!(file.exists(), "no {}", file.display());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let out = Command::new(tmem())
-            .env("XDG_RUNTIME_DIR", xdg.path())
-            .args(["stat", "--runs", "--json"])
-            .output()
-            .unwrap();
-        let devs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let store = &devs[0]["store"];
-        let disk = store["tiers"].as_array().and_then(|t| t.iter().find(|t| t["name"] == "disk")).cloned();
-        let in_tier = disk.as_ref().map_or(0, |d| d["stored_pages"].as_u64().unwrap());
-        if in_tier >= 16 * 256 {
-            assert!(store["mem_used_total"].as_u64().unwrap() <= 6 << 20, "{store}");
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the disk tier never held 16 MiB: {}", devs[0]["run"]);
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    drop(child.stdin.take());
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let dev = held.stat_until("the disk tier never held 16 MiB", |dev| {
+        let tiers = dev["store"]["tiers"].as_array();
+        let disk = tiers.and_then(|t| t.iter().find(|t| t["name"] == "disk"));
+        disk.is_some_and(|d| d["stored_pages"].as_u64().unwrap() >= 16 * 256)
+    });
+    assert!(dev["store"]["mem_used_total"].as_u64().unwrap() <= 6 << 20, "{dev}");
+    let (last, out) = held.finish();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(rest.trim(), "ok", "{stderr}");
+    assert_eq!(last, "ok", "{stderr}");
     assert!(out.status.success(), "{stderr}");
     assert_eq!(count(&stderr, "lost"), 0, "{stderr}");
     assert!(!file.exists(), "the run's tier file was left behind");
