@@ -654,8 +654,9 @@ fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
         // Within SPIN of the last fault, with none waiting for room and the
         // run under its budget, read again without sleeping (the
         // userfaultfd is non-blocking). Over the budget the evictor needs
-        // the CPU more: spinning then cost the python job of `tmem bench
-        // pressure` 1.21x -> 1.42x of zram's wall time on 2 CPUs.
+        // the CPU more: spinning there too made the python job of `tmem
+        // bench pressure` 1.42-1.50x zram's wall time on 2 CPUs, against
+        // 1.21-1.31x without (docs/PRESSURE.md).
         let spinning = last_fault.elapsed() < spin && shared.total.load(Ordering::Relaxed) < shared.limit();
         if retry || !waiting.is_empty() || !spinning {
             let timeout = if retry { 1 } else { 200 };

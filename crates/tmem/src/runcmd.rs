@@ -161,7 +161,14 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
         }
     });
     let report = manager::run(&cfg, |o| {
-        exposed = Some(control::Exposed::start(&o, metrics)?);
+        match control::Exposed::start(&o, metrics) {
+            Ok(e) => exposed = Some(e),
+            // The control socket is for looking on: the program runs without it.
+            Err(e) if metrics.is_none() => {
+                eprintln!("tmem run: warning: no control socket ({e}): `tmem stat --runs` will not list this run");
+            }
+            Err(e) => return Err(e),
+        }
         Ok(())
     })?;
     drop(exposed);

@@ -324,7 +324,9 @@ pub fn stat(a: &DaemonArgs, json: bool, counters: bool, runs: bool) -> anyhow::R
     let data = match ctl::call_ok(&a.runtime_dir, &Request::Stat, Duration::from_secs(10)) {
         Ok(d) => d,
         // No daemon where none was asked for by name: this user's runs, if any.
-        Err(_) if a.runtime_dir == std::path::Path::new(ctl::RUNTIME_DIR) && !run_devices()?.is_empty() => {
+        Err(ctl::CtlError::NoDaemon { .. })
+            if a.runtime_dir == std::path::Path::new(ctl::RUNTIME_DIR) && !run_devices()?.is_empty() =>
+        {
             return stat_runs(json, counters);
         }
         Err(e @ ctl::CtlError::NoDaemon { .. }) => match recover::inspect(&a.runtime_dir)? {
