@@ -779,8 +779,18 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
         let now = s.daemon_pid();
         assert_ne!(now, pid, "restart {round}: a new process serves");
         pid = now;
-        let span = s.stat()[0]["store"]["alloc"]["span_bytes"].as_u64().unwrap();
-        let locked = locked_bytes(pid);
+        // The successor maps and locks the adopted pool while it serves; the
+        // old process waits for that (LOCKED) only so long (ANSWER_TIMEOUT),
+        // which a loaded machine can outlast: give it as long again.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let (span, locked) = loop {
+            let span = s.stat()[0]["store"]["alloc"]["span_bytes"].as_u64().unwrap();
+            let locked = locked_bytes(pid);
+            if locked >= span * 9 / 10 || std::time::Instant::now() > deadline {
+                break (span, locked);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        };
         println!("restart {round}: pool spans {} KiB, locked in the new process {} KiB", span >> 10, locked >> 10);
         assert!(locked >= span * 9 / 10, "restart {round}: {} KiB of {} KiB locked", locked >> 10, span >> 10);
         let after = s.stat()[0].clone();
