@@ -56,12 +56,6 @@ use crate::sys::{Event, Outcome, Uffd, PAGE};
 const P: u64 = PAGE as u64;
 /// How often the evictor rescans the processes' maps for new ranges.
 const RESCAN: Duration = Duration::from_millis(20);
-/// How long a fault thread keeps reading its userfaultfd after a fault
-/// before it sleeps in `poll`, while the run is under its budget. A thread
-/// running through cold memory faults again a few µs after it is woken, and
-/// waking a sleeping reader costs each such fault a context switch (p50
-/// 23.7 -> 16.1 µs in `tmem bench fault`).
-const SPIN: Duration = Duration::from_micros(50);
 /// How often the writeback worker looks at the pool's fill (as a device's).
 const WRITEBACK_PERIOD: Duration = Duration::from_millis(20);
 /// How long the program may run before its agent says hello.
@@ -229,6 +223,12 @@ struct Process {
     /// Written by the evictor when it made room; the fault thread polls it.
     room: OwnedFd,
     gone: AtomicBool,
+    /// Set by the fault thread from before it reads its userfaultfd until
+    /// the events it read are applied to the engine. The kernel lets a
+    /// `munmap` or `madvise` go on once its event is read, so a `fork` right
+    /// after it (in the same thread) can reach [`fill_all`] first: which must
+    /// then wait, or it would bring back a page the program just dropped.
+    unapplied: AtomicBool,
 }
 
 impl Process {
@@ -617,6 +617,7 @@ fn admit(shared: &Arc<Shared>, sock: OwnedFd) -> Result<u32, String> {
         pagemap,
         room,
         gone: AtomicBool::new(false),
+        unapplied: AtomicBool::new(false),
     });
     if let Err(e) = p.rescan(shared) {
         return refuse(&p.sock, format!("registering the memory of pid {}: {e}", p.pid));
@@ -647,40 +648,28 @@ fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
     let mut buf = Box::new([0u8; PAGE]);
     let backing = PoolBacking(&p.pool);
     let mut retry = false;
-    // TMEM_RUN_SPIN_US overrides SPIN, for measuring (docs/PRESSURE.md).
-    let spin = std::env::var("TMEM_RUN_SPIN_US").ok().and_then(|v| v.parse().ok()).map_or(SPIN, Duration::from_micros);
-    let mut last_fault = Instant::now() - spin;
     while !p.gone.load(Ordering::SeqCst) {
-        // Within SPIN of the last fault, with none waiting for room and the
-        // run under its budget, read again without sleeping (the
-        // userfaultfd is non-blocking). Over the budget the evictor needs
-        // the CPU more: spinning there too made the python job of `tmem
-        // bench pressure` 1.42-1.50x zram's wall time on 2 CPUs, against
-        // 1.21-1.31x without (docs/PRESSURE.md).
-        let spinning = last_fault.elapsed() < spin && shared.total.load(Ordering::Relaxed) < shared.limit();
-        if retry || !waiting.is_empty() || !spinning {
-            let timeout = if retry { 1 } else { 200 };
-            let uffd = p.uffd_fd();
-            let mut fds = [
-                PollFd::new(&uffd, PollFlags::IN),
-                PollFd::new(&p.sock, PollFlags::RDHUP),
-                PollFd::new(&p.room, PollFlags::IN),
-            ];
-            let _ = poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: timeout * 1_000_000 }));
-            let hup = fds[1].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR);
-            if fds[2].revents().contains(PollFlags::IN) {
-                drain(&p.room);
-            }
-            if hup {
-                break;
-            }
-        } else {
-            std::hint::spin_loop();
+        let timeout = if retry { 1 } else { 200 };
+        let uffd = p.uffd_fd();
+        let mut fds = [
+            PollFd::new(&uffd, PollFlags::IN),
+            PollFd::new(&p.sock, PollFlags::RDHUP),
+            PollFd::new(&p.room, PollFlags::IN),
+        ];
+        let _ = poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: timeout * 1_000_000 }));
+        let hup = fds[1].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR);
+        if fds[2].revents().contains(PollFlags::IN) {
+            drain(&p.room);
+        }
+        if hup {
+            break;
         }
         retry = false;
         loop {
+            p.unapplied.store(true, Ordering::SeqCst);
             let n = p.uffd.read_events(&mut events).unwrap_or_default();
             if n == 0 {
+                p.unapplied.store(false, Ordering::SeqCst);
                 break;
             }
             // Events first: the faults read with them happened before them, and
@@ -695,10 +684,7 @@ fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
                         buf.fill(0);
                         let _ = p.uffd.copy(addr, &buf);
                     }
-                    Event::Fault { addr, .. } => {
-                        last_fault = Instant::now();
-                        waiting.push_back(addr);
-                    }
+                    Event::Fault { addr, .. } => waiting.push_back(addr),
                     Event::Remove { start, end } | Event::Unmap { start, end } => {
                         let e = engine.get_or_insert_with(|| p.engine.lock());
                         e.forget(&backing, start / P, end.div_ceil(P));
@@ -713,6 +699,7 @@ fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
             if let Some(e) = engine {
                 shared.sync_resident(p, &e);
             }
+            p.unapplied.store(false, Ordering::SeqCst);
         }
         while let Some(&addr) = waiting.front() {
             if shared.total.load(Ordering::SeqCst) >= shared.limit() + shared.slack
@@ -782,6 +769,13 @@ fn fill_all(shared: &Shared, p: &Process) -> bool {
     let backing = PoolBacking(&p.pool);
     let mut buf = Box::new([0u8; PAGE]);
     let mut engine = p.engine.lock();
+    // Events read but not yet applied (a drop the program made just before
+    // it forked) come first; the fault thread needs the engine for them.
+    while p.unapplied.load(Ordering::SeqCst) && !p.gone.load(Ordering::SeqCst) {
+        drop(engine);
+        std::thread::sleep(Duration::from_micros(20));
+        engine = p.engine.lock();
+    }
     engine.set_paused(true);
     let mut ok = true;
     for pn in engine.away() {
