@@ -189,13 +189,7 @@ impl Ctx<'_> {
         let reads_before = below.as_deref().and_then(BlockReads::of);
         let row_start = Mark::now()?;
         let (program, args): (String, Vec<String>) = if under_tmem_run {
-            let tmem = std::env::current_exe()?.to_string_lossy().into_owned();
-            let mut wrapped: Vec<String> =
-                ["run", "--memory", &limit.to_string(), "--codec", &a.tmem_codec, "--", &a.java]
-                    .map(str::to_owned)
-                    .to_vec();
-            wrapped.extend(args.iter().map(|s| (*s).to_owned()));
-            (tmem, wrapped)
+            crate::pressure::backend::TmemRun::new(&a.tmem_codec)?.wrap(limit, &a.java, &args)
         } else {
             (a.java.clone(), args.iter().map(|s| (*s).to_owned()).collect())
         };

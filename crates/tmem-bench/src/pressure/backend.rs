@@ -522,8 +522,12 @@ pub struct TmemRun {
 
 impl TmemRun {
     fn prepare(c: &BackendConfig) -> anyhow::Result<Self> {
-        let exe = current_exe()?;
-        Ok(Self { exe, codec: c.tmem_codec.clone() })
+        Self::new(&c.tmem_codec)
+    }
+
+    /// This binary's `tmem run` with `--codec codec`.
+    pub fn new(codec: &str) -> anyhow::Result<Self> {
+        Ok(Self { exe: current_exe()?, codec: codec.to_owned() })
     }
 
     /// `PROGRAM ARGS` under `tmem run --memory BUDGET --codec C`.
