@@ -110,7 +110,8 @@ pub struct Engine {
     /// Pages that became `Pinned`, to retry later (some may have left since).
     pinned: Vec<Pn>,
     next_key: u64,
-    paused: bool,
+    /// Pauses in force: `fork`s between their fill and their return.
+    pauses: u32,
     stats: EngineStats,
 }
 
@@ -126,7 +127,7 @@ impl Engine {
             stored: 0,
             pinned: Vec::new(),
             next_key: 0,
-            paused: false,
+            pauses: 0,
             stats: EngineStats::default(),
         }
     }
@@ -146,9 +147,17 @@ impl Engine {
         self.stats
     }
 
-    /// Stops or restarts eviction (around a `fork`).
-    pub fn set_paused(&mut self, paused: bool) {
-        self.paused = paused;
+    /// Stops eviction until as many [`Engine::resume`]s (a `fork` between
+    /// its fill and its return). Pauses nest: glibc runs two threads'
+    /// `fork` preparations at once, then their forks one after the other,
+    /// and the first to return must not let eviction go on under the second.
+    pub fn pause(&mut self) {
+        self.pauses += 1;
+    }
+
+    /// Ends one [`Engine::pause`].
+    pub fn resume(&mut self) {
+        self.pauses = self.pauses.saturating_sub(1);
     }
 
     #[must_use]
@@ -164,17 +173,35 @@ impl Engine {
     /// Serves a fault at `pn`; `buf` is the caller's page buffer.
     pub fn serve(&mut self, mem: &impl Mem, backing: &impl Backing, pn: Pn, buf: &mut [u8; PAGE]) -> Served {
         let plan = self.plan(pn);
+        if let FaultPlan::FromStore(key) = plan {
+            if !backing.get(key, buf) {
+                return Served::Lost;
+            }
+        }
+        self.serve_planned(mem, backing, pn, plan, buf)
+    }
+
+    /// Serves a fault at `pn` by `plan`, which must be [`Engine::plan`]'s
+    /// now; for [`FaultPlan::FromStore`], `buf` already holds the page.
+    /// A caller that reads the store without the engine's lock (so that
+    /// faults of several threads decompress at once) plans, reads, locks
+    /// again and comes here if the plan still holds: keys are never reused,
+    /// so an unchanged plan means the page read is still the page.
+    pub fn serve_planned(
+        &mut self,
+        mem: &impl Mem,
+        backing: &impl Backing,
+        pn: Pn,
+        plan: FaultPlan,
+        buf: &mut [u8; PAGE],
+    ) -> Served {
+        debug_assert_eq!(self.plan(pn), plan, "planned under another state");
         let outcome = match plan {
             FaultPlan::Zero | FaultPlan::Present => {
                 buf.fill(0);
                 mem.fill(pn, buf)
             }
-            FaultPlan::FromStore(key) => {
-                if !backing.get(key, buf) {
-                    return Served::Lost;
-                }
-                mem.fill(pn, buf)
-            }
+            FaultPlan::FromStore(_) => mem.fill(pn, buf),
             FaultPlan::FromSlot(slot) => mem.move_back(slot, pn),
         };
         match outcome {
@@ -272,7 +299,7 @@ impl Engine {
     /// Up to `max` resident pages chosen by the CLOCK hand.
     pub fn victims(&mut self, max: usize, out: &mut Vec<Pn>) {
         out.clear();
-        if self.paused {
+        if self.pauses > 0 {
             return;
         }
         if self.clock.len() > 2 * self.pages.len() + 1024 {

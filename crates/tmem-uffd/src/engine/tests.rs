@@ -381,3 +381,21 @@ fn a_page_in_flight_comes_straight_back_on_a_fault() {
     assert_eq!(w.engine.stored(), 0, "the page came back before its batch stored it");
     w.check_all();
 }
+
+#[test]
+fn pauses_nest_so_the_first_fork_back_does_not_restart_eviction_under_the_second() {
+    let mut w = World::new();
+    for pn in 0..4 {
+        w.apply(Op::Write(pn, pn + 1));
+    }
+    let mut victims = Vec::new();
+    w.engine.pause();
+    w.engine.pause();
+    w.engine.resume();
+    w.engine.victims(4, &mut victims);
+    assert!(victims.is_empty(), "one fork is still between its fill and its return");
+    w.engine.resume();
+    // Two passes: the first clears the bits the writes set.
+    w.engine.victims(4, &mut victims);
+    assert_eq!(victims.len(), 4, "the last fork returned");
+}
