@@ -44,9 +44,15 @@ pub enum Rank {
     RunAgentChannel,
     /// `tmem run`: the ranges of one process registered at its last scan.
     RunRanges,
+    /// `tmem run`: one process's reader role: its holder polls and reads
+    /// the process's userfaultfd, the other fault threads wait for it.
+    RunReader,
     /// `tmem run`: one process's engine (where each of its pages is), held
     /// across the store calls that serve or evict its pages.
     RunEngine,
+    /// `tmem run`: one process's events read and not yet applied, held
+    /// across each read of its userfaultfd and each fill of a page.
+    RunEvents,
     /// `Shared::compaction`: one compaction at a time.
     StoreCompaction,
     /// `TierPutLocks::writeback`: one writeback pass per shard. Above the
@@ -108,6 +114,8 @@ pub enum Rank {
     FrontStats,
     /// Nonce audit of sealing (test builds only).
     SealAudit,
+    /// `tmem run`: one process's faults read and not yet served (a leaf).
+    RunFaults,
     /// `tmem run`: the evictor's wake-up flag (a leaf).
     RunEvictWanted,
     /// `tmem run`: the first agent's hello (a leaf).

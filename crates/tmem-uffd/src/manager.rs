@@ -6,15 +6,19 @@
 //! Threads, and what each may wait on:
 //! - **acceptor**: one per run; takes each agent's hello, registers the
 //!   process's memory, answers ready.
-//! - **fault thread**: one per process, the only reader of its userfaultfd,
-//!   so events and faults are handled in the kernel's order. Events are
-//!   applied before the faults read with them: a fault served after a
-//!   `MADV_DONTNEED` event must see zeros. A fault that would take the
-//!   process past the budget plus its slack waits (unserved, the thread
-//!   goes on reading) until eviction makes room. Faults on the staging area
+//! - **fault threads**: per process, one to start with, and more as the
+//!   program runs more threads, up to the CPUs. One at a time holds the
+//!   reader role: it polls the userfaultfd (spinning on it for a while
+//!   after a fault), reads what is there, queues the faults and hands the
+//!   events to the engine's next holder; then every thread serves the
+//!   queued faults, decompressing without the engine's lock. Events are
+//!   applied before any fill that comes after their read (`Process::events`
+//!   says how): a fault served after a `MADV_DONTNEED` must see zeros. A
+//!   fault that would take the process past the budget plus its slack waits
+//!   in the queue until eviction makes room. Faults on the staging area
 //!   (the helper reading a slot whose page already went back) and faults
-//!   of the agent's own thread are served with zeros at once, without the
-//!   engine: eviction may be waiting on them.
+//!   of the agent's own thread are served with zeros at once by the
+//!   reader, without the engine: eviction may be waiting on them.
 //! - **evictor**: one per run; rescans each process's maps, and while the
 //!   resident total is over the budget, has the agent move a batch of
 //!   victims out of the process with the most resident pages (holding that
@@ -25,8 +29,9 @@
 //!   in flight, brings every page back and pauses eviction; after it resumes.
 //!
 //! Lock order (`tmem_lock::Rank`, docs/ARCHITECTURE.md): the process list,
-//! then a process's agent channel, its registered ranges, its engine, then
-//! the store's own locks. The evictor waits on the agent while it holds an
+//! then a process's agent channel, its registered ranges, its reader role,
+//! its engine, its unapplied events, then the store's own locks; its fault
+//! queue is a leaf. The evictor waits on the agent while it holds an
 //! engine; that cannot deadlock, because the agent thread runs on a stack
 //! the helper never registers, allocates nothing, and the faults it can
 //! still take (on a victim the program just dropped) are served without
@@ -38,7 +43,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, ExitStatus};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -47,7 +52,7 @@ use tmem_core::{GetOutcome, Key, Pool, PoolConfig, PutOutcome, RecompressConfig,
 use tmem_counters::Counters;
 use tmem_lock::{Condvar, Mutex, MutexGuard, Rank};
 
-use crate::engine::{Backing, Batch, Engine, Mem, Pn, Served};
+use crate::engine::{Backing, Batch, Engine, FaultPlan, Mem, Pn, Served};
 use crate::maps::{self, PageMap, Range};
 use crate::proto::{self, Hello};
 use crate::stats::{EngineStats, RunStats};
@@ -167,7 +172,7 @@ struct Real<'a> {
 
 impl Mem for Real<'_> {
     fn fill(&self, pn: Pn, page: &[u8; PAGE]) -> Outcome {
-        self.p.uffd.copy(pn * P, page)
+        self.p.fill(pn, page)
     }
 
     fn move_out(&self, pages: &[Pn], out: &mut [Outcome]) {
@@ -199,7 +204,7 @@ impl Mem for Real<'_> {
         if read_slots(self.p, &[slot], &mut page).is_err() {
             return Outcome::Gone;
         }
-        self.p.uffd.copy(pn * P, &page[0])
+        self.p.fill(pn, &page[0])
     }
 
     fn wake(&self, pn: Pn) {
@@ -228,12 +233,24 @@ struct Process {
     /// Written by the evictor when it made room; the fault thread polls it.
     room: OwnedFd,
     gone: AtomicBool,
-    /// Set by the fault thread from before it reads its userfaultfd until
-    /// the events it read are applied to the engine. The kernel lets a
-    /// `munmap` or `madvise` go on once its event is read, so a `fork` right
-    /// after it (in the same thread) can reach [`fill_all`] first: which must
-    /// then wait, or it would bring back a page the program just dropped.
-    unapplied: AtomicBool,
+    /// The reader role, with the time of the last fault read (for the spin).
+    reader: Mutex<Instant>,
+    /// Events read and not yet applied to the engine.
+    ///
+    /// The kernel lets a `munmap`, `mremap` or `madvise` go on as soon as
+    /// its event is read; until the event is applied, the engine still holds
+    /// what it dropped or moved, and a fill then would put old data where
+    /// the program now has zeros. So each read of the userfaultfd pushes its
+    /// events here under this lock, and each fill happens under it with
+    /// nothing here: a fill either comes before the read (and the program's
+    /// own zap after it), or finds the event and has it applied first.
+    events: Mutex<Vec<Event>>,
+    /// Faults read and not yet served, oldest first.
+    faults: Mutex<VecDeque<u64>>,
+    /// A fill met EAGAIN with no event to apply: the next read waits 1 ms at most.
+    retry: AtomicBool,
+    /// Fault threads running; the last one to end finishes the process.
+    handlers: AtomicU32,
 }
 
 impl Process {
@@ -341,6 +358,11 @@ impl Shared {
             stored_pages: stored,
             pool_peak_bytes: self.peak_pool.load(Ordering::SeqCst),
             processes: procs.len() as u64,
+            fault_threads: procs
+                .iter()
+                .filter(|p| !p.gone.load(Ordering::SeqCst))
+                .map(|p| u64::from(p.handlers.load(Ordering::SeqCst)))
+                .sum(),
             processes_ended: ended,
             lost_pages: self.lost.load(Ordering::SeqCst),
         }
@@ -622,19 +644,18 @@ fn admit(shared: &Arc<Shared>, sock: OwnedFd) -> Result<u32, String> {
         pagemap,
         room,
         gone: AtomicBool::new(false),
-        unapplied: AtomicBool::new(false),
+        reader: Mutex::new(Rank::RunReader, Instant::now()),
+        events: Mutex::new(Rank::RunEvents, Vec::with_capacity(64)),
+        faults: Mutex::new(Rank::RunFaults, VecDeque::with_capacity(64)),
+        retry: AtomicBool::new(false),
+        handlers: AtomicU32::new(0),
     });
     if let Err(e) = p.rescan(shared) {
         return refuse(&p.sock, format!("registering the memory of pid {}: {e}", p.pid));
     }
     shared.procs.lock().push(Arc::clone(&p));
-    {
-        let (shared, p) = (Arc::clone(shared), Arc::clone(&p));
-        std::thread::Builder::new()
-            .name(format!("tmem-run-{}", p.pid))
-            .spawn(move || fault_loop(&shared, &p))
-            .map_err(|e| e.to_string())?;
-    }
+    p.handlers.store(1, Ordering::SeqCst);
+    spawn_handler(shared, &p).map_err(|e| e.to_string())?;
     {
         let (shared, p) = (Arc::clone(shared), Arc::clone(&p));
         std::thread::Builder::new()
@@ -646,135 +667,228 @@ fn admit(shared: &Arc<Shared>, sock: OwnedFd) -> Result<u32, String> {
     Ok(p.pid)
 }
 
-/// The one reader of a process's userfaultfd.
+/// Starts one more fault thread for `p` (the caller counted it in `handlers`).
+fn spawn_handler(shared: &Arc<Shared>, p: &Arc<Process>) -> std::io::Result<()> {
+    let (shared, p) = (Arc::clone(shared), Arc::clone(p));
+    let spawned = std::thread::Builder::new().name(format!("tmem-run-{}", p.pid)).spawn({
+        let (shared, p) = (Arc::clone(&shared), Arc::clone(&p));
+        move || fault_loop(&shared, &p)
+    });
+    if let Err(e) = spawned {
+        if p.handlers.fetch_sub(1, Ordering::SeqCst) == 1 {
+            finish(&shared, &p);
+        }
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Adds fault threads while `p` runs more threads than it has of them, up
+/// to the CPUs: each program thread waits on at most one fault, so more
+/// would only wait.
+fn grow_handlers(shared: &Arc<Shared>, p: &Arc<Process>) {
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    // The agent's thread takes no faults the engine serves.
+    let want = maps::threads(p.pid).unwrap_or(1).saturating_sub(1).clamp(1, cpus);
+    while (p.handlers.load(Ordering::SeqCst) as usize) < want && !p.gone.load(Ordering::SeqCst) {
+        // Only while one runs: the last one to end has finished the process.
+        if p.handlers.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n > 0).then_some(n + 1)).is_err() {
+            return;
+        }
+        if let Err(e) = spawn_handler(shared, p) {
+            tracing::debug!(pid = p.pid, "a fault thread more: {e}");
+            return;
+        }
+    }
+}
+
+/// A fault thread of one process. Whichever holds the reader role reads
+/// the userfaultfd; then every thread serves the faults queued, so faults
+/// of several program threads are decompressed at once.
 fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
     let mut events = [Event::Other(0); 64];
-    let mut waiting: VecDeque<u64> = VecDeque::new();
     let mut buf = Box::new([0u8; PAGE]);
-    let backing = PoolBacking(&p.pool);
-    let mut retry = false;
     // TMEM_RUN_SPIN_US overrides SPIN, for measuring (docs/PRESSURE.md).
     let spin = std::env::var("TMEM_RUN_SPIN_US").ok().and_then(|v| v.parse().ok()).map_or(SPIN, Duration::from_micros);
-    let mut last_fault = Instant::now() - spin;
     while !p.gone.load(Ordering::SeqCst) {
-        // Within SPIN of the last fault, with none waiting for room and the
-        // run under its budget, read again without sleeping (the
-        // userfaultfd is non-blocking). Over the budget the evictor needs
-        // the CPU more: spinning there too made the python job of `tmem
-        // bench pressure` 1.42-1.50x zram's wall time on 2 CPUs, against
-        // 1.21-1.31x without.
-        let spinning = last_fault.elapsed() < spin && shared.total.load(Ordering::Relaxed) < shared.limit();
-        if retry || !waiting.is_empty() || !spinning {
-            let timeout = if retry { 1 } else { 200 };
-            let uffd = p.uffd_fd();
-            let mut fds = [
-                PollFd::new(&uffd, PollFlags::IN),
-                PollFd::new(&p.sock, PollFlags::RDHUP),
-                PollFd::new(&p.room, PollFlags::IN),
-            ];
-            let _ = poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: timeout * 1_000_000 }));
-            let hup = fds[1].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR);
-            if fds[2].revents().contains(PollFlags::IN) {
-                drain(&p.room);
-            }
-            if hup {
-                break;
-            }
-        } else {
-            std::hint::spin_loop();
+        if !read_faults(shared, p, &mut events, &mut buf, spin) {
+            p.gone.store(true, Ordering::SeqCst);
+            break;
         }
-        retry = false;
-        loop {
-            p.unapplied.store(true, Ordering::SeqCst);
-            let n = p.uffd.read_events(&mut events).unwrap_or_default();
-            if n == 0 {
-                p.unapplied.store(false, Ordering::SeqCst);
-                break;
-            }
-            // Events first: the faults read with them happened before them, and
-            // their threads, once woken, must see what the events did.
-            let mut engine = None;
-            for ev in &events[..n] {
-                match *ev {
-                    // The helper reading a staging slot whose page went back, or
-                    // the agent touching a victim the program just dropped:
-                    // zeros, at once, since the evictor may be waiting on it.
-                    Event::Fault { addr, tid, .. } if p.in_staging(addr) || tid == p.agent_tid => {
-                        buf.fill(0);
-                        let _ = p.uffd.copy(addr, &buf);
-                    }
-                    Event::Fault { addr, .. } => {
-                        last_fault = Instant::now();
-                        waiting.push_back(addr);
-                    }
-                    Event::Remove { start, end } | Event::Unmap { start, end } => {
-                        let e = engine.get_or_insert_with(|| p.engine.lock());
-                        e.forget(&backing, start / P, end.div_ceil(P));
-                    }
-                    Event::Remap { from, to, len } => {
-                        let e = engine.get_or_insert_with(|| p.engine.lock());
-                        e.remap(&backing, from / P, to / P, len / P);
-                    }
-                    Event::Other(_) => {}
-                }
-            }
-            if let Some(e) = engine {
-                shared.sync_resident(p, &e);
-            }
-            p.unapplied.store(false, Ordering::SeqCst);
+        serve_faults(shared, p, &mut buf);
+    }
+    if p.handlers.fetch_sub(1, Ordering::SeqCst) == 1 {
+        finish(shared, p);
+    }
+}
+
+/// Whether a fault must wait for eviction to make room.
+fn over_budget(shared: &Shared) -> bool {
+    shared.total.load(Ordering::SeqCst) >= shared.limit() + shared.slack && !shared.stuck.load(Ordering::SeqCst)
+}
+
+/// Takes the reader role, waits for the userfaultfd (or spins on it), and
+/// reads all that is there: events to `p.events`, faults to `p.faults`.
+/// False when the program's agent hung up.
+fn read_faults(shared: &Shared, p: &Process, events: &mut [Event; 64], buf: &mut [u8; PAGE], spin: Duration) -> bool {
+    let mut last_fault = p.reader.lock();
+    if p.gone.load(Ordering::SeqCst) {
+        return true;
+    }
+    let over = over_budget(shared);
+    let queued = !p.faults.lock().is_empty();
+    let retry = p.retry.swap(false, Ordering::SeqCst);
+    // Within SPIN of the last fault, with the run under its budget, read
+    // again without sleeping (the userfaultfd is non-blocking). Over the
+    // budget the evictor needs the CPU more: spinning there too made the
+    // python job of `tmem bench pressure` 1.42-1.50x zram's wall time on 2
+    // CPUs, against 1.21-1.31x without.
+    let spinning = last_fault.elapsed() < spin && shared.total.load(Ordering::Relaxed) < shared.limit();
+    if retry || (queued && over) || (!queued && !spinning) {
+        let timeout = if retry { 1 } else { 200 };
+        let uffd = p.uffd_fd();
+        let mut fds = [
+            PollFd::new(&uffd, PollFlags::IN),
+            PollFd::new(&p.sock, PollFlags::RDHUP),
+            PollFd::new(&p.room, PollFlags::IN),
+        ];
+        let _ = poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: timeout * 1_000_000 }));
+        if fds[2].revents().contains(PollFlags::IN) {
+            drain(&p.room);
         }
-        while let Some(&addr) = waiting.front() {
-            if shared.total.load(Ordering::SeqCst) >= shared.limit() + shared.slack
-                && !shared.stuck.load(Ordering::SeqCst)
-            {
-                shared.wake_evictor();
-                break;
-            }
-            let mut engine = p.engine.lock();
-            let served = engine.serve(&p.real(), &backing, addr / P, &mut buf);
-            shared.sync_resident(p, &engine);
-            drop(engine);
-            match served {
-                Served::Done | Served::Gone => {
-                    waiting.pop_front();
+        if fds[1].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR) {
+            return false;
+        }
+    } else if !queued {
+        std::hint::spin_loop();
+    }
+    loop {
+        let mut pending = p.events.lock();
+        let n = p.uffd.read_events(events).unwrap_or_default();
+        if n == 0 {
+            break;
+        }
+        let mut faults = p.faults.lock();
+        for ev in &events[..n] {
+            match *ev {
+                // The helper reading a staging slot whose page went back, or
+                // the agent touching a victim the program just dropped:
+                // zeros, at once, since the evictor may be waiting on it.
+                Event::Fault { addr, tid, .. } if p.in_staging(addr) || tid == p.agent_tid => {
+                    buf.fill(0);
+                    let _ = p.uffd.copy(addr, buf);
                 }
-                Served::Retry => {
-                    retry = true;
-                    break;
+                Event::Fault { addr, .. } => {
+                    *last_fault = Instant::now();
+                    faults.push_back(addr);
                 }
-                Served::Lost => {
-                    shared.lost.fetch_add(1, Ordering::SeqCst);
-                    eprintln!(
-                        "tmem run: the store lost the page at {addr:#x} of pid {}; killing it rather than let it read anything else",
-                        p.pid
-                    );
-                    // SAFETY: kill(2) of a process that this run manages.
-                    unsafe { libc::kill(i32::try_from(p.pid).unwrap_or(i32::MAX), libc::SIGKILL) };
-                    waiting.pop_front();
-                }
+                Event::Other(_) => {}
+                event => pending.push(event),
             }
         }
     }
-    finish(shared, p);
+    drop(last_fault);
+    // Applied now if the engine is free, so that dropped pages leave the
+    // store soon; else by the next to take it (an evictor holding it may be
+    // waiting on a fault that only the next read serves: never wait here).
+    if let Some(mut engine) = p.engine.try_lock() {
+        p.apply_events(shared, &mut engine);
+    }
+    true
+}
+
+/// Serves queued faults while the run is under its budget plus slack.
+fn serve_faults(shared: &Shared, p: &Process, buf: &mut [u8; PAGE]) {
+    let backing = PoolBacking(&p.pool);
+    loop {
+        if over_budget(shared) {
+            shared.wake_evictor();
+            return;
+        }
+        let Some(addr) = p.faults.lock().pop_front() else { return };
+        match serve_fault(shared, p, &backing, addr / P, buf) {
+            Served::Done | Served::Gone => {}
+            Served::Retry => {
+                p.faults.lock().push_front(addr);
+                p.retry.store(true, Ordering::SeqCst);
+                return;
+            }
+            Served::Lost => {
+                shared.lost.fetch_add(1, Ordering::SeqCst);
+                eprintln!(
+                    "tmem run: the store lost the page at {addr:#x} of pid {}; killing it rather than let it read anything else",
+                    p.pid
+                );
+                // SAFETY: kill(2) of a process that this run manages.
+                unsafe { libc::kill(i32::try_from(p.pid).unwrap_or(i32::MAX), libc::SIGKILL) };
+            }
+        }
+    }
+}
+
+/// Serves one fault at `pn`, reading the store without the engine's lock.
+fn serve_fault(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, buf: &mut [u8; PAGE]) -> Served {
+    loop {
+        let mut engine = p.engine_applied(shared);
+        let plan = engine.plan(pn);
+        let mut read = true;
+        if let FaultPlan::FromStore(key) = plan {
+            drop(engine);
+            read = backing.get(key, buf);
+            engine = p.engine_applied(shared);
+            if engine.plan(pn) != plan {
+                continue; // dropped, moved or served meanwhile
+            }
+        }
+        let served = if read { engine.serve_planned(&p.real(), backing, pn, plan, buf) } else { Served::Lost };
+        shared.sync_resident(p, &engine);
+        drop(engine);
+        if served == Served::Retry && p.events_pending() {
+            continue; // events came: apply them and plan again
+        }
+        return served;
+    }
 }
 
 impl Process {
-    /// The engine, once every event the fault thread has read is applied.
-    ///
-    /// Whoever fills pages outside the fault thread needs this: the kernel
-    /// lets a `munmap`, `mremap` or `madvise` go on as soon as its event is
-    /// read, and until the event is applied the engine still holds what it
-    /// dropped or moved. A fill then would put old data where the program
-    /// now has zeros, and so would a `fork`'s fill after a drop the same
-    /// thread made just before it.
-    fn engine_applied(&self) -> MutexGuard<'_, Engine> {
-        let mut engine = self.engine.lock();
-        while self.unapplied.load(Ordering::SeqCst) && !self.gone.load(Ordering::SeqCst) {
-            drop(engine);
-            std::thread::sleep(Duration::from_micros(20));
-            engine = self.engine.lock();
+    /// Applies the events read so far; the caller holds the engine.
+    fn apply_events(&self, shared: &Shared, engine: &mut Engine) {
+        let events = std::mem::take(&mut *self.events.lock());
+        if events.is_empty() {
+            return;
         }
+        let backing = PoolBacking(&self.pool);
+        for event in events {
+            match event {
+                Event::Remove { start, end } | Event::Unmap { start, end } => {
+                    engine.forget(&backing, start / P, end.div_ceil(P));
+                }
+                Event::Remap { from, to, len } => engine.remap(&backing, from / P, to / P, len / P),
+                Event::Fault { .. } | Event::Other(_) => {}
+            }
+        }
+        shared.sync_resident(self, engine);
+    }
+
+    /// The engine, with every event read so far applied.
+    fn engine_applied(&self, shared: &Shared) -> MutexGuard<'_, Engine> {
+        let mut engine = self.engine.lock();
+        self.apply_events(shared, &mut engine);
         engine
+    }
+
+    fn events_pending(&self) -> bool {
+        !self.events.lock().is_empty()
+    }
+
+    /// Maps `page` at `pn`, under the events lock with none unapplied (see
+    /// `events`); `Retry` when there are some.
+    fn fill(&self, pn: Pn, page: &[u8; PAGE]) -> Outcome {
+        let pending = self.events.lock();
+        if !pending.is_empty() {
+            return Outcome::Retry;
+        }
+        self.uffd.copy(pn * P, page)
     }
 
     fn uffd_fd(&self) -> std::os::fd::BorrowedFd<'_> {
@@ -808,7 +922,7 @@ fn fill_all(shared: &Shared, p: &Process) -> bool {
     }
     let backing = PoolBacking(&p.pool);
     let mut buf = Box::new([0u8; PAGE]);
-    let mut engine = p.engine_applied();
+    let mut engine = p.engine_applied(shared);
     engine.pause();
     let mut ok = true;
     for pn in engine.away() {
@@ -820,14 +934,16 @@ fn fill_all(shared: &Shared, p: &Process) -> bool {
                     ok = false;
                     break;
                 }
-                // The map is changing: once the fault thread has read and
-                // applied the event, the page is filled or no longer away.
-                // Never given up on: the fork must not go on without it.
+                // The map is changing: once its event is read and applied,
+                // the page is filled or no longer away. Never given up on:
+                // the fork must not go on without it.
                 Served::Retry if p.gone.load(Ordering::SeqCst) => return false,
                 Served::Retry => {
                     drop(engine);
-                    std::thread::sleep(Duration::from_micros(100));
-                    engine = p.engine_applied();
+                    if !p.events_pending() {
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
+                    engine = p.engine_applied(shared);
                 }
             }
         }
@@ -887,6 +1003,7 @@ fn evict_loop(shared: &Arc<Shared>) {
             if last_scan.elapsed() >= RESCAN || shared.stuck.load(Ordering::SeqCst) {
                 for p in &procs {
                     let _ = p.rescan(shared);
+                    grow_handlers(shared, p);
                     let mut engine = p.engine.lock();
                     engine.unpin();
                     shared.sync_resident(p, &engine);
@@ -942,41 +1059,62 @@ fn evict_batch(shared: &Shared, p: &Process, batch: &mut Batch, bufs: &mut [[u8;
     if moved == 0 {
         return (0, retry);
     }
-    let slots = batch.slots.clone();
-    if read_slots(p, &slots, bufs).is_err() {
+    let slots = &batch.slots;
+    if read_slots(p, slots, bufs).is_err() {
         // Unreadable (the process is ending): every page goes back where it was.
-        let mut engine = p.engine_applied();
-        for &slot in &slots {
-            let _ = engine.refused_slot(&p.real(), slot);
+        for &slot in slots {
+            put_back(shared, p, slot);
         }
-        shared.sync_resident(p, &engine);
         return (0, 0);
     }
     let backing = PoolBacking(&p.pool);
-    let keys: Vec<u64> = {
-        let mut engine = p.engine.lock();
-        slots.iter().map(|_| engine.new_key()).collect()
-    };
-    let stored: Vec<bool> =
-        slots.iter().zip(&keys).enumerate().map(|(i, (_, &key))| backing.put(key, &bufs[i])).collect();
+    let mut keys = [0u64; proto::MAX_EVICT];
     {
-        // Applied events first: a refused page goes back into the program.
-        let mut engine = if stored.iter().all(|&ok| ok) { p.engine.lock() } else { p.engine_applied() };
-        for ((&slot, &key), &ok) in slots.iter().zip(&keys).zip(&stored) {
-            if ok {
-                if !engine.stored_slot(slot, key) {
-                    backing.remove(key);
-                }
-            } else {
-                let _ = engine.refused_slot(&p.real(), slot);
+        let mut engine = p.engine.lock();
+        for key in &mut keys[..slots.len()] {
+            *key = engine.new_key();
+        }
+    }
+    let mut stored = [false; proto::MAX_EVICT];
+    for (i, ok) in stored[..slots.len()].iter_mut().enumerate() {
+        *ok = backing.put(keys[i], &bufs[i]);
+    }
+    {
+        let mut engine = p.engine.lock();
+        for (i, &slot) in slots.iter().enumerate() {
+            if stored[i] && !engine.stored_slot(slot, keys[i]) {
+                backing.remove(keys[i]);
             }
         }
         shared.sync_resident(p, &engine);
+    }
+    for (i, &slot) in slots.iter().enumerate() {
+        if !stored[i] {
+            put_back(shared, p, slot);
+        }
     }
     if proto::send_byte(&p.sock, proto::DROP_STAGING).is_ok() {
         let _ = proto::recv_byte(&p.sock);
     }
     (moved, retry)
+}
+
+/// Puts the page of a slot whose store was refused back into the program,
+/// retrying while the map changes: the staging area is emptied after the
+/// batch, so a page left in it would be gone.
+fn put_back(shared: &Shared, p: &Process, slot: u32) {
+    loop {
+        let mut engine = p.engine_applied(shared);
+        let outcome = engine.refused_slot(&p.real(), slot);
+        shared.sync_resident(p, &engine);
+        drop(engine);
+        if outcome != Outcome::Retry || p.gone.load(Ordering::SeqCst) {
+            return;
+        }
+        if !p.events_pending() {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
 }
 
 /// Reads the staging slots out of the process with one `process_vm_readv`.

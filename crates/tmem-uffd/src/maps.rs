@@ -92,9 +92,36 @@ impl PageMap {
     }
 }
 
+/// How many threads `pid` has (`num_threads`, field 20 of its `stat`).
+pub fn threads(pid: u32) -> io::Result<usize> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The name (field 2) is in parentheses and may hold anything: count after the last one.
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
+    after
+        .split_whitespace()
+        .nth(17)
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("/proc/{pid}/stat: no thread count")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn thread_counts_come_from_stat() {
+        let mut sleep = std::process::Command::new("sleep").arg("10").spawn().unwrap();
+        let one = threads(sleep.id());
+        let _ = sleep.kill();
+        let _ = sleep.wait();
+        assert_eq!(one.unwrap(), 1, "sleep runs one thread");
+        // Other tests' threads may come and go: at least this one and the one held here.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let held = std::thread::spawn(move || rx.recv());
+        assert!(threads(std::process::id()).unwrap() >= 2);
+        drop(tx);
+        let _ = held.join();
+    }
 
     #[test]
     fn only_private_anonymous_writable_ranges_count() {

@@ -52,6 +52,8 @@ tmem_counters::counters! {
         pool_peak_bytes: Max(Bytes),
         /// Processes managed now.
         processes: Gauge(Events),
+        /// Threads serving the live processes' faults (they follow each process's thread count, up to the CPUs).
+        fault_threads: Gauge(Events),
         /// Processes that joined and ended.
         processes_ended: Counter(Events),
         /// Pages a fault asked for that the store did not have (must stay 0).
