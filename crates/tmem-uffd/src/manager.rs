@@ -62,7 +62,7 @@ const P: u64 = PAGE as u64;
 /// How often the evictor rescans the processes' maps for new ranges.
 const RESCAN: Duration = Duration::from_millis(20);
 /// How long a fault thread keeps reading its userfaultfd after a fault
-/// before it sleeps in `poll`, while the run is under its budget. A thread
+/// before it sleeps in `poll`, while the run is well under its budget. A thread
 /// running through cold memory faults again a few µs after it is woken, and
 /// waking a sleeping reader costs each such fault a context switch.
 const SPIN: Duration = Duration::from_micros(50);
