@@ -317,6 +317,8 @@ struct Shared {
     /// The budget in pages (`--memory`, or as set since).
     limit: AtomicU64,
     slack: u64,
+    /// CPUs this run may use: the most fault threads a process gets.
+    cpus: usize,
     procs: Mutex<Vec<Arc<Process>>>,
     total: AtomicU64,
     peak: AtomicU64,
@@ -436,6 +438,7 @@ pub fn run(cfg: &RunConfig, started: impl FnOnce(Observer) -> std::io::Result<()
         store: Arc::new(store),
         limit: AtomicU64::new(limit),
         slack,
+        cpus: std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
         procs: Mutex::new(Rank::RunProcesses, Vec::new()),
         total: AtomicU64::new(0),
         peak: AtomicU64::new(0),
@@ -673,14 +676,12 @@ fn admit(shared: &Arc<Shared>, sock: OwnedFd) -> Result<u32, String> {
 
 /// Starts one more fault thread for `p` (the caller counted it in `handlers`).
 fn spawn_handler(shared: &Arc<Shared>, p: &Arc<Process>) -> std::io::Result<()> {
-    let (shared, p) = (Arc::clone(shared), Arc::clone(p));
-    let spawned = std::thread::Builder::new().name(format!("tmem-run-{}", p.pid)).spawn({
-        let (shared, p) = (Arc::clone(&shared), Arc::clone(&p));
-        move || fault_loop(&shared, &p)
-    });
+    let (theirs, its) = (Arc::clone(shared), Arc::clone(p));
+    let spawned =
+        std::thread::Builder::new().name(format!("tmem-run-{}", p.pid)).spawn(move || fault_loop(&theirs, &its));
     if let Err(e) = spawned {
         if p.handlers.fetch_sub(1, Ordering::SeqCst) == 1 {
-            finish(&shared, &p);
+            finish(shared, p);
         }
         return Err(e);
     }
@@ -691,9 +692,8 @@ fn spawn_handler(shared: &Arc<Shared>, p: &Arc<Process>) -> std::io::Result<()> 
 /// to the CPUs: each program thread waits on at most one fault, so more
 /// would only wait.
 fn grow_handlers(shared: &Arc<Shared>, p: &Arc<Process>) {
-    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     // The agent's thread takes no faults the engine serves.
-    let want = maps::threads(p.pid).unwrap_or(1).saturating_sub(1).clamp(1, cpus);
+    let want = maps::threads(p.pid).unwrap_or(1).saturating_sub(1).clamp(1, shared.cpus);
     while (p.handlers.load(Ordering::SeqCst) as usize) < want && !p.gone.load(Ordering::SeqCst) {
         // Only while one runs: the last one to end has finished the process.
         if p.handlers.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n > 0).then_some(n + 1)).is_err() {
