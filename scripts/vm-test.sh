@@ -2,8 +2,10 @@
 # Boots two stock Debian kernels in QEMU (TCG, no KVM needed) with cgroup v2
 # only, both at once, and runs the same checks on each: `tmem serve
 # nbd` under the kernel's NBD client (nbd-client), then `tmem swap up` (FUSE
-# + loop) without flags; each time a 150 MiB job under memory.max=64M must
-# finish intact, and `tmem swap down` must leave nothing. Before those, a
+# + loop) without flags, then `tmem swap up --transport nbd` (the kernel's
+# NBD client set up by tmem over netlink; and a kill); each time a job of
+# 150 MiB (192 over NBD) under memory.max=64M must finish intact, and
+# `tmem swap down` must leave nothing. Before those, a
 # probe prints the kernel facts later tests depend on (zram writeback and
 # idle age, nbd, ublk, zswap's shrinker, memory.zswap.max); on Debian 13 a
 # missing one fails the run, on Debian 12 it is only printed. See
@@ -83,6 +85,7 @@ cp /bin/busybox "$root/bin/busybox"
 gcc -O2 -static -o "$root/bin/hog" scripts/vm/hog.c
 gcc -O2 -static -o "$root/bin/coldhog" scripts/vm/coldhog.c
 install -m 0644 scripts/vm/fronts.sh "$root/fronts.sh"
+install -m 0644 scripts/vm/transports.sh "$root/transports.sh"
 install -m 0755 scripts/vm/init.sh "$root/init"
 # The libraries a program or library links (none for a static one).
 libs_of() { { ldd "$1" 2>/dev/null || true; } | { grep -o '/[^ ]*' || true; }; }

@@ -113,11 +113,12 @@ fi
 
 for m in nbd fuse loop; do modprobe "$m" || fail "modprobe $m"; done
 
-# A 150 MiB job in a group limited to 64 MiB: it must swap, and finish intact.
+# A job of $2 MiB (150 by default) in a group limited to 64 MiB: it must
+# swap, and finish intact.
 job() {
     mkdir /sys/fs/cgroup/job || fail "mkdir job cgroup"
     echo 64M > /sys/fs/cgroup/job/memory.max
-    sh -c 'echo $$ > /sys/fs/cgroup/job/cgroup.procs && exec /bin/hog 150' > /tmp/job.out 2>&1
+    sh -c "echo \$\$ > /sys/fs/cgroup/job/cgroup.procs && exec /bin/hog ${2:-150}" > /tmp/job.out 2>&1
     rc=$?
     say "$1: job exit $rc, $(cat /tmp/job.out), peak $(cat /sys/fs/cgroup/job/memory.peak), events $(tr '\n' ' ' < /sys/fs/cgroup/job/memory.events)"
     rmdir /sys/fs/cgroup/job
@@ -141,8 +142,9 @@ kill "$SERVE"; wait "$SERVE" || fail "tmem serve nbd did not stop cleanly"
 
 lap "nbd"
 
-# 2. tmem swap up (FUSE + loop), without flags: --front auto, so zram in
-# front where the kernel's zram has writeback (both Debian kernels).
+# 2. tmem swap up without flags: FUSE + loop (--transport auto), --front
+# auto, so zram in front where the kernel's zram has writeback (both
+# Debian kernels).
 tmem swap up > /tmp/up.log 2>&1 || fail "tmem swap up"
 say "swap: $(tail -n +2 /proc/swaps | tr '\n' ';')"
 job "swap up"
@@ -150,6 +152,10 @@ tmem stat --counters | grep -E ' (stored_pages|succ_puts|succ_gets|pool_limit_hi
 tmem swap down > /tmp/down.log 2>&1 || fail "tmem swap down"
 
 lap "swap up"
+
+# 2a. The NBD transport: the kernel's NBD client set up by tmem itself.
+. /transports.sh
+lap "transport nbd"
 
 # 2b. The fronts: zram with writeback to tmem, a kill, zswap on cgroup v2.
 . /fronts.sh

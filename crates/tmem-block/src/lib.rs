@@ -312,6 +312,7 @@ impl IoCounters {
             backing: None,
             front: None,
             run: None,
+            transport: None,
             disksize: size,
             read_ios: self.read_ios.load(r),
             write_ios: self.write_ios.load(r),
@@ -341,6 +342,18 @@ impl DeviceStats {
     }
 }
 
+/// How the kernel reaches a device: the transport, its block device node
+/// and why that transport was chosen.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TransportStats {
+    /// `fuse` (a loop device on the FUSE file) or `nbd` (the kernel's NBD client).
+    pub kind: String,
+    /// The block device the kernel swaps to or caches through (`/dev/loopN`, `/dev/nbdN`).
+    pub node: std::path::PathBuf,
+    /// Why this transport was chosen.
+    pub reason: String,
+}
+
 counters! {
     /// Snapshot of a device's counters.
     #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -360,6 +373,10 @@ counters! {
             /// A `tmem run` instance, when this is one (filled in by `tmem run`).
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub run: Option<tmem_uffd::stats::RunStats>,
+            /// How the kernel reaches the device, once it does (filled in
+            /// by the daemon).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub transport: Option<TransportStats>,
         }
         /// Size in bytes (zram `disksize`).
         disksize: Gauge(Bytes),

@@ -125,6 +125,12 @@ pub struct Status {
     /// NBD URIs of the devices, when served over NBD.
     #[serde(default)]
     pub nbd_uris: Vec<String>,
+    /// How the kernel reaches the devices (`fuse` or `nbd`), once chosen.
+    #[serde(default)]
+    pub transport: Option<String>,
+    /// Why that transport was chosen.
+    #[serde(default)]
+    pub transport_reason: Option<String>,
     /// How FUSE requests reach the daemon (`/dev/fuse` or io_uring), when mounted.
     #[serde(default)]
     pub fuse_transport: Option<String>,
@@ -158,8 +164,12 @@ pub struct DeviceStatus {
     pub name: String,
     /// FUSE file.
     pub file: PathBuf,
-    /// Loop device, when attached.
+    /// The block device the kernel sees, when attached: a loop device on
+    /// the FUSE file, or `/dev/nbdN` (then `nbd_index` is N).
     pub loop_dev: Option<PathBuf>,
+    /// N of `/dev/nbdN`, on the NBD transport.
+    #[serde(default)]
+    pub nbd_index: Option<u32>,
     /// Whether swap is on (on the front's device where there is one).
     pub swap: bool,
     /// The front's device swap is on, in front of the loop device (zram).

@@ -11,6 +11,7 @@
 //! fuse-threads = 16       # default: one per online CPU, at least 4
 //! fuse-uring = 0
 //! discard = "once"         # or "pages"
+//! transport = "auto"       # or "fuse", "nbd" (the kernel's NBD client)
 //! recycle-idle-swap = true # empty an idle area by swapoff + swapon
 //! recompress = "zstd:3+dict"  # cold pages, in the background (off when absent)
 //! recompress-after = 2     # seconds unread before a page is recompressed
@@ -119,6 +120,7 @@ struct RawSwap {
     fuse_threads: Option<Spanned<u64>>,
     fuse_uring: Option<Spanned<u64>>,
     discard: Option<Spanned<String>>,
+    transport: Option<Spanned<String>>,
     recycle_idle_swap: Option<Spanned<bool>>,
     recompress: Option<Spanned<String>>,
     recompress_after: Option<Spanned<f64>>,
@@ -162,6 +164,8 @@ pub struct Config {
     pub fuse_uring: Option<usize>,
     /// `swap.discard`.
     pub discard: Option<tmem_sys::swap::SwapDiscard>,
+    /// `swap.transport`.
+    pub transport: Option<crate::transport::Transport>,
     /// `swap.recycle-idle-swap`.
     pub recycle_idle_swap: Option<bool>,
     /// `swap.recompress`: the recompression codec.
@@ -299,6 +303,7 @@ impl Config {
             fuse_uring: checked!(s.fuse_uring, "swap.fuse-uring", |n: u64| limits::fuse_uring("", n, machine)
                 .map_err(detail)),
             discard: checked!(s.discard, "swap.discard", |v: String| v.parse::<tmem_sys::swap::SwapDiscard>()),
+            transport: checked!(s.transport, "swap.transport", |v: String| v.parse::<crate::transport::Transport>()),
             recycle_idle_swap: checked!(s.recycle_idle_swap, "swap.recycle-idle-swap", Ok::<bool, String>),
             recompress: checked!(s.recompress, "swap.recompress", |v: String| {
                 let args = crate::spec::RecompressArgs { recompress: Some(v.clone()), ..Default::default() };
@@ -398,6 +403,7 @@ priority = 50
 fuse-threads = 8
 fuse-uring = 1
 discard = "pages"
+transport = "nbd"
 recycle-idle-swap = false
 recompress = "zstd:3+dict"
 recompress-after = 0.5
@@ -436,6 +442,7 @@ cgroups = ["/sys/fs/cgroup/jobs"]
         assert_eq!(c.pool_limit, Some(PoolLimit::Percent(30)));
         assert_eq!(c.codec.as_deref(), Some("zstd:3+dict"));
         assert_eq!(c.discard, Some(tmem_sys::swap::SwapDiscard::Pages));
+        assert_eq!(c.transport, Some(crate::transport::Transport::Nbd));
         assert_eq!(c.recycle_idle_swap, Some(false));
         assert_eq!((c.recompress.as_deref(), c.recompress_after), (Some("zstd:3+dict"), Some(0.5)));
         assert_eq!((c.group.as_deref(), c.group_after), (Some("zstd:9+dict"), Some(20.0)));

@@ -29,13 +29,14 @@ use std::time::Duration;
 use tmem_lock::{Mutex, MutexGuard, Rank};
 
 use sd_notify::NotifyState;
-use tmem_block::{BlockDevice, CacheDevice, DeviceConfig, DeviceStats, PoolDevice, StaleSweep};
+use tmem_block::{BlockDevice, CacheDevice, DeviceConfig, DeviceStats, PoolDevice, StaleSweep, TransportStats};
 use tmem_ctl::{DeviceStatus, Request, Response, Status};
 use tmem_fuse::{Export, FuseConfig, FuseMount};
 use tmem_sys::swap;
 
 use crate::runtime::{RuntimeDir, STATE_FILE};
 use crate::spec::{store_config, DaemonSpec};
+use crate::transport::Transport;
 use crate::{control, human, knobs, DaemonError};
 
 /// Name of the FUSE mount point in the runtime directory.
@@ -56,6 +57,8 @@ pub(crate) struct State {
     pub(crate) status: Status,
     pub(crate) fuse: Option<FuseMount>,
     pub(crate) nbd: Option<tmem_nbd::ServerHandle>,
+    /// The kernel's NBD devices on this daemon (the NBD transport).
+    pub(crate) kernel_nbd: Vec<tmem_nbd::kernel::KernelDevice>,
     pub(crate) metrics: Option<crate::metrics::MetricsServer>,
 }
 
@@ -84,6 +87,8 @@ pub struct Daemon {
     pub(crate) fronts: Arc<Mutex<crate::front::Fronts>>,
     /// The service manager (systemd), if one supervises this process.
     pub(crate) supervisor: crate::supervisor::Supervisor,
+    /// How the kernel reaches each export.
+    pub(crate) transports: Transports,
 }
 
 /// Counters of `devices` (with their fronts'), then of `caches`.
@@ -91,6 +96,7 @@ fn stats_of(
     devices: &[Arc<PoolDevice>],
     caches: &[Arc<CacheDevice>],
     fronts: &Mutex<crate::front::Fronts>,
+    transports: &Transports,
 ) -> Vec<DeviceStats> {
     let mut stats: Vec<DeviceStats> = devices.iter().map(|d| d.stats()).collect();
     {
@@ -100,8 +106,15 @@ fn stats_of(
         }
     }
     stats.extend(caches.iter().map(|c| c.stats()));
+    for (s, t) in stats.iter_mut().zip(transports.get().into_iter().flatten()) {
+        s.transport.clone_from(t);
+    }
     stats
 }
+
+/// Per export (devices, then caches): how the kernel reaches it, set once
+/// the transport is up.
+pub(crate) type Transports = Arc<std::sync::OnceLock<Vec<Option<TransportStats>>>>;
 
 /// Logs one line (a step, a start or stop, a recovered error) at info level.
 pub fn log(msg: &str) {
@@ -427,7 +440,10 @@ impl Daemon {
             lock_file,
             devices: served.0,
             caches: served.1,
-            state: Mutex::new(Rank::DaemonState, State { status, fuse: None, nbd: None, metrics: None }),
+            state: Mutex::new(
+                Rank::DaemonState,
+                State { status, fuse: None, nbd: None, kernel_nbd: Vec::new(), metrics: None },
+            ),
             teardown_gate: Mutex::new(Rank::DaemonTeardown, ()),
             events: Mutex::new(Rank::DaemonEvents, events),
             signalled,
@@ -435,6 +451,7 @@ impl Daemon {
             predecessor: None,
             handing_over: AtomicBool::new(false),
             fronts: Arc::new(Mutex::new(Rank::DaemonFronts, crate::front::Fronts::default())),
+            transports: Transports::default(),
             supervisor: crate::supervisor::Supervisor::from_env(),
         }
     }
@@ -458,6 +475,7 @@ impl Daemon {
                 Err(e) => warn(&format!("metrics: {e}")),
             }
         }
+        self.record_transports();
         let status = self.status();
         self.save_state(&status);
     }
@@ -465,7 +483,8 @@ impl Daemon {
     /// Serves Prometheus metrics on `addr`.
     fn start_metrics(&self, addr: std::net::SocketAddr) -> Result<(), DaemonError> {
         let (devices, caches, fronts) = (self.devices.clone(), self.caches.clone(), Arc::clone(&self.fronts));
-        let source: crate::metrics::Source = Arc::new(move || stats_of(&devices, &caches, &fronts));
+        let transports = Arc::clone(&self.transports);
+        let source: crate::metrics::Source = Arc::new(move || stats_of(&devices, &caches, &fronts, &transports));
         let server = crate::metrics::MetricsServer::start(addr, self.spec.metrics_allow_remote, source)?;
         self.step(format!("Prometheus metrics at http://{}/metrics", server.addr()));
         self.lock().metrics = Some(server);
@@ -482,7 +501,7 @@ impl Daemon {
 
     /// Counters of every device, caches last.
     fn all_stats(&self) -> Vec<DeviceStats> {
-        stats_of(&self.devices, &self.caches, &self.fronts)
+        stats_of(&self.devices, &self.caches, &self.fronts, &self.transports)
     }
 
     /// Every exported device by name: devices, then caches.
@@ -540,7 +559,7 @@ impl Daemon {
 
     fn setup(&self) -> Result<(), DaemonError> {
         if self.spec.fuse {
-            self.setup_fuse()?;
+            self.setup_block()?;
         }
         if let Some(listen) = &self.spec.nbd {
             self.setup_nbd(listen)?;
@@ -588,7 +607,49 @@ impl Daemon {
         Ok(())
     }
 
-    fn setup_fuse(&self) -> Result<(), DaemonError> {
+    /// Gives every device and cache to the kernel as a block device over
+    /// the transport chosen, then makes each device swap (`spec.swap`).
+    fn setup_block(&self) -> Result<(), DaemonError> {
+        let (transport, reason) = crate::transport::choose(self.spec.transport, || tmem_nbd::kernel::available(true))
+            .map_err(DaemonError::Invalid)?;
+        {
+            let mut g = self.lock();
+            g.status.transport = Some(transport.to_string());
+            g.status.transport_reason = Some(reason.clone());
+        }
+        self.step(format!("transport: {transport} ({reason})"));
+        match transport {
+            Transport::Nbd => self.attach_nbd()?,
+            Transport::Fuse | Transport::Auto => self.attach_fuse()?,
+        }
+        self.record_transports();
+        if self.spec.swap {
+            self.swap_up()?;
+        }
+        Ok(())
+    }
+
+    /// Records, for the counters, how the kernel reaches each export (from
+    /// the status: set up here, or by the daemon taken over from).
+    pub(crate) fn record_transports(&self) {
+        let g = self.lock();
+        // A daemon from before the NBD transport used FUSE + loop.
+        let kind = g.status.transport.clone().unwrap_or_else(|| Transport::Fuse.to_string());
+        let reason = g.status.transport_reason.clone();
+        let nodes = g.status.devices.iter().map(|d| {
+            let reason = reason.clone().unwrap_or_default();
+            d.loop_dev.clone().map(|node| TransportStats { kind: kind.clone(), node, reason })
+        });
+        let _ = self.transports.set(nodes.collect());
+    }
+
+    /// Whether export `i` (devices, then caches) gets a block device.
+    fn attached(&self, i: usize) -> bool {
+        i >= self.devices.len() || self.spec.swap
+    }
+
+    /// Mounts FUSE and attaches a loop device to each export's file.
+    fn attach_fuse(&self) -> Result<(), DaemonError> {
         let mnt = self.dir.mount_point(MOUNT_DIR)?;
         let exports = self.exports().into_iter().map(|(name, device)| Export { name, device }).collect();
         let fuse = FuseMount::mount(FuseConfig {
@@ -614,25 +675,61 @@ impl Daemon {
             mnt.display(),
             self.spec.fuse_threads
         ));
-        let front = self.fronts.lock().front();
-        if self.spec.swap && front == tmem_front::Front::Zswap {
-            self.check_signal()?;
-            let reads = crate::front::pages_read(self.devices.clone());
-            let line = self.fronts.lock().zswap_up(&self.dir, &self.spec.front, self.total_ram()?, reads)?;
-            self.step(line);
-        }
         for (i, (name, file)) in files.iter().enumerate() {
-            let cache = i >= self.devices.len();
-            if !(cache || self.spec.swap) {
+            if !self.attached(i) {
                 continue;
             }
             self.check_signal()?;
             let dev = swap::loop_attach(file).map_err(setup_err)?;
             self.lock().status.devices[i].loop_dev = Some(dev.clone());
             self.step(format!("{name}: losetup --direct-io=on {} -> {}", file.display(), dev.display()));
-            if cache {
+        }
+        Ok(())
+    }
+
+    /// Connects a `/dev/nbdN` of the kernel's NBD client to each export,
+    /// one connection per online CPU (the kernel's queues).
+    fn attach_nbd(&self) -> Result<(), DaemonError> {
+        let connections =
+            std::thread::available_parallelism().map_or(1, usize::from).min(tmem_nbd::kernel::MAX_CONNECTIONS);
+        let exports = self.exports();
+        self.lock().status.devices =
+            exports.iter().map(|(name, _)| DeviceStatus { name: name.clone(), ..Default::default() }).collect();
+        for (i, (name, device)) in exports.into_iter().enumerate() {
+            if !self.attached(i) {
                 continue;
             }
+            self.check_signal()?;
+            let kernel = tmem_nbd::kernel::KernelDevice::connect(tmem_nbd::Export::new(&name, device), connections)
+                .map_err(setup_err)?;
+            let node = kernel.node();
+            {
+                let mut g = self.lock();
+                let d = &mut g.status.devices[i];
+                (d.file, d.loop_dev, d.nbd_index) = (node.clone(), Some(node.clone()), Some(kernel.index()));
+                g.kernel_nbd.push(kernel);
+            }
+            self.step(format!(
+                "{name}: the kernel's NBD client on {} ({connections} connections to this daemon, over netlink)",
+                node.display()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Puts the front (if any) in place and turns every device into swap.
+    fn swap_up(&self) -> Result<(), DaemonError> {
+        let front = self.fronts.lock().front();
+        if front == tmem_front::Front::Zswap {
+            self.check_signal()?;
+            let reads = crate::front::pages_read(self.devices.clone());
+            let line = self.fronts.lock().zswap_up(&self.dir, &self.spec.front, self.total_ram()?, reads)?;
+            self.step(line);
+        }
+        let devices = self.lock().status.devices.clone();
+        for (i, d) in devices.iter().enumerate().take(self.devices.len()) {
+            let Some(dev) = d.loop_dev.clone() else { continue };
+            let name = &d.name;
             if let Some(set) = swap::loop_disable_wbt(&dev).map_err(setup_err)? {
                 self.step(format!("{name}: {set} (no writeback throttling in front of swap)"));
             }
@@ -849,6 +946,15 @@ impl Daemon {
             }
             #[cfg(feature = "fault-injection")]
             crate::fault::panic_in_teardown();
+            if let Some(index) = d.nbd_index {
+                self.disconnect_nbd(index)?;
+                {
+                    let mut g = self.lock();
+                    (g.status.devices[i].loop_dev, g.status.devices[i].nbd_index) = (None, None);
+                }
+                self.step(format!("{}: NBD device {} disconnected", d.name, dev.display()));
+                continue;
+            }
             if let Err(e) = swap::loop_detach(dev) {
                 // Someone detached it already: fine, as long as it no longer serves our file.
                 if swap::loops_of(&d.file).map_or(true, |l| l.contains(dev)) {
@@ -894,6 +1000,22 @@ impl Daemon {
 }
 
 impl Daemon {
+    /// Disconnects `/dev/nbd<index>` (the kernel closes its connections)
+    /// and waits for its sessions; by index alone where this daemon no
+    /// longer holds it (a successor's, or a teardown tried before).
+    fn disconnect_nbd(&self, index: u32) -> Result<(), DaemonError> {
+        let held = {
+            let mut g = self.lock();
+            let at = g.kernel_nbd.iter().position(|k| k.index() == index);
+            at.map(|at| g.kernel_nbd.swap_remove(at))
+        };
+        match held {
+            Some(kernel) => kernel.disconnect(),
+            None => tmem_nbd::kernel::disconnect(index),
+        }
+        .map_err(|e| DaemonError::Teardown(format!("NBD device /dev/nbd{index}: {e}")))
+    }
+
     /// The store of the device or cache named `name`.
     fn store_of(&self, name: &str) -> Option<&tmem_core::Store> {
         let device = self.devices.iter().find(|d| d.name() == name).map(|d| d.store());

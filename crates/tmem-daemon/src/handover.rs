@@ -118,6 +118,10 @@ struct Hello {
     /// before zero-copy hand-over leave it out.
     #[serde(default)]
     images: bool,
+    /// The successor takes the kernel's NBD devices over (the NBD
+    /// transport); successors before it leave it out.
+    #[serde(default)]
+    kernel_nbd: bool,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -142,6 +146,21 @@ struct Offer {
     /// successor counts on from them ([`PoolDevice::carry_on`]).
     #[serde(default)]
     counters: Vec<tmem_block::DeviceStats>,
+    /// The kernel's NBD devices (the NBD transport); their sockets follow
+    /// the NBD server's, in this order.
+    #[serde(default)]
+    kernel_nbd: Vec<HandedNbd>,
+}
+
+/// One `/dev/nbdN` of the NBD transport, paused between two requests.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct HandedNbd {
+    /// Its export: a device, or a cache after the devices.
+    export: usize,
+    /// N of `/dev/nbdN`.
+    index: u32,
+    /// Each connection's session, in the order of their sockets.
+    sessions: Vec<tmem_nbd::SessionState>,
 }
 
 /// One tier's part of the offer ([`tmem_tier::Tier::hand_over`]).
@@ -239,7 +258,13 @@ fn hello() -> Hello {
     let images = !crate::fault::handover_streamed();
     #[cfg(not(feature = "fault-injection"))]
     let images = true;
-    Hello { protocol, store_format: HANDOVER_VERSION, version: env!("CARGO_PKG_VERSION").into(), images }
+    Hello {
+        protocol,
+        store_format: HANDOVER_VERSION,
+        version: env!("CARGO_PKG_VERSION").into(),
+        images,
+        kernel_nbd: true,
+    }
 }
 
 /// Waits up to `within` for process `pid` to end; returns whether it did.
@@ -331,6 +356,9 @@ impl Daemon {
                 env!("CARGO_PKG_VERSION")
             ));
         }
+        if !h.kernel_nbd && !self.lock().kernel_nbd.is_empty() {
+            return Some(format!("the successor (tmem {}) cannot take the kernel's NBD devices over", h.version));
+        }
         if !self.spec.tiers.tiers.is_empty() && !h.images {
             return Some("devices with tiers are handed over only with their pools in shared memory (memfd)".into());
         }
@@ -372,7 +400,15 @@ impl Daemon {
                 return Err(err(format!("refused a successor: {why}")));
             }
         };
-        match self.send_state(&stream, &mut w, &mut r, nbd.as_ref(), h.images) {
+        let kernel = match self.pause_kernel_nbd() {
+            Ok(kernel) => kernel,
+            Err(why) => {
+                resume();
+                send(&mut w, REFUSE, why.as_bytes())?;
+                return Err(err(format!("refused a successor: {why}")));
+            }
+        };
+        match self.send_state(&stream, &mut w, &mut r, nbd.as_ref(), &kernel, h.images) {
             Ok(images) => {
                 log(&format!(
                     "handed over after {} ms; this process exits and leaves the mount and sockets",
@@ -385,6 +421,7 @@ impl Daemon {
                     f.leave_mounted();
                 }
                 g.nbd.as_ref().inspect(|n| n.handed_over());
+                g.kernel_nbd.iter().for_each(tmem_nbd::kernel::KernelDevice::handed_over);
                 if images || self.supervisor.handed().is_some() {
                     // This process's mappings keep the shared pages locked
                     // until the successor has mapped them; and a service
@@ -417,6 +454,21 @@ impl Daemon {
         let g = self.lock();
         g.fuse.as_ref().inspect(|f| f.resume());
         g.nbd.as_ref().inspect(|n| n.resume());
+        g.kernel_nbd.iter().for_each(tmem_nbd::kernel::KernelDevice::resume);
+    }
+
+    /// Pauses every kernel NBD device's sessions between two requests;
+    /// returns each device's part of the offer with copies of its sockets.
+    fn pause_kernel_nbd(&self) -> Result<Vec<(HandedNbd, Vec<OwnedFd>)>, String> {
+        let g = self.lock();
+        let mut handed = Vec::with_capacity(g.kernel_nbd.len());
+        for k in &g.kernel_nbd {
+            let export = g.status.devices.iter().position(|d| d.nbd_index == Some(k.index()));
+            let export = export.ok_or_else(|| format!("/dev/nbd{} serves no device of the status", k.index()))?;
+            let (fds, sessions) = k.pause(NBD_PAUSE_TIMEOUT)?.into_iter().unzip();
+            handed.push((HandedNbd { export, index: k.index(), sessions }, fds));
+        }
+        Ok(handed)
     }
 
     /// The stores a hand-over passes, in order: each device's, or each
@@ -437,6 +489,7 @@ impl Daemon {
         w: &mut BufWriter<UnixStream>,
         r: &mut impl Read,
         nbd: Option<&tmem_nbd::NbdHandover>,
+        kernel: &[(HandedNbd, Vec<OwnedFd>)],
         successor_takes_images: bool,
     ) -> Result<bool, DaemonError> {
         let stores = self.handed_stores();
@@ -464,8 +517,17 @@ impl Daemon {
             })
             .collect();
         let counters = self.devices.iter().map(|d| d.stats()).chain(self.caches.iter().map(|c| c.stats())).collect();
-        let offer =
-            Offer { spec: self.spec.clone(), status: self.status(), nbd_sessions, images, supervisor, tiers, counters };
+        let kernel_nbd = kernel.iter().map(|(h, _)| h.clone()).collect();
+        let offer = Offer {
+            spec: self.spec.clone(),
+            status: self.status(),
+            nbd_sessions,
+            images,
+            supervisor,
+            tiers,
+            counters,
+            kernel_nbd,
+        };
         send(w, OFFER, &serde_json::to_vec(&offer).map_err(err)?)?;
         let handed: Vec<&tmem_tier::TierHandover> = handed.iter().flatten().flat_map(|(_, ts)| ts).collect();
         for t in &handed {
@@ -495,6 +557,7 @@ impl Daemon {
                 fds.push(h.listener.as_fd());
                 fds.extend(h.sessions.iter().map(|(fd, _)| fd.as_fd()));
             }
+            fds.extend(kernel.iter().flat_map(|(_, socks)| socks.iter().map(AsFd::as_fd)));
             fds.extend(handed.iter().flat_map(|t| t.fds.iter().map(AsFd::as_fd)));
             if images {
                 fds.extend(stores.iter().filter_map(|s| s.memfd()));
@@ -625,8 +688,13 @@ fn predecessor_gone(r: &mut impl Read, old: u32) -> Result<(), String> {
     }
 }
 
-/// An NBD server adopted during a hand-over, started once it is taken.
-type PendingNbd = Option<tmem_nbd::NbdServer>;
+/// What serves NBD after a hand-over, started once it is taken (the stores
+/// are sealed until then): the NBD server, and the kernel's NBD devices
+/// with their sockets.
+struct PendingNbd {
+    server: Option<tmem_nbd::NbdServer>,
+    kernel: Vec<(HandedNbd, Vec<OwnedFd>)>,
+}
 
 /// What a successor took over, for its step line.
 struct TakeReport {
@@ -667,7 +735,7 @@ fn take(
     protected: Vec<String>,
     role: Successor,
 ) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>, PendingNbd, TakeReport), DaemonError> {
-    let Offer { spec, status: old, nbd_sessions, images, supervisor, tiers, counters } = offer;
+    let Offer { spec, status: old, nbd_sessions, images, supervisor, tiers, counters, kernel_nbd } = offer;
     let supervisor = match role {
         Successor::InService => Supervisor::inherit(Supervisor::from_env(), supervisor),
         Successor::OutsideService => Supervisor::default(),
@@ -777,7 +845,9 @@ fn take(
     }
     let missing = || err("fewer descriptors arrived than the offer names");
     let lock_file = dir.adopt_lock(fds.next().ok_or_else(missing)?.into_raw_fd())?;
-    let conn = if spec.fuse { Some(fds.next().ok_or_else(missing)?) } else { None };
+    // A daemon on the NBD transport has no FUSE mount.
+    let on_nbd = old.transport.as_deref() == Some("nbd");
+    let conn = if spec.fuse && !on_nbd { Some(fds.next().ok_or_else(missing)?) } else { None };
     let nbd = match &spec.nbd {
         Some(_) => {
             let listener = fds.next().ok_or_else(missing)?;
@@ -789,6 +859,14 @@ fn take(
         }
         None => None,
     };
+    let mut kernel = Vec::with_capacity(kernel_nbd.len());
+    for h in kernel_nbd {
+        let sockets: Vec<OwnedFd> = fds.by_ref().take(h.sessions.len()).collect();
+        if sockets.len() != h.sessions.len() {
+            return Err(missing());
+        }
+        kernel.push((h, sockets));
+    }
     let exports =
         devices
             .iter()
@@ -827,7 +905,7 @@ fn take(
     daemon.save_state(&status);
     crate::daemon::bind_control(&daemon)?;
     listen(&daemon)?;
-    Ok((daemon, rx, nbd, report))
+    Ok((daemon, rx, PendingNbd { server: nbd, kernel }, report))
 }
 
 impl Daemon {
@@ -866,7 +944,23 @@ impl Daemon {
         if let Some(f) = self.lock().fuse.as_ref() {
             f.resume();
         }
-        if let Some(server) = nbd {
+        let exports = self.exports();
+        for (h, sockets) in nbd.kernel {
+            let Some((name, device)) = exports.get(h.export) else {
+                crate::daemon::warn(&format!(
+                    "/dev/nbd{}: the offer names export {}, which is not here",
+                    h.index, h.export
+                ));
+                continue;
+            };
+            let export = tmem_nbd::Export::new(name, Arc::clone(device));
+            match tmem_nbd::kernel::KernelDevice::adopt(export, h.index, sockets.into_iter().zip(h.sessions).collect())
+            {
+                Ok(k) => self.lock().kernel_nbd.push(k),
+                Err(e) => crate::daemon::warn(&format!("/dev/nbd{}: its sessions did not start: {e}", h.index)),
+            }
+        }
+        if let Some(server) = nbd.server {
             match server.spawn() {
                 Ok(handle) => self.lock().nbd = Some(handle),
                 Err(e) => crate::daemon::warn(&format!("NBD: the adopted server did not start: {e}")),

@@ -34,6 +34,7 @@ pub mod spec;
 pub mod stale;
 pub mod supervisor;
 pub mod tiers;
+pub mod transport;
 pub mod watch;
 
 pub use daemon::run;

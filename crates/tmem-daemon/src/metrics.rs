@@ -8,7 +8,8 @@
 //! device (label `device`), per tier (labels `device`, `tier`). Names are
 //! `tmem_<group>_<counter>` with the conventional suffixes: counters end in
 //! `_total`, byte counts in `_bytes`, latencies are in `_seconds`. The
-//! current codec of each device is `tmem_device_info{device, codec} 1`.
+//! current codec of each device is `tmem_device_info{device, codec,
+//! transport} 1`.
 //! A test has a real Prometheus server scrape it.
 //!
 //! The endpoint's own limits and counters (`tmem_metrics_*`) are in
@@ -115,12 +116,13 @@ impl Collector for Snapshot {
         // `info` type.
         let mut info = encoder.encode_descriptor(
             "tmem_device_info",
-            "A device and its current codec.",
+            "A device, its current codec, and how the kernel reaches it (fuse, nbd; none: not given to the kernel).",
             None,
             MetricType::Gauge,
         )?;
         for d in devs {
-            let labels = vec![("device", d.name.clone()), ("codec", d.store.codec.clone())];
+            let transport = d.transport.as_ref().map_or_else(|| "none".into(), |t| t.kind.clone());
+            let labels = vec![("device", d.name.clone()), ("codec", d.store.codec.clone()), ("transport", transport)];
             ConstGauge::new(1_i64).encode(info.encode_family(&labels)?)?;
         }
         Ok(())

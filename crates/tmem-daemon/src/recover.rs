@@ -8,7 +8,10 @@
 //! This module finds those pieces — from the state file, and from the
 //! kernel itself (`/sys/block/loop*/loop/backing_file`, `/proc/swaps`, the
 //! mount), so it also works when the state file is missing — and removes
-//! every one: swapoff, loop detach, lazy unmount, files.
+//! every one: swapoff, loop detach, lazy unmount, files. On the NBD
+//! transport it leaves `/dev/nbdN` devices connected to dead sockets; they
+//! are found from the state file and `/sys/block/nbdN/pid`, and
+//! disconnected over netlink.
 
 use std::path::{Path, PathBuf};
 
@@ -32,7 +35,11 @@ pub struct Leftovers {
     pub mounted: bool,
     /// Its state file, when it left one.
     pub state: Option<Status>,
-    /// Its zram fronts: (N of `zramN`, the loop device behind it).
+    /// Its NBD devices (N of `/dev/nbdN`), still connected to its dead
+    /// sessions: from its state file and from the kernel
+    /// (`/sys/block/nbdN/pid`).
+    pub nbds: Vec<u32>,
+    /// Its zram fronts: (N of `zramN`, the loop or NBD device behind it).
     pub zram_fronts: Vec<(u32, PathBuf)>,
     /// zswap's values from before it changed them, when it left them.
     pub zswap_saved: Option<tmem_front::zswap::Saved>,
@@ -55,6 +62,13 @@ impl Leftovers {
         let swapping: Vec<&PathBuf> = self.swap_areas.iter().map(|a| &a.path).collect();
         parts
             .extend(self.loops.iter().filter(|(d, _)| !swapping.contains(&d)).map(|(d, _)| format!("{}", d.display())));
+        parts.extend(
+            self.nbds
+                .iter()
+                .map(|i| tmem_nbd::kernel::node(*i))
+                .filter(|d| !swapping.contains(&d))
+                .map(|d| format!("{}", d.display())),
+        );
         parts.extend(self.zram_fronts.iter().map(|(id, _)| format!("its zram front /dev/zram{id}")));
         if self.zswap_saved.is_some() {
             parts.push("zswap's changed settings".into());
@@ -134,6 +148,10 @@ pub fn clean(dir: &Path) -> Result<Recovery, DaemonError> {
         rt.remove(crate::front::FRONT_FILE)?;
         r.steps.push("put zswap's settings back as they were before it".into());
     }
+    for index in &left.nbds {
+        tmem_nbd::kernel::disconnect(*index).map_err(|e| DaemonError::Lifecycle(format!("/dev/nbd{index}: {e}")))?;
+        r.steps.push(format!("disconnected the NBD device /dev/nbd{index}"));
+    }
     for (dev, file) in &left.loops {
         swap::loop_detach(dev).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
         r.steps.push(format!("losetup --detach {} (was {})", dev.display(), file.display()));
@@ -157,19 +175,26 @@ fn leftovers(rt: &RuntimeDir, lock_pid: Option<u32>) -> Result<Option<Leftovers>
     let state: Option<Status> = rt.read_file(STATE_FILE, 1 << 20)?.and_then(|text| serde_json::from_str(&text).ok());
     let lifecycle = |e: swap::SwapError| DaemonError::Lifecycle(e.to_string());
     let loops = swap::loops_under(&rt.join(MOUNT_DIR)).map_err(lifecycle)?;
+    let pid = state.as_ref().map(|s| s.pid).or(lock_pid);
+    let mut nbds = pid.map(tmem_nbd::kernel::owned_by).unwrap_or_default();
+    let recorded = state.iter().flat_map(|s| s.devices.iter().filter_map(|d| d.nbd_index));
+    // Recorded but no longer connected (its pid file says 0 or another's):
+    // only the kernel's word counts.
+    nbds.extend(recorded.filter(|i| tmem_nbd::kernel::connected(*i) && !nbds.contains(i)).collect::<Vec<_>>());
+    let blocks: Vec<PathBuf> =
+        loops.iter().map(|(d, _)| d.clone()).chain(nbds.iter().map(|i| tmem_nbd::kernel::node(*i))).collect();
     // Found from the kernel (zram's backing_dev), so also without a state file.
-    let zram_fronts: Vec<(u32, PathBuf)> = loops
-        .iter()
-        .flat_map(|(d, _)| tmem_sys::zram::backed_by(d).into_iter().map(move |id| (id, d.clone())))
-        .collect();
+    let zram_fronts: Vec<(u32, PathBuf)> =
+        blocks.iter().flat_map(|d| tmem_sys::zram::backed_by(d).into_iter().map(move |id| (id, d.clone()))).collect();
     let fronted = |p: &Path| zram_fronts.iter().any(|(id, _)| p == Path::new(&format!("/dev/zram{id}")));
     let swap_areas = swap::swaps()
         .map_err(lifecycle)?
         .into_iter()
-        .filter(|a| loops.iter().any(|(d, _)| *d == a.path) || fronted(&a.path))
+        .filter(|a| blocks.contains(&a.path) || fronted(&a.path))
         .collect();
     let left = Leftovers {
-        pid: state.as_ref().map(|s| s.pid).or(lock_pid),
+        pid,
+        nbds,
         loops,
         swap_areas,
         mounted: rt.is_mounted(MOUNT_DIR)?,
@@ -177,6 +202,10 @@ fn leftovers(rt: &RuntimeDir, lock_pid: Option<u32>) -> Result<Option<Leftovers>
         zram_fronts,
         zswap_saved: crate::front::read_saved(rt)?,
     };
-    let any = !left.loops.is_empty() || left.mounted || left.state.is_some() || left.zswap_saved.is_some();
+    let any = !left.loops.is_empty()
+        || !left.nbds.is_empty()
+        || left.mounted
+        || left.state.is_some()
+        || left.zswap_saved.is_some();
     Ok(any.then_some(left))
 }

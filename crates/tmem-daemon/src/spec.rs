@@ -251,6 +251,10 @@ pub struct DaemonSpec {
     pub fuse: bool,
     /// Turn each device into kernel swap (needs `fuse`).
     pub swap: bool,
+    /// How the kernel reaches the devices when `fuse` is set (the name
+    /// predates NBD: `fuse` means "give the devices to the kernel").
+    #[serde(default)]
+    pub transport: crate::transport::Transport,
     /// Serve the devices over NBD: a unix socket path, or `tcp:ADDR`.
     #[serde(default)]
     pub nbd: Option<String>,

@@ -8,6 +8,8 @@
 //! - [`proto`]: wire constants and pure parsers/encoders on byte slices.
 //! - [`serve_connection`]: one client session over any `Read + Write`
 //!   stream (sockets in the server, in-memory buffers in the fuzzer).
+//! - [`kernel::KernelDevice`]: the kernel's NBD client on sessions of this
+//!   process, set up over netlink (`tmem swap up --transport nbd`).
 //! - [`NbdServer`] / [`ServerHandle`]: the listener (unix socket by default,
 //!   loopback TCP on request), one thread per connection, with limits
 //!   against clients that hold connections or memory: connection limits in
@@ -33,6 +35,7 @@ use std::sync::Arc;
 
 use tmem_block::BlockDevice;
 
+pub mod kernel;
 mod limits;
 mod park;
 pub mod proto;
@@ -75,6 +78,9 @@ pub enum NbdError {
     /// A live server already listens on this unix socket.
     #[error("unix socket {0} is in use by a running server")]
     SocketInUse(PathBuf),
+    /// The kernel's NBD client refused or failed a netlink request.
+    #[error("the kernel's NBD client: {0}")]
+    Kernel(String),
     /// A server or connection thread panicked.
     #[error("server thread panicked")]
     Panicked,

@@ -143,6 +143,22 @@ pub(crate) fn serve<S: Read + Write>(stream: S, exports: &Exports, limits: Limit
     }
 }
 
+/// The transmission flags of every export, for a client that negotiated
+/// structured replies or not.
+pub(crate) fn transmission_flags(structured: bool) -> u16 {
+    let mut f = FLAG_HAS_FLAGS
+        | FLAG_SEND_FLUSH
+        | FLAG_SEND_FUA
+        | FLAG_SEND_TRIM
+        | FLAG_SEND_WRITE_ZEROES
+        | FLAG_CAN_MULTI_CONN;
+    if structured {
+        // Reads always go out as one chunk, so "don't fragment" is free.
+        f |= FLAG_SEND_DF;
+    }
+    f
+}
+
 /// Serves a connection a predecessor process negotiated (its `state`),
 /// from the next request on.
 pub(crate) fn resume<S: Read + Write>(
@@ -338,17 +354,7 @@ impl<'a, S: Read + Write> Session<'a, S> {
     }
 
     fn transmission_flags(&self) -> u16 {
-        let mut f = FLAG_HAS_FLAGS
-            | FLAG_SEND_FLUSH
-            | FLAG_SEND_FUA
-            | FLAG_SEND_TRIM
-            | FLAG_SEND_WRITE_ZEROES
-            | FLAG_CAN_MULTI_CONN;
-        if self.structured {
-            // Reads always go out as one chunk, so "don't fragment" is free.
-            f |= FLAG_SEND_DF;
-        }
-        f
+        transmission_flags(self.structured)
     }
 
     // ---- handshake ----

@@ -41,6 +41,12 @@ pub struct UpArgs {
     /// How freed swap slots reach the pool (swapon --discard): once or pages.
     #[arg(long, default_value = "once")]
     discard: tmem_sys::swap::SwapDiscard,
+    /// How the kernel reaches the devices: fuse (a loop device on a FUSE
+    /// file), nbd (the kernel's NBD client, set up over netlink; `modprobe
+    /// nbd` if need be), or auto (FUSE + loop for now: NBD is not handed
+    /// over on restart yet).
+    #[arg(long, default_value = "auto")]
+    transport: tmem_daemon::transport::Transport,
     /// Empty an idle swap area that holds a few KiB in use and many freed slots' pages by swapoff, mkswap and swapon.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     recycle_idle_swap: bool,
@@ -106,6 +112,7 @@ impl UpArgs {
             fuse_threads: pick(given("fuse_threads"), &self.fuse_threads, &c.fuse_threads),
             fuse_uring: pick(given("fuse_uring"), &self.fuse_uring, &c.fuse_uring),
             discard: pick(given("discard"), &self.discard, &c.discard),
+            transport: pick(given("transport"), &self.transport, &c.transport),
             recycle_idle_swap: pick(given("recycle_idle_swap"), &self.recycle_idle_swap, &c.recycle_idle_swap),
             runtime_dir: pick(given("runtime_dir"), &self.runtime_dir, &c.runtime_dir),
             wait: pick(given("wait"), &self.wait, &c.wait),
@@ -205,6 +212,7 @@ pub fn up(a: &UpArgs, m: &clap::ArgMatches) -> anyhow::Result<()> {
         devices: device_specs("swap", a.devices, a.size, &a.codec, a.pool_limit, &a.recompress, &a.group),
         caches: cache_specs(&a.cache_backing, &a.codec, a.pool_limit, &CacheArgs::default()),
         fuse: true,
+        transport: a.transport,
         swap: true,
         nbd: None,
         nbd_allow_remote: false,
@@ -455,8 +463,21 @@ fn print_counters(devs: &[DeviceStats]) {
 /// Prints a zramctl-like table.
 pub fn print_stat_table(devs: &[DeviceStats]) {
     let mut t = tmem_bench::table::plain([
-        "NAME", "DISKSIZE", "DATA", "COMPR", "TOTAL", "RATIO", "PAGES", "SAME", "HUGE", "TIERED", "LIMIT", "REJECTS",
-        "FAILED", "CODEC",
+        "NAME",
+        "DISKSIZE",
+        "DATA",
+        "COMPR",
+        "TOTAL",
+        "RATIO",
+        "PAGES",
+        "SAME",
+        "HUGE",
+        "TIERED",
+        "LIMIT",
+        "REJECTS",
+        "FAILED",
+        "CODEC",
+        "TRANSPORT",
     ]);
     for d in devs {
         let t_ = &d.store.total;
@@ -481,6 +502,7 @@ pub fn print_stat_table(devs: &[DeviceStats]) {
             rejects.to_string(),
             (d.failed_reads + d.failed_writes).to_string(),
             d.store.codec.clone(),
+            d.transport.as_ref().map_or_else(|| "-".into(), |t| format!("{} {}", t.kind, t.node.display())),
         ]);
     }
     println!("{t}");
@@ -706,6 +728,7 @@ pub fn serve_nbd(a: &ServeNbdArgs) -> anyhow::Result<()> {
         devices: device_specs("disk", devices, a.size, &a.codec, a.pool_limit, &a.recompress, &a.group),
         caches: cache_specs(&a.backing, &a.codec, a.pool_limit, &a.cache),
         fuse: false,
+        transport: tmem_daemon::transport::Transport::Fuse,
         swap: false,
         nbd: Some(listen),
         nbd_allow_remote: a.allow_remote,
@@ -783,6 +806,7 @@ pub fn cache_up(a: &CacheUpArgs) -> anyhow::Result<()> {
         devices: Vec::new(),
         caches: cache_specs(&a.backing, &a.codec, a.pool_limit, &a.cache),
         fuse: true,
+        transport: tmem_daemon::transport::Transport::Fuse,
         swap: false,
         nbd: None,
         nbd_allow_remote: false,

@@ -41,7 +41,7 @@ fn every_counter_is_a_family_with_each_device_as_a_sample() {
         }
     }
     assert!(text.contains("tmem_pool_succ_puts_total{device=\"swap0\"} 16"), "{text}");
-    assert!(text.contains("tmem_device_info{device=\"swap1\",codec=\"lz4\"} 1"), "{text}");
+    assert!(text.contains("tmem_device_info{device=\"swap1\",codec=\"lz4\",transport=\"none\"} 1"), "{text}");
 }
 
 /// A plain HTTP GET on loopback; the body.
