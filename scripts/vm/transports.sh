@@ -37,7 +37,26 @@ tmem swap down > /tmp/down-nbd.log 2>&1 || fail "tmem swap down (transport nbd)"
 grep -q 'NBD device .* disconnected' /tmp/down-nbd.log || fail "transport nbd: swap down did not disconnect the device"
 nothing_left "transport nbd"
 
-# 2. The daemon killed: swap down swaps off and disconnects the device.
+# 2. Restarts under load: a job of 3x its memory.max swaps over NBD while
+# the daemon is replaced twice; the device is handed over, no request
+# fails, and the job ends intact.
+tmem swap up --transport nbd --front none > /tmp/up-nbd-restart.log 2>&1 || fail "tmem swap up --transport nbd (restart)"
+swap_dev=$(tail -n +2 /proc/swaps | cut -d' ' -f1)
+job "transport nbd, restarts" 192 &
+JOB=$!
+for n in 1 2; do
+    sleep 3
+    tmem swap restart > "/tmp/restart-nbd-$n.log" 2>&1 || fail "tmem swap restart $n (transport nbd): $(cat "/tmp/restart-nbd-$n.log")"
+    say "transport nbd, restart $n: $(grep -m1 -E 'took over|handed' "/tmp/restart-nbd-$n.log")"
+done
+wait "$JOB" || fail "transport nbd: the job failed across restarts"
+tmem stat | grep -q "nbd $swap_dev" || fail "transport nbd: after restarts, tmem stat does not name $swap_dev"
+failed=$(dev_counter failed_reads)$(dev_counter failed_writes)
+[ "$failed" = 00 ] || fail "transport nbd: requests failed across restarts (reads, writes: $failed)"
+tmem swap down > /tmp/down-nbd-restart.log 2>&1 || fail "tmem swap down (transport nbd, after restarts)"
+nothing_left "transport nbd after restarts"
+
+# 3. The daemon killed: swap down swaps off and disconnects the device.
 tmem swap up --transport nbd --front none > /tmp/up-nbd-kill.log 2>&1 || fail "tmem swap up --transport nbd (kill)"
 pid=$(tr -d ' \n' < /run/tmem/state.json | grep -o '"pid":[0-9]*' | tr -dc 0-9)
 kill -9 "$pid"

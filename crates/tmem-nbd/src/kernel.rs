@@ -39,6 +39,7 @@ use std::time::Duration;
 
 use neli::consts::nl::NlmF;
 use neli::consts::socket::NlFamily;
+use neli::err::RouterError;
 use neli::genl::{AttrTypeBuilder, Genlmsghdr, GenlmsghdrBuilder, Nlattr, NlattrBuilder};
 use neli::nl::NlPayload;
 use neli::router::synchronous::NlRouter;
@@ -132,16 +133,13 @@ impl std::fmt::Debug for KernelDevice {
 /// family answers (after `modprobe nbd` where `load` asks for it and it
 /// was not loaded), else why not.
 pub fn available(load: bool) -> Result<(), String> {
-    let resolve = || -> Result<(), String> {
-        let (router, _) = router().map_err(|e| e.to_string())?;
-        router.resolve_genl_family(FAMILY).map(|_| ()).map_err(|e| format!("no \"{FAMILY}\" netlink family ({e})"))
-    };
+    let resolve = || router().map(drop).map_err(|e| e.to_string());
     match resolve() {
         Ok(()) => Ok(()),
         Err(_) if load && modprobe().is_ok() => resolve(),
         Err(e) => Err(match load.then(modprobe) {
             Some(Err(m)) => format!("{e}; {m}"),
-            _ => format!("{e}: the nbd module is not loaded"),
+            _ => e,
         }),
     }
 }
@@ -164,8 +162,33 @@ fn modprobe() -> Result<(), String> {
 fn router() -> Result<(NlRouter, u16), NbdError> {
     let (router, _) =
         NlRouter::connect(NlFamily::Generic, None, Groups::empty()).map_err(|e| kernel_err("netlink socket", e))?;
-    let family = router.resolve_genl_family(FAMILY).map_err(|e| kernel_err("the nbd netlink family", e))?;
+    let family = router.resolve_genl_family(FAMILY).map_err(|e| match errno(&e) {
+        Some(libc::ENOENT) => {
+            NbdError::Kernel(format!("no \"{FAMILY}\" generic netlink family (nbd.ko is not loaded)"))
+        }
+        _ => kernel_err("the nbd netlink family", e),
+    })?;
     Ok((router, family))
+}
+
+/// The errno of an error the kernel answered with, if it was one.
+fn errno<T, P>(e: &RouterError<T, P>) -> Option<i32> {
+    match e {
+        RouterError::Nlmsgerr(m) => Some(-*m.error()),
+        _ => None,
+    }
+}
+
+/// The error of a netlink request: the kernel's errno as such, anything
+/// else as neli says it.
+fn router_err<T, P>(what: &str, e: RouterError<T, P>) -> NbdError
+where
+    RouterError<T, P>: std::fmt::Display,
+{
+    match errno(&e) {
+        Some(n) => NbdError::Kernel(format!("{what}: {}", std::io::Error::from_raw_os_error(n))),
+        None => kernel_err(what, e),
+    }
 }
 
 fn kernel_err(what: &str, e: impl std::fmt::Display) -> NbdError {
@@ -185,10 +208,10 @@ fn request(cmd: Cmd, what: &str, attrs: GenlBuffer<Attr, Buffer>) -> Result<Opti
         GenlmsghdrBuilder::default().cmd(cmd).version(VERSION).attrs(attrs).build().map_err(|e| kernel_err(what, e))?;
     let replies = router
         .send::<_, _, u16, Genlmsghdr<Cmd, Attr>>(family, NlmF::ACK, NlPayload::Payload(msg))
-        .map_err(|e| kernel_err(what, e))?;
+        .map_err(|e| router_err(what, e))?;
     let mut index = None;
     for reply in replies {
-        let reply = reply.map_err(|e| kernel_err(what, e))?;
+        let reply = reply.map_err(|e| router_err(what, e))?;
         if let NlPayload::Payload(p) = reply.nl_payload() {
             index = p.attrs().get_attr_handle().get_attr_payload_as::<u32>(Attr::Index).ok().or(index);
         }

@@ -769,6 +769,10 @@ pub struct CacheUpArgs {
     codec: String,
     #[command(flatten)]
     cache: CacheArgs,
+    /// How the kernel reaches the caches: fuse (/dev/loopN on a FUSE file),
+    /// nbd (/dev/nbdN of the kernel's NBD client), or auto (FUSE + loop for now).
+    #[arg(long, default_value = "auto")]
+    transport: tmem_daemon::transport::Transport,
     /// FUSE worker threads (default: one per online CPU, at least 4).
     #[arg(long, default_value_t = default_fuse_threads())]
     fuse_threads: usize,
@@ -806,7 +810,7 @@ pub fn cache_up(a: &CacheUpArgs) -> anyhow::Result<()> {
         devices: Vec::new(),
         caches: cache_specs(&a.backing, &a.codec, a.pool_limit, &a.cache),
         fuse: true,
-        transport: tmem_daemon::transport::Transport::Fuse,
+        transport: a.transport,
         swap: false,
         nbd: None,
         nbd_allow_remote: false,

@@ -974,3 +974,37 @@ fn zram_in_front_writes_idle_pages_to_tmem_or_is_refused_with_the_reason() {
     assert!(!Path::new(&node).exists() || tmem_sys::zram::backed_by(Path::new("/dev/loop0")).is_empty());
     assert_clean(&s);
 }
+
+#[test]
+fn the_nbd_transport_runs_a_job_where_the_kernel_has_it_or_is_refused_with_the_reason() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::new("nbdtransport");
+    if let Err(why) = tmem_nbd::kernel::available(true) {
+        // This machine: no nbd.ko. The Debian VMs run the other branch
+        // (scripts/vm/transports.sh).
+        let (ok, text) = tmem(&["swap", "up", "--size", "512M", "--runtime-dir", s.dir(), "--transport", "nbd"]);
+        assert!(!ok && text.contains("--transport nbd: ") && text.contains("nbd"), "{text}");
+        assert!(text.contains(why.split(';').next().unwrap()), "the reason {why:?} in: {text}");
+        assert_clean(&s);
+        let up = s.swap_up("1G");
+        assert!(up.contains("transport: fuse (auto: FUSE + loop"), "{up}");
+        let transport = s.stat()[0]["transport"].clone();
+        assert_eq!(transport["kind"], "fuse", "{transport}");
+        assert!(transport["node"].as_str().unwrap().starts_with("/dev/loop"), "{transport}");
+        s.swap_down();
+        assert_clean(&s);
+        return;
+    }
+    let up = s.swap_up_with("1G", &["--transport", "nbd"]);
+    assert!(up.contains("the kernel's NBD client on /dev/nbd"), "{up}");
+    let transport = s.stat()[0]["transport"].clone();
+    assert_eq!(transport["kind"], "nbd", "{transport}");
+    let out = s.run_hog(256, 128);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.starts_with("OK "), "job: {:?} {stdout}", out.status);
+    let down = s.swap_down();
+    assert!(down.contains("NBD device") && down.contains("disconnected"), "{down}");
+    assert_clean(&s);
+}

@@ -48,6 +48,11 @@ pub enum BackendKind {
     Zswap,
     /// tmem: `tmem swap up` (FUSE + loop + swapon).
     Tmem,
+    /// tmem on the kernel's NBD client instead of FUSE + loop
+    /// (`tmem swap up --transport nbd`; needs `nbd.ko`).
+    #[value(name = "tmem-nbd")]
+    #[serde(rename = "tmem-nbd")]
+    TmemNbd,
     /// tmem with background recompression of cold pages (`--recompress`).
     #[value(name = "tmem+recomp")]
     #[serde(rename = "tmem+recomp")]
@@ -100,6 +105,7 @@ impl BackendKind {
             Self::Zram => "zram",
             Self::Zswap => "zswap",
             Self::Tmem => "tmem",
+            Self::TmemNbd => "tmem-nbd",
             Self::TmemRecomp => "tmem+recomp",
             Self::TmemRemote => "tmem+remote",
             Self::TmemRemoteKill => "tmem+remote-kill",
@@ -300,6 +306,11 @@ impl Backend {
                 Ok(Self::Zswap { disk, settings, debugfs })
             }
             BackendKind::Tmem => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::None)?)),
+            BackendKind::TmemNbd => {
+                let mut t = Tmem::prepare(c, TmemTier::None)?;
+                t.extra_args = vec!["--transport".into(), "nbd".into()];
+                Ok(Self::Tmem(t))
+            }
             BackendKind::TmemRecomp => {
                 let mut t = Tmem::prepare(c, TmemTier::None)?;
                 let (codec, after) = &c.tmem_recompress;
