@@ -153,13 +153,14 @@ tmem swap down > /tmp/down.log 2>&1 || fail "tmem swap down"
 
 lap "swap up"
 
-# 2a. The NBD transport: the kernel's NBD client set up by tmem itself.
-. /transports.sh
-lap "transport nbd"
-
-# 2b. The fronts: zram with writeback to tmem, a kill, zswap on cgroup v2.
+# 2a. The fronts: zram with writeback to tmem, a kill, zswap on cgroup v2.
 . /fronts.sh
 lap "fronts"
+
+# 2b. The NBD transport: the kernel's NBD client set up by tmem itself
+# (after the fronts, whose helpers it uses for zram in front of it).
+. /transports.sh
+lap "transport nbd"
 
 # 3. The pressure bench on cgroup v2 (small: TCG is slow).
 tmem bench pressure --workload-mib 96 --levels 100,50 --runs 1 --passes 1 --backends tmem --json /tmp/pressure.json > /tmp/pressure.log 2>&1 || fail "tmem bench pressure"

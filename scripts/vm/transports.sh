@@ -1,6 +1,7 @@
 # Sourced by scripts/vm/init.sh: `tmem swap up --transport nbd`, the
 # kernel's NBD client set up by tmem itself over netlink (no nbd-client),
-# on both Debian kernels. Uses say/fail/job from init.sh.
+# on both Debian kernels. Uses say/fail/job from init.sh, coldjob,
+# front_counter and no_front_left from fronts.sh.
 
 # The NBD devices connected now (their pid file names a process).
 nbd_connected() { for p in /sys/block/nbd*/pid; do [ -e "$p" ] && basename "${p%/pid}"; done | tr '\n' ' '; }
@@ -65,3 +66,16 @@ tmem swap down > /tmp/down-nbd-kill.log 2>&1 || fail "tmem swap down after a kil
 grep -q 'disconnected the NBD device' /tmp/down-nbd-kill.log || fail "recovery did not disconnect the NBD device"
 say "transport nbd, daemon killed: $(grep -E 'swapoff|NBD' /tmp/down-nbd-kill.log | tr '\n' ';')"
 nothing_left "transport nbd after a kill"
+
+# 4. zram in front of the NBD transport: zram's backing device is
+# /dev/nbdN, and idle pages go down to tmem through it.
+tmem swap up --transport nbd --front zram --front-limit 24M --front-idle-age 1 --front-fill 0 \
+    > /tmp/up-nbd-zram.log 2>&1 || fail "tmem swap up --transport nbd --front zram"
+grep -q 'backing_dev /dev/nbd' /tmp/up-nbd-zram.log || fail "transport nbd: zram's backing device is not the NBD device"
+coldjob "transport nbd, front zram"
+written=$(front_counter written_back)
+say "transport nbd, front zram: $written pages written back to tmem over NBD, $(front_counter read_back) read back"
+[ "${written:-0}" -gt 0 ] || fail "transport nbd, front zram: no page went down to tmem"
+tmem swap down > /tmp/down-nbd-zram.log 2>&1 || fail "tmem swap down (transport nbd, front zram)"
+no_front_left "transport nbd, front zram"
+nothing_left "transport nbd, front zram"

@@ -178,9 +178,11 @@ fn leftovers(rt: &RuntimeDir, lock_pid: Option<u32>) -> Result<Option<Leftovers>
     let pid = state.as_ref().map(|s| s.pid).or(lock_pid);
     let mut nbds = pid.map(tmem_nbd::kernel::owned_by).unwrap_or_default();
     let recorded = state.iter().flat_map(|s| s.devices.iter().filter_map(|d| d.nbd_index));
-    // Recorded but no longer connected (its pid file says 0 or another's):
-    // only the kernel's word counts.
-    nbds.extend(recorded.filter(|i| tmem_nbd::kernel::connected(*i) && !nbds.contains(i)).collect::<Vec<_>>());
+    // Recorded, and connected by a process that is gone (a daemon taken
+    // over from connected it): a device that is not connected, or that a
+    // live process connected since, is not this daemon's.
+    let ours = |i: &u32| tmem_nbd::kernel::owner(*i).is_some_and(|p| !tmem_sys::process_runs(p));
+    nbds.extend(recorded.filter(|i| ours(i) && !nbds.contains(i)).collect::<Vec<_>>());
     let blocks: Vec<PathBuf> =
         loops.iter().map(|(d, _)| d.clone()).chain(nbds.iter().map(|i| tmem_nbd::kernel::node(*i))).collect();
     // Found from the kernel (zram's backing_dev), so also without a state file.

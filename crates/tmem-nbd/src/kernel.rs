@@ -394,11 +394,16 @@ pub fn disconnect(index: u32) -> Result<(), NbdError> {
     request(Cmd::Disconnect, "NBD_CMD_DISCONNECT", std::iter::once(attr(Attr::Index, index)?).collect()).map(|_| ())
 }
 
-/// Whether `/dev/nbd<index>` is connected (its `pid` file names a process).
+/// The process that connected `/dev/nbd<index>`, while it is connected
+/// (its `pid` file; the process may have died since).
 #[must_use]
-pub fn connected(index: u32) -> bool {
-    std::fs::read_to_string(format!("/sys/block/nbd{index}/pid"))
-        .is_ok_and(|s| s.trim().parse::<u32>().is_ok_and(|p| p > 0))
+pub fn owner(index: u32) -> Option<u32> {
+    owner_in(Path::new("/sys/block"), index)
+}
+
+fn owner_in(sys_block: &Path, index: u32) -> Option<u32> {
+    let text = std::fs::read_to_string(sys_block.join(format!("nbd{index}/pid"))).ok()?;
+    text.trim().parse::<u32>().ok().filter(|p| *p > 0)
 }
 
 /// The NBD devices that process `pid` connected and that are still
@@ -413,10 +418,7 @@ fn owned_by_in(sys_block: &Path, pid: u32) -> Vec<u32> {
     let mut found: Vec<u32> = dir
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.strip_prefix("nbd")?.parse::<u32>().ok())
-        .filter(|i| {
-            std::fs::read_to_string(sys_block.join(format!("nbd{i}/pid")))
-                .is_ok_and(|s| s.trim().parse::<u32>() == Ok(pid))
-        })
+        .filter(|i| owner_in(sys_block, *i) == Some(pid))
         .collect();
     found.sort_unstable();
     found
@@ -439,6 +441,7 @@ mod tests {
         assert_eq!(owned_by_in(dir.path(), 42), vec![0, 12]);
         assert_eq!(owned_by_in(dir.path(), 7), vec![3]);
         assert!(owned_by_in(dir.path(), 9).is_empty());
+        assert_eq!((owner_in(dir.path(), 3), owner_in(dir.path(), 1), owner_in(dir.path(), 5)), (Some(7), None, None));
     }
 
     #[test]

@@ -43,8 +43,8 @@ pub struct UpArgs {
     discard: tmem_sys::swap::SwapDiscard,
     /// How the kernel reaches the devices: fuse (a loop device on a FUSE
     /// file), nbd (the kernel's NBD client, set up over netlink; `modprobe
-    /// nbd` if need be), or auto (FUSE + loop for now: NBD is not handed
-    /// over on restart yet).
+    /// nbd` if need be), or auto (FUSE + loop: NBD was slower where it
+    /// was measured).
     #[arg(long, default_value = "auto")]
     transport: tmem_daemon::transport::Transport,
     /// Empty an idle swap area that holds a few KiB in use and many freed slots' pages by swapoff, mkswap and swapon.
@@ -770,7 +770,7 @@ pub struct CacheUpArgs {
     #[command(flatten)]
     cache: CacheArgs,
     /// How the kernel reaches the caches: fuse (/dev/loopN on a FUSE file),
-    /// nbd (/dev/nbdN of the kernel's NBD client), or auto (FUSE + loop for now).
+    /// nbd (/dev/nbdN of the kernel's NBD client), or auto (FUSE + loop).
     #[arg(long, default_value = "auto")]
     transport: tmem_daemon::transport::Transport,
     /// FUSE worker threads (default: one per online CPU, at least 4).
