@@ -3,13 +3,13 @@
 # only, both at once, and runs the same checks on each: `tmem serve
 # nbd` under the kernel's NBD client (nbd-client), then `tmem swap up` (FUSE
 # + loop) without flags, then `tmem swap up --transport nbd` (the kernel's
-# NBD client set up by tmem over netlink; and a kill); each time a job of
-# 150 MiB (192 over NBD) under memory.max=64M must finish intact, and
-# `tmem swap down` must leave nothing. Before those, a
-# probe prints the kernel facts later tests depend on (zram writeback and
-# idle age, nbd, ublk, zswap's shrinker, memory.zswap.max); on Debian 13 a
-# missing one fails the run, on Debian 12 it is only printed. See
-# scripts/vm/init.sh for what runs inside.
+# NBD client set up by tmem over netlink: two restarts under a job, a
+# kill, zram in front of it); each time a job of 150 MiB (192 over NBD)
+# under memory.max=64M must finish intact, and `tmem swap down` must leave
+# nothing. Before those, a probe prints the kernel facts later tests
+# depend on (zram writeback and idle age, nbd, ublk, zswap's shrinker,
+# memory.zswap.max); on Debian 13 a missing one fails the run, on Debian 12
+# it is only printed. See scripts/vm/init.sh for what runs inside.
 #
 # The kernels (apt-get download, dpkg -x; not installed):
 #   bookworm  Debian 12, linux-image-cloud-amd64 (6.1), from the host's apt lists;
