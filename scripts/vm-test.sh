@@ -4,7 +4,7 @@
 # nbd` under the kernel's NBD client (nbd-client), then `tmem swap up` (FUSE
 # + loop) without flags, then `tmem swap up --transport nbd` (the kernel's
 # NBD client set up by tmem over netlink: two restarts under a job, a
-# kill, zram in front of it); each time a job of 150 MiB (192 over NBD)
+# kill, zram in front of it, a cache over it); each time a job of 150 MiB (192 over NBD)
 # under memory.max=64M must finish intact, and `tmem swap down` must leave
 # nothing. Before those, a probe prints the kernel facts later tests
 # depend on (zram writeback and idle age, nbd, ublk, zswap's shrinker,

@@ -162,7 +162,7 @@ pub struct Status {
 pub struct DeviceStatus {
     /// Device name.
     pub name: String,
-    /// FUSE file.
+    /// FUSE file (`/dev/nbdN` on the NBD transport, which has none).
     pub file: PathBuf,
     /// The block device the kernel sees, when attached: a loop device on
     /// the FUSE file, or `/dev/nbdN` (then `nbd_index` is N).

@@ -125,9 +125,29 @@ pub fn clean(dir: &Path) -> Result<Recovery, DaemonError> {
     let _lock = rt.lock()?;
     let Some(left) = leftovers(&rt, dead_pid)? else { return Ok(Recovery::default()) };
     let mut r = Recovery { pid: left.pid, lost_pages: left.lost_pages(), ..Recovery::default() };
+    // NBD devices go first: the kernel fails a dead server's requests in
+    // flight only at their timeout (a week, `tmem_nbd::kernel`) or at a
+    // disconnect, and swapoff would wait on them. Disconnected, every read
+    // fails at once and swapoff can go through.
+    for index in &left.nbds {
+        tmem_nbd::kernel::disconnect(*index).map_err(|e| DaemonError::Lifecycle(format!("/dev/nbd{index}: {e}")))?;
+        r.steps.push(format!("disconnected the NBD device /dev/nbd{index} (its requests in flight fail now)"));
+    }
     for area in &left.swap_areas {
-        swap::swapoff(&area.path)
-            .map_err(|e| DaemonError::Lifecycle(format!("swapoff {}: {e}", area.path.display())))?;
+        swap::swapoff(&area.path).map_err(|e| {
+            // swapoff charges each page it brings back to the memory cgroup
+            // that swapped it out; a group at its limit, which cannot swap
+            // now, refuses (ENOMEM), though the pages are lost anyway.
+            let why = e.to_string();
+            let hint = if why.contains("Cannot allocate memory") {
+                "; a memory cgroup at its limit (memory.max) holds pages in this area, and swapoff cannot charge \
+                 them back: those processes have lost the pages anyway; stop them or raise their memory.max, then \
+                 run `tmem swap down` again"
+            } else {
+                ""
+            };
+            DaemonError::Lifecycle(format!("swapoff {}: {why}{hint}", area.path.display()))
+        })?;
         r.steps.push(format!(
             "swapoff {}: {} pages ({}) that the dead daemon held are lost; processes that had them get SIGBUS when they touch them",
             area.path.display(),
@@ -147,10 +167,6 @@ pub fn clean(dir: &Path) -> Result<Recovery, DaemonError> {
         tmem_front::zswap::restore_saved(saved).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
         rt.remove(crate::front::FRONT_FILE)?;
         r.steps.push("put zswap's settings back as they were before it".into());
-    }
-    for index in &left.nbds {
-        tmem_nbd::kernel::disconnect(*index).map_err(|e| DaemonError::Lifecycle(format!("/dev/nbd{index}: {e}")))?;
-        r.steps.push(format!("disconnected the NBD device /dev/nbd{index}"));
     }
     for (dev, file) in &left.loops {
         swap::loop_detach(dev).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
@@ -179,9 +195,13 @@ fn leftovers(rt: &RuntimeDir, lock_pid: Option<u32>) -> Result<Option<Leftovers>
     let mut nbds = pid.map(tmem_nbd::kernel::owned_by).unwrap_or_default();
     let recorded = state.iter().flat_map(|s| s.devices.iter().filter_map(|d| d.nbd_index));
     // Recorded, and connected by a process that is gone (a daemon taken
-    // over from connected it): a device that is not connected, or that a
-    // live process connected since, is not this daemon's.
-    let ours = |i: &u32| tmem_nbd::kernel::owner(*i).is_some_and(|p| !tmem_sys::process_runs(p));
+    // over from connected it), or disconnected by a recovery that stopped
+    // short (swapoff refused) with swap still on it. One that a live
+    // process connected since is not this daemon's.
+    let ours = |i: &u32| match tmem_nbd::kernel::owner(*i) {
+        Some(p) => !tmem_sys::process_runs(p),
+        None => swap::is_swap(&tmem_nbd::kernel::node(*i)).unwrap_or(false),
+    };
     nbds.extend(recorded.filter(|i| ours(i) && !nbds.contains(i)).collect::<Vec<_>>());
     let blocks: Vec<PathBuf> =
         loops.iter().map(|(d, _)| d.clone()).chain(nbds.iter().map(|i| tmem_nbd::kernel::node(*i))).collect();

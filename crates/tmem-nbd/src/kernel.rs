@@ -14,8 +14,9 @@
 //! Timeouts. A request is given a week ([`REQUEST_TIMEOUT`]): past the
 //! timeout the kernel declares a connection dead, and a swap page must not
 //! fail because the daemon was slow under load. A server that dies closes
-//! its sockets, and the kernel fails what is queued at once (no
-//! dead-connection timeout), as with a FUSE server that dies.
+//! its sockets: the kernel fails new requests at once (no dead-connection
+//! timeout), but those in flight only at their timeout or at a disconnect,
+//! so recovery disconnects before it swaps off.
 //!
 //! Restart (`tmem swap restart`): [`KernelDevice::pause`] stops every
 //! session between two requests (the kernel's next ones wait in the

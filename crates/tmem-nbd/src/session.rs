@@ -270,7 +270,11 @@ impl<'a, S: Read + Write> Session<'a, S> {
     /// Runs `f` holding `n` bytes of the budget for the payload buffer,
     /// then frees the buffer if it grew and gives the bytes back. If the
     /// budget has no room within the wait deadline, `req` is answered with
-    /// `ENOMEM` and the session ends ([`NbdError::BufferWait`]).
+    /// `ENOMEM` and the session ends ([`NbdError::BufferWait`]). Without a
+    /// budget (the kernel's own connections, `kernel.rs`) the buffer stays,
+    /// at most a chunk: the kernel's swap writes are often larger than
+    /// [`KEEP_BUFFER`], and freeing it would allocate (and fault in) a
+    /// buffer at each of them.
     fn with_buffer<T>(
         &mut self,
         entry: &ExportEntry,
@@ -290,7 +294,7 @@ impl<'a, S: Read + Write> Session<'a, S> {
             },
         };
         let r = f(self);
-        if self.buf.capacity() > KEEP_BUFFER {
+        if held.is_some() && self.buf.capacity() > KEEP_BUFFER {
             self.buf = Vec::new();
         }
         drop(held);
