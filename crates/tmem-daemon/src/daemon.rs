@@ -610,8 +610,8 @@ impl Daemon {
     /// Gives every device and cache to the kernel as a block device over
     /// the transport chosen, then makes each device swap (`spec.swap`).
     fn setup_block(&self) -> Result<(), DaemonError> {
-        let (transport, reason) = crate::transport::choose(self.spec.transport, || tmem_nbd::kernel::available(true))
-            .map_err(DaemonError::Invalid)?;
+        let (transport, reason) =
+            crate::transport::choose(self.spec.transport, tmem_nbd::kernel::available).map_err(DaemonError::Invalid)?;
         {
             let mut g = self.lock();
             g.status.transport = Some(transport.to_string());

@@ -131,18 +131,14 @@ impl std::fmt::Debug for KernelDevice {
 }
 
 /// Whether the kernel's NBD client can be set up here: `Ok` when the `nbd`
-/// family answers (after `modprobe nbd` where `load` asks for it and it
-/// was not loaded), else why not.
-pub fn available(load: bool) -> Result<(), String> {
+/// family answers (after `modprobe nbd` where it was not loaded), else why
+/// not.
+pub fn available() -> Result<(), String> {
     let resolve = || router().map(drop).map_err(|e| e.to_string());
-    match resolve() {
-        Ok(()) => Ok(()),
-        Err(_) if load && modprobe().is_ok() => resolve(),
-        Err(e) => Err(match load.then(modprobe) {
-            Some(Err(m)) => format!("{e}; {m}"),
-            _ => e,
-        }),
-    }
+    resolve().or_else(|e| match modprobe() {
+        Ok(()) => resolve(),
+        Err(m) => Err(format!("{e}; {m}")),
+    })
 }
 
 /// `modprobe nbd`. The module's own devices (`nbds_max`, 16) stay; a

@@ -981,7 +981,7 @@ fn the_nbd_transport_runs_a_job_where_the_kernel_has_it_or_is_refused_with_the_r
         return;
     }
     let mut s = Setup::new("nbdtransport");
-    if let Err(why) = tmem_nbd::kernel::available(true) {
+    if let Err(why) = tmem_nbd::kernel::available() {
         // This machine: no nbd.ko. The Debian VMs run the other branch
         // (scripts/vm/transports.sh).
         let (ok, text) = tmem(&["swap", "up", "--size", "512M", "--runtime-dir", s.dir(), "--transport", "nbd"]);
