@@ -157,10 +157,10 @@ lap "swap up"
 . /fronts.sh
 lap "fronts"
 
-# 2b. The NBD transport: the kernel's NBD client set up by tmem itself
-# (after the fronts, whose helpers it uses for zram in front of it).
+# 2b. The NBD and ublk transports: the kernel's NBD client set up by tmem
+# itself, and ublk where the kernel has it (after the fronts, whose
+# helpers they use for zram in front of them).
 . /transports.sh
-lap "transport nbd"
 
 # 3. The pressure bench on cgroup v2 (small: TCG is slow).
 tmem bench pressure --workload-mib 96 --levels 100,50 --runs 1 --passes 1 --backends tmem --json /tmp/pressure.json > /tmp/pressure.log 2>&1 || fail "tmem bench pressure"

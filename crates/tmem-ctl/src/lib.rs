@@ -162,14 +162,19 @@ pub struct Status {
 pub struct DeviceStatus {
     /// Device name.
     pub name: String,
-    /// FUSE file (`/dev/nbdN` on the NBD transport, which has none).
+    /// FUSE file (`/dev/nbdN` or `/dev/ublkbN` on the NBD and ublk
+    /// transports, which have none).
     pub file: PathBuf,
     /// The block device the kernel sees, when attached: a loop device on
-    /// the FUSE file, or `/dev/nbdN` (then `nbd_index` is N).
+    /// the FUSE file, `/dev/nbdN` (then `nbd_index` is N) or `/dev/ublkbN`
+    /// (then `ublk_id` is N).
     pub loop_dev: Option<PathBuf>,
     /// N of `/dev/nbdN`, on the NBD transport.
     #[serde(default)]
     pub nbd_index: Option<u32>,
+    /// N of `/dev/ublkbN`, on the ublk transport.
+    #[serde(default)]
+    pub ublk_id: Option<u32>,
     /// Whether swap is on (on the front's device where there is one).
     pub swap: bool,
     /// The front's device swap is on, in front of the loop device (zram).

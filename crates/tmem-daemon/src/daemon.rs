@@ -59,6 +59,8 @@ pub(crate) struct State {
     pub(crate) nbd: Option<tmem_nbd::ServerHandle>,
     /// The kernel's NBD devices on this daemon (the NBD transport).
     pub(crate) kernel_nbd: Vec<tmem_nbd::kernel::KernelDevice>,
+    /// The ublk devices this daemon serves (the ublk transport).
+    pub(crate) ublk: Vec<tmem_ublk::UblkDevice>,
     pub(crate) metrics: Option<crate::metrics::MetricsServer>,
 }
 
@@ -442,7 +444,7 @@ impl Daemon {
             caches: served.1,
             state: Mutex::new(
                 Rank::DaemonState,
-                State { status, fuse: None, nbd: None, kernel_nbd: Vec::new(), metrics: None },
+                State { status, fuse: None, nbd: None, kernel_nbd: Vec::new(), ublk: Vec::new(), metrics: None },
             ),
             teardown_gate: Mutex::new(Rank::DaemonTeardown, ()),
             events: Mutex::new(Rank::DaemonEvents, events),
@@ -610,8 +612,9 @@ impl Daemon {
     /// Gives every device and cache to the kernel as a block device over
     /// the transport chosen, then makes each device swap (`spec.swap`).
     fn setup_block(&self) -> Result<(), DaemonError> {
+        let kernel = crate::transport::Kernel { ublk: tmem_ublk::available, nbd: tmem_nbd::kernel::available };
         let (transport, reason) =
-            crate::transport::choose(self.spec.transport, tmem_nbd::kernel::available).map_err(DaemonError::Invalid)?;
+            crate::transport::choose(self.spec.transport, kernel).map_err(DaemonError::Invalid)?;
         {
             let mut g = self.lock();
             g.status.transport = Some(transport.to_string());
@@ -620,6 +623,7 @@ impl Daemon {
         self.step(format!("transport: {transport} ({reason})"));
         match transport {
             Transport::Nbd => self.attach_nbd()?,
+            Transport::Ublk => self.attach_ublk()?,
             Transport::Fuse | Transport::Auto => self.attach_fuse()?,
         }
         self.record_transports();
@@ -712,6 +716,34 @@ impl Daemon {
             self.step(format!(
                 "{name}: the kernel's NBD client on {} ({connections} connections to this daemon, over netlink)",
                 node.display()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Adds a `/dev/ublkbN` serving each export, one queue per online CPU.
+    fn attach_ublk(&self) -> Result<(), DaemonError> {
+        let config = tmem_ublk::Config::default();
+        let exports = self.exports();
+        self.lock().status.devices =
+            exports.iter().map(|(name, _)| DeviceStatus { name: name.clone(), ..Default::default() }).collect();
+        for (i, (name, device)) in exports.into_iter().enumerate() {
+            if !self.attached(i) {
+                continue;
+            }
+            self.check_signal()?;
+            let ublk = tmem_ublk::UblkDevice::start(device, &config).map_err(setup_err)?;
+            let (node, queues, features) = (ublk.node(), ublk.queues(), ublk.features().to_string());
+            {
+                let mut g = self.lock();
+                let d = &mut g.status.devices[i];
+                (d.file, d.loop_dev, d.ublk_id) = (node.clone(), Some(node.clone()), Some(ublk.id()));
+                g.ublk.push(ublk);
+            }
+            self.step(format!(
+                "{name}: ublk device {} ({queues} queues of {} requests, a thread each; {features})",
+                node.display(),
+                config.depth
             ));
         }
         Ok(())
@@ -946,6 +978,15 @@ impl Daemon {
             }
             #[cfg(feature = "fault-injection")]
             crate::fault::panic_in_teardown();
+            if let Some(id) = d.ublk_id {
+                self.delete_ublk(id)?;
+                {
+                    let mut g = self.lock();
+                    (g.status.devices[i].loop_dev, g.status.devices[i].ublk_id) = (None, None);
+                }
+                self.step(format!("{}: ublk device {} deleted", d.name, dev.display()));
+                continue;
+            }
             if let Some(index) = d.nbd_index {
                 self.disconnect_nbd(index)?;
                 {
@@ -1014,6 +1055,21 @@ impl Daemon {
             None => tmem_nbd::kernel::disconnect(index),
         }
         .map_err(|e| DaemonError::Teardown(format!("NBD device /dev/nbd{index}: {e}")))
+    }
+
+    /// Stops and deletes ublk device `id`, joining its queues; by number
+    /// alone where this daemon no longer serves it.
+    fn delete_ublk(&self, id: u32) -> Result<(), DaemonError> {
+        let held = {
+            let mut g = self.lock();
+            let at = g.ublk.iter().position(|u| u.id() == id);
+            at.map(|at| g.ublk.swap_remove(at))
+        };
+        match held {
+            Some(ublk) => ublk.stop(),
+            None => tmem_ublk::delete(id),
+        }
+        .map_err(|e| DaemonError::Teardown(e.to_string()))
     }
 
     /// The store of the device or cache named `name`.

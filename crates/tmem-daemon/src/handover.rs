@@ -122,6 +122,10 @@ struct Hello {
     /// transport); successors before it leave it out.
     #[serde(default)]
     kernel_nbd: bool,
+    /// The successor takes ublk devices over (user recovery); successors
+    /// before the ublk transport leave it out.
+    #[serde(default)]
+    ublk: bool,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -150,6 +154,26 @@ struct Offer {
     /// the NBD server's, in this order.
     #[serde(default)]
     kernel_nbd: Vec<HandedNbd>,
+    /// The ublk devices (the ublk transport), paused; the successor takes
+    /// each with `START_USER_RECOVERY` once this process has ended.
+    #[serde(default)]
+    ublk: Vec<HandedUblk>,
+}
+
+/// The kernel's block devices on this daemon, paused for a hand-over.
+struct KernelDevices {
+    /// Each NBD device, with copies of its sockets.
+    nbd: Vec<(HandedNbd, Vec<OwnedFd>)>,
+    ublk: Vec<HandedUblk>,
+}
+
+/// One `/dev/ublkbN` of the ublk transport, its queues paused.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct HandedUblk {
+    /// Its export: a device, or a cache after the devices.
+    export: usize,
+    /// N of `/dev/ublkbN`.
+    id: u32,
 }
 
 /// One `/dev/nbdN` of the NBD transport, paused between two requests.
@@ -264,6 +288,7 @@ fn hello() -> Hello {
         version: env!("CARGO_PKG_VERSION").into(),
         images,
         kernel_nbd: true,
+        ublk: true,
     }
 }
 
@@ -359,6 +384,9 @@ impl Daemon {
         if !h.kernel_nbd && !self.lock().kernel_nbd.is_empty() {
             return Some(format!("the successor (tmem {}) cannot take the kernel's NBD devices over", h.version));
         }
+        if !h.ublk && !self.lock().ublk.is_empty() {
+            return Some(format!("the successor (tmem {}) cannot take ublk devices over", h.version));
+        }
         if !self.spec.tiers.tiers.is_empty() && !h.images {
             return Some("devices with tiers are handed over only with their pools in shared memory (memfd)".into());
         }
@@ -400,15 +428,23 @@ impl Daemon {
                 return Err(err(format!("refused a successor: {why}")));
             }
         };
-        let kernel = match self.pause_kernel_nbd() {
-            Ok(kernel) => kernel,
+        let nbd_devices = match self.pause_kernel_nbd() {
+            Ok(nbd_devices) => nbd_devices,
             Err(why) => {
                 resume();
                 send(&mut w, REFUSE, why.as_bytes())?;
                 return Err(err(format!("refused a successor: {why}")));
             }
         };
-        match self.send_state(&stream, &mut w, &mut r, nbd.as_ref(), &kernel, h.images) {
+        let kernel = match self.pause_ublk() {
+            Ok(ublk) => KernelDevices { nbd: nbd_devices, ublk },
+            Err(why) => {
+                resume();
+                send(&mut w, REFUSE, why.as_bytes())?;
+                return Err(err(format!("refused a successor: {why}")));
+            }
+        };
+        match self.send_state(&stream, &mut w, &mut r, nbd.as_ref(), kernel, h.images) {
             Ok(images) => {
                 log(&format!(
                     "handed over after {} ms; this process exits and leaves the mount and sockets",
@@ -422,6 +458,8 @@ impl Daemon {
                 }
                 g.nbd.as_ref().inspect(|n| n.handed_over());
                 g.kernel_nbd.iter().for_each(tmem_nbd::kernel::KernelDevice::handed_over);
+                // Left to the successor: this process's end quiesces them.
+                g.ublk.iter().for_each(tmem_ublk::UblkDevice::handed_over);
                 if images || self.supervisor.handed().is_some() {
                     // This process's mappings keep the shared pages locked
                     // until the successor has mapped them; and a service
@@ -455,6 +493,21 @@ impl Daemon {
         g.fuse.as_ref().inspect(|f| f.resume());
         g.nbd.as_ref().inspect(|n| n.resume());
         g.kernel_nbd.iter().for_each(tmem_nbd::kernel::KernelDevice::resume);
+        g.ublk.iter().for_each(tmem_ublk::UblkDevice::resume);
+    }
+
+    /// Pauses every ublk device's queues before their next request (the
+    /// kernel's requests wait); returns each device's part of the offer.
+    fn pause_ublk(&self) -> Result<Vec<HandedUblk>, String> {
+        let g = self.lock();
+        let mut handed = Vec::with_capacity(g.ublk.len());
+        for u in &g.ublk {
+            let export = g.status.devices.iter().position(|d| d.ublk_id == Some(u.id()));
+            let export = export.ok_or_else(|| format!("/dev/ublkb{} serves no device of the status", u.id()))?;
+            u.pause(NBD_PAUSE_TIMEOUT)?;
+            handed.push(HandedUblk { export, id: u.id() });
+        }
+        Ok(handed)
     }
 
     /// Pauses every kernel NBD device's sessions between two requests;
@@ -489,7 +542,7 @@ impl Daemon {
         w: &mut BufWriter<UnixStream>,
         r: &mut impl Read,
         nbd: Option<&tmem_nbd::NbdHandover>,
-        kernel: &[(HandedNbd, Vec<OwnedFd>)],
+        kernel: KernelDevices,
         successor_takes_images: bool,
     ) -> Result<bool, DaemonError> {
         let stores = self.handed_stores();
@@ -517,7 +570,7 @@ impl Daemon {
             })
             .collect();
         let counters = self.devices.iter().map(|d| d.stats()).chain(self.caches.iter().map(|c| c.stats())).collect();
-        let kernel_nbd = kernel.iter().map(|(h, _)| h.clone()).collect();
+        let kernel_nbd = kernel.nbd.iter().map(|(h, _)| h.clone()).collect();
         let offer = Offer {
             spec: self.spec.clone(),
             status: self.status(),
@@ -527,6 +580,7 @@ impl Daemon {
             tiers,
             counters,
             kernel_nbd,
+            ublk: kernel.ublk,
         };
         send(w, OFFER, &serde_json::to_vec(&offer).map_err(err)?)?;
         let handed: Vec<&tmem_tier::TierHandover> = handed.iter().flatten().flat_map(|(_, ts)| ts).collect();
@@ -557,7 +611,7 @@ impl Daemon {
                 fds.push(h.listener.as_fd());
                 fds.extend(h.sessions.iter().map(|(fd, _)| fd.as_fd()));
             }
-            fds.extend(kernel.iter().flat_map(|(_, socks)| socks.iter().map(AsFd::as_fd)));
+            fds.extend(kernel.nbd.iter().flat_map(|(_, socks)| socks.iter().map(AsFd::as_fd)));
             fds.extend(handed.iter().flat_map(|t| t.fds.iter().map(AsFd::as_fd)));
             if images {
                 fds.extend(stores.iter().filter_map(|s| s.memfd()));
@@ -651,7 +705,7 @@ pub fn run_successor(runtime_dir: PathBuf, role: Successor) -> Result<(), Daemon
                 crate::daemon::warn(&format!("hand-over: {why}; this process exits and serves nothing"));
                 std::process::exit(1);
             }
-            daemon.serve_taken_over(nbd);
+            let ublk = daemon.serve_taken_over(nbd);
             let line = report.step(old, started.elapsed());
             log(&line);
             // Before the old process exits (it waits for LOCKED, or has
@@ -665,6 +719,9 @@ pub fn run_successor(runtime_dir: PathBuf, role: Successor) -> Result<(), Daemon
                 daemon.lock_shared_pages();
             }
             let _ = send(&mut w, LOCKED, &[]);
+            // After LOCKED: the old process ends only then, and its end
+            // is what lets the kernel give its ublk devices to this one.
+            daemon.recover_ublk(ublk);
             daemon.after_take_over();
             crate::daemon::serve(&daemon, &rx);
             Ok(())
@@ -688,12 +745,13 @@ fn predecessor_gone(r: &mut impl Read, old: u32) -> Result<(), String> {
     }
 }
 
-/// What serves NBD after a hand-over, started once it is taken (the stores
-/// are sealed until then): the NBD server, and the kernel's NBD devices
-/// with their sockets.
+/// What serves NBD and ublk after a hand-over, started once it is taken
+/// (the stores are sealed until then): the NBD server, the kernel's NBD
+/// devices with their sockets, and the ublk devices.
 struct PendingNbd {
     server: Option<tmem_nbd::NbdServer>,
     kernel: Vec<(HandedNbd, Vec<OwnedFd>)>,
+    ublk: Vec<HandedUblk>,
 }
 
 /// What a successor took over, for its step line.
@@ -735,7 +793,7 @@ fn take(
     protected: Vec<String>,
     role: Successor,
 ) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>, PendingNbd, TakeReport), DaemonError> {
-    let Offer { spec, status: old, nbd_sessions, images, supervisor, tiers, counters, kernel_nbd } = offer;
+    let Offer { spec, status: old, nbd_sessions, images, supervisor, tiers, counters, kernel_nbd, ublk } = offer;
     let supervisor = match role {
         Successor::InService => Supervisor::inherit(Supervisor::from_env(), supervisor),
         Successor::OutsideService => Supervisor::default(),
@@ -845,9 +903,9 @@ fn take(
     }
     let missing = || err("fewer descriptors arrived than the offer names");
     let lock_file = dir.adopt_lock(fds.next().ok_or_else(missing)?.into_raw_fd())?;
-    // A daemon on the NBD transport has no FUSE mount.
-    let on_nbd = old.transport.as_deref() == Some("nbd");
-    let conn = if spec.fuse && !on_nbd { Some(fds.next().ok_or_else(missing)?) } else { None };
+    // A daemon on the NBD or ublk transport has no FUSE mount.
+    let without_fuse = matches!(old.transport.as_deref(), Some("nbd" | "ublk"));
+    let conn = if spec.fuse && !without_fuse { Some(fds.next().ok_or_else(missing)?) } else { None };
     let nbd = match &spec.nbd {
         Some(_) => {
             let listener = fds.next().ok_or_else(missing)?;
@@ -905,7 +963,7 @@ fn take(
     daemon.save_state(&status);
     crate::daemon::bind_control(&daemon)?;
     listen(&daemon)?;
-    Ok((daemon, rx, PendingNbd { server: nbd, kernel }, report))
+    Ok((daemon, rx, PendingNbd { server: nbd, kernel, ublk }, report))
 }
 
 impl Daemon {
@@ -933,7 +991,7 @@ impl Daemon {
 
     /// Starts serving what [`take`] built: opens the stores, resumes the
     /// FUSE workers, starts the NBD server.
-    fn serve_taken_over(&self, nbd: PendingNbd) {
+    fn serve_taken_over(&self, nbd: PendingNbd) -> Vec<HandedUblk> {
         for store in self.handed_stores() {
             store.seal(false);
             // The predecessor is gone: the tiers' files and keys are ours.
@@ -964,6 +1022,41 @@ impl Daemon {
             match server.spawn() {
                 Ok(handle) => self.lock().nbd = Some(handle),
                 Err(e) => crate::daemon::warn(&format!("NBD: the adopted server did not start: {e}")),
+            }
+        }
+        nbd.ublk
+    }
+
+    /// Takes the handed ublk devices with user recovery: each waits (up
+    /// to 30 s) for the predecessor's end, which quiesces it; then the
+    /// kernel reissues every request it kept to this process's queues.
+    fn recover_ublk(&self, handed: Vec<HandedUblk>) {
+        let exports = self.exports();
+        for h in handed {
+            let Some((name, device)) = exports.get(h.export) else {
+                crate::daemon::warn(&format!(
+                    "/dev/ublkb{}: the offer names export {}, which is not here",
+                    h.id, h.export
+                ));
+                continue;
+            };
+            let started = Instant::now();
+            match tmem_ublk::UblkDevice::recover(h.id, Arc::clone(device)) {
+                Ok(u) => {
+                    let line = format!(
+                        "{name}: took ublk device /dev/ublkb{} over (user recovery, {} ms after the predecessor \
+                         was told to go; the requests it held were reissued here)",
+                        h.id,
+                        started.elapsed().as_millis()
+                    );
+                    log(&line);
+                    self.step(line);
+                    self.lock().ublk.push(u);
+                }
+                Err(e) => crate::daemon::warn(&format!(
+                    "/dev/ublkb{}: user recovery failed, its requests wait: {e}; `tmem swap down` deletes it",
+                    h.id
+                )),
             }
         }
     }

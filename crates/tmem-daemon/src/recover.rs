@@ -11,7 +11,9 @@
 //! every one: swapoff, loop detach, lazy unmount, files. On the NBD
 //! transport it leaves `/dev/nbdN` devices connected to dead sockets; they
 //! are found from the state file and `/sys/block/nbdN/pid`, and
-//! disconnected over netlink.
+//! disconnected over netlink. On the ublk transport it leaves `/dev/ublkbN`
+//! devices quiesced, their requests waiting for a server; they are found
+//! from the state file and the driver (the server's pid), and deleted.
 
 use std::path::{Path, PathBuf};
 
@@ -39,6 +41,9 @@ pub struct Leftovers {
     /// sessions: from its state file and from the kernel
     /// (`/sys/block/nbdN/pid`).
     pub nbds: Vec<u32>,
+    /// Its ublk devices (N of `/dev/ublkbN`), quiesced since it died: from
+    /// its state file and from the driver (`ublksrv_pid`).
+    pub ublks: Vec<u32>,
     /// Its zram fronts: (N of `zramN`, the loop or NBD device behind it).
     pub zram_fronts: Vec<(u32, PathBuf)>,
     /// zswap's values from before it changed them, when it left them.
@@ -66,6 +71,7 @@ impl Leftovers {
             self.nbds
                 .iter()
                 .map(|i| tmem_nbd::kernel::node(*i))
+                .chain(self.ublks.iter().map(|i| tmem_ublk::node(*i)))
                 .filter(|d| !swapping.contains(&d))
                 .map(|d| format!("{}", d.display())),
         );
@@ -132,6 +138,12 @@ pub fn clean(dir: &Path) -> Result<Recovery, DaemonError> {
     for index in &left.nbds {
         tmem_nbd::kernel::disconnect(*index).map_err(|e| DaemonError::Lifecycle(format!("/dev/nbd{index}: {e}")))?;
         r.steps.push(format!("disconnected the NBD device /dev/nbd{index} (its requests in flight fail now)"));
+    }
+    // ublk devices too: a dead server's device keeps every request waiting
+    // for a successor (user recovery); deleted, they fail at once.
+    for id in &left.ublks {
+        tmem_ublk::delete(*id).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
+        r.steps.push(format!("deleted the ublk device /dev/ublkb{id} (its waiting requests fail now)"));
     }
     for area in &left.swap_areas {
         swap::swapoff(&area.path).map_err(|e| {
@@ -203,8 +215,20 @@ fn leftovers(rt: &RuntimeDir, lock_pid: Option<u32>) -> Result<Option<Leftovers>
         None => swap::is_swap(&tmem_nbd::kernel::node(*i)).unwrap_or(false),
     };
     nbds.extend(recorded.filter(|i| ours(i) && !nbds.contains(i)).collect::<Vec<_>>());
-    let blocks: Vec<PathBuf> =
-        loops.iter().map(|(d, _)| d.clone()).chain(nbds.iter().map(|i| tmem_nbd::kernel::node(*i))).collect();
+    // ublk: those it started, and those recorded whose server is gone (one
+    // it took over from a predecessor started them). A deleted one is no
+    // device any more, though a swap area may still be on its node.
+    let recorded_ublk: Vec<u32> = state.iter().flat_map(|s| s.devices.iter().filter_map(|d| d.ublk_id)).collect();
+    let present = tmem_ublk::devices();
+    let mut ublks = pid.map(tmem_ublk::owned_by).unwrap_or_default();
+    let gone = |i: &u32| present.contains(i) && tmem_ublk::owner(*i).is_none_or(|p| !tmem_sys::process_runs(p));
+    ublks.extend(recorded_ublk.iter().copied().filter(|i| gone(i) && !ublks.contains(i)).collect::<Vec<_>>());
+    let blocks: Vec<PathBuf> = loops
+        .iter()
+        .map(|(d, _)| d.clone())
+        .chain(nbds.iter().map(|i| tmem_nbd::kernel::node(*i)))
+        .chain(ublks.iter().chain(&recorded_ublk).map(|i| tmem_ublk::node(*i)))
+        .collect();
     // Found from the kernel (zram's backing_dev), so also without a state file.
     let zram_fronts: Vec<(u32, PathBuf)> =
         blocks.iter().flat_map(|d| tmem_sys::zram::backed_by(d).into_iter().map(move |id| (id, d.clone()))).collect();
@@ -217,6 +241,7 @@ fn leftovers(rt: &RuntimeDir, lock_pid: Option<u32>) -> Result<Option<Leftovers>
     let left = Leftovers {
         pid,
         nbds,
+        ublks,
         loops,
         swap_areas,
         mounted: rt.is_mounted(MOUNT_DIR)?,
@@ -226,6 +251,7 @@ fn leftovers(rt: &RuntimeDir, lock_pid: Option<u32>) -> Result<Option<Leftovers>
     };
     let any = !left.loops.is_empty()
         || !left.nbds.is_empty()
+        || !left.ublks.is_empty()
         || left.mounted
         || left.state.is_some()
         || left.zswap_saved.is_some();

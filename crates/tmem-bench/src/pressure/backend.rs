@@ -46,8 +46,17 @@ pub enum BackendKind {
     Zram,
     /// zswap in front of the disk swap file.
     Zswap,
-    /// tmem: `tmem swap up` (FUSE + loop + swapon).
+    /// tmem: `tmem swap up` on the transport `auto` picks (ublk where the
+    /// kernel has it, else FUSE + loop) and swapon.
     Tmem,
+    /// tmem on FUSE + loop whatever the kernel has (`--transport fuse`).
+    #[value(name = "tmem-fuse")]
+    #[serde(rename = "tmem-fuse")]
+    TmemFuse,
+    /// tmem on the kernel's ublk driver (`--transport ublk`; needs `ublk_drv`).
+    #[value(name = "tmem-ublk")]
+    #[serde(rename = "tmem-ublk")]
+    TmemUblk,
     /// tmem on the kernel's NBD client instead of FUSE + loop
     /// (`tmem swap up --transport nbd`; needs `nbd.ko`).
     #[value(name = "tmem-nbd")]
@@ -106,6 +115,8 @@ impl BackendKind {
             Self::Zswap => "zswap",
             Self::Tmem => "tmem",
             Self::TmemNbd => "tmem-nbd",
+            Self::TmemFuse => "tmem-fuse",
+            Self::TmemUblk => "tmem-ublk",
             Self::TmemRecomp => "tmem+recomp",
             Self::TmemRemote => "tmem+remote",
             Self::TmemRemoteKill => "tmem+remote-kill",
@@ -306,9 +317,14 @@ impl Backend {
                 Ok(Self::Zswap { disk, settings, debugfs })
             }
             BackendKind::Tmem => Ok(Self::Tmem(Tmem::prepare(c, TmemTier::None)?)),
-            BackendKind::TmemNbd => {
+            BackendKind::TmemNbd | BackendKind::TmemFuse | BackendKind::TmemUblk => {
+                let transport = match kind {
+                    BackendKind::TmemNbd => "nbd",
+                    BackendKind::TmemUblk => "ublk",
+                    _ => "fuse",
+                };
                 let mut t = Tmem::prepare(c, TmemTier::None)?;
-                t.extra_args = vec!["--transport".into(), "nbd".into()];
+                t.extra_args = vec!["--transport".into(), transport.into()];
                 Ok(Self::Tmem(t))
             }
             BackendKind::TmemRecomp => {
