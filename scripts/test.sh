@@ -10,7 +10,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 # Debian packages: real programs for corpus capture (python3, java, gcc, redis),
 # the kernel tools the tests drive, systemd-analyze and promtool.
-PKGS=(python3 default-jdk-headless gcc redis-server util-linux iproute2 e2fsprogs qemu-utils qemu-system-x86 libnbd-bin fuse3 systemd prometheus fonts-dejavu-core busybox-static nbd-client cpio mmdebstrap)
+PKGS=(python3 default-jdk-headless gcc redis-server util-linux iproute2 e2fsprogs qemu-utils qemu-system-x86 libnbd-bin fuse3 systemd prometheus fonts-dejavu-core busybox-static nbd-client cpio mmdebstrap libclang-dev)
 missing=()
 for p in "${PKGS[@]}"; do
     # "install ok installed": a removed package whose configuration files

@@ -76,6 +76,8 @@ trap 'exit 143' TERM
 
 echo "== building tmem (release)"
 cargo build --release -p tmem --quiet
+# The block conformance suite through the kernel, run on each transport.
+cargo build --release -p tmem-block --example node_conformance --quiet
 
 echo "== initramfs (common part; $SECONDS s so far)"
 root="$WORK/initramfs"
@@ -103,6 +105,9 @@ mkdir -p "$root/usr/local/bin"
 cp target/release/tmem "$root/usr/local/bin/tmem"
 # shellcheck disable=SC2046
 put $(libs_of target/release/tmem)
+cp target/release/examples/node_conformance "$root/bin/node-conformance"
+# shellcheck disable=SC2046
+put $(libs_of target/release/examples/node_conformance)
 for p in nbd-client losetup mkswap swapon swapoff umount mount; do copy "$p"; done
 # kmod's modprobe (busybox's knows neither compressed nor built-in modules),
 # also where the kernel runs it to load a module on demand (/sbin/modprobe).

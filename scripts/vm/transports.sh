@@ -128,6 +128,18 @@ dd if=/tmp/backing bs=1M skip=8 count=4 2> /dev/null | cmp - /tmp/new || fail "c
 say "cache over $NAME: $cache_dev read its backing file back and wrote 4 MiB through to it"
 nothing_left "cache over $NAME"
 rm -f /tmp/backing /tmp/new
+
+# 5. The block conformance suite (tmem_block::conformance::check_data)
+# through the kernel, on the transport's device: a cache over a sparse
+# file reads as zeros, as a fresh device does.
+truncate -s 16M /tmp/blank
+tmem cache up --backing /tmp/blank --transport $T > /tmp/conformance-$T.log 2>&1 || fail "tmem cache up --transport $T (conformance)"
+dev=$(tmem stat | grep -o "$T $NODE[0-9]*" | cut -d' ' -f2)
+node-conformance "$dev" > /tmp/conformance.out 2>&1 || fail "the block conformance suite over $NAME: $(tail -n 5 /tmp/conformance.out)"
+say "transport $T: $(cat /tmp/conformance.out)"
+tmem cache down > /dev/null 2>&1 || fail "tmem cache down (transport $T, conformance)"
+rm -f /tmp/blank
+nothing_left "conformance over $NAME"
 }
 
 transport_checks nbd

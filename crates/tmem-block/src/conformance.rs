@@ -2,7 +2,9 @@
 //! (like `tmem_tier::conformance` for tiers): it behaves like a byte array
 //! of its size. Call [`check`] from a test of the implementation with a
 //! fresh device of at least 1 MiB; property tests drive [`check_ops`] with
-//! generated operations.
+//! generated operations. [`check_data`] is the suite without extents, for
+//! a device that cannot tell holes from zeros: a transport's block device
+//! seen through the kernel ([`crate::NodeDevice`]).
 
 use crate::{BlockDevice, BlockError, PAGE_SIZE};
 
@@ -55,6 +57,10 @@ fn at(offset: u64) -> usize {
 /// final contents, and the extents (they cover the device; holes read as
 /// zeros). Panics on the first difference.
 pub fn check_ops(dev: &dyn BlockDevice, ops: &[Op]) {
+    replay(dev, ops, true);
+}
+
+fn replay(dev: &dyn BlockDevice, ops: &[Op], extents: bool) {
     let mut oracle = vec![0u8; at(dev.size())];
     for op in ops {
         match *op {
@@ -81,6 +87,9 @@ pub fn check_ops(dev: &dyn BlockDevice, ops: &[Op]) {
     let mut all = vec![0u8; oracle.len()];
     dev.read_at(&mut all, 0).expect("read the whole device");
     assert!(all == oracle, "final contents differ");
+    if !extents {
+        return;
+    }
     let ext = dev.extents(0, dev.size()).expect("extents of the whole device");
     assert_eq!(ext.iter().map(|e| e.len).sum::<u64>(), dev.size(), "extents cover the device");
     let mut pos = 0usize;
@@ -96,6 +105,15 @@ pub fn check_ops(dev: &dyn BlockDevice, ops: &[Op]) {
 /// across page boundaries, partial and whole-page trims and zeroing, a
 /// flush, ranges beyond the end refused with EINVAL, and the oracle replay.
 pub fn check(dev: &dyn BlockDevice) {
+    suite(dev, true);
+}
+
+/// [`check`] without extents.
+pub fn check_data(dev: &dyn BlockDevice) {
+    suite(dev, false);
+}
+
+fn suite(dev: &dyn BlockDevice, extents: bool) {
     let size = dev.size();
     assert!(
         size >= 1 << 20 && size.is_multiple_of(PAGE_SIZE as u64),
@@ -106,7 +124,9 @@ pub fn check(dev: &dyn BlockDevice) {
     let mut head = vec![0xAAu8; 3 * PAGE_SIZE];
     dev.read_at(&mut head, 0).expect("read a fresh device");
     assert!(head.iter().all(|&b| b == 0), "a fresh device reads as zeros");
-    assert!(dev.extents(0, size).expect("extents").iter().all(|e| e.hole), "a fresh device is one hole");
+    if extents {
+        assert!(dev.extents(0, size).expect("extents").iter().all(|e| e.hole), "a fresh device is one hole");
+    }
     let ops = [
         Op::Write { offset: 100, len: 3 * PAGE_SIZE, seed: 1 },
         Op::Read { offset: 0, len: 4 * PAGE_SIZE },
@@ -123,7 +143,7 @@ pub fn check(dev: &dyn BlockDevice) {
         Op::Trim { offset: 5 * page + 100, len: 10 * page },
         Op::Read { offset: 4 * page, len: 70 * PAGE_SIZE },
     ];
-    check_ops(dev, &ops);
+    replay(dev, &ops, extents);
     dev.flush().expect("flush");
     let out_of_range = |r: Result<(), BlockError>, what: &str| match r {
         Err(e) => assert_eq!(e.errno(), libc::EINVAL, "{what}: {e}"),
@@ -133,5 +153,7 @@ pub fn check(dev: &dyn BlockDevice) {
     out_of_range(dev.read_at(&mut [0u8; 2], size - 1), "read");
     out_of_range(dev.trim(size, 1), "trim");
     out_of_range(dev.write_zeroes(u64::MAX, 2), "write-zeroes");
-    assert!(dev.extents(size - 1, 2).is_err(), "extents beyond the end");
+    if extents {
+        assert!(dev.extents(size - 1, 2).is_err(), "extents beyond the end");
+    }
 }

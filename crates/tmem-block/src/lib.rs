@@ -780,6 +780,8 @@ pub use cache::{BackingStats, CacheConfig, CacheDevice, CacheError};
 pub mod conformance;
 #[cfg(feature = "fault-injection")]
 mod fault;
+mod node;
+pub use node::NodeDevice;
 mod ram;
 pub use ram::RamDevice;
 mod sweep;

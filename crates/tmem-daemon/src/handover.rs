@@ -14,9 +14,11 @@
 //!    notify socket and the watchdog, for a successor that `ExecReload`
 //!    started;
 //! 2. it pauses its FUSE workers (they answer what they have taken and take
-//!    nothing more, so requests wait in the kernel) and its NBD sessions
+//!    nothing more, so requests wait in the kernel), its NBD sessions
 //!    (each stops between two requests; clients' requests wait in the
-//!    sockets, new clients in the listener's backlog): the stores are still;
+//!    sockets, new clients in the listener's backlog) and its ublk queues
+//!    (each stops before its next request, which stays taken): the stores
+//!    are still;
 //! 3. running → `OFFER`: its spec and status (devices, loop devices, steps),
 //!    what each NBD session negotiated, and how the stores travel:
 //!    * **shared** (`images`: both sides can, and every store keeps its
@@ -59,7 +61,11 @@
 //!    socket, no answer within [`ANSWER_TIMEOUT`]) it opens its stores
 //!    again, resumes and goes on serving.
 //! 6. The successor serves once it reads `GONE`, or once the old process
-//!    has ended. If the old process still runs without saying `GONE` (it
+//!    has ended. Its ublk devices come last, after `LOCKED`: the old
+//!    process's end is what quiesces them (the kernel keeps their requests,
+//!    and requeues those the old queues held), and the successor takes
+//!    each with `START_USER_RECOVERY` ([`tmem_ublk::UblkDevice::recover`]);
+//!    the kernel then reissues every kept request to it. If the old process still runs without saying `GONE` (it
 //!    gave up waiting and resumed), the successor exits at once and serves
 //!    nothing: two processes never serve the same pages.
 //!

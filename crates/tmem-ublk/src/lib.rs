@@ -92,6 +92,23 @@ pub enum UblkError {
     },
 }
 
+/// Gives this thread libublk's control ring, which its control commands go
+/// through: one per thread, and a command from a thread without one panics.
+/// A [`UblkCtrl`] made here has one; a thread that only drives a control
+/// made elsewhere (the device's runner, a teardown) must call this first.
+fn control_ring() -> Result<(), libublk::UblkError> {
+    libublk::ctrl::ublk_init_ctrl_task_ring(|ring| {
+        if ring.is_none() {
+            *ring = Some(
+                io_uring::IoUring::<io_uring::squeue::Entry128>::builder()
+                    .build(16)
+                    .map_err(libublk::UblkError::IOError)?,
+            );
+        }
+        Ok(())
+    })
+}
+
 fn control(what: impl Into<String>) -> impl FnOnce(libublk::UblkError) -> UblkError {
     let what = what.into();
     move |source| UblkError::Control { what, source }
@@ -205,14 +222,11 @@ impl UblkDevice {
     pub fn recover(id: u32, device: Arc<dyn BlockDevice>) -> Result<Self, UblkError> {
         let id =
             i32::try_from(id).map_err(|_| UblkError::Driver { what: format!("device {id}"), errno: libc::EINVAL })?;
-        let old = UblkCtrl::new_simple(id).map_err(control(format!("device {id}")))?.dev_info();
+        // With a number and no ADD, libublk reads the device's own
+        // settings (queues, depth, flags) from the driver.
         let ctrl = UblkCtrlBuilder::default()
             .name(TARGET)
             .id(id)
-            .nr_queues(old.nr_hw_queues)
-            .depth(old.queue_depth)
-            .io_buf_bytes(old.max_io_buf_bytes)
-            .ctrl_flags(old.flags)
             .dev_flags(UblkFlags::UBLK_DEV_F_RECOVER_DEV)
             .build()
             .map_err(control(format!("device {id}")))?;
@@ -235,6 +249,7 @@ impl UblkDevice {
             std::thread::Builder::new()
                 .name(format!("ublk{id}"))
                 .spawn(move || {
+                    control_ring()?;
                     ctrl.run_target(
                         |dev| {
                             set_params(dev, size);
@@ -312,7 +327,8 @@ impl UblkDevice {
         let Some(runner) = self.runner.take() else { return Ok(()) };
         // Paused queues must reach the driver's abort to end.
         self.gate.open();
-        let killed = self.ctrl.kill_dev().map_err(control(format!("device {}: stop", self.id)));
+        let killed =
+            control_ring().and_then(|()| self.ctrl.kill_dev()).map_err(control(format!("device {}: stop", self.id)));
         let joined = runner.join();
         killed.and_then(|r| answered(&format!("device {}: stop", self.id), r))?;
         if joined.is_err() {

@@ -360,3 +360,25 @@ fn a_cache_beside_swap_shares_its_budget() {
     assert!(ok && out.contains("swapoff") && out.contains(&dev), "{out}");
     s.up = false;
 }
+
+#[test]
+fn the_block_conformance_suite_passes_through_the_kernel_on_fuse_and_loop() {
+    if !can_run(&[]) {
+        return;
+    }
+    // A cache over a sparse file reads as zeros, like a fresh device: the
+    // suite's oracle. The VM test runs the same suite on the NBD and ublk
+    // transports (scripts/vm/transports.sh).
+    let mut s = Setup::new("conformance", 16 << 20);
+    let dev = s.up(&["--transport", "fuse"]);
+    let node = tmem_block::NodeDevice::open(Path::new(&dev)).unwrap();
+    tmem_block::conformance::check_data(&node);
+    drop(node);
+    s.down();
+    let mut held = vec![0u8; 4096];
+    let f = std::fs::File::open(&s.backing).unwrap();
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut held, 5 * 4096).unwrap();
+    // The suite's fourth write (64 pages at page 5, trimmed from its 100th
+    // byte on) reached the backing file.
+    assert_eq!(held[..100], tmem_block::conformance::pattern(64 * 4096, 4)[..100]);
+}

@@ -1008,3 +1008,36 @@ fn the_nbd_transport_runs_a_job_where_the_kernel_has_it_or_is_refused_with_the_r
     assert!(down.contains("NBD device") && down.contains("disconnected"), "{down}");
     assert_clean(&s);
 }
+
+#[test]
+fn the_ublk_transport_runs_a_job_where_the_kernel_has_it_or_is_refused_with_the_reason() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::new("ublktransport");
+    if let Err(why) = tmem_ublk::available() {
+        // This machine: no ublk_drv. Debian 13's VM runs the other branch
+        // (scripts/vm/transports.sh).
+        let (ok, text) = tmem(&["swap", "up", "--size", "512M", "--runtime-dir", s.dir(), "--transport", "ublk"]);
+        assert!(!ok && text.contains("--transport ublk: ") && text.contains("/dev/ublk-control"), "{text}");
+        assert!(text.contains(why.split(';').next().unwrap()), "the reason {why:?} in: {text}");
+        assert_clean(&s);
+        // auto says why it did not take ublk.
+        let up = s.swap_up("1G");
+        assert!(up.contains("transport: fuse (auto: FUSE + loop, as there is no ublk here"), "{up}");
+        s.swap_down();
+        assert_clean(&s);
+        return;
+    }
+    let up = s.swap_up_with("1G", &["--transport", "ublk"]);
+    assert!(up.contains("ublk device /dev/ublkb"), "{up}");
+    let transport = s.stat()[0]["transport"].clone();
+    assert_eq!(transport["kind"], "ublk", "{transport}");
+    let out = s.run_hog(256, 128);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.starts_with("OK "), "job: {:?} {stdout}", out.status);
+    let down = s.swap_down();
+    assert!(down.contains("ublk device") && down.contains("deleted"), "{down}");
+    assert!(tmem_ublk::devices().is_empty(), "ublk devices left: {:?}", tmem_ublk::devices());
+    assert_clean(&s);
+}
