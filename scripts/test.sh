@@ -41,12 +41,15 @@ prune() {
     if [ -n "${CI:-}" ]; then rm -rf "$@"; fi
 }
 
-echo "== cargo fmt --check"
+# Each step's header says how long the run has taken so far.
+step() { echo "== $* (at ${SECONDS} s)"; }
+
+step "cargo fmt --check"
 cargo fmt --all --check
-echo "== cargo clippy"
+step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
-echo "== cargo nextest"
+step "cargo nextest"
 # Tests that need root, a kernel feature or a tool skip with "SKIP: ..." where
 # it is missing (tmem-testkit); CI has all of these, so there a skip fails the
 # run instead of hiding a test. Override with e.g. TMEM_REQUIRE= (none) or
@@ -56,19 +59,19 @@ NEXTEST_LOG="$(mktemp)"
 trap 'rm -f "$NEXTEST_LOG"' EXIT
 cargo nextest run --workspace --no-fail-fast 2>&1 | tee "$NEXTEST_LOG"
 
-echo "== doc tests"
+step "doc tests"
 cargo test --workspace --doc
 
 # The README's main command, on the test build (optimised dependencies) to
 # save a release build; `cargo run --release -p tmem -- bench store` is the real one.
-echo "== smoke: tmem bench store (built-in corpus, 1 round)"
+step "smoke: tmem bench store (built-in corpus, 1 round)"
 cargo run -q -p tmem -- bench store --rounds 1 --mix-only
-echo "== smoke: tmem bench cache (48 MiB SQLite database on ext4, job at 50%)"; cargo run -q -p tmem -- bench cache --db-mib 48 --levels 50 --queries 100000 --json /tmp/cache.json
-echo "== smoke: tmem bench tier (2000 pages; mem, three Redis servers, a three-master Redis Cluster)"
+step "smoke: tmem bench cache (48 MiB SQLite database on ext4, job at 50%)"; cargo run -q -p tmem -- bench cache --db-mib 48 --levels 50 --queries 100000 --json /tmp/cache.json
+step "smoke: tmem bench tier (2000 pages; mem, three Redis servers, a three-master Redis Cluster)"
 cargo run -q -p tmem -- bench tier --tiers mem,remote,remote-cluster --pages 2000 --latency-samples 200
-echo "== smoke: tmem bench fault (32 MiB paged out and touched; zram, fuse-ram, tmem, tmem-run)"
+step "smoke: tmem bench fault (32 MiB paged out and touched; zram, fuse-ram, tmem, tmem-run)"
 cargo run -q -p tmem -- bench fault --mib 32 --backends zram,fuse-ram,tmem,tmem-run
-echo "== smoke: tmem bench pressure --cold-share 50 (128 MiB at 50%; the front rows run in the VM test, where zram has writeback)"
+step "smoke: tmem bench pressure --cold-share 50 (128 MiB at 50%; the front rows run in the VM test, where zram has writeback)"
 cargo run -q -p tmem -- bench pressure --workload-mib 128 --levels 50 --runs 1 --passes 1 --cold-share 50 \
     --backends zram,tmem --allow-other-swap
 
@@ -76,7 +79,7 @@ prune target/debug
 
 # Miri checks the unsafe core (spans, allocator, index) for undefined
 # behaviour; it needs the nightly toolchain's miri component.
-echo "== Miri: tmem-core mem, alloc, shard"
+step "Miri: tmem-core mem, alloc, shard"
 if rustup +nightly component list --installed 2>/dev/null | grep -q '^miri' \
     || rustup +nightly component add miri rust-src >/dev/null 2>&1; then
     cargo +nightly miri test -p tmem-core --lib -- mem:: alloc:: shard:: group::
@@ -90,7 +93,7 @@ prune target/miri
 
 # cargo-fuzz needs nightly flags; use the nightly toolchain where installed,
 # otherwise let stable accept them.
-echo "== fuzz targets (build)"
+step "fuzz targets (build)"
 if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
     FUZZ=(cargo +nightly fuzz)
 else
@@ -113,7 +116,7 @@ prune target/fuzz
 
 # The Debian package: built (release), installed into a scratch root with
 # its own dpkg database, run, and removed again.
-echo "== Debian package (cargo deb -p tmem)"
+step "Debian package (cargo deb -p tmem)"
 cargo deb -p tmem
 DEB="$(ls -t target/debian/tmem_*.deb | head -1)"
 DEBROOT="$(mktemp -d)"
@@ -132,11 +135,11 @@ test ! -e "$DEBROOT/usr/bin/tmem" || { echo "dpkg -r left /usr/bin/tmem" >&2; ex
 # A stock Debian kernel in QEMU (TCG), cgroup v2 only: tmem under the
 # kernel's NBD client, tmem swap up, and the pressure bench (reuses the
 # release build of the package above).
-echo "== VM test (scripts/vm-test.sh)"
+step "VM test (scripts/vm-test.sh)"
 scripts/vm-test.sh
 # Debian 12 with systemd as PID 1: the package's unit (enable, reload and
 # restart under a swapping job, the watchdog, stop).
-echo "== VM test under systemd (scripts/vm-systemd.sh)"
+step "VM test under systemd (scripts/vm-systemd.sh)"
 $SUDO env VM_DEB="$DEB" scripts/vm-systemd.sh
 disk
 
@@ -144,4 +147,4 @@ disk
 summary="$(grep -E '^ +Summary .* tests? run:' "$NEXTEST_LOG" | tail -1)"
 passed="$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<<"$summary")"
 skipped="$(sed -nE 's/.* ([0-9]+) skipped.*/\1/p' <<<"$summary")"
-echo "tests: ${passed:-0} passed, 0 failed, ${skipped:-0} skipped"
+echo "tests: ${passed:-0} passed, 0 failed, ${skipped:-0} skipped; the whole run took ${SECONDS} s"

@@ -100,6 +100,24 @@ fi
 
 lap "boot and probe"
 
+# Prints the kernel stacks of tmem's threads, once, if a `tmem ... down`
+# runs past 120 s: a hang that the guest's timeout would otherwise end
+# with nothing said.
+hang_watch() {
+    while sleep 10; do
+        for p in $(pidof tmem); do
+            case "$(tr '\0' ' ' < "/proc/$p/cmdline" 2> /dev/null)" in *" down"*) ;; *) continue ;; esac
+            age=$(($(cut -d. -f1 /proc/uptime) - $(awk '{print int($22 / 100)}' "/proc/$p/stat")))
+            [ "$age" -gt 120 ] || continue
+            for q in $(pidof tmem); do
+                for t in /proc/"$q"/task/*; do say "hang: $q/${t##*/} $(cat "$t/comm"): $(tr '\n' ' ' < "$t/stack")"; done
+            done
+            return
+        done
+    done
+}
+hang_watch &
+
 # A measurement instead of the checks (VM_BENCH of scripts/vm-test.sh).
 if [ -e /bench.sh ]; then
     (. /bench.sh) > /tmp/bench.out 2>&1
@@ -142,7 +160,8 @@ kill "$SERVE"; wait "$SERVE" || fail "tmem serve nbd did not stop cleanly"
 
 lap "nbd"
 
-# 2. tmem swap up without flags: FUSE + loop (--transport auto), --front
+# 2. tmem swap up without flags: --transport auto (ublk on Debian 13, FUSE +
+# loop on Debian 12, whose cloud kernel has no ublk), --front
 # auto, so zram in front where the kernel's zram has writeback (both
 # Debian kernels).
 tmem swap up > /tmp/up.log 2>&1 || fail "tmem swap up"

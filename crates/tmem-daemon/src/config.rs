@@ -11,7 +11,7 @@
 //! fuse-threads = 16       # default: one per online CPU, at least 4
 //! fuse-uring = 0
 //! discard = "once"         # or "pages"
-//! transport = "auto"       # or "fuse", "nbd" (the kernel's NBD client)
+//! transport = "auto"       # or "ublk", "nbd" (the kernel's NBD client), "fuse"
 //! recycle-idle-swap = true # empty an idle area by swapoff + swapon
 //! recompress = "zstd:3+dict"  # cold pages, in the background (off when absent)
 //! recompress-after = 2     # seconds unread before a page is recompressed

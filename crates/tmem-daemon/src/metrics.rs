@@ -116,7 +116,7 @@ impl Collector for Snapshot {
         // `info` type.
         let mut info = encoder.encode_descriptor(
             "tmem_device_info",
-            "A device, its current codec, and how the kernel reaches it (fuse, nbd; none: not given to the kernel).",
+            "A device, its current codec, and how the kernel reaches it (fuse, nbd, ublk; none: not given to the kernel).",
             None,
             MetricType::Gauge,
         )?;

@@ -1,8 +1,9 @@
 //! One ublk queue: a thread of its own (libublk's, with
 //! `PR_SET_IO_FLUSHER`), its io_uring, and one buffer per tag, allocated
 //! when the queue starts. A request is served where it arrives: read into,
-//! or written from, its tag's buffer, then committed with the next fetch in
-//! one `io_uring_enter`. Nothing is allocated per request.
+//! or written from, its tag's buffer, then committed at once, the commit
+//! and the tag's next fetch in one command and one `io_uring_enter`.
+//! Nothing is allocated per request.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -42,6 +43,14 @@ pub(crate) fn serve_queue(qid: u16, dev: &UblkDev, device: &Arc<dyn BlockDevice>
             };
             if let Err(e) = q.complete_io_cmd_unified(tag, BufDesc::Slice(buf.as_slice()), Ok(UblkIORes::Result(res))) {
                 tracing::warn!("ublk queue {qid} tag {tag}: commit failed: {e}");
+            }
+            // Commit now, not after the whole batch this wake-up reaped:
+            // a burst of swap writes (64 MiB at once, the queue's depth)
+            // would otherwise end its writeback only when the last of them
+            // is stored, and a memory cgroup waiting on that writeback
+            // runs out of retries and OOM-kills (seen in a Debian 13 guest).
+            if let Err(e) = libublk::io::with_task_io_ring_mut(|ring| ring.submit()) {
+                tracing::warn!("ublk queue {qid}: submitting a commit failed: {e}");
             }
         }
     };

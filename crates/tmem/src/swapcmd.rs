@@ -41,10 +41,11 @@ pub struct UpArgs {
     /// How freed swap slots reach the pool (swapon --discard): once or pages.
     #[arg(long, default_value = "once")]
     discard: tmem_sys::swap::SwapDiscard,
-    /// How the kernel reaches the devices: fuse (a loop device on a FUSE
-    /// file), nbd (the kernel's NBD client, set up over netlink; `modprobe
-    /// nbd` if need be), or auto (FUSE + loop: NBD was slower where it
-    /// was measured).
+    /// How the kernel reaches the devices: ublk (the kernel's ublk driver;
+    /// `modprobe ublk_drv` if need be), nbd (the kernel's NBD client, set
+    /// up over netlink; `modprobe nbd` if need be), fuse (a loop device on
+    /// a FUSE file), or auto (ublk where the kernel has it, else FUSE +
+    /// loop: NBD was slower than both where it was measured).
     #[arg(long, default_value = "auto")]
     transport: tmem_daemon::transport::Transport,
     /// Empty an idle swap area that holds a few KiB in use and many freed slots' pages by swapoff, mkswap and swapon.
@@ -769,8 +770,9 @@ pub struct CacheUpArgs {
     codec: String,
     #[command(flatten)]
     cache: CacheArgs,
-    /// How the kernel reaches the caches: fuse (/dev/loopN on a FUSE file),
-    /// nbd (/dev/nbdN of the kernel's NBD client), or auto (FUSE + loop).
+    /// How the kernel reaches the caches: ublk (/dev/ublkbN), nbd
+    /// (/dev/nbdN of the kernel's NBD client), fuse (/dev/loopN on a FUSE
+    /// file), or auto (ublk where the kernel has it, else FUSE + loop).
     #[arg(long, default_value = "auto")]
     transport: tmem_daemon::transport::Transport,
     /// FUSE worker threads (default: one per online CPU, at least 4).
