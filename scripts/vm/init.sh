@@ -110,8 +110,11 @@ hang_watch() {
             age=$(($(cut -d. -f1 /proc/uptime) - $(awk '{print int($22 / 100)}' "/proc/$p/stat")))
             [ "$age" -gt 120 ] || continue
             for q in $(pidof tmem); do
+                say "hang: $q: $(tr '\0' ' ' < "/proc/$q/cmdline")"
                 for t in /proc/"$q"/task/*; do say "hang: $q/${t##*/} $(cat "$t/comm"): $(tr '\n' ' ' < "$t/stack")"; done
             done
+            for log in /run/tmem*/daemon.log; do tail -n 40 "$log" | sed "s|^|VM-TEST: hang: $log: |"; done
+            dmesg | tail -n 30 | sed 's/^/VM-TEST: hang: dmesg: /'
             return
         done
     done

@@ -13,7 +13,9 @@
 //! are found from the state file and `/sys/block/nbdN/pid`, and
 //! disconnected over netlink. On the ublk transport it leaves `/dev/ublkbN`
 //! devices quiesced, their requests waiting for a server; they are found
-//! from the state file and the driver (the server's pid), and deleted.
+//! from the state file and the driver (the server's pid), taken over by a
+//! server that fails every request while their swap areas go off, then
+//! deleted (`tmem_ublk`, "Crash").
 
 use std::path::{Path, PathBuf};
 
@@ -140,13 +142,32 @@ pub fn clean(dir: &Path) -> Result<Recovery, DaemonError> {
         r.steps.push(format!("disconnected the NBD device /dev/nbd{index} (its requests in flight fail now)"));
     }
     // ublk devices too: a dead server's device keeps every request waiting
-    // for a successor (user recovery); deleted, they fail at once.
+    // for a successor (user recovery). A server of this process's that
+    // fails every request takes each over, so that swapoff goes through;
+    // stopping the device instead would leave its swap area on a dead disk
+    // for good. They are deleted last, once nothing holds them.
+    let mut failing = Vec::with_capacity(left.ublks.len());
     for id in &left.ublks {
-        tmem_ublk::delete(*id).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
-        r.steps.push(format!("deleted the ublk device /dev/ublkb{id} (its waiting requests fail now)"));
+        match tmem_ublk::UblkDevice::fail_requests(*id) {
+            Ok(u) => failing.push(u),
+            Err(e) => {
+                failing.iter().for_each(tmem_ublk::UblkDevice::handed_over);
+                return Err(DaemonError::Lifecycle(format!("taking the ublk device /dev/ublkb{id} over: {e}")));
+            }
+        }
+        r.steps.push(format!(
+            "took the ublk device /dev/ublkb{id} over with a server that fails its requests (the pages were lost \
+             with the daemon)"
+        ));
     }
+    // On an error below, the devices are left as they were, quiesced, for
+    // the next try: never stopped with a swap area on them.
+    let leave = |e: DaemonError| {
+        failing.iter().for_each(tmem_ublk::UblkDevice::handed_over);
+        e
+    };
     for area in &left.swap_areas {
-        swap::swapoff(&area.path).map_err(|e| {
+        swap::swapoff(&area.path).map_err(|e| -> DaemonError {
             // swapoff charges each page it brings back to the memory cgroup
             // that swapped it out; a group at its limit, which cannot swap
             // now, refuses (ENOMEM), though the pages are lost anyway.
@@ -158,7 +179,7 @@ pub fn clean(dir: &Path) -> Result<Recovery, DaemonError> {
             } else {
                 ""
             };
-            DaemonError::Lifecycle(format!("swapoff {}: {why}{hint}", area.path.display()))
+            leave(DaemonError::Lifecycle(format!("swapoff {}: {why}{hint}", area.path.display())))
         })?;
         r.steps.push(format!(
             "swapoff {}: {} pages ({}) that the dead daemon held are lost; processes that had them get SIGBUS when they touch them",
@@ -172,13 +193,20 @@ pub fn clean(dir: &Path) -> Result<Recovery, DaemonError> {
         // before the loop device it holds.
         tmem_sys::zram::ZramDevice::adopt(*id)
             .and_then(tmem_sys::zram::ZramDevice::remove)
-            .map_err(|e| DaemonError::Lifecycle(format!("removing its zram front zram{id}: {e}")))?;
+            .map_err(|e| leave(DaemonError::Lifecycle(format!("removing its zram front zram{id}: {e}"))))?;
         r.steps.push(format!("removed its zram front /dev/zram{id} (backing device {})", backing.display()));
     }
     if let Some(saved) = left.zswap_saved.clone() {
         tmem_front::zswap::restore_saved(saved).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
         rt.remove(crate::front::FRONT_FILE)?;
         r.steps.push("put zswap's settings back as they were before it".into());
+    }
+    // Swap is off them and their zram fronts are gone: the driver's
+    // delete, which waits until nothing holds a device, goes through.
+    for u in failing {
+        let node = u.node();
+        u.stop().map_err(|e| DaemonError::Lifecycle(e.to_string()))?;
+        r.steps.push(format!("deleted the ublk device {}", node.display()));
     }
     for (dev, file) in &left.loops {
         swap::loop_detach(dev).map_err(|e| DaemonError::Lifecycle(e.to_string()))?;

@@ -28,9 +28,15 @@
 //!   queues ([`UblkDevice::recover`]), and the kernel reissues them all to
 //!   it: none fails.
 //! - **Crash.** A server that dies without handing over leaves its device
-//!   quiesced, with every request waiting. Recovery ([`owned_by`],
-//!   [`delete`]) deletes the device before anything else: its waiting
-//!   requests fail then, where a swapoff first would wait for them forever.
+//!   quiesced, with every request waiting. The device must not be stopped
+//!   while a swap area is on it: the block device goes, and a swap area on
+//!   a dead disk can never be swapped off (swapoff cannot open it). So
+//!   recovery ([`owned_by`], [`UblkDevice::fail_requests`]) takes the
+//!   device over with a server that fails every request, swaps off (the
+//!   dead daemon's pages are lost; their reads fail at once), and only then
+//!   stops and deletes it. This is also why every device has user
+//!   recovery: without it the driver stops the device when its server
+//!   dies.
 
 mod gate;
 mod queue;
@@ -235,6 +241,14 @@ impl UblkDevice {
         Self::serve(ctrl, device)
     }
 
+    /// Takes device `id` over from a server that died, with one that fails
+    /// every request (EIO): the requests the dead one left, reissued, and
+    /// those a swapoff makes. [`UblkDevice::stop`] it once nothing is on it;
+    /// [`UblkDevice::handed_over`] leaves it quiesced again for a later try.
+    pub fn fail_requests(id: u32) -> Result<Self, UblkError> {
+        Self::recover(id, Arc::new(Lost))
+    }
+
     /// Starts the queues of `ctrl` and the device.
     fn serve(ctrl: UblkCtrl, device: Arc<dyn BlockDevice>) -> Result<Self, UblkError> {
         let ctrl = Arc::new(ctrl);
@@ -351,6 +365,38 @@ impl Drop for UblkDevice {
     }
 }
 
+/// The store of a server that died: every request fails with EIO.
+struct Lost;
+
+impl BlockDevice for Lost {
+    /// Unused: a recovered device keeps the parameters it was made with.
+    fn size(&self) -> u64 {
+        0
+    }
+    fn read_at(&self, _: &mut [u8], offset: u64) -> Result<(), tmem_block::BlockError> {
+        Err(lost("read", offset))
+    }
+    fn write_at(&self, _: &[u8], offset: u64) -> Result<(), tmem_block::BlockError> {
+        Err(lost("write", offset))
+    }
+    fn flush(&self) -> Result<(), tmem_block::BlockError> {
+        Err(lost("flush", 0))
+    }
+    fn trim(&self, offset: u64, _: u64) -> Result<(), tmem_block::BlockError> {
+        Err(lost("trim", offset))
+    }
+    fn write_zeroes(&self, offset: u64, _: u64) -> Result<(), tmem_block::BlockError> {
+        Err(lost("write-zeroes", offset))
+    }
+    fn extents(&self, offset: u64, _: u64) -> Result<Vec<tmem_block::Extent>, tmem_block::BlockError> {
+        Err(lost("extents", offset))
+    }
+}
+
+fn lost(op: &'static str, offset: u64) -> tmem_block::BlockError {
+    tmem_block::BlockError::Backing { op, offset, source: std::io::Error::from_raw_os_error(libc::EIO) }
+}
+
 /// Basic parameters with one-page blocks, and discard.
 fn set_params(dev: &mut UblkDev, size: u64) {
     dev.set_default_params(size);
@@ -395,7 +441,9 @@ pub fn available() -> Result<(), String> {
     })
 }
 
-/// Deletes ublk device `id` (any server's): requests waiting on it fail.
+/// Deletes ublk device `id` (any server's), stopping it first if it runs.
+/// The driver waits until nothing holds the device open: swap must be off
+/// it, and a zram front gone (see the module docs, "Crash").
 pub fn delete(id: u32) -> Result<(), UblkError> {
     let sid = i32::try_from(id).map_err(|_| UblkError::Driver { what: format!("device {id}"), errno: libc::EINVAL })?;
     let ctrl = UblkCtrl::new_simple(sid).map_err(control(format!("device {id}")))?;
@@ -430,6 +478,19 @@ pub fn owned_by(pid: u32) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dead_servers_store_fails_every_request_with_eio() {
+        let mut page = [0u8; 4096];
+        assert_eq!(queue_result(&Lost, sys::UBLK_IO_OP_READ, &mut page), -libc::EIO);
+        assert_eq!(queue_result(&Lost, sys::UBLK_IO_OP_WRITE, &mut page), -libc::EIO);
+        assert_eq!(queue_result(&Lost, sys::UBLK_IO_OP_DISCARD, &mut page), -libc::EIO);
+    }
+
+    fn queue_result(dev: &dyn BlockDevice, op: u32, buf: &mut [u8]) -> i32 {
+        let iod = sys::ublksrv_io_desc { op_flags: op, nr_sectors: 8, start_sector: 0, ..Default::default() };
+        queue::serve(dev, &iod, buf)
+    }
 
     #[test]
     fn features_are_named() {
