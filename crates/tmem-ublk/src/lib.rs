@@ -228,11 +228,16 @@ impl UblkDevice {
     pub fn recover(id: u32, device: Arc<dyn BlockDevice>) -> Result<Self, UblkError> {
         let id =
             i32::try_from(id).map_err(|_| UblkError::Driver { what: format!("device {id}"), errno: libc::EINVAL })?;
-        // With a number and no ADD, libublk reads the device's own
-        // settings (queues, depth, flags) from the driver.
+        // libublk sizes its per-queue tables from what it is given, then
+        // reads the device's own settings over them: give it those.
+        let old = UblkCtrl::new_simple(id).map_err(control(format!("device {id}")))?.dev_info();
         let ctrl = UblkCtrlBuilder::default()
             .name(TARGET)
             .id(id)
+            .nr_queues(old.nr_hw_queues)
+            .depth(old.queue_depth)
+            .io_buf_bytes(old.max_io_buf_bytes)
+            .ctrl_flags(old.flags)
             .dev_flags(UblkFlags::UBLK_DEV_F_RECOVER_DEV)
             .build()
             .map_err(control(format!("device {id}")))?;
