@@ -255,7 +255,7 @@ fn leftovers(rt: &RuntimeDir, lock_pid: Option<u32>) -> Result<Option<Leftovers>
         .iter()
         .map(|(d, _)| d.clone())
         .chain(nbds.iter().map(|i| tmem_nbd::kernel::node(*i)))
-        .chain(ublks.iter().chain(&recorded_ublk).map(|i| tmem_ublk::node(*i)))
+        .chain(ublks.iter().chain(recorded_ublk.iter().filter(|i| !ublks.contains(i))).map(|i| tmem_ublk::node(*i)))
         .collect();
     // Found from the kernel (zram's backing_dev), so also without a state file.
     let zram_fronts: Vec<(u32, PathBuf)> =
