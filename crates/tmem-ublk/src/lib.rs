@@ -130,7 +130,16 @@ fn answered(what: &str, r: i32) -> Result<(), UblkError> {
 }
 
 /// How a device is served: `Config::default()` has one queue per online
-/// CPU (at most [`MAX_QUEUES`]), 128 requests per queue, 512 KiB each.
+/// CPU (at most [`MAX_QUEUES`]), 32 requests per queue, 128 KiB each.
+///
+/// The depth and the request size bound the swap writeback in flight: 4 MiB
+/// a queue. A queue's thread serves one request at a time, so a deeper
+/// queue only holds more pages under writeback, and reclaim cannot free a
+/// page until its write ends. At 128 requests of 512 KiB (64 MiB a queue),
+/// a job under a 64 MiB `memory.max` put its whole group under writeback at
+/// once, reclaim found nothing to free, and the group OOM-killed it (2 runs
+/// of 3, Debian 13 guest). FUSE + loop bounds the same thing with FUSE's
+/// background limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
     /// Hardware queues, each with a thread of its own.
@@ -144,11 +153,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-        Config {
-            queues: u16::try_from(cpus).unwrap_or(MAX_QUEUES).min(MAX_QUEUES),
-            depth: 128,
-            io_buf_bytes: 512 << 10,
-        }
+        Config { queues: u16::try_from(cpus).unwrap_or(MAX_QUEUES).min(MAX_QUEUES), depth: 32, io_buf_bytes: 128 << 10 }
     }
 }
 
@@ -514,7 +519,8 @@ mod tests {
         let c = Config::default();
         let cpus = std::thread::available_parallelism().map_or(1, usize::from);
         assert_eq!(usize::from(c.queues), cpus.min(usize::from(MAX_QUEUES)));
-        assert!(c.depth >= 64 && c.io_buf_bytes >= 128 << 10);
+        // At most 4 MiB of writeback in flight a queue (see Config).
+        assert!(u64::from(c.depth) * u64::from(c.io_buf_bytes) <= 4 << 20, "{c:?}");
     }
 
     #[test]
