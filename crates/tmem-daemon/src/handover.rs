@@ -1060,8 +1060,10 @@ impl Daemon {
                     self.lock().ublk.push(u);
                 }
                 Err(e) => crate::daemon::warn(&format!(
-                    "/dev/ublkb{}: user recovery failed, its requests wait: {e}; `tmem swap down` deletes it",
-                    h.id
+                    "/dev/ublkb{}: user recovery failed, so its requests wait: {e}; end this daemon (kill {}) and \
+                     run `tmem swap down`, which takes the device over, fails its requests and removes it",
+                    h.id,
+                    std::process::id()
                 )),
             }
         }
