@@ -691,62 +691,73 @@ impl Daemon {
         Ok(())
     }
 
+    /// Gives each export that gets one a block device of the kernel's own
+    /// (NBD, ublk): `make` makes it, and `record`, under the state's lock,
+    /// keeps it and fills in export `i`'s status; its line follows the
+    /// export's name in the steps.
+    fn attach_each<T>(
+        &self,
+        make: impl Fn(&str, Arc<dyn BlockDevice>) -> Result<T, DaemonError>,
+        record: impl Fn(&mut State, usize, T) -> String,
+    ) -> Result<(), DaemonError> {
+        let exports = self.exports();
+        self.lock().status.devices =
+            exports.iter().map(|(name, _)| DeviceStatus { name: name.clone(), ..Default::default() }).collect();
+        for (i, (name, device)) in exports.into_iter().enumerate() {
+            if !self.attached(i) {
+                continue;
+            }
+            self.check_signal()?;
+            let made = make(&name, device)?;
+            let line = record(&mut self.lock(), i, made);
+            self.step(format!("{name}: {line}"));
+        }
+        Ok(())
+    }
+
     /// Connects a `/dev/nbdN` of the kernel's NBD client to each export,
     /// one connection per online CPU (the kernel's queues).
     fn attach_nbd(&self) -> Result<(), DaemonError> {
         let connections =
             std::thread::available_parallelism().map_or(1, usize::from).min(tmem_nbd::kernel::MAX_CONNECTIONS);
-        let exports = self.exports();
-        self.lock().status.devices =
-            exports.iter().map(|(name, _)| DeviceStatus { name: name.clone(), ..Default::default() }).collect();
-        for (i, (name, device)) in exports.into_iter().enumerate() {
-            if !self.attached(i) {
-                continue;
-            }
-            self.check_signal()?;
-            let kernel = tmem_nbd::kernel::KernelDevice::connect(tmem_nbd::Export::new(&name, device), connections)
-                .map_err(setup_err)?;
-            let node = kernel.node();
-            {
-                let mut g = self.lock();
+        self.attach_each(
+            |name, device| {
+                tmem_nbd::kernel::KernelDevice::connect(tmem_nbd::Export::new(name, device), connections)
+                    .map_err(setup_err)
+            },
+            |g, i, kernel| {
+                let node = kernel.node();
                 let d = &mut g.status.devices[i];
                 (d.file, d.loop_dev, d.nbd_index) = (node.clone(), Some(node.clone()), Some(kernel.index()));
                 g.kernel_nbd.push(kernel);
-            }
-            self.step(format!(
-                "{name}: the kernel's NBD client on {} ({connections} connections to this daemon, over netlink)",
-                node.display()
-            ));
-        }
-        Ok(())
+                format!(
+                    "the kernel's NBD client on {} ({connections} connections to this daemon, over netlink)",
+                    node.display()
+                )
+            },
+        )
     }
 
     /// Adds a `/dev/ublkbN` serving each export, one queue per online CPU.
     fn attach_ublk(&self) -> Result<(), DaemonError> {
         let config = tmem_ublk::Config::default();
-        let exports = self.exports();
-        self.lock().status.devices =
-            exports.iter().map(|(name, _)| DeviceStatus { name: name.clone(), ..Default::default() }).collect();
-        for (i, (name, device)) in exports.into_iter().enumerate() {
-            if !self.attached(i) {
-                continue;
-            }
-            self.check_signal()?;
-            let ublk = tmem_ublk::UblkDevice::start(device, &config).map_err(setup_err)?;
-            let (node, queues, features) = (ublk.node(), ublk.queues(), ublk.features().to_string());
-            {
-                let mut g = self.lock();
+        self.attach_each(
+            |_, device| tmem_ublk::UblkDevice::start(device, &config).map_err(setup_err),
+            |g, i, ublk| {
+                let node = ublk.node();
+                let line = format!(
+                    "ublk device {} ({} queues of {} requests, a thread each; {})",
+                    node.display(),
+                    ublk.queues(),
+                    config.depth,
+                    ublk.features()
+                );
                 let d = &mut g.status.devices[i];
-                (d.file, d.loop_dev, d.ublk_id) = (node.clone(), Some(node.clone()), Some(ublk.id()));
+                (d.file, d.loop_dev, d.ublk_id) = (node.clone(), Some(node), Some(ublk.id()));
                 g.ublk.push(ublk);
-            }
-            self.step(format!(
-                "{name}: ublk device {} ({queues} queues of {} requests, a thread each; {features})",
-                node.display(),
-                config.depth
-            ));
-        }
-        Ok(())
+                line
+            },
+        )
     }
 
     /// Puts the front (if any) in place and turns every device into swap.

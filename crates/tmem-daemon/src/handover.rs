@@ -426,24 +426,14 @@ impl Daemon {
             send(&mut w, REFUSE, why.as_bytes())?;
             return Err(err(format!("refused a successor: {why}")));
         }
-        let nbd = match self.lock().nbd.as_ref().map(|n| n.pause(NBD_PAUSE_TIMEOUT)).transpose() {
-            Ok(nbd) => nbd,
-            Err(why) => {
-                resume();
-                send(&mut w, REFUSE, why.as_bytes())?;
-                return Err(err(format!("refused a successor: {why}")));
-            }
-        };
-        let nbd_devices = match self.pause_kernel_nbd() {
-            Ok(nbd_devices) => nbd_devices,
-            Err(why) => {
-                resume();
-                send(&mut w, REFUSE, why.as_bytes())?;
-                return Err(err(format!("refused a successor: {why}")));
-            }
-        };
-        let kernel = match self.pause_ublk() {
-            Ok(ublk) => KernelDevices { nbd: nbd_devices, ublk },
+        // The NBD server's sessions, then the kernel's NBD and ublk devices.
+        let paused_all = (|| -> Result<_, String> {
+            let nbd = self.lock().nbd.as_ref().map(|n| n.pause(NBD_PAUSE_TIMEOUT)).transpose()?;
+            let kernel = KernelDevices { nbd: self.pause_kernel_nbd()?, ublk: self.pause_ublk()? };
+            Ok((nbd, kernel))
+        })();
+        let (nbd, kernel) = match paused_all {
+            Ok(paused_all) => paused_all,
             Err(why) => {
                 resume();
                 send(&mut w, REFUSE, why.as_bytes())?;

@@ -975,69 +975,60 @@ fn zram_in_front_writes_idle_pages_to_tmem_or_is_refused_with_the_reason() {
     assert_clean(&s);
 }
 
-#[test]
-fn the_nbd_transport_runs_a_job_where_the_kernel_has_it_or_is_refused_with_the_reason() {
+/// A kernel transport (`nbd`, `ublk`) by name. Where the kernel has it
+/// (`here`), a job swaps over it (`up_says` in `swap up`'s steps) and `swap
+/// down` removes the device (`down_says`); elsewhere `--transport T` is
+/// refused with the kernel's reason, and `auto` takes what the kernel has.
+/// This machine has neither; the Debian VMs run the other branch
+/// (scripts/vm/transports.sh).
+fn kernel_transport(t: &str, here: Result<(), String>, up_says: &str, down_says: [&str; 2]) {
     if !can_run() {
         return;
     }
-    let mut s = Setup::new("nbdtransport");
-    if let Err(why) = tmem_nbd::kernel::available() {
-        // This machine: no nbd.ko. The Debian VMs run the other branch
-        // (scripts/vm/transports.sh).
-        let (ok, text) = tmem(&["swap", "up", "--size", "512M", "--runtime-dir", s.dir(), "--transport", "nbd"]);
-        assert!(!ok && text.contains("--transport nbd: ") && text.contains("nbd"), "{text}");
+    let mut s = Setup::new(&format!("{t}transport"));
+    if let Err(why) = here {
+        let (ok, text) = tmem(&["swap", "up", "--size", "512M", "--runtime-dir", s.dir(), "--transport", t]);
+        assert!(!ok && text.contains(&format!("--transport {t}: ")), "{text}");
         assert!(text.contains(why.split(';').next().unwrap()), "the reason {why:?} in: {text}");
         assert_clean(&s);
+        let auto = if tmem_ublk::available().is_ok() { "ublk" } else { "fuse" };
         let up = s.swap_up("1G");
-        assert!(up.contains("transport: fuse (auto: FUSE + loop"), "{up}");
+        assert!(up.contains(&format!("transport: {auto} (auto: ")), "{up}");
         let transport = s.stat()[0]["transport"].clone();
-        assert_eq!(transport["kind"], "fuse", "{transport}");
-        assert!(transport["node"].as_str().unwrap().starts_with("/dev/loop"), "{transport}");
+        assert_eq!(transport["kind"], auto, "{transport}");
+        if auto == "fuse" {
+            // auto says why it did not take ublk.
+            assert!(up.contains("as there is no ublk here"), "{up}");
+            assert!(transport["node"].as_str().unwrap().starts_with("/dev/loop"), "{transport}");
+        }
         s.swap_down();
         assert_clean(&s);
         return;
     }
-    let up = s.swap_up_with("1G", &["--transport", "nbd"]);
-    assert!(up.contains("the kernel's NBD client on /dev/nbd"), "{up}");
+    let up = s.swap_up_with("1G", &["--transport", t]);
+    assert!(up.contains(up_says), "{up}");
     let transport = s.stat()[0]["transport"].clone();
-    assert_eq!(transport["kind"], "nbd", "{transport}");
+    assert_eq!(transport["kind"], t, "{transport}");
     let out = s.run_hog(256, 128);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && stdout.starts_with("OK "), "job: {:?} {stdout}", out.status);
     let down = s.swap_down();
-    assert!(down.contains("NBD device") && down.contains("disconnected"), "{down}");
+    assert!(down_says.iter().all(|w| down.contains(w)), "{down}");
+    assert!(tmem_ublk::devices().is_empty(), "ublk devices left: {:?}", tmem_ublk::devices());
     assert_clean(&s);
 }
 
 #[test]
+fn the_nbd_transport_runs_a_job_where_the_kernel_has_it_or_is_refused_with_the_reason() {
+    kernel_transport(
+        "nbd",
+        tmem_nbd::kernel::available(),
+        "the kernel's NBD client on /dev/nbd",
+        ["NBD device", "disconnected"],
+    );
+}
+
+#[test]
 fn the_ublk_transport_runs_a_job_where_the_kernel_has_it_or_is_refused_with_the_reason() {
-    if !can_run() {
-        return;
-    }
-    let mut s = Setup::new("ublktransport");
-    if let Err(why) = tmem_ublk::available() {
-        // This machine: no ublk_drv. Debian 13's VM runs the other branch
-        // (scripts/vm/transports.sh).
-        let (ok, text) = tmem(&["swap", "up", "--size", "512M", "--runtime-dir", s.dir(), "--transport", "ublk"]);
-        assert!(!ok && text.contains("--transport ublk: ") && text.contains("/dev/ublk-control"), "{text}");
-        assert!(text.contains(why.split(';').next().unwrap()), "the reason {why:?} in: {text}");
-        assert_clean(&s);
-        // auto says why it did not take ublk.
-        let up = s.swap_up("1G");
-        assert!(up.contains("transport: fuse (auto: FUSE + loop, as there is no ublk here"), "{up}");
-        s.swap_down();
-        assert_clean(&s);
-        return;
-    }
-    let up = s.swap_up_with("1G", &["--transport", "ublk"]);
-    assert!(up.contains("ublk device /dev/ublkb"), "{up}");
-    let transport = s.stat()[0]["transport"].clone();
-    assert_eq!(transport["kind"], "ublk", "{transport}");
-    let out = s.run_hog(256, 128);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && stdout.starts_with("OK "), "job: {:?} {stdout}", out.status);
-    let down = s.swap_down();
-    assert!(down.contains("ublk device") && down.contains("deleted"), "{down}");
-    assert!(tmem_ublk::devices().is_empty(), "ublk devices left: {:?}", tmem_ublk::devices());
-    assert_clean(&s);
+    kernel_transport("ublk", tmem_ublk::available(), "ublk device /dev/ublkb", ["ublk device", "deleted"]);
 }
