@@ -65,7 +65,8 @@
 //!    process's end is what quiesces them (the kernel keeps their requests,
 //!    and requeues those the old queues held), and the successor takes
 //!    each with `START_USER_RECOVERY` ([`tmem_ublk::UblkDevice::recover`]);
-//!    the kernel then reissues every kept request to it. If the old process still runs without saying `GONE` (it
+//!    the kernel then reissues every kept request to it. If the old
+//!    process still runs without saying `GONE` (it
 //!    gave up waiting and resumed), the successor exits at once and serves
 //!    nothing: two processes never serve the same pages.
 //!
