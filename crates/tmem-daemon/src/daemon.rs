@@ -989,22 +989,21 @@ impl Daemon {
             }
             #[cfg(feature = "fault-injection")]
             crate::fault::panic_in_teardown();
-            if let Some(id) = d.ublk_id {
-                self.delete_ublk(id)?;
+            // The kernel's own block device (ublk, NBD) goes now; a loop
+            // device is detached below.
+            let removed = match (d.ublk_id, d.nbd_index) {
+                (Some(id), _) => Some(self.delete_ublk(id).map(|()| ("ublk device", "deleted"))),
+                (None, Some(index)) => Some(self.disconnect_nbd(index).map(|()| ("NBD device", "disconnected"))),
+                (None, None) => None,
+            };
+            if let Some(removed) = removed {
+                let (what, how) = removed?;
                 {
                     let mut g = self.lock();
-                    (g.status.devices[i].loop_dev, g.status.devices[i].ublk_id) = (None, None);
+                    let s = &mut g.status.devices[i];
+                    (s.loop_dev, s.ublk_id, s.nbd_index) = (None, None, None);
                 }
-                self.step(format!("{}: ublk device {} deleted", d.name, dev.display()));
-                continue;
-            }
-            if let Some(index) = d.nbd_index {
-                self.disconnect_nbd(index)?;
-                {
-                    let mut g = self.lock();
-                    (g.status.devices[i].loop_dev, g.status.devices[i].nbd_index) = (None, None);
-                }
-                self.step(format!("{}: NBD device {} disconnected", d.name, dev.display()));
+                self.step(format!("{}: {what} {} {how}", d.name, dev.display()));
                 continue;
             }
             if let Err(e) = swap::loop_detach(dev) {
