@@ -10,7 +10,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 # Debian packages: real programs for corpus capture (python3, java, gcc, redis),
 # the kernel tools the tests drive, systemd-analyze and promtool.
-PKGS=(python3 default-jdk-headless gcc redis-server util-linux iproute2 e2fsprogs qemu-utils qemu-system-x86 libnbd-bin fuse3 systemd prometheus fonts-dejavu-core busybox-static nbd-client cpio mmdebstrap libclang-dev)
+PKGS=(python3 default-jdk-headless gcc redis-server util-linux iproute2 e2fsprogs qemu-utils qemu-system-x86 libnbd-bin fuse3 systemd prometheus fonts-dejavu-core busybox-static nbd-client cpio mmdebstrap kmod libclang-dev)
 missing=()
 for p in "${PKGS[@]}"; do
     # "install ok installed": a removed package whose configuration files
@@ -132,15 +132,25 @@ done
 dpkg --root="$DEBROOT" --force-not-root -r tmem >/dev/null
 test ! -e "$DEBROOT/usr/bin/tmem" || { echo "dpkg -r left /usr/bin/tmem" >&2; exit 1; }
 
-# A stock Debian kernel in QEMU (TCG), cgroup v2 only: tmem under the
-# kernel's NBD client, tmem swap up, and the pressure bench (reuses the
-# release build of the package above).
-step "VM test (scripts/vm-test.sh)"
-scripts/vm-test.sh
-# Debian 12 with systemd as PID 1: the package's unit (enable, reload and
-# restart under a swapping job, the watchdog, stop).
-step "VM test under systemd (scripts/vm-systemd.sh)"
-$SUDO env VM_DEB="$DEB" scripts/vm-systemd.sh
+# Stock Debian kernels in QEMU (TCG), cgroup v2 only: the transports, the
+# fronts, tmem swap up, the pressure bench (reuses the release build of the
+# package above). At the same time, Debian 12 with systemd as PID 1: the
+# package's unit (enable, reload and restart under a swapping job, the
+# watchdog, stop). Its root file system is built while the other guests
+# run; its output follows theirs.
+step "VM tests (scripts/vm-test.sh, and scripts/vm-systemd.sh beside it)"
+SYSTEMD_LOG="$(mktemp)"
+trap 'rm -f "$NEXTEST_LOG" "$SYSTEMD_LOG"; rm -rf "$DEBROOT"' EXIT
+$SUDO env VM_DEB="$DEB" scripts/vm-systemd.sh > "$SYSTEMD_LOG" 2>&1 &
+systemd_pid=$!
+vm_rc=0
+scripts/vm-test.sh || vm_rc=$?
+systemd_rc=0
+wait "$systemd_pid" || systemd_rc=$?
+step "VM test under systemd (scripts/vm-systemd.sh), its output"
+cat "$SYSTEMD_LOG"
+[ "$vm_rc" = 0 ] || { echo "scripts/vm-test.sh failed (exit $vm_rc)" >&2; exit 1; }
+[ "$systemd_rc" = 0 ] || { echo "scripts/vm-systemd.sh failed (exit $systemd_rc)" >&2; exit 1; }
 disk
 
 # One closing line for whoever reads the end of the log.

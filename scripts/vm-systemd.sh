@@ -15,7 +15,7 @@
 #            loads the three before tmem's unit starts;
 #   userland bookworm by mmdebstrap (the Essential packages, systemd, udev,
 #            kmod, util-linux, fuse3, fonts-dejavu-core, procps; no docs),
-#            cached as a tarball under target/vm-test keyed on the package
+#            cached as a tarball under target/vm-systemd keyed on the package
 #            list and options;
 #   root     the whole root file system is the initramfs (systemd runs from
 #            it as from a disk: there is no /etc/initrd-release);
@@ -23,7 +23,7 @@
 #            checks, which a oneshot unit (scripts/vm/tmem-vm-checks.service)
 #            runs after multi-user.target; they print "VM-SYSTEMD: ..." lines
 #            on the serial console, then it powers off.
-# The console log stays in target/vm-test/console-systemd.log.
+# The console log stays in target/vm-systemd/console-systemd.log.
 #
 # Usage: scripts/vm-systemd.sh               (root, for mmdebstrap and the guest's files; about
 #                                             3.5 minutes, 35 s more for a first mmdebstrap)
@@ -37,7 +37,9 @@ shopt -s inherit_errexit
 trap 'echo "vm-systemd: failed (line $LINENO, exit $?): $BASH_COMMAND" >&2' ERR
 cd "$(dirname "$0")/.."
 
-WORK=target/vm-test
+# A directory of its own (kernel cache included): scripts/test.sh runs
+# this beside scripts/vm-test.sh, which cleans target/vm-test as it goes.
+WORK=target/vm-systemd
 # A passing guest takes about 3 minutes here; the limit is for one that hangs.
 TIMEOUT=${VM_TIMEOUT:-900}
 CHECKS=${VM_CHECKS:-}

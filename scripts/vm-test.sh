@@ -144,14 +144,14 @@ rm -rf "$root"
 #   start_vm SUITE KDIR PROBE_MODE
 declare -A START=() KVER=()
 start_vm() {
-    local suite=$1 kdir=$2 probe=$3 vmlinuz kver release
+    local suite=$1 kdir=$2 probe=$3 smokes=$4 vmlinuz kver release
     case "$suite" in bookworm) release="Debian 12" ;; trixie) release="Debian 13" ;; esac
     vmlinuz=$(ls "$kdir"/boot/vmlinuz-*)
     kver=${vmlinuz##*/vmlinuz-}
     modules_cpio "$kdir" "$kver" "$WORK/modules-$suite.cpio.gz"
     cat "$WORK/common.cpio.gz" "$WORK/modules-$suite.cpio.gz" > "$WORK/initrd-$suite.gz"
     rm -f "$WORK/modules-$suite.cpio.gz"
-    echo "== $suite ($release): booting ${kdir##*/} ($kver; TCG, cgroup_no_v1=all, probe: $probe), at most ${TIMEOUT} s"
+    echo "== $suite ($release): booting ${kdir##*/} ($kver; TCG, cgroup_no_v1=all, probe: $probe, smokes: $smokes), at most ${TIMEOUT} s"
     local k v config=""
     for k in ZRAM ZRAM_WRITEBACK ZRAM_MEMORY_TRACKING ZRAM_TRACK_ENTRY_ACTIME ZSWAP BLK_DEV_NBD BLK_DEV_UBLK; do
         v=$(sed -n "s/^CONFIG_$k=//p" "$kdir"/boot/config-*)
@@ -167,7 +167,7 @@ start_vm() {
     # kmem_cache_alloc under MTTCG.
     timeout "$TIMEOUT" qemu-system-x86_64 -accel tcg,thread=single -m "$MEMORY" -smp 2 -nographic -no-reboot \
         -kernel "$vmlinuz" -initrd "$WORK/initrd-$suite.gz" \
-        -append "console=ttyS0 cgroup_no_v1=all panic=-1 loglevel=3 tmem_vm_probe=$probe" \
+        -append "console=ttyS0 cgroup_no_v1=all panic=-1 loglevel=3 tmem_vm_probe=$probe tmem_vm_smokes=$smokes" \
         </dev/null >"$WORK/console-$suite.log" 2>&1 &
     QEMU[$suite]=$!
 }
@@ -202,8 +202,11 @@ for suite in $KERNELS; do
 done
 # Both at once by default: each QEMU keeps one host CPU busy (thread=single).
 begin=$(date +%s)
+# The first kernel's guest also runs the kernel-independent checks (init.sh).
+smokes=1
 for suite in $KERNELS; do
-    start_vm "$suite" "${KDIR[$suite]}" "${PROBE[$suite]}"
+    start_vm "$suite" "${KDIR[$suite]}" "${PROBE[$suite]}" "$smokes"
+    smokes=0
     [ "$PARALLEL" = 1 ] || finish_vm
 done
 while [ "${#QEMU[@]}" -gt 0 ]; do finish_vm; done

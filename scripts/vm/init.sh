@@ -34,6 +34,12 @@ echo +memory > /sys/fs/cgroup/cgroup.subtree_control || fail "cannot enable the 
 # tmem_vm_probe=report (Debian 12's) only prints them.
 probe_mode=report
 case " $(cat /proc/cmdline) " in *" tmem_vm_probe=require "*) probe_mode=require ;; esac
+# tmem_vm_smokes=1: this guest also runs the checks that do not depend on
+# the kernel (tmem serve nbd under nbd-client, the pressure bench). Only
+# one guest of a run gets them, so that the guests, which run at once, end
+# at about the same time.
+smokes=0
+case " $(cat /proc/cmdline) " in *" tmem_vm_smokes=1 "*) smokes=1 ;; esac
 missing=""
 # fact NAME yes|no DETAIL [required]
 fact() {
@@ -103,21 +109,40 @@ lap "boot and probe"
 # Prints the kernel stacks of tmem's threads, once, if a `tmem ... down`
 # runs past 120 s: a hang that the guest's timeout would otherwise end
 # with nothing said.
+# hang_dump [PID...]: the kernel stacks of tmem's threads and of the PIDs
+# given, the daemon's log and dmesg.
+hang_dump() {
+    for q in $(pidof tmem) "$@"; do
+        say "hang: $q: $(tr '\0' ' ' < "/proc/$q/cmdline")"
+        for t in /proc/"$q"/task/*; do say "hang: $q/${t##*/} $(cat "$t/comm"): $(tr '\n' ' ' < "$t/stack")"; done
+    done
+    for log in /run/tmem*/daemon.log; do tail -n 40 "$log" | sed "s|^|VM-TEST: hang: $log: |"; done
+    dmesg | tail -n 30 | sed 's/^/VM-TEST: hang: dmesg: /'
+}
 hang_watch() {
     while sleep 10; do
         for p in $(pidof tmem); do
             case "$(tr '\0' ' ' < "/proc/$p/cmdline" 2> /dev/null)" in *" down"*) ;; *) continue ;; esac
             age=$(($(cut -d. -f1 /proc/uptime) - $(awk '{print int($22 / 100)}' "/proc/$p/stat")))
             [ "$age" -gt 120 ] || continue
-            for q in $(pidof tmem); do
-                say "hang: $q: $(tr '\0' ' ' < "/proc/$q/cmdline")"
-                for t in /proc/"$q"/task/*; do say "hang: $q/${t##*/} $(cat "$t/comm"): $(tr '\n' ' ' < "$t/stack")"; done
-            done
-            for log in /run/tmem*/daemon.log; do tail -n 40 "$log" | sed "s|^|VM-TEST: hang: $log: |"; done
-            dmesg | tail -n 30 | sed 's/^/VM-TEST: hang: dmesg: /'
+            hang_dump
             return
         done
     done
+}
+# wait_job PID SECS WHAT: waits for a background job; past SECS, dumps the
+# stacks (hang_dump, the job's own included) and fails.
+wait_job() {
+    n=0
+    while kill -0 "$1" 2> /dev/null; do
+        n=$((n + 1))
+        if [ "$n" -gt $(($2 * 10)) ]; then
+            hang_dump $(cat /sys/fs/cgroup/job/cgroup.procs 2> /dev/null)
+            fail "$3: still running after $2 s"
+        fi
+        sleep 0.1
+    done
+    wait "$1"
 }
 hang_watch &
 
@@ -147,6 +172,7 @@ job() {
 }
 
 # 1. tmem serve nbd, the kernel's NBD client, swap on /dev/nbd0.
+if [ "$smokes" = 1 ]; then
 tmem serve nbd --size 512M --pool-limit 256M --tcp 127.0.0.1:10809 --runtime-dir /run/tmem-nbd > /tmp/serve.log 2>&1 &
 SERVE=$!
 wait_for /run/tmem-nbd/ctl.sock
@@ -160,8 +186,10 @@ say "nbd: pages stored after the job: $stored"
 swapoff /dev/nbd0 || fail "swapoff /dev/nbd0"
 nbd-client -d /dev/nbd0 > /dev/null 2>&1
 kill "$SERVE"; wait "$SERVE" || fail "tmem serve nbd did not stop cleanly"
-
 lap "nbd"
+else
+    say "tmem serve nbd under nbd-client: checked in the other guest (tmem_vm_smokes)"
+fi
 
 # 2. tmem swap up without flags: --transport auto (ublk on Debian 13, FUSE +
 # loop on Debian 12, whose cloud kernel has no ublk), --front
@@ -185,10 +213,14 @@ lap "fronts"
 . /transports.sh
 
 # 3. The pressure bench on cgroup v2 (small: TCG is slow).
+if [ "$smokes" = 1 ]; then
 tmem bench pressure --workload-mib 96 --levels 100,50 --runs 1 --passes 1 --backends tmem --json /tmp/pressure.json > /tmp/pressure.log 2>&1 || fail "tmem bench pressure"
 say "bench pressure: $(grep -o '"cgroup_layout": *"[a-z0-9]*"' /tmp/pressure.json)"
 grep -A3 'wall time' /tmp/pressure.log | sed 's/^/VM-TEST:   /'
 lap "bench pressure"
+else
+    say "the pressure bench: run in the other guest (tmem_vm_smokes)"
+fi
 
 # Nothing left behind.
 [ "$(tail -n +2 /proc/swaps)" = "" ] || fail "swap left: $(cat /proc/swaps)"

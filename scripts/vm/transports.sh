@@ -49,7 +49,7 @@ for n in 1 2; do
     tmem swap restart > "/tmp/restart-$T-$n.log" 2>&1 || fail "tmem swap restart $n (transport $T): $(cat "/tmp/restart-$T-$n.log")"
     say "transport $T, restart $n: $(grep -E 'took over|handed|ublk device' "/tmp/restart-$T-$n.log" | tr '\n' ';')"
 done
-wait "$JOB" || fail "transport $T: the job failed across restarts"
+wait_job "$JOB" 300 "transport $T: the job across restarts" || fail "transport $T: the job failed across restarts"
 tmem stat | sed 's/^/VM-TEST:   /'
 tmem stat | grep -q "$T $swap_dev" || fail "transport $T: tmem stat does not name the transport and $swap_dev"
 reads=$(dev_counter read_ios)
