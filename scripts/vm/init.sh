@@ -133,10 +133,9 @@ hang_watch() {
 # wait_job PID SECS WHAT: waits for a background job; past SECS, dumps the
 # stacks (hang_dump, the job's own included) and fails.
 wait_job() {
-    n=0
+    end=$(($(cut -d. -f1 /proc/uptime) + $2))
     while kill -0 "$1" 2> /dev/null; do
-        n=$((n + 1))
-        if [ "$n" -gt $(($2 * 10)) ]; then
+        if [ "$(cut -d. -f1 /proc/uptime)" -gt "$end" ]; then
             hang_dump $(cat /sys/fs/cgroup/job/cgroup.procs 2> /dev/null)
             fail "$3: still running after $2 s"
         fi

@@ -17,6 +17,11 @@
 //! corpora do not give figures timed over a few microseconds. zram runs on a
 //! device hot-added for it and removed afterwards.
 //!
+//! The stores are built as the daemon builds its own: pages in a memfd
+//! (`StoreConfig::shared_memory`), so a put pays what the daemon's puts pay
+//! for fresh pool memory. Below the table, each tmem row's single-thread put
+//! is split into its stages (`store/breakdown.rs`).
+//!
 //! Dictionaries ("+dict") are trained on a 1-in-16 sample of the corpus being
 //! measured, as a daemon would train on the first pages it sees; the
 //! dictionary's memory is part of the pool memory.
@@ -27,6 +32,8 @@
 //! once the pages have gone unread; pool memory and gets are measured after
 //! that. The row also gives the CPU recompression spent per page moved.
 
+mod breakdown;
+
 use anyhow::anyhow;
 
 use crate::median;
@@ -36,10 +43,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::zram::{Budget, TimedPhase};
+use breakdown::PutBreakdown;
 use tmem_core::codec::{train_dictionary, CodecChoice};
 use tmem_core::{
-    DictTraining, GetOutcome, Incompressible, Key, PolicyConfig, PutOutcome, RecompressConfig, Store, StoreConfig,
-    PAGE_SIZE,
+    CodecConfig, DictTraining, GetOutcome, Incompressible, Key, PolicyConfig, PutOutcome, RecompressConfig, Store,
+    StoreConfig, PAGE_SIZE,
 };
 use tmem_corpus::Corpus;
 use tmem_sys::vmstat::{CpuMark, CpuSpent};
@@ -106,6 +114,10 @@ struct Row {
     recompress_cpu_us_per_page: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     recompressed_pages: Option<u64>,
+    /// tmem rows: CPU µs per page of each stage of a put, one thread
+    /// (`store/breakdown.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    put_breakdown: Option<PutBreakdown>,
 }
 
 /// The timed figures of a row.
@@ -293,17 +305,30 @@ pub fn run_store(args: &StoreBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn build_store(corpus: &Corpus, spec: &CodecSpec, dict_size: usize) -> anyhow::Result<Store> {
-    let codec = if spec.choice.dictionary {
+/// The codec a row puts with ("+dict": a dictionary trained on a 1-in-16
+/// sample of the corpus).
+fn put_codec(corpus: &Corpus, spec: &CodecSpec, dict_size: usize) -> anyhow::Result<CodecConfig> {
+    Ok(if spec.choice.dictionary {
         let sample = corpus.pages().step_by(16);
         let dict = train_dictionary(sample, dict_size)?;
         spec.choice.codec.with_dictionary(dict)
     } else {
         spec.choice.codec.clone()
-    };
-    // Like zram: keep every page, storing poorly compressible ones raw.
-    let policy = PolicyConfig { incompressible: Incompressible::StoreRaw, ..Default::default() };
-    Ok(StoreConfig { policy, codec: Some(codec), ..Default::default() }.build()?)
+    })
+}
+
+/// The policy of the bench's stores: like zram, keep every page, storing
+/// poorly compressible ones raw.
+fn store_policy() -> PolicyConfig {
+    PolicyConfig { incompressible: Incompressible::StoreRaw, ..Default::default() }
+}
+
+/// A store as the daemon builds one: its pages in a memfd (`shared_memory`,
+/// which a restart hands over), putting with `codec`.
+fn build_store(codec: &CodecConfig) -> anyhow::Result<Store> {
+    let cfg =
+        StoreConfig { policy: store_policy(), codec: Some(codec.clone()), shared_memory: true, ..Default::default() };
+    Ok(cfg.build()?)
 }
 
 /// Key of page `i` of copy `copy` of a corpus of `n` pages.
@@ -327,9 +352,10 @@ fn bench_tmem(
     if n == 0 {
         return Err(anyhow!("corpus has no pages"));
     }
+    let codec = put_codec(corpus, spec, dict_size)?;
     // Memory figures: every page once, untimed.
     let st = {
-        let store = build_store(corpus, spec, dict_size)?;
+        let store = build_store(&codec)?;
         let pool = store.create_pool(tmem_core::PoolConfig::persistent());
         for (i, p) in corpus.pages().enumerate() {
             expect_stored(pool.put(key(0, n, i), p), i)?;
@@ -345,8 +371,10 @@ fn bench_tmem(
     let mut out = vec![1u8; Budget::copies_for(n * PAGE_SIZE) * n * PAGE_SIZE];
     let mut all: Rounds = Vec::with_capacity(rounds);
     for _ in 0..rounds {
-        all.push(tmem_round(corpus, spec, threads, dict_size, &mut out)?);
+        all.push(tmem_round(corpus, spec, &codec, threads, &mut out)?);
     }
+    // One run: its stages are timed with the thread's own CPU clock.
+    let stages = breakdown::measure(corpus, &codec.build()?, &store_policy(), || build_store(&codec))?;
     let mut row = Row {
         backend: format!("tmem {}", spec.label),
         pages: n as u64,
@@ -366,6 +394,7 @@ fn bench_tmem(
             (moved > 0 && (moved >= 16_384 || secs >= 0.2)).then(|| secs * 1e6 / moved as f64)
         }),
         recompressed_pages: recompressed.map(|(_, moved)| moved),
+        put_breakdown: Some(stages),
     };
     set_figures(&mut row, &all);
     Ok(row)
@@ -378,8 +407,8 @@ fn bench_tmem(
 fn tmem_round(
     corpus: &Corpus,
     spec: &CodecSpec,
+    codec: &CodecConfig,
     threads: usize,
-    dict_size: usize,
     out: &mut [u8],
 ) -> anyhow::Result<[TimedPhase; 4]> {
     let n = corpus.page_count();
@@ -387,7 +416,7 @@ fn tmem_round(
     let copies = out.len() / len;
 
     // One thread.
-    let store = build_store(corpus, spec, dict_size)?;
+    let store = build_store(codec)?;
     let pool = store.create_pool(tmem_core::PoolConfig::persistent());
     let budget = Budget::new();
     budget.begin();
@@ -427,7 +456,7 @@ fn tmem_round(
     drop(store);
 
     // All threads, disjoint page ranges of every copy.
-    let store = build_store(corpus, spec, dict_size)?;
+    let store = build_store(codec)?;
     let pool = store.create_pool(tmem_core::PoolConfig::persistent());
     let chunk = n.div_ceil(threads);
     let range = |t: usize| (t * chunk).min(n)..((t + 1) * chunk).min(n);
@@ -584,6 +613,7 @@ fn bench_zram(corpus: &Corpus, alg: &str, threads: usize) -> anyhow::Result<Row>
         zram_device: Some(r.device.clone()),
         recompress_cpu_us_per_page: None,
         recompressed_pages: None,
+        put_breakdown: None,
     };
     set_figures(&mut row, &[[r.put_1t, r.get_1t, r.put_mt, r.get_mt]]);
     Ok(row)
@@ -690,4 +720,42 @@ fn print_table(r: &CorpusResult) {
     if let Some(why) = &r.zram_skipped {
         println!("(zram not measured: {why})");
     }
+    print_breakdown(r);
+}
+
+/// Where each tmem row's put goes, beside zram's whole put.
+fn print_breakdown(r: &CorpusResult) {
+    let rows: Vec<(&Row, PutBreakdown)> = r.rows.iter().filter_map(|row| Some((row, row.put_breakdown?))).collect();
+    if rows.is_empty() {
+        return;
+    }
+    let mut t = crate::table::plain([
+        "put, 1 thread".to_owned(),
+        "scan".into(),
+        "compress".into(),
+        "checksum".into(),
+        "allocate".into(),
+        "index, rest".into(),
+        "put".into(),
+    ]);
+    for (row, b) in &rows {
+        let mut cells = vec![row.backend.clone()];
+        cells.extend(
+            [b.scan_us, b.compress_us, b.checksum_us, b.allocate_us, b.rest_us(), b.put_us]
+                .map(|us| format!("{us:.2}")),
+        );
+        t.add_row(cells);
+    }
+    for row in r.rows.iter().filter(|row| row.backend.starts_with("zram")) {
+        let put = row.timings.put_cpu_us_per_page_1t.map_or_else(|| "n/a".to_owned(), |us| format!("{us:.2}"));
+        t.add_row([row.backend.clone(), "".into(), "".into(), "".into(), "".into(), "".into(), put]);
+    }
+    println!("{t}");
+    println!(
+        "(CPU us per page put, one thread, each stage timed alone over the same pages with the thread's CPU clock, \
+         for at least {} ms: scan for a repeated word; compress (pages that are not one repeated word); CRC32 of the \
+         stored bytes; allocate a slot and copy into it, page faults of fresh memfd spans included; \
+         \"index, rest\" is the whole put less those. zram's row is its whole put from the table above.)",
+        breakdown::MIN_STAGE.as_millis()
+    );
 }
