@@ -47,7 +47,8 @@ JOB=$!
 for n in 1 2; do
     sleep 3
     tmem swap restart > "/tmp/restart-$T-$n.log" 2>&1 || fail "tmem swap restart $n (transport $T): $(cat "/tmp/restart-$T-$n.log")"
-    say "transport $T, restart $n: $(grep -E 'took over|handed|ublk device' "/tmp/restart-$T-$n.log" | tr '\n' ';')"
+    say "transport $T, restart $n: $(grep -E 'took over|took ublk|handed|ublk device' "/tmp/restart-$T-$n.log" | tr '\n' ';')"
+    [ "$T" != ublk ] || grep -q "took ublk device" "/tmp/restart-$T-$n.log" || fail "transport $T, restart $n: no ublk device taken over"
 done
 wait_job "$JOB" 300 "transport $T: the job across restarts" || fail "transport $T: the job failed across restarts"
 tmem stat | sed 's/^/VM-TEST:   /'

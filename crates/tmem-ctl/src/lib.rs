@@ -114,7 +114,8 @@ impl Response {
 /// What the daemon set up, answered to `status`.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct Status {
-    /// `starting`, `up`, `stopping`.
+    /// `starting`, `up`, `stopping`; a successor of a restart that takes
+    /// ublk devices over is `recovering ublk devices` until it has.
     pub state: String,
     /// Daemon pid.
     pub pid: u32,

@@ -115,6 +115,10 @@ const TAKEN: u8 = b'K';
 const FAILED: u8 = b'F';
 const GONE: u8 = b'G';
 const LOCKED: u8 = b'L';
+/// A successor's state from `LOCKED` until its ublk devices are taken.
+pub const RECOVERING: &str = "recovering ublk devices";
+/// What a successor's step says of a ublk device it could not take.
+pub const UBLK_NOT_RECOVERED: &str = "user recovery failed";
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Hello {
@@ -942,7 +946,11 @@ fn take(
     let tier_pages = stores.clone().map(|s| s.stats().total.tier_pages).sum();
     let tiers = stores.flat_map(|s| s.tiers()).map(|t| t.name().to_owned()).collect();
     let report = TakeReport { pages, bytes, images, tier_pages, tiers };
-    let status = Status { state: "up".into(), pid: std::process::id(), steps, ..old.clone() };
+    // With ublk devices to take (after LOCKED), "up" waits for them: `swap
+    // restart` reports once the successor serves, so it reports their
+    // recovery too.
+    let state = if ublk.is_empty() { "up" } else { RECOVERING };
+    let status = Status { state: state.into(), pid: std::process::id(), steps, ..old.clone() };
     let dir = RuntimeDir::open(dir.path())?;
     let daemon = Daemon::new(spec, dir, lock_file, (devices, caches), status, tx, signalled);
     daemon.lock().fuse = fuse;
@@ -1027,7 +1035,19 @@ impl Daemon {
     /// Takes the handed ublk devices with user recovery: each waits (up
     /// to 30 s) for the predecessor's end, which quiesces it; then the
     /// kernel reissues every request it kept to this process's queues.
+    /// Each outcome is a step, so `swap restart` prints it; the state is
+    /// `up` once all are done.
     fn recover_ublk(&self, handed: Vec<HandedUblk>) {
+        if handed.is_empty() {
+            return;
+        }
+        self.take_ublk(handed);
+        self.lock().status.state = "up".into();
+        let status = self.status();
+        self.save_state(&status);
+    }
+
+    fn take_ublk(&self, handed: Vec<HandedUblk>) {
         let exports = self.exports();
         for h in handed {
             let Some((name, device)) = exports.get(h.export) else {
@@ -1050,12 +1070,17 @@ impl Daemon {
                     self.step(line);
                     self.lock().ublk.push(u);
                 }
-                Err(e) => crate::daemon::warn(&format!(
-                    "/dev/ublkb{}: user recovery failed, so its requests wait: {e}; end this daemon (kill {}) and \
-                     run `tmem swap down`, which takes the device over, fails its requests and removes it",
-                    h.id,
-                    std::process::id()
-                )),
+                Err(e) => {
+                    let line = format!(
+                        "warning: /dev/ublkb{}: {UBLK_NOT_RECOVERED}, so its requests wait: {e}; end this daemon \
+                         (kill {}) and run `tmem swap down`, which takes the device over, fails its requests and \
+                         removes it",
+                        h.id,
+                        std::process::id()
+                    );
+                    crate::daemon::warn(&line);
+                    self.lock().status.steps.push(line);
+                }
             }
         }
     }

@@ -44,7 +44,7 @@ pub fn restart(a: &RestartArgs) -> anyhow::Result<()> {
         println!("{s}");
     }
     println!("tmem swap restarted: daemon pid {} -> {}{}", done.old, done.new, done.since);
-    Ok(())
+    done.every_ublk_taken()
 }
 
 /// The stop of a `systemctl restart` (`swap down --unless-restarting`):
@@ -64,6 +64,7 @@ pub fn hand_over_for_restart(dir: &Path, wait: u64) -> anyhow::Result<bool> {
         println!("{s}");
     }
     println!("tmem swap handed over: daemon pid {} -> {} (outside {unit}){}", done.old, done.new, done.since);
+    done.every_ublk_taken()?;
     Ok(true)
 }
 
@@ -75,6 +76,20 @@ struct Done {
     steps: Vec<String>,
     /// What happened since, when another restart replaced the new daemon.
     since: String,
+}
+
+impl Done {
+    /// An error where the new daemon serves but could not take a ublk
+    /// device over (its step, printed above, says which and what to do).
+    fn every_ublk_taken(&self) -> anyhow::Result<()> {
+        if self.steps.iter().any(|s| s.contains(tmem_daemon::handover::UBLK_NOT_RECOVERED)) {
+            anyhow::bail!(
+                "daemon pid {} serves, but a ublk device was not taken over and its requests wait (see above)",
+                self.new
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Starts `tmem daemon --takeover DIR` and waits until it serves and the
