@@ -1047,6 +1047,7 @@ impl Daemon {
         self.save_state(&status);
     }
 
+    /// Recovers each handed device; a step for each outcome.
     fn take_ublk(&self, handed: Vec<HandedUblk>) {
         let exports = self.exports();
         for h in handed {
