@@ -374,7 +374,7 @@ fn bench_tmem(
         all.push(tmem_round(corpus, spec, &codec, threads, &mut out)?);
     }
     // One run: its stages are timed with the thread's own CPU clock.
-    let stages = breakdown::measure(corpus, &codec.build()?, &store_policy(), || build_store(&codec))?;
+    let stages = breakdown::measure(corpus, &codec)?;
     let mut row = Row {
         backend: format!("tmem {}", spec.label),
         pages: n as u64,

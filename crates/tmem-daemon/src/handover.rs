@@ -116,7 +116,7 @@ const FAILED: u8 = b'F';
 const GONE: u8 = b'G';
 const LOCKED: u8 = b'L';
 /// A successor's state from `LOCKED` until its ublk devices are taken.
-pub const RECOVERING: &str = "recovering ublk devices";
+const RECOVERING: &str = "recovering ublk devices";
 /// What a successor's step says of a ublk device it could not take.
 pub const UBLK_NOT_RECOVERED: &str = "user recovery failed";
 
@@ -1041,14 +1041,6 @@ impl Daemon {
         if handed.is_empty() {
             return;
         }
-        self.take_ublk(handed);
-        self.lock().status.state = "up".into();
-        let status = self.status();
-        self.save_state(&status);
-    }
-
-    /// Recovers each handed device; a step for each outcome.
-    fn take_ublk(&self, handed: Vec<HandedUblk>) {
         let exports = self.exports();
         for h in handed {
             let Some((name, device)) = exports.get(h.export) else {
@@ -1084,6 +1076,9 @@ impl Daemon {
                 }
             }
         }
+        self.lock().status.state = "up".into();
+        let status = self.status();
+        self.save_state(&status);
     }
 }
 

@@ -17,13 +17,12 @@
 //! separate runs, so on a noisy machine their sum can exceed the put
 //! ("index, rest" below zero): compare rows of one run, and runs.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
 use tmem_core::alloc::{AllocConfig, ZsAlloc};
-use tmem_core::codec::{same_filled, Codec, CompressBuf, COMPRESS_BUF_SIZE};
-use tmem_core::{Key, PolicyConfig, Store, PAGE_SIZE};
+use tmem_core::codec::{same_filled, CompressBuf, COMPRESS_BUF_SIZE};
+use tmem_core::{CodecConfig, Key, PAGE_SIZE};
 use tmem_corpus::Corpus;
 
 /// Least time a stage runs.
@@ -76,15 +75,11 @@ fn stage(pages: usize, corpus_pages: usize, mut pass: impl FnMut(usize) -> anyho
     Ok((thread_cpu() - cpu).as_secs_f64() * 1e6 / (passes * corpus_pages) as f64)
 }
 
-/// One run of every stage over `corpus`, putting with `codec` under
-/// `policy` (incompressible pages stored raw, as the bench's stores do);
-/// `store` builds a fresh store like the one measured.
-pub fn measure(
-    corpus: &Corpus,
-    codec: &Arc<dyn Codec>,
-    policy: &PolicyConfig,
-    store: impl Fn() -> anyhow::Result<Store>,
-) -> anyhow::Result<PutBreakdown> {
+/// One run of every stage over `corpus`, putting with `codec` into the
+/// bench's stores (`super::build_store`; incompressible pages stored raw).
+pub fn measure(corpus: &Corpus, codec: &CodecConfig) -> anyhow::Result<PutBreakdown> {
+    let (policy, store) = (super::store_policy(), super::build_store(codec)?);
+    let codec = codec.build()?;
     let pages: Vec<&[u8; PAGE_SIZE]> = corpus.pages().collect();
     let mut seen = 0u64;
     let n = pages.len();
@@ -138,7 +133,6 @@ pub fn measure(
     })?;
     drop(alloc);
 
-    let store = store()?;
     let pool = store.create_pool(tmem_core::PoolConfig::persistent());
     let put_us = stage(n, n, |pass| {
         for (i, p) in pages.iter().enumerate() {
@@ -156,10 +150,8 @@ mod tests {
     #[test]
     fn every_stage_is_measured_on_a_builtin_corpus() {
         let corpus = Corpus::builtin().into_iter().next().expect("a built-in corpus");
-        let codec = tmem_core::CodecConfig::parse("lz4").expect("lz4");
-        let built = codec.build().expect("codec");
-        let b = measure(&corpus, &built, &super::super::store_policy(), || super::super::build_store(&codec))
-            .expect("measured");
+        let codec = CodecConfig::parse("lz4").expect("lz4");
+        let b = measure(&corpus, &codec).expect("measured");
         for (stage, us) in [
             ("scan", b.scan_us),
             ("compress", b.compress_us),
