@@ -746,11 +746,12 @@ impl Daemon {
             |g, i, ublk| {
                 let node = ublk.node();
                 let line = format!(
-                    "ublk device {} ({} queues of {} requests, a thread each; {})",
+                    "ublk device {} ({} queues of {} requests, a thread each; {}; io_timeout {} ms)",
                     node.display(),
                     ublk.queues(),
                     config.depth,
-                    ublk.features()
+                    ublk.features(),
+                    tmem_ublk::REQUEST_TIMEOUT_MS
                 );
                 let d = &mut g.status.devices[i];
                 (d.file, d.loop_dev, d.ublk_id) = (node.clone(), Some(node), Some(ublk.id()));

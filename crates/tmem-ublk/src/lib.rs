@@ -27,6 +27,15 @@
 //!   The successor takes the device with `START_USER_RECOVERY` and its own
 //!   queues ([`UblkDevice::recover`]), and the kernel reissues them all to
 //!   it: none fails.
+//! - **A server's end seen at once.** Linux 6.12's driver learns that its
+//!   server ended from the server's pending fetch commands, which io_uring
+//!   cancels at exit. A queue whose every tag was handed to the server (a
+//!   paused queue under swap load) has none, so the driver only learns it
+//!   from the request timeout, 30 s by default: a successor's
+//!   `START_USER_RECOVERY` met EBUSY for 30.1 and 31.8 s (Debian 13 guest,
+//!   TCG), in 2 runs of 2. Each device's `io_timeout` is set to
+//!   [`REQUEST_TIMEOUT_MS`]: while the server lives, a request past it only
+//!   has its timer reset (`ublk_timeout`).
 //! - **Crash.** A server that dies without handing over leaves its device
 //!   quiesced, with every request waiting. The device must not be stopped
 //!   while a swap area is on it: the block device goes, and a swap area on
@@ -66,6 +75,10 @@ const BLOCK_SHIFT: u8 = 12;
 const MAX_DISCARD_SECTORS: u32 = 1 << 21;
 /// The flags every device of this crate is made with.
 const CTRL_FLAGS: u64 = (sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE) as u64;
+/// The request timeout each device gets (`queue/io_timeout`, ms): how long
+/// after its server's end the driver may take to quiesce the device for a
+/// successor, when every tag of a queue was in the server's hands.
+pub const REQUEST_TIMEOUT_MS: u32 = 1000;
 /// The target name the driver's json records.
 const TARGET: &str = "tmem";
 
@@ -293,6 +306,12 @@ impl UblkDevice {
                 Err(_) => "panicked before the device started".into(),
             };
             return Err(UblkError::Thread { what: format!("device {id}"), detail });
+        }
+        // A recovered device keeps its disk, and with it the timeout; set
+        // it again for one that an older server made.
+        let timeout = format!("/sys/block/ublkb{id}/queue/io_timeout");
+        if let Err(e) = std::fs::write(&timeout, REQUEST_TIMEOUT_MS.to_string()) {
+            tracing::warn!("{timeout}: {e}: a successor may wait up to the default 30 s to take this device");
         }
         Ok(UblkDevice { ctrl, id, queues, gate, runner: Some(runner), features, handed_over: AtomicBool::new(false) })
     }
