@@ -3,13 +3,17 @@
 //! by a second store in the same process, and every page mapped again.
 //!
 //! ```sh
-//! cargo run --release -p tmem-core --example handover_image -- 357000
+//! cargo run --release -p tmem-core --example handover_image -- 357000 [REPEAT]
 //! ```
+//!
+//! With REPEAT, the export and the import run that many times on the same
+//! sealed store, and the fastest of each is printed.
 use std::time::Instant;
 use tmem_core::{Key, PoolConfig, Store, StoreConfig, PAGE_SIZE};
 
 fn main() {
     let pages: u64 = std::env::args().nth(1).map_or(357_000, |a| a.parse().expect("a page count"));
+    let repeat: u32 = std::env::args().nth(2).map_or(1, |a| a.parse().expect("a repeat count"));
     let cfg = || StoreConfig { shared_memory: true, shards: 16, ..Default::default() };
     let a = cfg().build().unwrap();
     let pool = a.create_pool(PoolConfig::persistent());
@@ -31,21 +35,28 @@ fn main() {
     }
     let span = a.stats().alloc.span_bytes;
     a.seal(true);
-    let t = Instant::now();
-    let mut image = Vec::new();
-    a.export_image(&mut image).unwrap();
-    let export = t.elapsed();
-    let fd = a.memfd().unwrap().try_clone_to_owned().unwrap();
-    let t = Instant::now();
-    let (b, sum) = Store::import_image(cfg(), &mut image.as_slice(), fd).unwrap();
-    let import = t.elapsed();
+    let (mut export, mut import) = (std::time::Duration::MAX, std::time::Duration::MAX);
+    let mut last = None;
+    for _ in 0..repeat.max(1) {
+        let t = Instant::now();
+        let mut image = Vec::new();
+        a.export_image(&mut image).unwrap();
+        export = export.min(t.elapsed());
+        let fd = a.memfd().unwrap().try_clone_to_owned().unwrap();
+        drop(last.take());
+        let t = Instant::now();
+        let imported = Store::import_image(cfg(), &mut image.as_slice(), fd).unwrap();
+        import = import.min(t.elapsed());
+        last = Some((imported, image.len()));
+    }
+    let ((b, sum), image_len) = last.expect("one run");
     let per = |d: std::time::Duration| d.as_secs_f64() * 1e9 / sum.pages as f64;
     println!(
         "{} pages, {} MiB of pool, image {} bytes ({:.1} per page)",
         sum.pages,
         span >> 20,
-        image.len(),
-        image.len() as f64 / sum.pages as f64
+        image_len,
+        image_len as f64 / sum.pages as f64
     );
     println!("export {:>7.1} ms  {:>6.0} ns/page", export.as_secs_f64() * 1e3, per(export));
     println!(

@@ -321,6 +321,26 @@ impl Shard {
         old
     }
 
+    /// Inserts an entry whose key is not in the shard, with one probe of
+    /// the table (a hand-over's import); false, and nothing changed, if
+    /// the key is there.
+    pub fn insert_new(&mut self, e: Entry, hash: u64) -> bool {
+        let key = e.key();
+        let entries = &self.entries;
+        let hasher = |&x: &u32| hash_key(entries.get(x).key());
+        let hashbrown::hash_table::Entry::Vacant(slot) =
+            self.table.entry(hash, |&h| entries.get(h).key() == key, hasher)
+        else {
+            return false;
+        };
+        let h = self.entries.insert(e);
+        slot.insert(h);
+        if !e.has(F_TIER) {
+            self.lru_push_front(h);
+        }
+        true
+    }
+
     pub fn remove_key(&mut self, key: Key, hash: u64) -> Option<Entry> {
         let entries = &self.entries;
         let found = self.table.find_entry(hash, |&h| entries.get(h).key() == key).ok()?;
@@ -578,6 +598,24 @@ mod tests {
         let before = s.meta_bytes();
         s.shrink_if_sparse();
         assert_eq!(s.meta_bytes(), before);
+    }
+
+    #[test]
+    fn insert_new_refuses_a_key_that_is_there_and_changes_nothing() {
+        let mut s = Shard::new();
+        assert!(s.insert_new(Entry::new(key(1), 10, 0, 10, 1, 0), hash_key(key(1))));
+        assert!(s.insert_new(Entry::new(key(2), 20, 0, 10, 1, 0), hash_key(key(2))));
+        let order = s.lru_order();
+        assert!(!s.insert_new(Entry::new(key(1), 99, 0, 10, 1, 0), hash_key(key(1))));
+        assert_eq!(s.entries.live(), 2);
+        assert_eq!(s.lru_order(), order);
+        let h = s.find(key(1), hash_key(key(1))).unwrap();
+        assert_eq!(s.entries.get(h).loc, 10, "the entry that was there stays");
+        // A page in a tier stays off the LRU, as with insert.
+        let mut tiered = Entry::new(key(3), 0, 0, 10, 1, 0);
+        tiered.set_tier(0, 7);
+        assert!(s.insert_new(tiered, hash_key(key(3))));
+        assert_eq!(s.lru_order(), order);
     }
 
     #[test]
