@@ -131,45 +131,49 @@ fn bad(what: impl Into<String>) -> StoreError {
     StoreError::Handover(what.into())
 }
 
-/// Bytes of small writes (or reads) gathered before they are hashed (and
-/// written) at once: CRC-32 costs about as much per call as per 64 bytes, and
-/// an image is mostly fields of 1-8 bytes (the allocator's tables: 40 % of
-/// an export's time and a quarter of an import's went to those calls).
+/// Bytes of small writes (or reads) gathered before they are hashed at
+/// once: CRC-32 costs about as much per call as per 64 bytes, and an image
+/// is mostly fields of 1-8 bytes (the allocator's tables: 40 % of an
+/// export's time and a quarter of an import's went to those calls).
 const GATHER: usize = 8 << 10;
 
-/// Writes the stream, keeping a CRC-32 of everything written.
-struct W<'a> {
-    out: &'a mut dyn Write,
+/// A CRC-32 of many small pieces, hashed [`GATHER`] bytes at a time.
+struct GatheredCrc {
     crc: crc32fast::Hasher,
-    /// Written, not yet hashed nor passed on.
+    /// Taken, not yet hashed.
     pending: Vec<u8>,
 }
 
-impl<'a> W<'a> {
-    fn new(out: &'a mut dyn Write) -> Self {
-        W { out, crc: crc32fast::Hasher::new(), pending: Vec::with_capacity(GATHER) }
+impl GatheredCrc {
+    fn new() -> Self {
+        GatheredCrc { crc: crc32fast::Hasher::new(), pending: Vec::with_capacity(GATHER) }
     }
-    fn pass_on(&mut self) -> Result<(), StoreError> {
-        self.crc.update(&self.pending);
-        self.out.write_all(&self.pending).map_err(io_err)?;
-        self.pending.clear();
-        Ok(())
-    }
-    /// The CRC-32 of everything written so far, all of it passed on.
-    fn crc(&mut self) -> Result<u32, StoreError> {
-        self.pass_on()?;
-        Ok(self.crc.clone().finalize())
-    }
-    fn bytes(&mut self, b: &[u8]) -> Result<(), StoreError> {
+    fn update(&mut self, b: &[u8]) {
         if self.pending.len() + b.len() > GATHER {
-            self.pass_on()?;
+            self.crc.update(&self.pending);
+            self.pending.clear();
         }
         if b.len() >= GATHER {
             self.crc.update(b);
-            return self.out.write_all(b).map_err(io_err);
+        } else {
+            self.pending.extend_from_slice(b);
         }
-        self.pending.extend_from_slice(b);
-        Ok(())
+    }
+    /// The CRC-32 of everything taken so far.
+    fn value(&mut self) -> u32 {
+        self.crc.update(&self.pending);
+        self.pending.clear();
+        self.crc.clone().finalize()
+    }
+}
+
+/// Writes the stream, keeping a CRC-32 of everything written.
+struct W<'a>(&'a mut dyn Write, GatheredCrc);
+
+impl W<'_> {
+    fn bytes(&mut self, b: &[u8]) -> Result<(), StoreError> {
+        self.1.update(b);
+        self.0.write_all(b).map_err(io_err)
     }
     fn u8(&mut self, v: u8) -> Result<(), StoreError> {
         self.bytes(&[v])
@@ -190,34 +194,12 @@ impl<'a> W<'a> {
 
 /// Reads the stream, keeping a CRC-32 of everything read: a flipped bit
 /// anywhere (a key, a count) fails the import at the end, not only in data.
-struct R<'a> {
-    input: &'a mut dyn Read,
-    crc: crc32fast::Hasher,
-    /// Read, not yet hashed ([`GATHER`]).
-    pending: Vec<u8>,
-}
+struct R<'a>(&'a mut dyn Read, GatheredCrc);
 
-impl<'a> R<'a> {
-    fn new(input: &'a mut dyn Read) -> Self {
-        R { input, crc: crc32fast::Hasher::new(), pending: Vec::with_capacity(GATHER) }
-    }
-    /// The CRC-32 of everything read so far.
-    fn crc(&mut self) -> u32 {
-        self.crc.update(&self.pending);
-        self.pending.clear();
-        self.crc.clone().finalize()
-    }
+impl R<'_> {
     fn fill(&mut self, b: &mut [u8]) -> Result<(), StoreError> {
-        self.input.read_exact(b).map_err(io_err)?;
-        if self.pending.len() + b.len() > GATHER {
-            self.crc.update(&self.pending);
-            self.pending.clear();
-        }
-        if b.len() >= GATHER {
-            self.crc.update(b);
-        } else {
-            self.pending.extend_from_slice(b);
-        }
+        self.0.read_exact(b).map_err(io_err)?;
+        self.1.update(b);
         Ok(())
     }
     fn array<const N: usize>(&mut self) -> Result<[u8; N], StoreError> {
@@ -597,7 +579,7 @@ impl Store {
     fn export_as(&self, w: &mut dyn Write, image: bool) -> Result<HandoverSummary, StoreError> {
         let sh = &*self.shared;
         let pools = sh.pools.read().clone();
-        let mut w = W::new(w);
+        let mut w = W(w, GatheredCrc::new());
         let mut sum = HandoverSummary::default();
         if image {
             w.bytes(IMAGE_MAGIC)?;
@@ -688,10 +670,9 @@ impl Store {
             }
         }
         w.bytes(if image { IMAGE_MAGIC } else { MAGIC })?;
-        let crc = w.crc()?;
+        let crc = w.1.value();
         w.u32(crc)?;
-        w.pass_on()?;
-        w.out.flush().map_err(io_err)?;
+        w.0.flush().map_err(io_err)?;
         Ok(sum)
     }
 
@@ -736,7 +717,7 @@ impl Store {
         memfd: Option<std::os::fd::OwnedFd>,
         tiers: ImportTiers<'_>,
     ) -> Result<(Store, HandoverSummary), StoreError> {
-        let mut r = R::new(r);
+        let mut r = R(r, GatheredCrc::new());
         let magic = r.array::<8>()?;
         let image = memfd.is_some();
         let mut image_version = 0;
@@ -882,7 +863,7 @@ impl Store {
         if &r.array::<8>()? != if image { IMAGE_MAGIC } else { MAGIC } {
             return Err(bad("the export does not end where its counts say"));
         }
-        let crc = r.crc();
+        let crc = r.1.value();
         if r.u32()? != crc {
             return Err(bad("the stream's checksum does not match: it was damaged on the way"));
         }
