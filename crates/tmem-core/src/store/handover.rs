@@ -524,6 +524,39 @@ fn write_image_records(w: &mut W<'_>, s: &Shard, sum: &mut HandoverSummary) -> R
     w.bytes(&buf[..n * IMAGE_RECORD])
 }
 
+/// Writes every single page (not in a group) of `s` as a stream record,
+/// its stored bytes included.
+fn write_stream_records(w: &mut W<'_>, sh: &Shared, s: &Shard, sum: &mut HandoverSummary) -> Result<(), StoreError> {
+    for h in s.entries.live_handles() {
+        let e = s.entries.get(h);
+        if e.has(F_GROUP) {
+            continue;
+        }
+        w.u64(e.object)?;
+        w.u64(e.index)?;
+        w.u8(record_flags(e))?;
+        w.u8(e.codec())?;
+        w.u32(e.check)?;
+        if e.has(F_SAME) {
+            w.u64(e.loc)?;
+        } else if e.has(F_TIER) {
+            w.u32(u32::try_from(e.len()).expect("an object is under a page"))?;
+            w.u64(e.loc)?;
+        } else {
+            let loc = e.alloc_loc().expect("a pool page without tiers has an object");
+            // SAFETY: `e` is live in `s`, whose lock the caller holds, so
+            // the object is neither freed nor moved while we read it, and
+            // `e.len()` is its length.
+            let data = unsafe { sh.alloc.object(loc, e.len()) };
+            w.u32(u32::try_from(data.len()).expect("an object is under a page"))?;
+            w.bytes(data)?;
+            sum.object_bytes += data.len() as u64;
+        }
+        sum.pages += 1;
+    }
+    Ok(())
+}
+
 fn bad_len(_: std::num::TryFromIntError) -> StoreError {
     bad("a count larger than this machine's address space")
 }
@@ -634,33 +667,8 @@ impl Store {
                 w.u64(singles as u64)?;
                 if image {
                     write_image_records(&mut w, &s, &mut sum)?;
-                }
-                for h in s.entries.live_handles().filter(|_| !image) {
-                    let e = s.entries.get(h);
-                    if e.has(F_GROUP) {
-                        continue;
-                    }
-                    w.u64(e.object)?;
-                    w.u64(e.index)?;
-                    w.u8(record_flags(e))?;
-                    w.u8(e.codec())?;
-                    w.u32(e.check)?;
-                    if e.has(F_SAME) {
-                        w.u64(e.loc)?;
-                    } else if e.has(F_TIER) {
-                        w.u32(u32::try_from(e.len()).expect("an object is under a page"))?;
-                        w.u64(e.loc)?;
-                    } else {
-                        let loc = e.alloc_loc().expect("a pool page without tiers has an object");
-                        // SAFETY: `e` is live in this shard, whose lock we
-                        // hold, so the object is neither freed nor moved
-                        // while we read it, and `e.len()` is its length.
-                        let data = unsafe { sh.alloc.object(loc, e.len()) };
-                        w.u32(u32::try_from(data.len()).expect("an object is under a page"))?;
-                        w.bytes(data)?;
-                        sum.object_bytes += data.len() as u64;
-                    }
-                    sum.pages += 1;
+                } else {
+                    write_stream_records(&mut w, sh, &s, &mut sum)?;
                 }
                 w.u64(s.groups.len() as u64)?;
                 for id in s.groups.ids() {
