@@ -62,8 +62,8 @@ cargo nextest run --workspace --no-run
 # clippy runs beside the tests, in a build directory of its own and at the
 # lowest CPU priority: the tests that need the machine to themselves run one
 # at a time and leave about a third of its 2 CPUs idle (29-40 % idle during
-# the soak in CI rehearsal 18), which clippy takes without slowing them. The
-# smokes after the tests wait for it, as they time what they run.
+# the soak in CI rehearsal 18), which clippy takes without slowing them.
+# The run waits for it after the tests, before anything that times itself.
 step "cargo clippy (beside the tests: nice 19, target/clippy)"
 CLIPPY_LOG="$(mktemp)"
 TMP_FILES+=("$CLIPPY_LOG")
@@ -92,19 +92,6 @@ prune target/clippy
 
 step "doc tests"
 cargo test --workspace --doc
-
-# The README's main command, on the test build (optimised dependencies) to
-# save a release build; `cargo run --release -p tmem -- bench store` is the real one.
-step "smoke: tmem bench store (built-in corpus, 1 round; lz4, zstd:3+dict and recompression beside zram lz4)"
-cargo run -q -p tmem -- bench store --rounds 1 --mix-only --codecs 'lz4,zstd:3+dict,lz4>zstd:1+dict' --zram lz4
-step "smoke: tmem bench cache (48 MiB SQLite database on ext4, job at 50%)"; cargo run -q -p tmem -- bench cache --db-mib 48 --levels 50 --queries 100000 --json /tmp/cache.json
-step "smoke: tmem bench tier (2000 pages; mem, three Redis servers, a three-master Redis Cluster)"
-cargo run -q -p tmem -- bench tier --tiers mem,remote,remote-cluster --pages 2000 --latency-samples 200
-step "smoke: tmem bench fault (32 MiB paged out and touched; zram, fuse-ram, tmem, tmem-run)"
-cargo run -q -p tmem -- bench fault --mib 32 --backends zram,fuse-ram,tmem,tmem-run
-step "smoke: tmem bench pressure --cold-share 50 (128 MiB at 50%; the front rows run in the VM test, where zram has writeback)"
-cargo run -q -p tmem -- bench pressure --workload-mib 128 --levels 50 --runs 1 --passes 1 --cold-share 50 \
-    --backends zram,tmem --allow-other-swap
 
 prune target/debug
 
@@ -166,6 +153,20 @@ done
 "$DEBROOT/usr/bin/tmem" --version
 dpkg --root="$DEBROOT" --force-not-root -r tmem >/dev/null
 test ! -e "$DEBROOT/usr/bin/tmem" || { echo "dpkg -r left /usr/bin/tmem" >&2; exit 1; }
+
+# The README's main command and the other benches at smoke size, on the
+# release build the package step made (on the test build, whose own crates
+# are at opt-level 1, the store bench alone took 155 s).
+step "smoke: tmem bench store (built-in corpus, 1 round; lz4, zstd:3+dict and recompression beside zram lz4)"
+cargo run --release -q -p tmem -- bench store --rounds 1 --mix-only --codecs 'lz4,zstd:3+dict,lz4>zstd:1+dict' --zram lz4
+step "smoke: tmem bench cache (48 MiB SQLite database on ext4, job at 50%)"; cargo run --release -q -p tmem -- bench cache --db-mib 48 --levels 50 --queries 100000 --json /tmp/cache.json
+step "smoke: tmem bench tier (2000 pages; mem, three Redis servers, a three-master Redis Cluster)"
+cargo run --release -q -p tmem -- bench tier --tiers mem,remote,remote-cluster --pages 2000 --latency-samples 200
+step "smoke: tmem bench fault (32 MiB paged out and touched; zram, fuse-ram, tmem, tmem-run)"
+cargo run --release -q -p tmem -- bench fault --mib 32 --backends zram,fuse-ram,tmem,tmem-run
+step "smoke: tmem bench pressure --cold-share 50 (128 MiB at 50%; the front rows run in the VM test, where zram has writeback)"
+cargo run --release -q -p tmem -- bench pressure --workload-mib 128 --levels 50 --runs 1 --passes 1 --cold-share 50 \
+    --backends zram,tmem --allow-other-swap
 
 # Stock Debian kernels in QEMU (TCG), cgroup v2 only: the transports, the
 # fronts, tmem swap up, the pressure bench (reuses the release build of the
