@@ -167,8 +167,9 @@ impl GatheredCrc {
     }
 }
 
-/// Writes the stream, keeping a CRC-32 of everything written.
-struct W<'a>(&'a mut dyn Write, GatheredCrc);
+/// Writes the stream, keeping a CRC-32 of everything written; small writes
+/// are gathered too ([`GATHER`]), as a call per field cost as much again.
+struct W<'a>(std::io::BufWriter<&'a mut dyn Write>, GatheredCrc);
 
 impl W<'_> {
     fn bytes(&mut self, b: &[u8]) -> Result<(), StoreError> {
@@ -612,7 +613,7 @@ impl Store {
     fn export_as(&self, w: &mut dyn Write, image: bool) -> Result<HandoverSummary, StoreError> {
         let sh = &*self.shared;
         let pools = sh.pools.read().clone();
-        let mut w = W(w, GatheredCrc::new());
+        let mut w = W(std::io::BufWriter::with_capacity(GATHER, w), GatheredCrc::new());
         let mut sum = HandoverSummary::default();
         if image {
             w.bytes(IMAGE_MAGIC)?;
