@@ -502,15 +502,16 @@ fn image_record(e: &Entry) -> [u8; IMAGE_RECORD] {
 /// calls).
 const IMAGE_BATCH: usize = 256;
 
+/// The entries of `s` that hold a page of their own (not one in a group).
+fn singles(s: &Shard) -> impl Iterator<Item = &Entry> + '_ {
+    s.entries.live_handles().map(|h| s.entries.get(h)).filter(|e| !e.has(F_GROUP))
+}
+
 /// Writes the image record of every single page (not in a group) of `s`.
 fn write_image_records(w: &mut W<'_>, s: &Shard, sum: &mut HandoverSummary) -> Result<(), StoreError> {
     let mut buf = [0u8; IMAGE_BATCH * IMAGE_RECORD];
     let mut n = 0;
-    for h in s.entries.live_handles() {
-        let e = s.entries.get(h);
-        if e.has(F_GROUP) {
-            continue;
-        }
+    for e in singles(s) {
         buf[n * IMAGE_RECORD..(n + 1) * IMAGE_RECORD].copy_from_slice(&image_record(e));
         n += 1;
         if e.alloc_loc().is_some() {
@@ -528,11 +529,7 @@ fn write_image_records(w: &mut W<'_>, s: &Shard, sum: &mut HandoverSummary) -> R
 /// Writes every single page (not in a group) of `s` as a stream record,
 /// its stored bytes included.
 fn write_stream_records(w: &mut W<'_>, sh: &Shared, s: &Shard, sum: &mut HandoverSummary) -> Result<(), StoreError> {
-    for h in s.entries.live_handles() {
-        let e = s.entries.get(h);
-        if e.has(F_GROUP) {
-            continue;
-        }
+    for e in singles(s) {
         w.u64(e.object)?;
         w.u64(e.index)?;
         w.u8(record_flags(e))?;
@@ -664,8 +661,7 @@ impl Store {
                 for v in cumulative(&mut c) {
                     w.u64(*v)?;
                 }
-                let singles = s.entries.live_handles().filter(|&h| !s.entries.get(h).has(F_GROUP)).count();
-                w.u64(singles as u64)?;
+                w.u64(singles(&s).count() as u64)?;
                 if image {
                     write_image_records(&mut w, &s, &mut sum)?;
                 } else {
@@ -1040,8 +1036,7 @@ impl Store {
         r: &mut R<'_>,
         sum: &mut HandoverSummary,
     ) -> Result<(), StoreError> {
-        const BATCH: usize = IMAGE_BATCH;
-        let mut buf = [0u8; BATCH * IMAGE_RECORD];
+        let mut buf = [0u8; IMAGE_BATCH * IMAGE_RECORD];
         let pool = image.pool;
         if let Some(i) = image.into {
             // Capped: a damaged count must not reserve the machine's memory.
@@ -1050,7 +1045,7 @@ impl Store {
         }
         let mut left = n;
         while left > 0 {
-            let k = usize::try_from(left.min(BATCH as u64)).expect("at most BATCH");
+            let k = usize::try_from(left.min(IMAGE_BATCH as u64)).expect("at most a batch");
             let records = &mut buf[..k * IMAGE_RECORD];
             r.fill(records)?;
             left -= k as u64;
