@@ -547,8 +547,16 @@ pub fn soak(args: &SoakArgs) -> anyhow::Result<SoakReport> {
         }
     }
     report.seconds = secs(t0);
-    rig.up = false;
+    // Jobs still running when an event failed: their pages must leave swap
+    // before it goes down, and their cgroups' limits would refuse them.
+    for (slot, run) in slots.iter_mut().enumerate() {
+        if let Some(mut r) = run.take() {
+            kill_group(&mut r.child);
+            println!("{:7.1} s  job {slot} (seed {}) stopped: an event failed", secs(t0), r.seed);
+        }
+    }
     rig.tmem(&["swap", "down"]).context("swap down at the end")?;
+    rig.up = false;
     Ok(report)
 }
 

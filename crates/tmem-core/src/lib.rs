@@ -25,10 +25,11 @@ pub use codec::{CodecConfig, CodecError};
 pub use policy::{Incompressible, PolicyConfig, PolicyError};
 pub use stats::{CodecUsage, PoolStats, Stats};
 pub use store::{
-    default_shards, DictTraining, Eviction, GetOutcome, GroupConfig, Grouper, Grouping, HandoverSummary, ImportTiers,
-    Pool, PoolConfig, PoolKind, PutOutcome, RecompressConfig, Recompression, Recompressor, Reject, Retraining, Store,
-    StoreConfig, StoreError, TierChain, TierHold, TrainedDictionary, WritebackReport, WritebackWorker,
-    HANDOVER_VERSION, MAX_DICTIONARIES, MAX_STRIDE, RAW_CODEC, RETRAIN_GROWTH, TRAINING_TRIES,
+    default_shards, DictTraining, DictionaryCodec, Eviction, GetOutcome, GroupConfig, Grouper, Grouping,
+    HandoverSummary, ImportTiers, Pool, PoolConfig, PoolKind, PutOutcome, RecompressConfig, Recompression,
+    Recompressor, Reject, Retraining, Store, StoreConfig, StoreError, TierChain, TierHold, TrainedDictionary,
+    WritebackReport, WritebackWorker, HANDOVER_VERSION, MAX_DICTIONARIES, MAX_STRIDE, MIN_TRAINING_PAGES, RAW_CODEC,
+    RETRAIN_GROWTH, TRAINING_TRIES,
 };
 
 /// Size of a page, the unit of every put and get.

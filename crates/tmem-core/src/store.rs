@@ -65,7 +65,10 @@ mod shared;
 mod tiering;
 mod worker;
 pub use config::{Eviction, PoolConfig, PoolKind, StoreConfig};
-pub use dictionary::{DictTraining, Retraining, TrainedDictionary, MAX_DICTIONARIES, RETRAIN_GROWTH, TRAINING_TRIES};
+pub use dictionary::{
+    DictTraining, DictionaryCodec, Retraining, TrainedDictionary, MAX_DICTIONARIES, MIN_TRAINING_PAGES, RETRAIN_GROWTH,
+    TRAINING_TRIES,
+};
 pub use grouping::{GroupConfig, Grouper, Grouping};
 pub use handover::{HandoverSummary, ImportTiers, HANDOVER_VERSION};
 pub use outcome::{GetOutcome, PutOutcome, Reject, StoreError};

@@ -2,8 +2,8 @@
 //! exactly as `tmem swap up` checks its flags.
 
 use tmem_core::codec::CodecChoice;
-use tmem_core::DictTraining;
 use tmem_core::Store;
+use tmem_core::{DictTraining, DictionaryCodec, MIN_TRAINING_PAGES};
 
 use crate::spec::PoolLimit;
 use crate::{human, DaemonError};
@@ -23,10 +23,18 @@ pub fn set(store: &Store, key: &str, value: &str) -> Result<String, DaemonError>
         "codec" => {
             let choice = CodecChoice::parse(value).map_err(|e| invalid(&e))?;
             let trained = if choice.dictionary {
-                let t = store.train_dictionary(&choice.codec, &DictTraining::default()).map_err(|e| invalid(&e))?;
-                format!(", with a {}-byte dictionary trained on {} stored pages", t.bytes, t.sample_pages)
+                match store.use_dictionary_codec(&choice.codec, &DictTraining::default()).map_err(|e| invalid(&e))? {
+                    DictionaryCodec::Trained(t) => {
+                        format!(", with a {}-byte dictionary trained on {} stored pages", t.bytes, t.sample_pages)
+                    }
+                    DictionaryCodec::Deferred { pages, after_bytes } => format!(
+                        " without a dictionary for now: {pages} stored pages are too few to train one on \
+                         ({MIN_TRAINING_PAGES} at least); one is trained once the pool holds {}",
+                        human(after_bytes)
+                    ),
+                }
             } else {
-                store.use_codec(&choice.codec).map_err(|e| invalid(&e))?;
+                store.use_codec_by_hand(&choice.codec).map_err(|e| invalid(&e))?;
                 String::new()
             };
             Ok(format!("codec is now {}{trained} (stored pages keep their own codec)", store.codec_name()))
@@ -99,5 +107,19 @@ mod tests {
         assert!(set(d.store(), "compact", "now").is_ok());
         assert!(set(d.store(), "frozen", "1").is_ok());
         assert!(set(d.store(), "codec", "zstd:3").unwrap().contains("zstd"));
+    }
+
+    /// Finding: `codec=zstd:3+dict` on a pool of 4 pages failed with zstd's
+    /// "Src size is incorrect" (the soak smoke, CI stop 41).
+    #[test]
+    fn a_dictionary_codec_on_an_empty_pool_waits_for_pages() {
+        let d = device();
+        let said = set(d.store(), "codec", "zstd:3+dict").unwrap();
+        assert_eq!(
+            said,
+            "codec is now zstd-3 without a dictionary for now: 0 stored pages are too few to train one on \
+             (64 at least); one is trained once the pool holds 8.0 MiB (stored pages keep their own codec)"
+        );
+        assert_eq!(d.store().stats().dictionary.as_deref(), Some("waiting"));
     }
 }

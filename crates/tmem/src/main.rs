@@ -176,7 +176,7 @@ fn main() -> ExitCode {
         matches.subcommand_matches("swap").and_then(|m| m.subcommand_matches("up")).cloned().unwrap_or_default();
     if let Command::Run(a) = &cli.command {
         return runcmd::run(a).unwrap_or_else(|e| {
-            eprintln!("tmem: {e}");
+            eprintln!("tmem: {}", error_line(&e));
             ExitCode::FAILURE
         });
     }
@@ -217,10 +217,41 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // `{e}`, not `{e:#}`: the library errors already name their cause,
-            // and the chain would repeat it.
-            eprintln!("tmem: {e}");
+            eprintln!("tmem: {}", error_line(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `e` and its causes in one line. The library errors already name their
+/// cause in their own text, so a cause that the line holds already is left
+/// out (`{e:#}` would repeat it), while a context's cause is kept.
+fn error_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain().map(ToString::to_string) {
+        if !line.contains(&cause) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&cause);
+        }
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_line;
+
+    #[test]
+    fn an_error_line_keeps_a_contexts_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let e = anyhow::Error::new(io).context("swap down at the end");
+        assert_eq!(error_line(&e), "swap down at the end: no such file");
+        #[derive(Debug, thiserror::Error)]
+        #[error("config: {0}")]
+        struct Named(#[source] std::io::Error);
+        let named = Named(std::io::Error::other("line 3: bad key"));
+        assert_eq!(error_line(&anyhow::Error::new(named)), "config: line 3: bad key");
     }
 }

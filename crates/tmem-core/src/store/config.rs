@@ -158,7 +158,8 @@ impl StoreConfig {
             room_failed_at: AtomicU64::new(0),
             auto_dictionary: self
                 .dictionary
-                .map(|t| dictionary::AutoDictionary::new(self.codec.clone().unwrap_or(CodecConfig::LZ4), t)),
+                .map(|t| dictionary::AutoDictionary::new(self.codec.clone().unwrap_or(CodecConfig::LZ4), t))
+                .map_or_else(std::sync::OnceLock::new, std::sync::OnceLock::from),
             recompress_status: Mutex::new(Rank::RecompressStatus, None),
             recompress_target: AtomicU8::new(shared::NO_RECOMPRESSION),
             recompress_stride: std::sync::atomic::AtomicU32::new(1),

@@ -37,6 +37,14 @@
 //! the old ones stay registered; at most [`DictTraining::max_dictionaries`]
 //! are trained.
 //! A codec set by hand since (`tmem set`) ends it.
+//!
+//! A dictionary codec set by hand ([`Store::use_dictionary_codec`]) is
+//! trained at once on the pages stored now. When they are fewer than
+//! [`MIN_TRAINING_PAGES`], new puts use the base codec alone and automatic
+//! training is armed for it, as if the store had been built with it.
+//! Arming and ending bump a generation under the plan's lock; a try that
+//! started under another generation changes no codec, so a codec set by
+//! hand is never overridden by a try that was under way.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -94,6 +102,11 @@ pub(super) fn next_training_bytes(now: u64, last: u64) -> u64 {
 /// sooner, when new pages compress worse: see [`AutoDictionary::due`]).
 pub const RETRAIN_GROWTH: u64 = 4;
 
+/// Compressible pages a dictionary is trained on at least. zstd's trainer
+/// refuses fewer than 5 samples, and a 64 KiB dictionary from fewer than
+/// 64 pages (256 KiB) is mostly those pages themselves.
+pub const MIN_TRAINING_PAGES: usize = 64;
+
 /// Dictionaries automatic training registers at most, the first included
 /// (the default of [`DictTraining::max_dictionaries`]).
 pub const MAX_DICTIONARIES: u32 = 4;
@@ -123,6 +136,30 @@ pub enum Retraining {
     },
 }
 
+/// What [`Store::use_dictionary_codec`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DictionaryCodec {
+    /// Trained on the pages stored now; new puts use it.
+    Trained(TrainedDictionary),
+    /// Too few pages to train on: new puts use the base codec alone, and a
+    /// dictionary is trained in the background once the pool holds
+    /// `after_bytes` of compressed data.
+    Deferred {
+        /// Compressible pages the pool held.
+        pages: usize,
+        /// Compressed bytes at which training starts.
+        after_bytes: u64,
+    },
+}
+
+/// A try that found the codec set by hand since it began.
+fn set_by_hand_meanwhile() -> StoreError {
+    StoreError::Codec(crate::codec::CodecError::Config {
+        codec: "dictionary".into(),
+        reason: "the codec was set by hand during training".into(),
+    })
+}
+
 /// Share of the bytes a new dictionary saves on the held-out pages, in percent.
 fn saved_percent(old: usize, new: usize) -> f64 {
     if old == 0 {
@@ -139,7 +176,6 @@ const FINISHED: u8 = 2;
 /// at most [`TRAINING_TRIES`] times, then new ones as the pool grows, up to
 /// [`DictTraining::max_dictionaries`].
 pub(super) struct AutoDictionary {
-    base: CodecConfig,
     cfg: DictTraining,
     state: AtomicU8,
     /// The pool's compressed bytes at which the next try starts.
@@ -156,15 +192,26 @@ pub(super) struct AutoDictionary {
     seen_pages: AtomicU64,
     /// See `seen_pages`.
     seen_bytes: AtomicU64,
+    /// The codec, the generation and the status, changed together.
+    plan: Mutex<Plan>,
+}
+
+/// What automatic training trains for, and what it last did.
+struct Plan {
+    /// The codec a dictionary is trained for.
+    base: CodecConfig,
+    /// Bumped when training is armed again or ended by hand.
+    generation: u32,
+    /// Whether training is wanted (false once a codec is set by hand).
+    armed: bool,
     /// What happened, for stats: "waiting", "training", the result or the error.
-    status: Mutex<String>,
+    status: String,
 }
 
 impl AutoDictionary {
     pub(super) fn new(base: CodecConfig, cfg: DictTraining) -> Self {
         Self {
             next_bytes: AtomicU64::new(cfg.after_bytes),
-            base,
             cfg,
             state: AtomicU8::new(WAITING),
             failures: AtomicU32::new(0),
@@ -173,8 +220,51 @@ impl AutoDictionary {
             tried_bytes: AtomicU64::new(0),
             seen_pages: AtomicU64::new(0),
             seen_bytes: AtomicU64::new(0),
-            status: Mutex::new(Rank::DictionaryStatus, "waiting".into()),
+            plan: Mutex::new(
+                Rank::DictionaryStatus,
+                Plan { base, generation: 0, armed: true, status: "waiting".into() },
+            ),
         }
+    }
+
+    /// Trains for `base` from now on, as from a new store: the next try
+    /// comes at [`DictTraining::after_bytes`] of compressed data.
+    fn arm(&self, base: CodecConfig) {
+        let mut plan = self.plan.lock();
+        plan.generation = plan.generation.wrapping_add(1);
+        plan.base = base;
+        plan.armed = true;
+        plan.status = "waiting".into();
+        for n in [&self.failures, &self.dictionaries] {
+            n.store(0, Ordering::Relaxed);
+        }
+        for n in [&self.tried_bytes, &self.seen_pages, &self.seen_bytes] {
+            n.store(0, Ordering::Relaxed);
+        }
+        self.next_bytes.store(self.cfg.after_bytes, Ordering::Relaxed);
+        if self.state.load(Ordering::Acquire) != TRAINING {
+            self.state.store(WAITING, Ordering::Release);
+        }
+    }
+
+    /// Ends training: a codec was set by hand.
+    fn end(&self) {
+        let mut plan = self.plan.lock();
+        if !plan.armed {
+            return;
+        }
+        plan.generation = plan.generation.wrapping_add(1);
+        plan.armed = false;
+        plan.status = format!("{}; the codec was set by hand since: no more tries", plan.status);
+        if self.state.load(Ordering::Acquire) != TRAINING {
+            self.state.store(FINISHED, Ordering::Release);
+        }
+    }
+
+    /// The codec trained for and the generation now.
+    fn base(&self) -> (CodecConfig, u32) {
+        let plan = self.plan.lock();
+        (plan.base.clone(), plan.generation)
     }
 
     /// Records a failed try with `now` compressed bytes in the pool; returns
@@ -193,8 +283,18 @@ impl AutoDictionary {
         (status, WAITING)
     }
 
-    fn set_status(&self, s: String) {
-        *self.status.lock() = s;
+    /// Ends a try begun under `generation`: its status and state stand
+    /// unless training was armed again or ended by hand meanwhile.
+    fn finish(&self, generation: u32, status: Option<String>, state: u8) {
+        let plan = &mut *self.plan.lock();
+        if plan.generation != generation {
+            self.state.store(if plan.armed { WAITING } else { FINISHED }, Ordering::Release);
+            return;
+        }
+        if let Some(status) = status {
+            plan.status = status;
+        }
+        self.state.store(state, Ordering::Release);
     }
 
     /// After a try with `now` compressed bytes in the pool: the note on
@@ -234,11 +334,23 @@ impl AutoDictionary {
     /// One background try: the first dictionary, or, once the pool has one,
     /// a look at whether a new one is due and a try if it is. Returns the
     /// status (None: unchanged) and the state to go to.
-    fn run(&self, shared: &Shared) -> (Option<String>, u8) {
+    fn run(&self, shared: &Shared, base: &CodecConfig, generation: u32) -> (Option<String>, u8) {
         let now = shared.alloc.total_bytes();
         let had = self.dictionaries.load(Ordering::Relaxed);
         if had == 0 {
-            let (status, state) = match shared.train_dictionary(&self.base, &self.cfg) {
+            let trained = shared.sample_and_train(&self.cfg).and_then(|(dict, sample_pages)| {
+                let bytes = dict.len();
+                // Under the plan's lock: a codec set by hand meanwhile wins.
+                let plan = self.plan.lock();
+                if plan.generation != generation {
+                    return Err(set_by_hand_meanwhile());
+                }
+                let codec_id = shared.register_codec(&base.with_dictionary(dict))?;
+                shared.set_codec(codec_id)?;
+                drop(plan);
+                Ok(TrainedDictionary { codec_id, bytes, sample_pages })
+            });
+            let (status, state) = match trained {
                 Ok(t) => {
                     self.codec_id.store(t.codec_id, Ordering::Relaxed);
                     self.dictionaries.store(1, Ordering::Relaxed);
@@ -260,7 +372,7 @@ impl AutoDictionary {
         };
         self.tried_bytes.store(now, Ordering::Relaxed);
         let at = format!("at {} KiB in the pool ({why})", now.div_ceil(1024));
-        let line = match shared.retrain_dictionary(&self.base, &self.cfg, mine) {
+        let line = match shared.retrain_dictionary(base, &self.cfg, mine, Some((self, generation))) {
             Ok(Retraining::Switched { codec_id, old_bytes, new_bytes, held_out }) => {
                 self.codec_id.store(codec_id, Ordering::Relaxed);
                 self.dictionaries.store(had + 1, Ordering::Relaxed);
@@ -330,6 +442,9 @@ impl Shared {
     pub(super) fn sample_and_train(&self, cfg: &DictTraining) -> Result<(Arc<[u8]>, usize), StoreError> {
         let objects = usize::try_from(self.alloc.stats().objects).unwrap_or(usize::MAX);
         let sample = self.sample(cfg.sample_pages, objects, None);
+        if sample.len() < MIN_TRAINING_PAGES {
+            return Err(StoreError::TooFewPagesToTrain { pages: sample.len(), need: MIN_TRAINING_PAGES });
+        }
         Ok((train_dictionary(sample.iter(), cfg.dict_bytes)?, sample.len()))
     }
 
@@ -355,6 +470,7 @@ impl Shared {
         base: &CodecConfig,
         cfg: &DictTraining,
         current: u8,
+        guard: Option<(&AutoDictionary, u32)>,
     ) -> Result<Retraining, StoreError> {
         let objects = usize::try_from(self.alloc.stats().objects).unwrap_or(usize::MAX);
         let newest = self.pools_snapshot().iter().map(|p| p.codec_usage()[0].0[usize::from(current)]).sum::<u64>();
@@ -376,15 +492,21 @@ impl Shared {
         if held_out == 0 || new_bytes * 32 > old_bytes * 31 {
             return Ok(Retraining::Kept { old_bytes, new_bytes, held_out });
         }
+        // Under the plan's lock: a codec set by hand meanwhile wins.
+        let plan = guard.map(|(auto, generation)| (auto.plan.lock(), generation));
+        if plan.as_ref().is_some_and(|(p, generation)| p.generation != *generation) {
+            return Err(set_by_hand_meanwhile());
+        }
         let codec_id = self.register_codec(&candidate)?;
         self.set_codec(codec_id)?;
+        drop(plan);
         Ok(Retraining::Switched { codec_id, old_bytes, new_bytes, held_out })
     }
 
     /// Starts automatic training in the background once the pool is big
     /// enough (cheap to call on every put).
     pub(super) fn maybe_train_dictionary(self: &Arc<Self>) {
-        let Some(auto) = &self.auto_dictionary else { return };
+        let Some(auto) = self.auto_dictionary.get() else { return };
         // Acquire: a failed try stores its next threshold before `WAITING`.
         if auto.state.load(Ordering::Acquire) != WAITING
             || self.alloc.total_bytes() < auto.next_bytes.load(Ordering::Relaxed)
@@ -394,27 +516,27 @@ impl Shared {
         if auto.state.compare_exchange(WAITING, TRAINING, Ordering::AcqRel, Ordering::Relaxed).is_err() {
             return;
         }
+        let (base, generation) = auto.base();
         if auto.dictionaries.load(Ordering::Relaxed) == 0 {
-            auto.set_status("training".into());
+            let mut plan = auto.plan.lock();
+            if plan.generation == generation {
+                plan.status = "training".into();
+            }
         }
         let shared = Arc::clone(self);
         let spawned = std::thread::Builder::new().name("tmem-dictionary".into()).spawn(move || {
-            let Some(auto) = &shared.auto_dictionary else { return };
-            let (status, state) = auto.run(&shared);
-            if let Some(status) = status {
-                auto.set_status(status);
-            }
-            auto.state.store(state, Ordering::Release);
+            let Some(auto) = shared.auto_dictionary.get() else { return };
+            let (status, state) = auto.run(&shared, &base, generation);
+            auto.finish(generation, status, state);
         });
         if let Err(e) = spawned {
-            auto.set_status(format!("failed: cannot start the training thread: {e}"));
-            auto.state.store(FINISHED, Ordering::Release);
+            auto.finish(generation, Some(format!("failed: cannot start the training thread: {e}")), FINISHED);
         }
     }
 
-    /// Automatic training status, if configured.
+    /// Automatic training status, if configured or armed by hand.
     pub(super) fn dictionary_status(&self) -> Option<String> {
-        self.auto_dictionary.as_ref().map(|a| a.status.lock().clone())
+        self.auto_dictionary.get().map(|a| a.plan.lock().status.clone())
     }
 }
 
@@ -425,6 +547,41 @@ impl Store {
     /// pages to train on.
     pub fn train_dictionary(&self, base: &CodecConfig, cfg: &DictTraining) -> Result<TrainedDictionary, StoreError> {
         self.shared.train_dictionary(base, cfg)
+    }
+
+    /// Sets `base` with a dictionary by hand: trains one on the pages stored
+    /// now, or, when they are fewer than [`MIN_TRAINING_PAGES`], uses `base`
+    /// alone and arms automatic training for it (with `cfg` if the store had
+    /// none configured). Ends any automatic training of another codec.
+    pub fn use_dictionary_codec(&self, base: &CodecConfig, cfg: &DictTraining) -> Result<DictionaryCodec, StoreError> {
+        let shared = &self.shared;
+        match shared.train_dictionary(base, cfg) {
+            Ok(t) => {
+                if let Some(auto) = shared.auto_dictionary.get() {
+                    auto.end();
+                }
+                Ok(DictionaryCodec::Trained(t))
+            }
+            Err(StoreError::TooFewPagesToTrain { pages, .. }) => {
+                let id = shared.find_or_register_codec(base)?;
+                let auto = shared.auto_dictionary.get_or_init(|| AutoDictionary::new(base.clone(), cfg.clone()));
+                auto.arm(base.clone());
+                shared.set_codec(id)?;
+                Ok(DictionaryCodec::Deferred { pages, after_bytes: auto.cfg.after_bytes })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Sets the codec of new puts by hand, without a dictionary; ends
+    /// automatic training.
+    pub fn use_codec_by_hand(&self, cfg: &CodecConfig) -> Result<u8, StoreError> {
+        let id = self.shared.find_or_register_codec(cfg)?;
+        if let Some(auto) = self.shared.auto_dictionary.get() {
+            auto.end();
+        }
+        self.shared.set_codec(id)?;
+        Ok(id)
     }
 }
 
@@ -629,9 +786,9 @@ mod tests {
         // in a row finds a dictionary no better than the current one (or,
         // when the first switched, no page of the new one to measure on).
         let id = || store.shared.current_codec.load(Ordering::Relaxed);
-        store.shared.retrain_dictionary(&CodecConfig::LZ4, &store_cfg(), id()).unwrap();
+        store.shared.retrain_dictionary(&CodecConfig::LZ4, &store_cfg(), id(), None).unwrap();
         let before = id();
-        let r = store.shared.retrain_dictionary(&CodecConfig::LZ4, &store_cfg(), before).unwrap();
+        let r = store.shared.retrain_dictionary(&CodecConfig::LZ4, &store_cfg(), before, None).unwrap();
         assert!(
             matches!(r, Retraining::Kept { old_bytes, new_bytes, .. } if new_bytes * 32 > old_bytes * 31 || old_bytes == 0),
             "{r:?}"
@@ -665,10 +822,56 @@ mod tests {
         let _pool = store.create_pool(PoolConfig::persistent());
         assert!(matches!(
             store.train_dictionary(&CodecConfig::LZ4, &DictTraining::default()),
-            Err(StoreError::Codec(_))
+            Err(StoreError::TooFewPagesToTrain { pages: 0, need: MIN_TRAINING_PAGES })
         ));
         assert_eq!(store.codec_name(), "lz4");
         assert_eq!(store.stats().dictionary, None);
+    }
+
+    #[test]
+    fn a_dictionary_codec_set_on_a_small_pool_is_trained_once_the_pool_grows() {
+        let store = StoreConfig::default().build().unwrap();
+        let pool = store.create_pool(PoolConfig::persistent());
+        for i in 0..4 {
+            assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
+        }
+        let zstd = CodecConfig::Zstd { level: 3, dictionary: None };
+        let r = store.use_dictionary_codec(&zstd, &store_cfg()).unwrap();
+        assert_eq!(r, DictionaryCodec::Deferred { pages: 4, after_bytes: 64 << 10 });
+        assert_eq!(store.codec_name(), "zstd-3", "the base codec until there is a dictionary");
+        assert_eq!(store.stats().dictionary.as_deref(), Some("waiting"));
+        let (status, i) = put_until(&store, &pool, 4, record_page, |s| s.starts_with("trained"));
+        assert!(status.starts_with("trained: "), "{status}");
+        assert_eq!(store.codec_name(), "zstd-3+dict");
+        let mut out = [0u8; PAGE_SIZE];
+        for j in 0..i {
+            assert_eq!(pool.get(key(j), &mut out).unwrap(), crate::GetOutcome::Hit);
+            assert_eq!(out, record_page(j), "page {j}");
+        }
+        // Set by hand again, with enough pages: trained at once.
+        let r = store.use_dictionary_codec(&CodecConfig::LZ4, &store_cfg()).unwrap();
+        assert!(matches!(r, DictionaryCodec::Trained(_)), "{r:?}");
+        assert_eq!(store.codec_name(), "lz4+dict");
+    }
+
+    #[test]
+    fn a_codec_set_by_hand_ends_armed_training() {
+        let store = StoreConfig::default().build().unwrap();
+        let pool = store.create_pool(PoolConfig::persistent());
+        let zstd = CodecConfig::Zstd { level: 3, dictionary: None };
+        let r = store.use_dictionary_codec(&zstd, &store_cfg()).unwrap();
+        assert!(matches!(r, DictionaryCodec::Deferred { pages: 0, .. }), "{r:?}");
+        store.use_codec_by_hand(&CodecConfig::LZ4).unwrap();
+        assert_eq!(
+            store.stats().dictionary.as_deref(),
+            Some("waiting; the codec was set by hand since: no more tries")
+        );
+        for i in 0..200 {
+            assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
+        }
+        assert!(store.stats().total.compr_data_size > 64 << 10, "past the training threshold");
+        assert_eq!(store.codec_name(), "lz4", "no training started");
+        assert!(store.stats().dictionary.unwrap().ends_with("no more tries"));
     }
 
     #[test]

@@ -89,6 +89,14 @@ pub enum StoreError {
     /// A hand-over export or import failed (what, and why).
     #[error("store hand-over: {0}")]
     Handover(String),
+    /// Too few compressible pages in the pool to train a dictionary on.
+    #[error("the pool holds {pages} compressible pages to train a dictionary on; it needs {need}")]
+    TooFewPagesToTrain {
+        /// Pages the sample found.
+        pages: usize,
+        /// Pages needed.
+        need: usize,
+    },
     /// Grouping of cold pages is misconfigured or not configured.
     #[error("grouping: {0}")]
     Group(String),

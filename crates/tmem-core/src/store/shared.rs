@@ -30,8 +30,8 @@ pub(super) struct Shared {
     pub(super) clock: std::time::Instant,
     /// When making room last failed (ns since `clock`; 0: it did not).
     pub(super) room_failed_at: AtomicU64,
-    /// Automatic dictionary training, if configured.
-    pub(super) auto_dictionary: Option<dictionary::AutoDictionary>,
+    /// Automatic dictionary training, if configured or armed by hand.
+    pub(super) auto_dictionary: std::sync::OnceLock<dictionary::AutoDictionary>,
     /// Background recompression's codec and state, once set up.
     pub(super) recompress_status: Mutex<Option<String>>,
     /// The codec id recompression moves pages to ([`NO_RECOMPRESSION`]
