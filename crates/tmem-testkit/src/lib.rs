@@ -151,19 +151,60 @@ pub fn wait_timeout(child: &mut std::process::Child, within: std::time::Duration
 /// (`runs`, e.g. `tmem_sys::process_runs`) and that hold no process.
 /// Returns how many it removed.
 pub fn remove_stale_cgroups(root: &std::path::Path, prefix: &str, runs: impl Fn(u32) -> bool) -> usize {
-    let Ok(dir) = std::fs::read_dir(root) else { return 0 };
     let mut removed = 0;
-    for entry in dir.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix(prefix).and_then(|r| r.rsplit('-').next()?.parse::<u32>().ok()) else {
-            continue;
-        };
-        let empty = std::fs::read_to_string(entry.path().join("cgroup.procs")).map_or(true, |p| p.trim().is_empty());
-        if !runs(pid) && empty && std::fs::remove_dir(entry.path()).is_ok() {
+    for (path, _) in left_by_dead(root, prefix, runs) {
+        let empty = std::fs::read_to_string(path.join("cgroup.procs")).map_or(true, |p| p.trim().is_empty());
+        if empty && std::fs::remove_dir(&path).is_ok() {
             removed += 1;
         }
     }
     removed
+}
+
+/// The entries `<root>/<prefix>...-<pid>` whose pid does not run, with it.
+fn left_by_dead(root: &std::path::Path, prefix: &str, runs: impl Fn(u32) -> bool) -> Vec<(std::path::PathBuf, u32)> {
+    let Ok(dir) = std::fs::read_dir(root) else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let pid = name.strip_prefix(prefix).and_then(|r| r.rsplit('-').next()?.parse::<u32>().ok())?;
+            (!runs(pid)).then(|| (entry.path(), pid))
+        })
+        .collect()
+}
+
+/// Takes down what a test or bench process killed before its cleanup could
+/// run left in `/run/tmem-test-*-<pid>` and `/run/tmem-bench-*-<pid>` (its
+/// daemon, swap area, loop device and mount), with `tmem swap down`, the
+/// recovery a user runs, and removes the directory. Only directories whose
+/// pid does not run are touched, so one test that fails this way fails
+/// alone instead of every swap test after it. Returns a line per directory.
+pub fn recover_stale_runtime_dirs(tmem: &std::path::Path, runs: impl Fn(u32) -> bool) -> Vec<String> {
+    let root = std::path::Path::new("/run");
+    let stale = [left_by_dead(root, "tmem-test-", &runs), left_by_dead(root, "tmem-bench-", &runs)].concat();
+    stale
+        .into_iter()
+        .map(|(dir, pid)| {
+            let down = std::process::Command::new(tmem)
+                .args(["swap", "down", "--runtime-dir"])
+                .arg(&dir)
+                .stdin(std::process::Stdio::null())
+                .output();
+            match down {
+                Ok(out) if out.status.success() => {
+                    let _ = std::fs::remove_dir_all(&dir);
+                    let said = String::from_utf8_lossy(&out.stdout);
+                    format!("recovered what pid {pid} left in {}: {}", dir.display(), said.lines().last().unwrap_or(""))
+                }
+                Ok(out) => format!(
+                    "could not recover what pid {pid} left in {}: {}",
+                    dir.display(),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+                Err(e) => format!("could not run {}: {e}", tmem.display()),
+            }
+        })
+        .collect()
 }
 
 /// Entries named `tmem-bench-*` in `dir` (what a bench leaves there), none

@@ -72,6 +72,9 @@ fn can_run() -> bool {
             return false;
         }
     }
+    for line in tmem_testkit::recover_stale_runtime_dirs(Path::new(TMEM), tmem_sys::process_runs) {
+        eprintln!("note: {line}");
+    }
     true
 }
 
@@ -452,16 +455,31 @@ fn full_pool_refuses_pages_without_corrupting_the_job() {
     let mut s = Setup::new("full");
     // 32 MiB of pool for a job that needs ~350 MiB of swap.
     s.swap_up("32M");
-    let out = s.run_hog(512, 192);
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut hog = s.hog(512, 192).stdout(std::process::Stdio::piped()).spawn().unwrap();
     // The job completes correctly (pages the pool refused stay in RAM) or the
-    // kernel OOM-kills it; it never sees wrong data.
+    // kernel OOM-kills it; it never sees wrong data. Or it thrashes: a v1
+    // memory cgroup whose swap writes fail can reclaim page cache forever
+    // without calling its OOM killer (CI rehearsal 20: 13 million refused
+    // writes in 13 minutes), as it would with zram at its `mem_limit`. The
+    // test stops such a job after 60 s and checks the rest.
+    let status = tmem_testkit::wait_timeout(&mut hog, std::time::Duration::from_secs(60));
+    if status.is_none() {
+        eprintln!("note: the job still thrashed on refused writes after 60 s: stopped");
+        hog.kill().unwrap();
+    }
+    let out = hog.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(!stdout.contains("MISMATCH"), "wrong data: {stdout}");
     if out.status.success() {
         assert!(stdout.starts_with("OK "), "{stdout}");
     } else {
         use std::os::unix::process::ExitStatusExt;
-        assert_eq!(out.status.signal(), Some(libc::SIGKILL), "only an OOM kill is acceptable: {:?}", out.status);
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGKILL),
+            "only an OOM kill (or ours) is acceptable: {:?}",
+            out.status
+        );
     }
     let st = s.stat();
     let dev = &st[0];

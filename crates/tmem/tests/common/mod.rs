@@ -77,6 +77,10 @@ pub fn missing_feature() -> Option<(Feature, &'static str)> {
     if !Path::new("/dev/fuse").exists() {
         return Some((Feature::Fuse, "no /dev/fuse"));
     }
+    for line in tmem_testkit::recover_stale_runtime_dirs(Path::new(env!("CARGO_BIN_EXE_tmem")), tmem_sys::process_runs)
+    {
+        eprintln!("note: {line}");
+    }
     // A bench measures swap alone: other active swap areas would take pages.
     if !swap_areas().is_empty() {
         return Some((Feature::Swap, "other swap areas are active"));
