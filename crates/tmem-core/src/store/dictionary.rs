@@ -828,13 +828,19 @@ mod tests {
         assert_eq!(store.stats().dictionary, None);
     }
 
-    #[test]
-    fn a_dictionary_codec_set_on_a_small_pool_is_trained_once_the_pool_grows() {
+    /// A default store with one persistent pool holding `record_page(0..n)`.
+    fn store_of_records(n: u64) -> (Store, Arc<Pool>) {
         let store = StoreConfig::default().build().unwrap();
         let pool = store.create_pool(PoolConfig::persistent());
-        for i in 0..4 {
+        for i in 0..n {
             assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
         }
+        (store, pool)
+    }
+
+    #[test]
+    fn a_dictionary_codec_set_on_a_small_pool_is_trained_once_the_pool_grows() {
+        let (store, pool) = store_of_records(4);
         let zstd = CodecConfig::Zstd { level: 3, dictionary: None };
         let r = store.use_dictionary_codec(&zstd, &store_cfg()).unwrap();
         assert_eq!(r, DictionaryCodec::Deferred { pages: 4, after_bytes: 64 << 10 });
@@ -876,11 +882,7 @@ mod tests {
 
     #[test]
     fn explicit_training_samples_evenly_and_switches() {
-        let store = StoreConfig::default().build().unwrap();
-        let pool = store.create_pool(PoolConfig::persistent());
-        for i in 0..500 {
-            assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
-        }
+        let (store, pool) = store_of_records(500);
         let zstd = CodecConfig::Zstd { level: 1, dictionary: None };
         let t = store.train_dictionary(&zstd, &DictTraining { sample_pages: 100, ..Default::default() }).unwrap();
         assert!((90..=100).contains(&t.sample_pages), "sampled {} pages", t.sample_pages);
