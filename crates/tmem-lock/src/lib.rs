@@ -81,8 +81,9 @@ pub enum Rank {
     AllocClass,
     /// The page arena under the allocator.
     AllocArena,
-    /// Dictionary training status.
-    DictionaryStatus,
+    /// Dictionary training's plan (codec, generation, status), held while a
+    /// trained codec is registered, so a codec set by hand meanwhile wins.
+    DictionaryPlan,
     /// The codec registry's count.
     CodecCount,
     /// A store background worker's stop flag (writeback, recompression),

@@ -220,10 +220,7 @@ impl AutoDictionary {
             tried_bytes: AtomicU64::new(0),
             seen_pages: AtomicU64::new(0),
             seen_bytes: AtomicU64::new(0),
-            plan: Mutex::new(
-                Rank::DictionaryStatus,
-                Plan { base, generation: 0, armed: true, status: "waiting".into() },
-            ),
+            plan: Mutex::new(Rank::DictionaryPlan, Plan { base, generation: 0, armed: true, status: "waiting".into() }),
         }
     }
 
