@@ -460,8 +460,9 @@ fn full_pool_refuses_pages_without_corrupting_the_job() {
     // kernel OOM-kills it; it never sees wrong data. Or it thrashes: a v1
     // memory cgroup whose swap writes fail can reclaim page cache forever
     // without calling its OOM killer (CI rehearsal 20: 13 million refused
-    // writes in 13 minutes), as it would with zram at its `mem_limit`. The
-    // test stops such a job after 60 s and checks the rest.
+    // writes in 13 minutes). zram past its `mem_limit` fails the kernel's
+    // writes the same way (-ENOMEM from `zram_write_page`). The test stops
+    // such a job after 60 s and checks the rest.
     let status = tmem_testkit::wait_timeout(&mut hog, std::time::Duration::from_secs(60));
     if status.is_none() {
         eprintln!("note: the job still thrashed on refused writes after 60 s: stopped");
