@@ -335,19 +335,7 @@ impl AutoDictionary {
         let now = shared.alloc.total_bytes();
         let had = self.dictionaries.load(Ordering::Relaxed);
         if had == 0 {
-            let trained = shared.sample_and_train(&self.cfg).and_then(|(dict, sample_pages)| {
-                let bytes = dict.len();
-                // Under the plan's lock: a codec set by hand meanwhile wins.
-                let plan = self.plan.lock();
-                if plan.generation != generation {
-                    return Err(set_by_hand_meanwhile());
-                }
-                let codec_id = shared.register_codec(&base.with_dictionary(dict))?;
-                shared.set_codec(codec_id)?;
-                drop(plan);
-                Ok(TrainedDictionary { codec_id, bytes, sample_pages })
-            });
-            let (status, state) = match trained {
+            let (status, state) = match shared.train_dictionary(base, &self.cfg, Some((self, generation))) {
                 Ok(t) => {
                     self.codec_id.store(t.codec_id, Ordering::Relaxed);
                     self.dictionaries.store(1, Ordering::Relaxed);
@@ -421,17 +409,32 @@ impl Pool {
 
 impl Shared {
     /// Trains a dictionary for `base` on a sample of the pools' pages,
-    /// registers `base` with it and makes that the current codec.
+    /// registers `base` with it and makes that the current codec (unless
+    /// `guard`'s training was armed again or ended since: [`Self::commit_codec`]).
     pub(super) fn train_dictionary(
         &self,
         base: &CodecConfig,
         cfg: &DictTraining,
+        guard: Option<(&AutoDictionary, u32)>,
     ) -> Result<TrainedDictionary, StoreError> {
         let (dict, sample_pages) = self.sample_and_train(cfg)?;
         let bytes = dict.len();
-        let codec_id = self.register_codec(&base.with_dictionary(dict))?;
-        self.set_codec(codec_id)?;
+        let codec_id = self.commit_codec(&base.with_dictionary(dict), guard)?;
         Ok(TrainedDictionary { codec_id, bytes, sample_pages })
+    }
+
+    /// Registers `codec` and makes it current. With a `guard` (automatic
+    /// training and the generation its try began under), this happens
+    /// under the training's plan, and not at all if the generation changed:
+    /// a codec set by hand meanwhile wins.
+    fn commit_codec(&self, codec: &CodecConfig, guard: Option<(&AutoDictionary, u32)>) -> Result<u8, StoreError> {
+        let plan = guard.map(|(auto, generation)| (auto.plan.lock(), generation));
+        if plan.as_ref().is_some_and(|(p, generation)| p.generation != *generation) {
+            return Err(set_by_hand_meanwhile());
+        }
+        let codec_id = self.register_codec(codec)?;
+        self.set_codec(codec_id)?;
+        Ok(codec_id)
     }
 
     /// Trains a dictionary on an even sample of the pools' pages; returns it
@@ -489,14 +492,7 @@ impl Shared {
         if held_out == 0 || new_bytes * 32 > old_bytes * 31 {
             return Ok(Retraining::Kept { old_bytes, new_bytes, held_out });
         }
-        // Under the plan's lock: a codec set by hand meanwhile wins.
-        let plan = guard.map(|(auto, generation)| (auto.plan.lock(), generation));
-        if plan.as_ref().is_some_and(|(p, generation)| p.generation != *generation) {
-            return Err(set_by_hand_meanwhile());
-        }
-        let codec_id = self.register_codec(&candidate)?;
-        self.set_codec(codec_id)?;
-        drop(plan);
+        let codec_id = self.commit_codec(&candidate, guard)?;
         Ok(Retraining::Switched { codec_id, old_bytes, new_bytes, held_out })
     }
 
@@ -543,7 +539,7 @@ impl Store {
     /// keep their codec. Fails (changing nothing) if the pool holds too few
     /// pages to train on.
     pub fn train_dictionary(&self, base: &CodecConfig, cfg: &DictTraining) -> Result<TrainedDictionary, StoreError> {
-        self.shared.train_dictionary(base, cfg)
+        self.shared.train_dictionary(base, cfg, None)
     }
 
     /// Sets `base` with a dictionary by hand: trains one on the pages stored
@@ -552,7 +548,7 @@ impl Store {
     /// none configured). Ends any automatic training of another codec.
     pub fn use_dictionary_codec(&self, base: &CodecConfig, cfg: &DictTraining) -> Result<DictionaryCodec, StoreError> {
         let shared = &self.shared;
-        match shared.train_dictionary(base, cfg) {
+        match shared.train_dictionary(base, cfg, None) {
             Ok(t) => {
                 if let Some(auto) = shared.auto_dictionary.get() {
                     auto.end();
