@@ -148,33 +148,54 @@ impl GatheredCrc {
     fn new() -> Self {
         GatheredCrc { crc: crc32fast::Hasher::new(), pending: Vec::with_capacity(GATHER) }
     }
-    fn update(&mut self, b: &[u8]) {
+    /// Takes `b`. Each run of bytes hashed (a full gather, or `b` itself
+    /// when it is as large) is passed to `out` in order, so a writer gets
+    /// the same gathers the CRC did.
+    fn take(&mut self, b: &[u8], out: &mut impl FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
         if self.pending.len() + b.len() > GATHER {
-            self.crc.update(&self.pending);
-            self.pending.clear();
+            self.flush(out)?;
         }
         if b.len() >= GATHER {
             self.crc.update(b);
-        } else {
-            self.pending.extend_from_slice(b);
+            return out(b);
         }
+        self.pending.extend_from_slice(b);
+        Ok(())
     }
-    /// The CRC-32 of everything taken so far.
-    fn value(&mut self) -> u32 {
+    /// Hashes what was taken and not yet hashed, and passes it to `out`.
+    fn flush(&mut self, out: &mut impl FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
         self.crc.update(&self.pending);
+        out(&self.pending)?;
         self.pending.clear();
-        self.crc.clone().finalize()
+        Ok(())
+    }
+    /// The CRC-32 of everything taken so far; what was pending goes to `out`.
+    fn value(&mut self, out: &mut impl FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<u32> {
+        self.flush(out)?;
+        Ok(self.crc.clone().finalize())
     }
 }
 
-/// Writes the stream, keeping a CRC-32 of everything written; small writes
-/// are gathered too ([`GATHER`]), as a call per field cost as much again.
-struct W<'a>(std::io::BufWriter<&'a mut dyn Write>, GatheredCrc);
+/// Writes the stream, keeping a CRC-32 of everything written. Small writes
+/// are gathered ([`GATHER`]): each gather is hashed and written at once, as
+/// a call per field cost as much again.
+struct W<'a>(&'a mut dyn Write, GatheredCrc);
 
 impl W<'_> {
     fn bytes(&mut self, b: &[u8]) -> Result<(), StoreError> {
-        self.1.update(b);
-        self.0.write_all(b).map_err(io_err)
+        let W(out, gathered) = self;
+        gathered.take(b, &mut |g| out.write_all(g)).map_err(io_err)
+    }
+    /// The CRC-32 of everything written so far, all of it passed to the writer.
+    fn crc(&mut self) -> Result<u32, StoreError> {
+        let W(out, gathered) = self;
+        gathered.value(&mut |g| out.write_all(g)).map_err(io_err)
+    }
+    /// Passes what is gathered to the writer and flushes it.
+    fn finish(&mut self) -> Result<(), StoreError> {
+        let W(out, gathered) = self;
+        gathered.flush(&mut |g| out.write_all(g)).map_err(io_err)?;
+        out.flush().map_err(io_err)
     }
     fn u8(&mut self, v: u8) -> Result<(), StoreError> {
         self.bytes(&[v])
@@ -200,8 +221,7 @@ struct R<'a>(&'a mut dyn Read, GatheredCrc);
 impl R<'_> {
     fn fill(&mut self, b: &mut [u8]) -> Result<(), StoreError> {
         self.0.read_exact(b).map_err(io_err)?;
-        self.1.update(b);
-        Ok(())
+        self.1.take(b, &mut |_| Ok(())).map_err(io_err)
     }
     fn array<const N: usize>(&mut self) -> Result<[u8; N], StoreError> {
         let mut b = [0u8; N];
@@ -610,7 +630,7 @@ impl Store {
     fn export_as(&self, w: &mut dyn Write, image: bool) -> Result<HandoverSummary, StoreError> {
         let sh = &*self.shared;
         let pools = sh.pools.read().clone();
-        let mut w = W(std::io::BufWriter::with_capacity(GATHER, w), GatheredCrc::new());
+        let mut w = W(w, GatheredCrc::new());
         let mut sum = HandoverSummary::default();
         if image {
             w.bytes(IMAGE_MAGIC)?;
@@ -675,9 +695,9 @@ impl Store {
             }
         }
         w.bytes(if image { IMAGE_MAGIC } else { MAGIC })?;
-        let crc = w.1.value();
+        let crc = w.crc()?;
         w.u32(crc)?;
-        w.0.flush().map_err(io_err)?;
+        w.finish()?;
         Ok(sum)
     }
 
@@ -868,7 +888,7 @@ impl Store {
         if &r.array::<8>()? != if image { IMAGE_MAGIC } else { MAGIC } {
             return Err(bad("the export does not end where its counts say"));
         }
-        let crc = r.1.value();
+        let crc = r.1.value(&mut |_| Ok(())).map_err(io_err)?;
         if r.u32()? != crc {
             return Err(bad("the stream's checksum does not match: it was damaged on the way"));
         }
