@@ -8,6 +8,16 @@ cd "$(dirname "$0")/.."
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
+# What the run leaves behind, removed however it ends.
+TMP_FILES=() TMP_DIRS=()
+NIGHTLY_PGID=""
+cleanup() {
+    if [ -n "$NIGHTLY_PGID" ]; then kill -- "-$NIGHTLY_PGID" 2>/dev/null || true; fi
+    rm -f "${TMP_FILES[@]}"
+    rm -rf "${TMP_DIRS[@]}"
+}
+trap cleanup EXIT
+
 # Debian packages: real programs for corpus capture (python3, java, gcc, redis),
 # the kernel tools the tests drive, systemd-analyze and promtool.
 PKGS=(python3 default-jdk-headless gcc redis-server util-linux iproute2 e2fsprogs qemu-utils qemu-system-x86 libnbd-bin fuse3 systemd prometheus fonts-dejavu-core busybox-static nbd-client cpio mmdebstrap kmod libclang-dev)
@@ -20,6 +30,26 @@ done
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "== apt-get install ${missing[*]}"
     $SUDO apt-get update -qq
+    # A machine whose qemu-utils came from backports (qemu-img 10 on Debian
+    # 12) cannot take the suite's own qemu-system-x86, which wants the
+    # same version of qemu-system-common: take it from backports too, with
+    # the suite added in private lists (the machine's sources stay as
+    # they are).
+    qemu_utils="$(dpkg-query -W -f='${Version}' qemu-utils 2>/dev/null || true)"
+    if [[ "$qemu_utils" == *~bpo* ]] && [ "$(dpkg-query -W -f='${Status}' qemu-system-x86 2>/dev/null)" != "install ok installed" ]; then
+        . /etc/os-release
+        BPO="$(mktemp -d)"
+        TMP_DIRS+=("$BPO")
+        mkdir -p "$BPO/sources" "$BPO/lists/partial"
+        chmod -R a+rX "$BPO" # apt downloads as _apt
+        cp /etc/apt/sources.list.d/*.sources "$BPO/sources/" 2>/dev/null || true
+        printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: %s-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+            "$VERSION_CODENAME" > "$BPO/sources/backports.sources"
+        BPO_APT=(-o "Dir::Etc::sourceparts=$BPO/sources" -o "Dir::State::Lists=$BPO/lists")
+        $SUDO apt-get "${BPO_APT[@]}" update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get "${BPO_APT[@]}" -t "$VERSION_CODENAME-backports" \
+            install -y -qq --no-install-recommends qemu-system-x86 >/dev/null
+    fi
     # The whole list, not only what is missing: a package installed now may
     # need a newer version of one already there (qemu-system-x86 of
     # qemu-utils), and apt removes a package it was not asked to keep.
@@ -43,16 +73,6 @@ prune() {
 
 # Each step's header says how long the run has taken so far.
 step() { echo "== $* (at ${SECONDS} s)"; }
-
-# What the run leaves behind, removed however it ends.
-TMP_FILES=() TMP_DIRS=()
-NIGHTLY_PGID=""
-cleanup() {
-    if [ -n "$NIGHTLY_PGID" ]; then kill -- "-$NIGHTLY_PGID" 2>/dev/null || true; fi
-    rm -f "${TMP_FILES[@]}"
-    rm -rf "${TMP_DIRS[@]}"
-}
-trap cleanup EXIT
 
 step "cargo fmt --check"
 cargo fmt --all --check

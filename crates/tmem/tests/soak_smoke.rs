@@ -1,4 +1,4 @@
-//! Smoke test of `tmem bench soak` (root, Redis): two minutes of restarts,
+//! Smoke test of `tmem bench soak` (root, Redis): three minutes of restarts,
 //! Redis node kills, `tmem set` changes, recompression and daemon kills
 //! under checksum jobs. Every kind of event happens and recovers, no job
 //! reads back a wrong page, no page is lost outside a daemon kill, and
@@ -16,7 +16,7 @@ fn soak_smoke() {
     }
     let before = common::Before::now();
     let run =
-        common::run_bench(&["soak", "--minutes", "2", "--seed", "7", "--every", "4..8", "--job-life", "10..25"], false);
+        common::run_bench(&["soak", "--minutes", "3", "--seed", "7", "--every", "4..8", "--job-life", "10..25"], false);
     before.assert_nothing_left(None);
     let v = &run.json;
     assert!(run.ok, "tmem bench soak failed");

@@ -196,6 +196,27 @@ pub(super) struct AutoDictionary {
     plan: Mutex<Plan>,
 }
 
+/// Automatic training as a hand-over carries it (store format 4), so that
+/// a successor trains when its predecessor would have, never trains again
+/// what its predecessor trained, and keeps a codec set by hand.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct HandedTraining {
+    pub cfg: DictTraining,
+    pub base: CodecConfig,
+    pub armed: bool,
+    /// No more tries (the state `FINISHED`).
+    pub finished: bool,
+    pub next_bytes: u64,
+    pub failures: u32,
+    pub dictionaries: u32,
+    /// The newest dictionary's codec id (with `dictionaries` > 0).
+    pub codec_id: u8,
+    pub tried_bytes: u64,
+    pub seen_pages: u64,
+    pub seen_bytes: u64,
+    pub status: String,
+}
+
 /// What automatic training trains for, and what it last did.
 struct Plan {
     /// The codec a dictionary is trained for.
@@ -221,6 +242,47 @@ impl AutoDictionary {
             seen_pages: AtomicU64::new(0),
             seen_bytes: AtomicU64::new(0),
             plan: Mutex::new(Rank::DictionaryPlan, Plan { base, generation: 0, armed: true, status: "waiting".into() }),
+        }
+    }
+
+    /// Where training stands, for a successor ([`Self::adopted`]). A try
+    /// under way is handed over as waiting at the same threshold: the
+    /// successor makes it again on its first put.
+    pub(super) fn handed(&self) -> HandedTraining {
+        let plan = self.plan.lock();
+        HandedTraining {
+            cfg: self.cfg.clone(),
+            base: plan.base.clone(),
+            armed: plan.armed,
+            finished: self.state.load(Ordering::Acquire) == FINISHED,
+            next_bytes: self.next_bytes.load(Ordering::Relaxed),
+            failures: self.failures.load(Ordering::Relaxed),
+            dictionaries: self.dictionaries.load(Ordering::Relaxed),
+            codec_id: self.codec_id.load(Ordering::Relaxed),
+            tried_bytes: self.tried_bytes.load(Ordering::Relaxed),
+            seen_pages: self.seen_pages.load(Ordering::Relaxed),
+            seen_bytes: self.seen_bytes.load(Ordering::Relaxed),
+            status: plan.status.clone(),
+        }
+    }
+
+    /// Training that goes on where a predecessor's stood ([`Self::handed`];
+    /// `codec_id` already in this store's ids).
+    pub(super) fn adopted(h: HandedTraining) -> Self {
+        Self {
+            cfg: h.cfg,
+            state: AtomicU8::new(if h.finished { FINISHED } else { WAITING }),
+            next_bytes: AtomicU64::new(h.next_bytes),
+            failures: AtomicU32::new(h.failures),
+            dictionaries: AtomicU32::new(h.dictionaries),
+            codec_id: AtomicU8::new(h.codec_id),
+            tried_bytes: AtomicU64::new(h.tried_bytes),
+            seen_pages: AtomicU64::new(h.seen_pages),
+            seen_bytes: AtomicU64::new(h.seen_bytes),
+            plan: Mutex::new(
+                Rank::DictionaryPlan,
+                Plan { base: h.base, generation: 0, armed: h.armed, status: h.status },
+            ),
         }
     }
 
@@ -886,5 +948,73 @@ mod tests {
             assert_eq!(pool.get(key(i), &mut out).unwrap(), crate::GetOutcome::Hit);
             assert_eq!(out, record_page(i));
         }
+    }
+
+    /// `store` exported and imported into a new store built without
+    /// automatic training (as a daemon's successor is).
+    fn handed_over(store: &Store) -> Store {
+        let mut stream = Vec::new();
+        store.export(&mut stream).unwrap();
+        Store::import(StoreConfig::default(), &mut stream.as_slice()).unwrap().0
+    }
+
+    /// Finding (session 17): a successor trained nothing, so a restart
+    /// before the pool reached `after_bytes` left it without a dictionary
+    /// for good.
+    #[test]
+    fn training_that_was_waiting_goes_on_in_the_successor() {
+        let store = StoreConfig { dictionary: Some(store_cfg()), ..Default::default() }.build().unwrap();
+        let pool = store.create_pool(PoolConfig::persistent());
+        for i in 0..4 {
+            assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
+        }
+        assert_eq!(store.stats().dictionary.as_deref(), Some("waiting"));
+        let next = handed_over(&store);
+        assert_eq!(next.stats().dictionary.as_deref(), Some("waiting"));
+        let pool = next.pool(pool.id).unwrap();
+        let (status, end) = put_until(&next, &pool, 4, record_page, |s| s.starts_with("trained"));
+        assert_eq!(next.codec_name(), "lz4+dict", "{status}");
+        assert!(next.stats().total.compr_data_size >= 64 << 10, "trained at the predecessor's threshold");
+        let mut out = [0u8; PAGE_SIZE];
+        for i in 0..end {
+            assert_eq!(pool.get(key(i), &mut out).unwrap(), crate::GetOutcome::Hit);
+            assert_eq!(out, record_page(i), "page {i}");
+        }
+    }
+
+    #[test]
+    fn a_successor_does_not_train_again_what_was_trained() {
+        let one = DictTraining { max_dictionaries: 1, ..store_cfg() };
+        let store = StoreConfig { dictionary: Some(one), ..Default::default() }.build().unwrap();
+        let pool = store.create_pool(PoolConfig::persistent());
+        let (status, end) = put_until(&store, &pool, 0, record_page, |s| s.contains("no more tries"));
+        let next = handed_over(&store);
+        assert_eq!(next.stats().dictionary.as_deref(), Some(status.as_str()));
+        assert_eq!(next.codec_name(), "lz4+dict");
+        let pool = next.pool(pool.id).unwrap();
+        for i in end..end + 200 {
+            assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(next.stats().dictionary.as_deref(), Some(status.as_str()), "no second dictionary");
+        assert_eq!(next.codec_name(), "lz4+dict");
+    }
+
+    #[test]
+    fn a_successor_keeps_a_codec_set_by_hand() {
+        let store = StoreConfig::default().build().unwrap();
+        let pool = store.create_pool(PoolConfig::persistent());
+        let zstd = CodecConfig::Zstd { level: 3, dictionary: None };
+        store.use_dictionary_codec(&zstd, &store_cfg()).unwrap();
+        store.use_codec_by_hand(&CodecConfig::LZ4).unwrap();
+        let next = handed_over(&store);
+        assert_eq!(next.stats().dictionary, store.stats().dictionary);
+        let pool = next.pool(pool.id).unwrap();
+        for i in 0..200 {
+            assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
+        }
+        assert!(next.stats().total.compr_data_size > 64 << 10, "past the training threshold");
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(next.codec_name(), "lz4", "no training started");
     }
 }

@@ -33,6 +33,14 @@
 //! [`tmem_tier::Tier::hand_over`]): the importer is given them, built from
 //! what they handed over, by pool ([`Store::import_tiered`]).
 //!
+//! Format 4 adds automatic dictionary training
+//! (`dictionary::HandedTraining`): whether it is armed, for which codec,
+//! its thresholds and counts, and its status, so that the successor trains
+//! when the predecessor would have (a restart before the pool held enough
+//! used to leave it without a dictionary for good), does not train again
+//! what was trained, and keeps a codec set by hand. Streams of formats 1-3
+//! carry none: the successor then trains nothing, as before.
+//!
 //! # Images (zero-copy)
 //!
 //! A store built with [`StoreConfig::shared_memory`] keeps its pages in a
@@ -57,12 +65,11 @@ use tmem_tier::seal::Sealer;
 /// First bytes of an export.
 const MAGIC: &[u8; 8] = b"TMEMSTOR";
 /// Format version written; an import reads this one and the older ones.
-pub const HANDOVER_VERSION: u32 = 3;
+pub const HANDOVER_VERSION: u32 = 4;
 /// First bytes of an image ([`Store::export_image`]).
 const IMAGE_MAGIC: &[u8; 8] = b"TMEMIMAG";
-/// Image format version: image 1 carries a format 2 stream, image 2 a
-/// format 3 one.
-pub const IMAGE_VERSION: u32 = 2;
+/// Image format version: image N carries a format N + 1 stream.
+pub const IMAGE_VERSION: u32 = 3;
 /// Most chunks of the arena an image may name (64 TiB).
 const MAX_CHUNKS: u32 = 1 << 24;
 /// The oldest format an import reads.
@@ -383,6 +390,86 @@ fn write_codec(w: &mut W<'_>, c: &CodecConfig) -> Result<(), StoreError> {
     w.bytes(dictionary)
 }
 
+/// Largest training status read (the trainer writes a line or two).
+const MAX_STATUS: u32 = 4 << 10;
+/// Most pages a handed-over training may sample (the default is 2048).
+const MAX_SAMPLE_PAGES: u64 = 1 << 20;
+
+fn write_training(w: &mut W<'_>, t: &dictionary::HandedTraining) -> Result<(), StoreError> {
+    w.u64(t.cfg.after_bytes)?;
+    w.u64(t.cfg.sample_pages as u64)?;
+    w.u64(t.cfg.dict_bytes as u64)?;
+    w.u32(t.cfg.max_dictionaries)?;
+    write_codec(w, &t.base)?;
+    w.u8(u8::from(t.armed))?;
+    w.u8(u8::from(t.finished))?;
+    w.u64(t.next_bytes)?;
+    w.u32(t.failures)?;
+    w.u32(t.dictionaries)?;
+    w.u8(t.codec_id)?;
+    w.u64(t.tried_bytes)?;
+    w.u64(t.seen_pages)?;
+    w.u64(t.seen_bytes)?;
+    let status = t.status.as_bytes();
+    let status = &status[..status.len().min(MAX_STATUS as usize)];
+    w.u32(u32::try_from(status.len()).expect("capped"))?;
+    w.bytes(status)
+}
+
+/// Reads what [`write_training`] wrote; `new_id` maps the predecessor's
+/// codec ids to this store's.
+fn read_training(
+    r: &mut R<'_>,
+    new_id: &dyn Fn(u8) -> Result<u8, StoreError>,
+) -> Result<dictionary::HandedTraining, StoreError> {
+    let (after_bytes, sample_pages, dict_bytes, max_dictionaries) = (r.u64()?, r.u64()?, r.u64()?, r.u32()?);
+    if sample_pages > MAX_SAMPLE_PAGES || dict_bytes > u64::from(MAX_DICTIONARY) || max_dictionaries > MAX_DICTIONARIES
+    {
+        return Err(bad(format!(
+            "dictionary training of {sample_pages} pages into {dict_bytes} bytes, {max_dictionaries} dictionaries \
+             (at most {MAX_SAMPLE_PAGES}, {MAX_DICTIONARY}, {MAX_DICTIONARIES})"
+        )));
+    }
+    let cfg = DictTraining {
+        after_bytes,
+        sample_pages: usize::try_from(sample_pages).expect("capped"),
+        dict_bytes: usize::try_from(dict_bytes).expect("capped"),
+        max_dictionaries,
+    };
+    let base = read_codec(r)?;
+    let (armed, finished) = (r.bool("training armed")?, r.bool("training finished")?);
+    let (next_bytes, failures, dictionaries) = (r.u64()?, r.u32()?, r.u32()?);
+    if dictionaries > max_dictionaries {
+        return Err(bad(format!("{dictionaries} dictionaries trained, at most {max_dictionaries} allowed")));
+    }
+    let newest = r.u8()?;
+    // The newest dictionary's codec is one of the stream's (a store that
+    // trained none records 0, which it may not have registered).
+    let codec_id = if dictionaries > 0 { new_id(newest)? } else { 0 };
+    let (tried_bytes, seen_pages, seen_bytes) = (r.u64()?, r.u64()?, r.u64()?);
+    let len = r.u32()?;
+    if len > MAX_STATUS {
+        return Err(bad(format!("a training status of {len} bytes (at most {MAX_STATUS})")));
+    }
+    let mut status = vec![0u8; len as usize];
+    r.fill(&mut status)?;
+    let status = String::from_utf8(status).map_err(|_| bad("a training status that is not UTF-8"))?;
+    Ok(dictionary::HandedTraining {
+        cfg,
+        base,
+        armed,
+        finished,
+        next_bytes,
+        failures,
+        dictionaries,
+        codec_id,
+        tried_bytes,
+        seen_pages,
+        seen_bytes,
+        status,
+    })
+}
+
 fn read_codec(r: &mut R<'_>) -> Result<CodecConfig, StoreError> {
     let (tag, level, len) = (r.u8()?, r.i32()?, r.u32()?);
     if len > MAX_DICTIONARY {
@@ -650,6 +737,13 @@ impl Store {
         }
         w.u8(sh.current_codec.load(Ordering::Relaxed))?;
         w.u64(sh.next_version.load(Ordering::SeqCst))?;
+        match sh.auto_dictionary.get() {
+            None => w.u8(0)?,
+            Some(auto) => {
+                w.u8(1)?;
+                write_training(&mut w, &auto.handed())?;
+            }
+        }
         w.u32(u32::try_from(pools.len()).expect("fewer than 2^32 pools"))?;
         for pool in &pools {
             sum.pools += 1;
@@ -777,9 +871,10 @@ impl Store {
                 "export format {version}, this build reads {OLDEST_VERSION}..={HANDOVER_VERSION}"
             )));
         }
-        let (v2, v3) = (version >= 2, version >= 3);
+        let (v2, v3, v4) = (version >= 2, version >= 3, version >= 4);
         cfg.policy = read_policy(&mut r)?;
-        // The successor trains no dictionary of its own: the pages come with theirs.
+        // The successor trains no dictionary of its own configuration: the
+        // pages come with theirs, and training as it stood (format 4).
         cfg.dictionary = None;
         let store = match alloc {
             Some(alloc) => {
@@ -801,6 +896,12 @@ impl Store {
         store.set_codec(new_id(current)?)?;
         if v3 {
             sh.next_version.store(r.u64()?, Ordering::SeqCst);
+        }
+        if v4 && r.bool("dictionary training")? {
+            let training = read_training(&mut r, &new_id)?;
+            sh.auto_dictionary
+                .set(dictionary::AutoDictionary::adopted(training))
+                .map_err(|_| bad("dictionary training twice"))?;
         }
         let mut sum = HandoverSummary::default();
         let pools = r.u32()?;
@@ -1236,7 +1337,7 @@ mod tests {
         }
         let mut c = Cut { src: v3, at: 0, out: Vec::new() };
         c.keep(8);
-        assert_eq!(c.skip(4), 3);
+        assert_eq!(c.skip(4), HANDOVER_VERSION.into());
         c.out.extend_from_slice(&1u32.to_le_bytes());
         c.keep(34); // policy
         for _ in 0..c.keep(1) {
@@ -1246,6 +1347,7 @@ mod tests {
         }
         c.keep(1);
         c.skip(8);
+        assert_eq!(c.skip(1), 0, "no dictionary training in a format 1 stream");
         for _ in 0..c.keep(4) {
             if c.keep(1) == 0 {
                 continue;
@@ -1315,8 +1417,8 @@ mod tests {
             assert!(matches!(back.pool(1), Err(StoreError::PoolDestroyed(1))));
         }
         // A version from the future is refused.
-        let mut v4 = v3.clone();
-        v4[8..12].copy_from_slice(&4u32.to_le_bytes());
-        assert!(Store::import(StoreConfig::default(), &mut v4.as_slice()).is_err());
+        let mut future = v3.clone();
+        future[8..12].copy_from_slice(&(HANDOVER_VERSION + 1).to_le_bytes());
+        assert!(Store::import(StoreConfig::default(), &mut future.as_slice()).is_err());
     }
 }
