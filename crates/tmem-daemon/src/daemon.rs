@@ -61,6 +61,10 @@ pub(crate) struct State {
     pub(crate) kernel_nbd: Vec<tmem_nbd::kernel::KernelDevice>,
     /// The ublk devices this daemon serves (the ublk transport).
     pub(crate) ublk: Vec<tmem_ublk::UblkDevice>,
+    /// ublk devices handed to this daemon that user recovery has not taken
+    /// yet: their requests wait. Tried again in the background, offered to
+    /// a successor, and tried once more before a teardown's swapoff.
+    pub(crate) ublk_waiting: Vec<crate::handover::HandedUblk>,
     pub(crate) metrics: Option<crate::metrics::MetricsServer>,
 }
 
@@ -252,6 +256,8 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
         return Err(e);
     }
     crate::handover::listen(&daemon)?;
+    #[cfg(feature = "fault-injection")]
+    crate::fault::ublk_waiting(&daemon);
     serve(&daemon, &rx);
     Ok(())
 }
@@ -444,7 +450,15 @@ impl Daemon {
             caches: served.1,
             state: Mutex::new(
                 Rank::DaemonState,
-                State { status, fuse: None, nbd: None, kernel_nbd: Vec::new(), ublk: Vec::new(), metrics: None },
+                State {
+                    status,
+                    fuse: None,
+                    nbd: None,
+                    kernel_nbd: Vec::new(),
+                    ublk: Vec::new(),
+                    ublk_waiting: Vec::new(),
+                    metrics: None,
+                },
             ),
             teardown_gate: Mutex::new(Rank::DaemonTeardown, ()),
             events: Mutex::new(Rank::DaemonEvents, events),
@@ -945,6 +959,15 @@ impl Daemon {
         let _gate = self.teardown_gate.lock();
         if self.exited.load(Ordering::Acquire) {
             return Ok(());
+        }
+        // A swapoff reads every page back: a ublk device nobody serves
+        // would make it wait for ever.
+        if let Err(not_served) = self.take_waiting_ublk(0) {
+            return Err(DaemonError::Teardown(format!(
+                "{not_served} (user recovery failed), so a swapoff would wait for ever; end this daemon (kill {}) \
+                 and run `tmem swap down`, which takes the device over, fails its requests and removes it",
+                std::process::id()
+            )));
         }
         let _ = self.supervisor.notify(&[NotifyState::Stopping]);
         self.lock().status.state = "stopping".into();

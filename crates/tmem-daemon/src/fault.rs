@@ -7,6 +7,9 @@
 //!   protocol N, as an incompatible binary would.
 //! - `TMEM_FAULT_PANIC_TEARDOWN=1`: the first teardown panics after its
 //!   first swapoff, as one did on a counter's underflow.
+//! - `TMEM_FAULT_UBLK_WAITING=N`: a daemon that set up believes
+//!   `/dev/ublkbN` was handed to it for its first export and user recovery
+//!   did not take it (no such device exists, so every try fails).
 
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -38,4 +41,12 @@ pub fn panic_in_teardown() {
     if std::env::var_os("TMEM_FAULT_PANIC_TEARDOWN").is_some() && !PANICKED.swap(true, Ordering::AcqRel) {
         panic!("fault injection: teardown panics");
     }
+}
+
+/// Hands `daemon` a ublk device that no try can take, if
+/// `TMEM_FAULT_UBLK_WAITING` names one.
+pub fn ublk_waiting(daemon: &std::sync::Arc<crate::daemon::Daemon>) {
+    let Some(id) = std::env::var("TMEM_FAULT_UBLK_WAITING").ok().and_then(|v| v.parse().ok()) else { return };
+    crate::daemon::log(&format!("fault injection: /dev/ublkb{id} was handed over and waits"));
+    daemon.recover_ublk(vec![crate::handover::HandedUblk { export: 0, id }]);
 }

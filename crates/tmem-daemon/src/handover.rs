@@ -78,7 +78,7 @@ use std::os::fd::{AsFd, BorrowedFd, IntoRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicI32;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -180,11 +180,11 @@ struct KernelDevices {
 
 /// One `/dev/ublkbN` of the ublk transport, its queues paused.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-struct HandedUblk {
+pub(crate) struct HandedUblk {
     /// Its export: a device, or a cache after the devices.
-    export: usize,
+    pub(crate) export: usize,
     /// N of `/dev/ublkbN`.
-    id: u32,
+    pub(crate) id: u32,
 }
 
 /// One `/dev/nbdN` of the NBD transport, paused between two requests.
@@ -508,6 +508,9 @@ impl Daemon {
             u.pause(NBD_PAUSE_TIMEOUT)?;
             handed.push(HandedUblk { export, id: u.id() });
         }
+        // Those this daemon could not take wait, quiesced: the successor
+        // tries them too. They stay listed here in case the hand-over fails.
+        handed.extend(g.ublk_waiting.iter().cloned());
         Ok(handed)
     }
 
@@ -1036,13 +1039,36 @@ impl Daemon {
     /// to 30 s) for the predecessor's end, which quiesces it; then the
     /// kernel reissues every request it kept to this process's queues.
     /// Each outcome is a step, so `swap restart` prints it; the state is
-    /// `up` once all are done.
-    fn recover_ublk(&self, handed: Vec<HandedUblk>) {
+    /// `up` once all are tried. A device that could not be taken is tried
+    /// again in the background ([`retry_ublk`]) until it is.
+    pub(crate) fn recover_ublk(self: &Arc<Self>, handed: Vec<HandedUblk>) {
         if handed.is_empty() {
             return;
         }
+        self.lock().ublk_waiting = handed;
+        let all_taken = self.take_waiting_ublk(1).is_ok();
+        self.lock().status.state = "up".into();
+        let status = self.status();
+        self.save_state(&status);
+        if !all_taken {
+            let daemon = Arc::clone(self);
+            if let Err(e) = std::thread::Builder::new().name("ublk-recovery".into()).spawn(move || retry_ublk(&daemon))
+            {
+                crate::daemon::warn(&format!("cannot start the thread that tries the ublk devices again: {e}"));
+            }
+        }
+    }
+
+    /// Tries (try number `attempt`; 0: a teardown's) to take every ublk
+    /// device still waiting; those that fail stay waiting. Err names them.
+    pub(crate) fn take_waiting_ublk(&self, attempt: u32) -> Result<(), String> {
+        let waiting = std::mem::take(&mut self.lock().ublk_waiting);
+        if waiting.is_empty() {
+            return Ok(());
+        }
         let exports = self.exports();
-        for h in handed {
+        let mut left = Vec::new();
+        for h in waiting {
             let Some((name, device)) = exports.get(h.export) else {
                 crate::daemon::warn(&format!(
                     "/dev/ublkb{}: the offer names export {}, which is not here",
@@ -1054,9 +1080,10 @@ impl Daemon {
             match tmem_ublk::UblkDevice::recover(h.id, Arc::clone(device)) {
                 Ok(u) => {
                     let line = format!(
-                        "{name}: took ublk device /dev/ublkb{} over (user recovery, {} ms after the predecessor \
+                        "{name}: took ublk device /dev/ublkb{} over (user recovery{}, {} ms after the predecessor \
                          was told to go; the requests it held were reissued here)",
                         h.id,
+                        if attempt > 1 { format!(" on try {attempt}") } else { String::new() },
                         started.elapsed().as_millis()
                     );
                     log(&line);
@@ -1064,21 +1091,57 @@ impl Daemon {
                     self.lock().ublk.push(u);
                 }
                 Err(e) => {
+                    let again = if attempt == 0 { "" } else { "; tried again in the background, at most 30 s apart" };
                     let line = format!(
-                        "warning: /dev/ublkb{}: {UBLK_NOT_RECOVERED}, so its requests wait: {e}; end this daemon \
-                         (kill {}) and run `tmem swap down`, which takes the device over, fails its requests and \
-                         removes it",
+                        "warning: /dev/ublkb{}: {UBLK_NOT_RECOVERED} (try {attempt}), so its requests wait: {e}{again}; \
+                         if it never succeeds, end this daemon (kill {}) and run `tmem swap down`, which takes the \
+                         device over, fails its requests and removes it",
                         h.id,
                         std::process::id()
                     );
                     crate::daemon::warn(&line);
                     self.lock().status.steps.push(line);
+                    left.push(h);
                 }
             }
         }
-        self.lock().status.state = "up".into();
-        let status = self.status();
-        self.save_state(&status);
+        let not_served = left.iter().map(|h| format!("/dev/ublkb{}", h.id)).collect::<Vec<_>>().join(", ");
+        self.lock().ublk_waiting.extend(left);
+        if not_served.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{not_served} not served"))
+        }
+    }
+}
+
+/// First wait before a ublk device that user recovery could not take is
+/// tried again; each wait doubles, up to [`UBLK_RETRY_MOST`].
+const UBLK_RETRY_FIRST: Duration = Duration::from_secs(1);
+/// Longest wait between two tries.
+const UBLK_RETRY_MOST: Duration = Duration::from_secs(30);
+
+/// The waits between tries of a device that could not be taken: 1, 2,
+/// 4, ... seconds, then 30 s each.
+fn ublk_retry_waits() -> impl Iterator<Item = Duration> {
+    std::iter::successors(Some(UBLK_RETRY_FIRST), |w| Some((*w * 2).min(UBLK_RETRY_MOST)))
+}
+
+/// Tries the waiting ublk devices again until none waits, the daemon
+/// exits or it hands them to a successor. A try skips its turn while a
+/// teardown or hand-over holds the gate (a hand-over offers them).
+fn retry_ublk(daemon: &Daemon) {
+    for (attempt, wait) in (2..).zip(ublk_retry_waits()) {
+        std::thread::sleep(wait);
+        if daemon.exited.load(Ordering::Acquire) || daemon.lock().ublk_waiting.is_empty() {
+            return;
+        }
+        let Some(_gate) = daemon.teardown_gate.try_lock() else { continue };
+        if daemon.take_waiting_ublk(attempt).is_ok() {
+            let status = daemon.status();
+            daemon.save_state(&status);
+            return;
+        }
     }
 }
 
@@ -1101,4 +1164,15 @@ fn adopt_fronts(daemon: &Daemon, old: &Status, total_ram: u64) -> Result<crate::
         fronts.zswap_adopt(&daemon.dir, &daemon.spec.front, total_ram, reads)?;
     }
     Ok(fronts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ublk_device_not_taken_is_tried_again_sooner_first_then_every_30_s() {
+        let waits: Vec<u64> = ublk_retry_waits().take(8).map(|w| w.as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
+    }
 }

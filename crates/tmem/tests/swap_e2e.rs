@@ -724,6 +724,69 @@ fn a_panic_in_swap_down_is_answered_and_the_next_swap_down_finishes() {
     assert_clean(&s);
 }
 
+/// Kills daemon `pid` with SIGKILL and waits for it to end (a daemon this
+/// test started: its pid comes from its own runtime directory).
+fn kill_daemon(pid: i32) {
+    let pid = rustix::process::Pid::from_raw(pid).expect("a pid");
+    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while rustix::process::test_kill_process(pid).is_ok() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// A ublk device that user recovery could not take (issue 28; fault
+/// injection hands the daemon `/dev/ublkb77`, which does not exist, so
+/// every try fails): it is tried again in the background, `swap down`
+/// refuses before its swapoff (which would wait for ever) and says what to
+/// do, `swap restart` offers it to the successor, which tries it too and
+/// says so, and the documented way out (kill, then `swap down`) cleans up.
+#[test]
+fn a_ublk_device_not_taken_is_tried_again_and_offered_to_a_successor() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::new("ublk-waiting");
+    s.swap_up_env("256M", &[], &[("TMEM_FAULT_UBLK_WAITING", "77")]);
+    let first = s.daemon_pid();
+    // Whatever fails below, no daemon of this test outlives it: the
+    // Setup's drop then recovers with `swap down`.
+    let dir = s.dir.clone();
+    let _kill = scopeguard::guard((), move |()| {
+        if let Ok(state) = std::fs::read_to_string(dir.join("state.json")) {
+            let state: serde_json::Value = serde_json::from_str(&state).unwrap_or_default();
+            if let Some(pid) = state["pid"].as_u64().and_then(|p| i32::try_from(p).ok()) {
+                kill_daemon(pid);
+            }
+        }
+    });
+    let log = || std::fs::read_to_string(s.dir.join("daemon.log")).unwrap_or_default();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !log().contains("/dev/ublkb77: user recovery failed (try 3)") {
+        assert!(std::time::Instant::now() < deadline, "not tried three times in 20 s:\n{}", log());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let (ok, out) = tmem(&["swap", "down", "--runtime-dir", s.dir()]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("/dev/ublkb77 not served (user recovery failed), so a swapoff would wait for ever")
+            && out.contains(&format!("kill {first}")),
+        "{out}"
+    );
+    assert!(tmem_sys::swap::swaps().unwrap().len() == 1, "its swap area is still on");
+    let (ok, out) = tmem(&["swap", "restart", "--runtime-dir", s.dir()]);
+    assert!(!ok, "a device was not taken: the restart says so: {out}");
+    assert!(out.contains("/dev/ublkb77: user recovery failed (try 1)"), "the successor tried it: {out}");
+    let next = s.daemon_pid();
+    assert_ne!(next, first, "{out}");
+    let (ok, out) = tmem(&["swap", "down", "--runtime-dir", s.dir()]);
+    assert!(!ok && out.contains("/dev/ublkb77 not served"), "the successor keeps it waiting: {out}");
+    kill_daemon(next);
+    let out = s.swap_down();
+    assert!(out.contains("dead"), "{out}");
+    assert_clean(&s);
+}
+
 /// Holds `mib` MiB (1 KiB random + 3 KiB zeros per page) and reads it all
 /// again and again until `stop` exists, checking each pass against the first
 /// hash; prints the longest time one 1 MiB chunk took to read back (a swap
