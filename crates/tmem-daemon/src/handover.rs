@@ -1100,7 +1100,12 @@ impl Daemon {
                         std::process::id()
                     );
                     crate::daemon::warn(&line);
-                    self.lock().status.steps.push(line);
+                    // The first failure is a step (`swap restart` prints
+                    // it); later ones only go to the log, so that a device
+                    // that never comes back does not grow the status.
+                    if attempt <= 1 {
+                        self.lock().status.steps.push(line);
+                    }
                     left.push(h);
                 }
             }

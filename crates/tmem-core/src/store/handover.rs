@@ -410,8 +410,9 @@ fn write_training(w: &mut W<'_>, t: &dictionary::HandedTraining) -> Result<(), S
     w.u64(t.tried_bytes)?;
     w.u64(t.seen_pages)?;
     w.u64(t.seen_bytes)?;
-    let status = t.status.as_bytes();
-    let status = &status[..status.len().min(MAX_STATUS as usize)];
+    // Cut on a character's boundary: the reader checks it is UTF-8.
+    let cut = (0..=t.status.len().min(MAX_STATUS as usize)).rev().find(|&i| t.status.is_char_boundary(i));
+    let status = &t.status.as_bytes()[..cut.unwrap_or(0)];
     w.u32(u32::try_from(status.len()).expect("capped"))?;
     w.bytes(status)
 }
@@ -1304,11 +1305,11 @@ impl Store {
 mod tests {
     use super::*;
 
-    /// Copies a format 3 stream of a store without groups or tiers into
-    /// format 1: the same fields without those formats 2 and 3 added (the
-    /// version counter; per pool its tier count, 4 events; per shard 2
-    /// cumulative counters and the group count), version 1, and the
-    /// checksum recomputed.
+    /// Copies a current-format stream of a store without groups, tiers or
+    /// dictionary training into format 1: the same fields without those
+    /// formats 2-4 added (the version counter and the training flag; per
+    /// pool its tier count, 4 events; per shard 2 cumulative counters and
+    /// the group count), version 1, and the checksum recomputed.
     fn to_v1(v3: &[u8]) -> Vec<u8> {
         struct Cut<'a> {
             src: &'a [u8],
@@ -1420,5 +1421,33 @@ mod tests {
         let mut future = v3.clone();
         future[8..12].copy_from_slice(&(HANDOVER_VERSION + 1).to_le_bytes());
         assert!(Store::import(StoreConfig::default(), &mut future.as_slice()).is_err());
+    }
+
+    #[test]
+    fn training_travels_whole_and_a_long_status_is_cut_on_a_character_boundary() {
+        let t = dictionary::HandedTraining {
+            cfg: DictTraining { after_bytes: 1 << 20, sample_pages: 300, dict_bytes: 4096, max_dictionaries: 2 },
+            base: CodecConfig::Zstd { level: 3, dictionary: None },
+            armed: true,
+            finished: false,
+            next_bytes: 5 << 20,
+            failures: 1,
+            dictionaries: 1,
+            codec_id: 2,
+            tried_bytes: 3 << 20,
+            seen_pages: 700,
+            seen_bytes: 900_000,
+            // Byte 4096 falls inside a character.
+            status: format!("x{}", "é".repeat(3000)),
+        };
+        let mut out = Vec::new();
+        let mut w = W(&mut out, GatheredCrc::new());
+        write_training(&mut w, &t).unwrap();
+        w.finish().unwrap();
+        let mut src = out.as_slice();
+        let mut r = R(&mut src, GatheredCrc::new());
+        let back = read_training(&mut r, &|id| Ok(id + 10)).unwrap();
+        assert_eq!(back.status, format!("x{}", "é".repeat(2047)), "cut before the character at byte 4096");
+        assert_eq!(back, dictionary::HandedTraining { codec_id: 12, status: back.status.clone(), ..t });
     }
 }
