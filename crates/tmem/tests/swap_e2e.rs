@@ -188,9 +188,7 @@ impl Setup {
 
     /// The daemon's pid, from its state file.
     fn daemon_pid(&self) -> i32 {
-        let state: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(self.dir.join("state.json")).unwrap()).unwrap();
-        i32::try_from(state["pid"].as_u64().unwrap()).unwrap()
+        state_pid(&self.dir).expect("a state file with the daemon's pid")
     }
 
     fn stat(&self) -> serde_json::Value {
@@ -724,15 +722,20 @@ fn a_panic_in_swap_down_is_answered_and_the_next_swap_down_finishes() {
     assert_clean(&s);
 }
 
-/// Kills daemon `pid` with SIGKILL and waits for it to end (a daemon this
-/// test started: its pid comes from its own runtime directory).
+/// The pid in the state file of runtime directory `dir`, if it has one.
+fn state_pid(dir: &std::path::Path) -> Option<i32> {
+    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).ok()?).ok()?;
+    i32::try_from(state["pid"].as_u64()?).ok()
+}
+
+/// Kills daemon `pid` with SIGKILL and waits up to 10 s for it to end (a
+/// daemon this test started: its pid comes from its own runtime directory).
 fn kill_daemon(pid: i32) {
-    let pid = rustix::process::Pid::from_raw(pid).expect("a pid");
-    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while rustix::process::test_kill_process(pid).is_ok() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let _ = rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).expect("a pid"),
+        rustix::process::Signal::KILL,
+    );
+    tmem_daemon::handover::wait_for_exit(pid.unsigned_abs(), std::time::Duration::from_secs(10));
 }
 
 /// A ublk device that user recovery could not take (issue 28; fault
@@ -753,11 +756,8 @@ fn a_ublk_device_not_taken_is_tried_again_and_offered_to_a_successor() {
     // Setup's drop then recovers with `swap down`.
     let dir = s.dir.clone();
     let _kill = scopeguard::guard((), move |()| {
-        if let Ok(state) = std::fs::read_to_string(dir.join("state.json")) {
-            let state: serde_json::Value = serde_json::from_str(&state).unwrap_or_default();
-            if let Some(pid) = state["pid"].as_u64().and_then(|p| i32::try_from(p).ok()) {
-                kill_daemon(pid);
-            }
+        if let Some(pid) = state_pid(&dir) {
+            kill_daemon(pid);
         }
     });
     let log = || std::fs::read_to_string(s.dir.join("daemon.log")).unwrap_or_default();

@@ -230,19 +230,23 @@ struct Plan {
 }
 
 impl AutoDictionary {
+    /// Training for `base` in a new store: armed, waiting for
+    /// [`DictTraining::after_bytes`].
     pub(super) fn new(base: CodecConfig, cfg: DictTraining) -> Self {
-        Self {
-            next_bytes: AtomicU64::new(cfg.after_bytes),
+        Self::adopted(HandedTraining {
+            next_bytes: cfg.after_bytes,
             cfg,
-            state: AtomicU8::new(WAITING),
-            failures: AtomicU32::new(0),
-            dictionaries: AtomicU32::new(0),
-            codec_id: AtomicU8::new(0),
-            tried_bytes: AtomicU64::new(0),
-            seen_pages: AtomicU64::new(0),
-            seen_bytes: AtomicU64::new(0),
-            plan: Mutex::new(Rank::DictionaryPlan, Plan { base, generation: 0, armed: true, status: "waiting".into() }),
-        }
+            base,
+            armed: true,
+            finished: false,
+            failures: 0,
+            dictionaries: 0,
+            codec_id: 0,
+            tried_bytes: 0,
+            seen_pages: 0,
+            seen_bytes: 0,
+            status: "waiting".into(),
+        })
     }
 
     /// Where training stands, for a successor ([`Self::adopted`]). A try
@@ -885,7 +889,12 @@ mod tests {
 
     /// A default store with one persistent pool holding `record_page(0..n)`.
     fn store_of_records(n: u64) -> (Store, Arc<Pool>) {
-        let store = StoreConfig::default().build().unwrap();
+        store_of_records_in(StoreConfig::default(), n)
+    }
+
+    /// A store built from `cfg` with one persistent pool holding `record_page(0..n)`.
+    fn store_of_records_in(cfg: StoreConfig, n: u64) -> (Store, Arc<Pool>) {
+        let store = cfg.build().unwrap();
         let pool = store.create_pool(PoolConfig::persistent());
         for i in 0..n {
             assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
@@ -963,11 +972,7 @@ mod tests {
     /// for good.
     #[test]
     fn training_that_was_waiting_goes_on_in_the_successor() {
-        let store = StoreConfig { dictionary: Some(store_cfg()), ..Default::default() }.build().unwrap();
-        let pool = store.create_pool(PoolConfig::persistent());
-        for i in 0..4 {
-            assert_eq!(pool.put(key(i), &record_page(i)).unwrap(), crate::PutOutcome::Stored);
-        }
+        let (store, pool) = store_of_records_in(StoreConfig { dictionary: Some(store_cfg()), ..Default::default() }, 4);
         assert_eq!(store.stats().dictionary.as_deref(), Some("waiting"));
         let next = handed_over(&store);
         assert_eq!(next.stats().dictionary.as_deref(), Some("waiting"));
