@@ -1,18 +1,21 @@
 #!/bin/bash
 # How long `tmem swap restart` stops a swapping job (issue 26).
 #
-#   scripts/restart-pause.sh HEAP_MIB LIMIT_MIB memfd|stream ROUNDS
+#   scripts/restart-pause.sh HEAP_MIB LIMIT_MIB MODES ROUNDS
 #
 # Brings swap up in its own runtime directory, runs a Python job with
 # HEAP_MIB of text-like heap in a cgroup-v1 memory cgroup of LIMIT_MIB that
 # reads its heap in 1 MiB chunks over and over, restarts the daemon ROUNDS
-# times (stream: as a successor from before zero-copy hand-over would ask,
-# TMEM_FAULT_HANDOVER_STREAMED, which needs a build with fault injection),
+# times, each in the next of MODES (comma-separated, in turn: precopy: as a successor does by default; memfd: the index all in
+# the pause, as one from before pre-copy would ask,
+# TMEM_FAULT_HANDOVER_NO_PRECOPY; stream: as one from before zero-copy
+# hand-over would ask, TMEM_FAULT_HANDOVER_STREAMED; both need a build with
+# fault injection),
 # prints each restart's step lines and /proc/meminfo around them, then the
 # job's longest chunk read, and takes everything down. Root; uses the
 # release binary (cargo build --release -p tmem --features tmem-daemon/fault-injection).
 set -u
-heap=$1 limit=$2 mode=$3 rounds=$4
+heap=$1 limit=$2 modes=$3 rounds=$4
 tmem=${TMEM:-$(dirname "$0")/../target/release/tmem}
 rd=/run/tmem-restart-pause-$$
 cg=/sys/fs/cgroup/memory/tmem-restart-pause-$$
@@ -64,10 +67,14 @@ sleep 10
 cpu() { awk '/^cpu /{t=0; for(i=2;i<=NF;i++) t+=$i; print t, $9}' /proc/stat; }
 read -r cpu0 steal0 < <(cpu)
 meminfo() { grep -E "^(MemAvailable|Mlocked|Shmem):" /proc/meminfo | tr -s ' ' | tr '\n' ' '; echo; }
-env=""
-[ "$mode" = stream ] && env="TMEM_FAULT_HANDOVER_STREAMED=1"
-for _ in $(seq 1 "$rounds"); do
+IFS=, read -r -a mode_list <<< "$modes"
+for round in $(seq 0 $((rounds - 1))); do
+    mode=${mode_list[$((round % ${#mode_list[@]}))]}
+    env=""
+    [ "$mode" = stream ] && env="TMEM_FAULT_HANDOVER_STREAMED=1"
+    [ "$mode" = memfd ] && env="TMEM_FAULT_HANDOVER_NO_PRECOPY=1"
     meminfo
+    echo "restart $round ($mode):"
     env $env "$tmem" swap restart --runtime-dir "$rd" 2>&1 | grep -E "took over|mapped and locked"
     sleep 5
 done

@@ -349,6 +349,24 @@ pub struct SlotTable {
     classes: Vec<(usize, Vec<u16>)>,
 }
 
+impl AllocImage {
+    /// The slots this image names (what [`ZsAlloc::slot_table`] of the
+    /// allocator adopted from it gives), without adopting it.
+    pub fn slot_table(&self) -> SlotTable {
+        let (geos, _) = build_classes(self.config);
+        let classes = self
+            .classes
+            .iter()
+            .enumerate()
+            .map(|(i, spans)| {
+                let size = geos.get(i).map_or(0, |g| g.size);
+                (size, spans.iter().map(|s| s.as_ref().map_or(0, |s| s.bump)).collect())
+            })
+            .collect();
+        SlotTable { classes }
+    }
+}
+
 impl SlotTable {
     /// Whether `loc` names a slot of a mapped span below its bump, big
     /// enough for `len` bytes.

@@ -31,6 +31,7 @@
 
 use crate::alloc::{AllocError, Loc, ZsAlloc};
 use crate::codec::{Codec, CodecError};
+use crate::dirty::Dirty;
 use crate::{Key, PAGE_SIZE};
 
 /// Pages of a window: a group holds up to this many pages of one aligned
@@ -254,33 +255,78 @@ pub(crate) struct Groups {
     /// Chunk locations held, for [`Groups::meta_bytes`] in O(1).
     chunk_words: usize,
     serial: u64,
+    /// Ids written since a pre-copy snapshot began (`None`: none runs).
+    dirty: Option<Dirty>,
 }
 
 impl Groups {
     /// Adds `g` (its serial is set here); returns its id.
-    pub fn insert(&mut self, mut g: Group) -> u32 {
+    pub fn insert(&mut self, g: Group) -> u32 {
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => {
+                self.table.push(None);
+                u32::try_from(self.table.len() - 1).expect("fewer than 2^32 groups per shard")
+            }
+        };
+        self.insert_at(id, g);
+        id
+    }
+
+    /// Puts `g` at id `id`, which holds no group and is not on the free
+    /// list (a pre-copy successor keeps its predecessor's ids; ids skipped
+    /// on the way wait for [`Groups::relink_free`]).
+    pub fn insert_at(&mut self, id: u32, mut g: Group) {
         self.serial += 1;
         g.serial = self.serial;
         self.live += 1;
         self.chunk_words += g.chunks.len();
-        if let Some(id) = self.free.pop() {
-            self.table[id as usize] = Some(g);
-            return id;
+        if self.table.len() <= id as usize {
+            self.table.resize_with(id as usize + 1, || None);
         }
-        self.table.push(Some(g));
-        u32::try_from(self.table.len() - 1).expect("fewer than 2^32 groups per shard")
+        if let Some(d) = &mut self.dirty {
+            d.mark(id);
+        }
+        debug_assert!(self.table[id as usize].is_none());
+        self.table[id as usize] = Some(g);
+    }
+
+    /// Rebuilds the free list from the ids that hold no group.
+    pub fn relink_free(&mut self) {
+        self.free = (0..self.table.len())
+            .rev()
+            .filter(|&i| self.table[i].is_none())
+            .map(|i| u32::try_from(i).expect("fewer than 2^32 groups per shard"))
+            .collect();
+    }
+
+    /// Starts (`true`) or ends recording which ids change.
+    pub fn track(&mut self, on: bool) {
+        self.dirty = on.then(Dirty::default);
+    }
+
+    /// The ids changed since [`Groups::track`] began, if it runs.
+    pub fn dirty(&self) -> Option<&Dirty> {
+        self.dirty.as_ref()
     }
 
     pub fn get(&self, id: u32) -> Option<&Group> {
         self.table.get(id as usize).and_then(Option::as_ref)
     }
 
+    /// Group `id`, to change: marked dirty while a snapshot runs.
     pub fn get_mut(&mut self, id: u32) -> Option<&mut Group> {
+        if let Some(d) = &mut self.dirty {
+            d.mark(id);
+        }
         self.table.get_mut(id as usize).and_then(Option::as_mut)
     }
 
     /// Removes group `id`, which must exist.
     pub fn remove(&mut self, id: u32) -> Group {
+        if let Some(d) = &mut self.dirty {
+            d.mark(id);
+        }
         let g = self.table[id as usize].take().expect("removing a live group");
         self.live -= 1;
         self.chunk_words -= g.chunks.len();

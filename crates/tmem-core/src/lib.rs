@@ -13,6 +13,7 @@
 
 pub mod alloc;
 pub mod codec;
+mod dirty;
 pub mod group;
 pub mod lz4;
 pub mod mem;
@@ -27,7 +28,7 @@ pub use stats::{CodecUsage, PoolStats, Stats};
 pub use store::{
     default_shards, DictTraining, DictionaryCodec, Eviction, GetOutcome, GroupConfig, Grouper, Grouping,
     HandoverSummary, ImportTiers, Pool, PoolConfig, PoolKind, PutOutcome, RecompressConfig, Recompression,
-    Recompressor, Reject, Retraining, Store, StoreConfig, StoreError, TierChain, TierHold, TrainedDictionary,
+    Recompressor, Reject, Retraining, Snapshot, Store, StoreConfig, StoreError, TierChain, TierHold, TrainedDictionary,
     WritebackReport, WritebackWorker, HANDOVER_VERSION, MAX_DICTIONARIES, MAX_STRIDE, MIN_TRAINING_PAGES, RAW_CODEC,
     RETRAIN_GROWTH, TRAINING_TRIES,
 };

@@ -6,6 +6,7 @@
 use hashbrown::HashTable;
 
 use crate::alloc::Loc;
+use crate::dirty::Dirty;
 use crate::group::{BlockCache, Groups};
 use crate::stats::ShardCounters;
 use crate::Key;
@@ -122,6 +123,12 @@ impl Entry {
         self.check = check;
     }
 
+    /// Records codec id `codec` (a successor mapping its predecessor's ids).
+    pub fn set_codec(&mut self, codec: u8) {
+        debug_assert!(usize::from(codec) < MAX_CODECS);
+        self.meta = (self.meta & !(((1 << CODEC_BITS) - 1) << CODEC_SHIFT)) | (u32::from(codec) << CODEC_SHIFT);
+    }
+
     /// Index of the tier holding the page (with `F_TIER`).
     pub fn tier(&self) -> usize {
         ((self.meta >> TIER_SHIFT) & 7) as usize
@@ -135,6 +142,9 @@ impl Entry {
         self.loc = version;
     }
 }
+
+/// A handle that holds no entry.
+const BLANK: Entry = Entry { object: 0, index: 0, loc: 0, check: 0, meta: 0, prev: NIL, next: NIL };
 
 const FIRST_SEG: usize = 16;
 /// Shards smaller than this never rebuild their storage to shrink it.
@@ -152,6 +162,8 @@ pub(crate) struct Entries {
     high_water: usize,
     free_head: u32,
     live: usize,
+    /// Handles written since a pre-copy snapshot began (`None`: none runs).
+    dirty: Option<Dirty>,
 }
 
 fn locate(h: usize) -> (usize, usize) {
@@ -180,7 +192,7 @@ impl Default for Entries {
 
 impl Entries {
     pub fn new() -> Self {
-        Self { segs: Vec::new(), high_water: 0, free_head: NIL, live: 0 }
+        Self { segs: Vec::new(), high_water: 0, free_head: NIL, live: 0, dirty: None }
     }
 
     pub fn get(&self, h: u32) -> &Entry {
@@ -188,9 +200,57 @@ impl Entries {
         &self.segs[s][o]
     }
 
+    /// The entry at `h`, to change: marked dirty while a snapshot runs.
     pub fn get_mut(&mut self, h: u32) -> &mut Entry {
+        if let Some(d) = &mut self.dirty {
+            d.mark(h);
+        }
         let (s, o) = locate(h as usize);
         &mut self.segs[s][o]
+    }
+
+    /// Starts (`true`) or ends recording which handles change.
+    pub fn track(&mut self, on: bool) {
+        self.dirty = on.then(Dirty::default);
+    }
+
+    /// The handles changed since [`Entries::track`] began, if it runs.
+    pub fn dirty(&self) -> Option<&Dirty> {
+        self.dirty.as_ref()
+    }
+
+    /// Whether handle `h` holds an entry.
+    pub fn is_live(&self, h: u32) -> bool {
+        (h as usize) < self.high_water && self.get(h).has(F_LIVE)
+    }
+
+    /// Puts `e` at handle `h`, which holds no live entry (a pre-copy
+    /// successor keeps its predecessor's handles). Handles skipped on the
+    /// way are holes off the free list until [`Entries::relink_free`].
+    pub fn insert_at(&mut self, h: u32, e: Entry) {
+        let (seg, _) = locate(h as usize);
+        while self.segs.len() <= seg {
+            self.segs.push(vec![BLANK; seg_len(self.segs.len())].into_boxed_slice());
+        }
+        self.high_water = self.high_water.max(h as usize + 1);
+        debug_assert!(!self.get(h).has(F_LIVE));
+        self.live += 1;
+        *self.get_mut(h) = e;
+    }
+
+    /// Rebuilds the free list from every handle below the high-water mark
+    /// that holds no entry (after [`Entries::insert_at`]s and removals).
+    pub fn relink_free(&mut self) {
+        self.free_head = NIL;
+        for h in (0..self.high_water).rev() {
+            let h = u32::try_from(h).expect("fewer than 2^32 entries per shard");
+            let (s, o) = locate(h as usize);
+            let e = &mut self.segs[s][o];
+            if !e.has(F_LIVE) {
+                e.next = self.free_head;
+                self.free_head = h;
+            }
+        }
     }
 
     pub fn insert(&mut self, e: Entry) -> u32 {
@@ -204,8 +264,7 @@ impl Entries {
         let h = self.high_water;
         let (s, _) = locate(h);
         if s == self.segs.len() {
-            let blank = Entry { object: 0, index: 0, loc: 0, check: 0, meta: 0, prev: NIL, next: NIL };
-            self.segs.push(vec![blank; seg_len(s)].into_boxed_slice());
+            self.segs.push(vec![BLANK; seg_len(s)].into_boxed_slice());
         }
         self.high_water += 1;
         let h = u32::try_from(h).expect("fewer than 2^32 entries per shard");
@@ -242,8 +301,15 @@ impl Entries {
         segs * std::mem::size_of::<Entry>() + self.segs.capacity() * std::mem::size_of::<Box<[Entry]>>()
     }
 
+    /// Drops every entry (a running snapshot then counts every handle
+    /// it knew as changed).
     pub fn clear(&mut self) {
+        let mut dirty = self.dirty.take();
+        if let Some(d) = &mut dirty {
+            d.mark_below(self.high_water);
+        }
         *self = Self::new();
+        self.dirty = dirty;
     }
 }
 
@@ -321,6 +387,38 @@ impl Shard {
         old
     }
 
+    /// Starts (`true`) or ends recording which entries and groups change,
+    /// for a pre-copy hand-over (`store/precopy.rs`).
+    pub fn track(&mut self, on: bool) {
+        self.entries.track(on);
+        self.groups.track(on);
+    }
+
+    /// Whether changes are being recorded.
+    pub fn tracking(&self) -> bool {
+        self.entries.dirty().is_some()
+    }
+
+    /// Inserts `e`, whose key is not in the shard, at handle `h`, which
+    /// holds none (a pre-copy successor); false, and nothing changed, if
+    /// the key is there.
+    pub fn insert_at(&mut self, h: u32, e: Entry, hash: u64) -> bool {
+        let key = e.key();
+        let entries = &self.entries;
+        let hasher = |&x: &u32| hash_key(entries.get(x).key());
+        let hashbrown::hash_table::Entry::Vacant(slot) =
+            self.table.entry(hash, |&x| entries.get(x).key() == key, hasher)
+        else {
+            return false;
+        };
+        slot.insert(h);
+        self.entries.insert_at(h, e);
+        if !e.has(F_TIER) {
+            self.lru_push_front(h);
+        }
+        true
+    }
+
     /// Inserts an entry whose key is not in the shard, with one probe of
     /// the table (a hand-over's import); false, and nothing changed, if
     /// the key is there.
@@ -371,6 +469,10 @@ impl Shard {
     /// shard lock. Each rebuild costs O(live) after at least three times as
     /// many removals.
     pub fn shrink_if_sparse(&mut self) {
+        if self.tracking() {
+            // A running snapshot names entries by handle.
+            return;
+        }
         let (live, high_water) = (self.entries.live(), self.entries.high_water);
         let sparse = high_water >= SHRINK_MIN_ENTRIES && live * 4 <= high_water;
         let emptied = live == 0 && high_water > 0;

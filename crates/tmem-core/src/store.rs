@@ -70,7 +70,7 @@ pub use dictionary::{
     TRAINING_TRIES,
 };
 pub use grouping::{GroupConfig, Grouper, Grouping};
-pub use handover::{HandoverSummary, ImportTiers, HANDOVER_VERSION};
+pub use handover::{HandoverSummary, ImportTiers, Snapshot, HANDOVER_VERSION};
 pub use outcome::{GetOutcome, PutOutcome, Reject, StoreError};
 use pool::PaddedShard;
 pub use pool::Pool;

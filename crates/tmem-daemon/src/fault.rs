@@ -5,6 +5,8 @@
 //!   signal ends the stall early), as a huge swap area would.
 //! - `TMEM_FAULT_HANDOVER_PROTOCOL=N`: a successor claims hand-over
 //!   protocol N, as an incompatible binary would.
+//! - `TMEM_FAULT_HANDOVER_NO_PRECOPY=1`: a successor asks for no pre-copy,
+//!   as one from before it would.
 //! - `TMEM_FAULT_PANIC_TEARDOWN=1`: the first teardown panics after its
 //!   first swapoff, as one did on a counter's underflow.
 //! - `TMEM_FAULT_UBLK_WAITING=N`: a daemon that set up believes
@@ -33,6 +35,12 @@ pub fn handover_protocol() -> Option<u32> {
 /// zero-copy hand-over would), if `TMEM_FAULT_HANDOVER_STREAMED` is set.
 pub fn handover_streamed() -> bool {
     std::env::var_os("TMEM_FAULT_HANDOVER_STREAMED").is_some()
+}
+
+/// Whether a successor asks for no pre-copy (its stores' index all in the
+/// pause, as before pre-copy), if `TMEM_FAULT_HANDOVER_NO_PRECOPY` is set.
+pub fn handover_no_precopy() -> bool {
+    std::env::var_os("TMEM_FAULT_HANDOVER_NO_PRECOPY").is_some()
 }
 
 /// Panics the first time it is called, if `TMEM_FAULT_PANIC_TEARDOWN` is set.

@@ -83,7 +83,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use tmem_block::{CacheDevice, DeviceConfig, PoolDevice};
-use tmem_core::{Store, HANDOVER_VERSION};
+use tmem_core::{Snapshot, Store, HANDOVER_VERSION};
 use tmem_ctl::Status;
 use tmem_fuse::{Export, FuseConfig, FuseMount};
 
@@ -115,6 +115,8 @@ const TAKEN: u8 = b'K';
 const FAILED: u8 = b'F';
 const GONE: u8 = b'G';
 const LOCKED: u8 = b'L';
+const SNAPSHOT: u8 = b'S';
+const PREBUILT: u8 = b'P';
 /// A successor's state from `LOCKED` until its ublk devices are taken.
 const RECOVERING: &str = "recovering ublk devices";
 /// What a successor's step says of a ublk device it could not take.
@@ -137,6 +139,17 @@ struct Hello {
     /// before the ublk transport leave it out.
     #[serde(default)]
     ublk: bool,
+    /// The successor builds the index from a snapshot taken while the
+    /// running daemon serves (pre-copy); successors before it leave it out.
+    #[serde(default)]
+    precopy: bool,
+}
+
+/// What comes before the snapshots of a pre-copy hand-over: the spec, from
+/// which the successor knows how it will build each store.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SnapshotOffer {
+    spec: DaemonSpec,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -300,7 +313,61 @@ fn hello() -> Hello {
         images,
         kernel_nbd: true,
         ublk: true,
+        precopy: images && precopy(),
     }
+}
+
+/// Whether this build asks for a pre-copy hand-over (a fault knob turns it
+/// off, to measure the pause without it).
+fn precopy() -> bool {
+    #[cfg(feature = "fault-injection")]
+    return !crate::fault::handover_no_precopy();
+    #[cfg(not(feature = "fault-injection"))]
+    true
+}
+
+/// The configuration of each store a daemon with `spec` hands over, in
+/// order: the devices', or the caches' when there is no device.
+fn handed_store_configs(spec: &DaemonSpec, total_ram: u64) -> Result<Vec<tmem_core::StoreConfig>, DaemonError> {
+    if spec.devices.is_empty() {
+        spec.caches.iter().map(|c| c.store_config(total_ram)).collect()
+    } else {
+        spec.devices.iter().map(|d| store_config(d, total_ram)).collect()
+    }
+}
+
+/// The index that came ahead of the pause (pre-copy).
+#[derive(Default)]
+struct Ahead {
+    /// Each handed store's snapshot, if this process completes it.
+    snapshots: Vec<Option<Snapshot>>,
+    /// Pages they hold.
+    pages: u64,
+}
+
+/// Reads the snapshots that follow a `SNAPSHOT` frame with `body`: for each
+/// store, its snapshot if the store this process builds can complete it.
+/// Returns them and the `PREBUILT` answer.
+fn read_snapshots(r: &mut impl Read, body: &[u8]) -> Result<(Ahead, Vec<u8>), DaemonError> {
+    let offer: SnapshotOffer = serde_json::from_slice(body).map_err(err)?;
+    let total_ram = tmem_sys::swap::total_ram_bytes().map_err(err)?;
+    let (mut snapshots, mut answer, mut pages) = (Vec::new(), Vec::new(), 0);
+    for cfg in handed_store_configs(&offer.spec, total_ram)? {
+        let snap = Snapshot::read(r).map_err(err)?;
+        match snap.unusable_with(&cfg) {
+            None => {
+                pages += snap.pages();
+                snapshots.push(Some(snap));
+                answer.push(1);
+            }
+            Some(why) => {
+                log(&format!("hand-over: a store's index comes in the pause after all: {why}"));
+                snapshots.push(None);
+                answer.push(0);
+            }
+        }
+    }
+    Ok((Ahead { snapshots, pages }, answer))
 }
 
 /// Waits up to `within` for process `pid` to end; returns whether it did.
@@ -424,6 +491,15 @@ impl Daemon {
             send(&mut w, REFUSE, b"this daemon is shutting down")?;
             return Err(err("refused a successor: shutting down"));
         }
+        let stores = self.handed_stores();
+        if h.precopy && h.images && stores.iter().all(|s| s.memfd().is_some()) {
+            if let Err(e) = self.send_snapshots(&mut w, &mut r) {
+                for store in &stores {
+                    store.track_changes(false);
+                }
+                return Err(e);
+            }
+        }
         log(&format!("handing over to a successor (tmem {}): pausing FUSE requests", h.version));
         let paused = Instant::now();
         let resume = || self.resume_serving();
@@ -483,12 +559,51 @@ impl Daemon {
         }
     }
 
+    /// Sends each store's snapshot while this daemon serves (pre-copy:
+    /// the module docs), recording what changes from then on; waits for
+    /// the successor to have built them.
+    fn send_snapshots(&self, w: &mut BufWriter<UnixStream>, r: &mut BufReader<UnixStream>) -> Result<(), DaemonError> {
+        let started = Instant::now();
+        let stores = self.handed_stores();
+        for store in &stores {
+            store.track_changes(true);
+        }
+        send(w, SNAPSHOT, &serde_json::to_vec(&SnapshotOffer { spec: self.spec.clone() }).map_err(err)?)?;
+        let mut pages = 0;
+        for store in &stores {
+            pages += store.export_snapshot(w).map_err(err)?.pages;
+        }
+        w.flush().map_err(err)?;
+        // Building takes about as long as writing; this daemon serves meanwhile.
+        r.get_ref().set_read_timeout(Some(ANSWER_TIMEOUT)).map_err(err)?;
+        let (tag, body) = recv(r)?;
+        r.get_ref().set_read_timeout(Some(Duration::from_secs(10))).map_err(err)?;
+        match tag {
+            PREBUILT if body.len() == stores.len() => {}
+            FAILED => return Err(err(format!("the successor failed: {}", String::from_utf8_lossy(&body)))),
+            _ => return Err(err("unexpected answer to the snapshots")),
+        }
+        // A store the successor cannot complete travels whole in the pause.
+        for (store, &usable) in stores.iter().zip(&body) {
+            if usable == 0 {
+                store.track_changes(false);
+            }
+        }
+        log(&format!(
+            "sent the index of {pages} pages ahead in {} ms while serving; only what changed since goes in the pause",
+            started.elapsed().as_millis()
+        ));
+        Ok(())
+    }
+
     /// Serves again after a hand-over that did not happen.
     fn resume_serving(&self) {
         self.handing_over.store(false, std::sync::atomic::Ordering::Release);
-        // Open the stores again first: a sealed store refuses puts.
+        // Open the stores again first: a sealed store refuses puts. A
+        // snapshot sent is of no more use: stop recording changes.
         for store in self.handed_stores() {
             store.seal(false);
+            store.track_changes(false);
         }
         let g = self.lock();
         g.fuse.as_ref().inspect(|f| f.resume());
@@ -684,10 +799,27 @@ pub fn run_successor(runtime_dir: PathBuf, role: Successor) -> Result<(), Daemon
     let mut r = BufReader::with_capacity(1 << 20, stream.try_clone().map_err(err)?);
     let mut w = stream.try_clone().map_err(err)?;
     let peer = rustix::net::sockopt::socket_peercred(&stream).map_err(err)?.pid;
-    // The running daemon pauses on HELLO: requests wait from here.
-    let started = Instant::now();
+    // The running daemon pauses on HELLO, or once the snapshots it sends
+    // first are built (pre-copy): requests wait from there.
+    let mut started = Instant::now();
     send(&mut w, HELLO, &serde_json::to_vec(&hello()).map_err(err)?)?;
-    let offer: Offer = match recv(&mut r) {
+    let mut answer = recv(&mut r);
+    let mut ahead = Ahead::default();
+    if let Ok((SNAPSHOT, body)) = &answer {
+        match read_snapshots(&mut r, body) {
+            Ok((built, answer)) => {
+                ahead = built;
+                started = Instant::now();
+                send(&mut w, PREBUILT, &answer)?;
+            }
+            Err(e) => {
+                let _ = send(&mut w, FAILED, e.to_string().as_bytes());
+                return Err(e);
+            }
+        }
+        answer = recv(&mut r);
+    }
+    let offer: Offer = match answer {
         Ok((OFFER, body)) => serde_json::from_slice(&body).map_err(err)?,
         Ok((REFUSE, why)) => return Err(err(format!("the running daemon refused: {}", String::from_utf8_lossy(&why)))),
         Ok(_) => return Err(err("unexpected answer to HELLO")),
@@ -701,7 +833,7 @@ pub fn run_successor(runtime_dir: PathBuf, role: Successor) -> Result<(), Daemon
         }
     };
     let old = offer.status.pid;
-    match take(&dir, &stream, &mut r, &mut w, offer, protected, role) {
+    match take(&dir, &stream, &mut r, &mut w, offer, protected, role, ahead) {
         Ok((daemon, rx, nbd, report)) => {
             send(&mut w, TAKEN, &[])?;
             if let Err(why) = predecessor_gone(&mut r, old) {
@@ -764,6 +896,8 @@ struct TakeReport {
     bytes: u64,
     /// Shared stores (else streamed).
     images: bool,
+    /// Pages whose index came ahead of the pause (pre-copy).
+    ahead: u64,
     /// Pages in the tiers that came along, and the tiers' names.
     tier_pages: u64,
     tiers: Vec<String>,
@@ -771,7 +905,13 @@ struct TakeReport {
 
 impl TakeReport {
     fn step(&self, old: u32, paused: Duration) -> String {
-        let how = if self.images { "sharing its memory (memfd; no page copied)" } else { "copying them (stream)" };
+        let how = match (self.images, self.ahead) {
+            (false, _) => "copying them (stream)".to_owned(),
+            (true, 0) => "sharing its memory (memfd; no page copied)".to_owned(),
+            (true, n) => {
+                format!("sharing its memory (memfd; no page copied; the index of {n} pages went ahead while it served)")
+            }
+        };
         let tiers = if self.tiers.is_empty() {
             String::new()
         } else {
@@ -788,6 +928,7 @@ impl TakeReport {
 
 /// Builds this process's daemon from the offer and the stores that follow
 /// it; serves nothing yet ([`Daemon::serve_taken_over`] starts that).
+#[allow(clippy::too_many_arguments)]
 fn take(
     dir: &RuntimeDir,
     stream: &UnixStream,
@@ -796,6 +937,7 @@ fn take(
     offer: Offer,
     protected: Vec<String>,
     role: Successor,
+    ahead: Ahead,
 ) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>, PendingNbd, TakeReport), DaemonError> {
     let Offer { spec, status: old, nbd_sessions, images, supervisor, tiers, counters, kernel_nbd, ublk } = offer;
     let supervisor = match role {
@@ -846,6 +988,7 @@ fn take(
         handed.push(pools);
     }
     let mut handed = handed.into_iter();
+    let mut snapshots = ahead.snapshots.into_iter();
     let mut import = |cfg: tmem_core::StoreConfig, r: &mut dyn Read, device: &str| {
         let mut below = handed.next().unwrap_or_default();
         let mut give = |id: u32, n: usize| {
@@ -855,10 +998,11 @@ fn take(
             })?;
             spec.tiers.adopt(device, ts).map_err(|e| tmem_core::StoreError::Handover(e.to_string()))
         };
-        match memfds.next() {
-            Some(fd) => Store::import_tiered(cfg, r, Some(fd), &mut give),
-            None if images => Err(tmem_core::StoreError::Handover("a store image without its memfd".into())),
-            None => Store::import(cfg, r),
+        match (memfds.next(), snapshots.next().flatten()) {
+            (Some(fd), Some(snap)) => Store::import_image_after(cfg, r, fd, &mut give, snap),
+            (Some(fd), None) => Store::import_tiered(cfg, r, Some(fd), &mut give),
+            (None, _) if images => Err(tmem_core::StoreError::Handover("a store image without its memfd".into())),
+            (None, _) => Store::import(cfg, r),
         }
     };
     let mut devices: Vec<Arc<PoolDevice>> = Vec::new();
@@ -948,7 +1092,7 @@ fn take(
     let stores = devices.iter().map(|d| d.store());
     let tier_pages = stores.clone().map(|s| s.stats().total.tier_pages).sum();
     let tiers = stores.flat_map(|s| s.tiers()).map(|t| t.name().to_owned()).collect();
-    let report = TakeReport { pages, bytes, images, tier_pages, tiers };
+    let report = TakeReport { pages, bytes, images, ahead: ahead.pages, tier_pages, tiers };
     // With ublk devices to take (after LOCKED), "up" waits for them: `swap
     // restart` reports once the successor serves, so it reports their
     // recovery too.

@@ -55,6 +55,11 @@
 //! sealed too until its caller opens it ([`Store::seal`] with `false`),
 //! once the predecessor can no longer resume; until then, background work
 //! in either process changes no byte of the shared pages.
+//!
+//! Image format 4 lets the pages of a shard come ahead of the image, while
+//! the exporter serves (`handover/precopy.rs`): each shard's records are
+//! preceded by a byte, 0 for the records as before, 1 for the changes
+//! since a snapshot ([`Store::export_snapshot`]) that the importer holds.
 
 use std::io::{Read, Write};
 
@@ -62,14 +67,19 @@ use super::*;
 use crate::shard::MAX_TIERS;
 use tmem_tier::seal::Sealer;
 
+mod precopy;
+pub use precopy::Snapshot;
+
 /// First bytes of an export.
 const MAGIC: &[u8; 8] = b"TMEMSTOR";
 /// Format version written; an import reads this one and the older ones.
 pub const HANDOVER_VERSION: u32 = 4;
 /// First bytes of an image ([`Store::export_image`]).
 const IMAGE_MAGIC: &[u8; 8] = b"TMEMIMAG";
-/// Image format version: image N carries a format N + 1 stream.
-pub const IMAGE_VERSION: u32 = 3;
+/// Image format version: images 1-3 carry a format 2-4 stream; image 4
+/// carries format 4 and says, shard by shard, whether its pages came ahead
+/// (`precopy`).
+pub const IMAGE_VERSION: u32 = 4;
 /// Most chunks of the arena an image may name (64 TiB).
 const MAX_CHUNKS: u32 = 1 << 24;
 /// The oldest format an import reads.
@@ -591,6 +601,31 @@ struct ImagePages<'a> {
 /// arrive (4 Mi pages: 16 GiB of pool in one shard).
 const MAX_RESERVE: u64 = 1 << 22;
 
+/// The fields of a page record as [`image_record`] wrote them, unchecked.
+struct RecordFields {
+    key: Key,
+    flags: u8,
+    codec: u8,
+    check: u32,
+    len: usize,
+    loc: u64,
+}
+
+impl RecordFields {
+    fn of(b: &[u8; IMAGE_RECORD]) -> Self {
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        RecordFields {
+            key: Key::new(u64_at(0), u64_at(8)),
+            flags: b[16],
+            codec: b[17],
+            check: u32_at(18),
+            len: u32_at(22) as usize,
+            loc: u64_at(26),
+        }
+    }
+}
+
 fn image_record(e: &Entry) -> [u8; IMAGE_RECORD] {
     let mut b = [0u8; IMAGE_RECORD];
     b[0..8].copy_from_slice(&e.object.to_le_bytes());
@@ -720,9 +755,12 @@ impl Store {
         let pools = sh.pools.read().clone();
         let mut w = W(w, GatheredCrc::new());
         let mut sum = HandoverSummary::default();
+        // Image 4 only after a snapshot: a successor that took none may be
+        // one that reads up to image 3.
+        let modes = image && self.tracks_changes();
         if image {
             w.bytes(IMAGE_MAGIC)?;
-            w.u32(IMAGE_VERSION)?;
+            w.u32(if modes { IMAGE_VERSION } else { 3 })?;
             w.u8(u8::try_from(sh.window_shift).expect("a small shift"))?;
             write_alloc_image(&mut w, &sh.alloc.image())?;
         } else {
@@ -776,6 +814,17 @@ impl Store {
                 for v in cumulative(&mut c) {
                     w.u64(*v)?;
                 }
+                if modes {
+                    // Whether the importer holds this shard's snapshot
+                    // (its changes are recorded from it on).
+                    w.u8(u8::from(s.tracking()))?;
+                    if s.tracking() {
+                        sum.pages += s.entries.live() as u64;
+                        sum.object_bytes += s.c.compr_data_size;
+                        precopy::write_shard_changes(&mut w, &s)?;
+                        continue;
+                    }
+                }
                 w.u64(singles(&s).count() as u64)?;
                 if image {
                     write_image_records(&mut w, &s, &mut sum)?;
@@ -802,7 +851,7 @@ impl Store {
     /// kept. Any inconsistency (version, length, codec id, checksum) is an
     /// error naming it, and nothing is returned.
     pub fn import(cfg: StoreConfig, r: &mut dyn Read) -> Result<(Store, HandoverSummary), StoreError> {
-        Self::import_as(cfg, r, None, &mut no_tiers)
+        Self::import_as(cfg, r, None, &mut no_tiers, None)
     }
 
     /// [`Store::import`] (`memfd` `None`) or [`Store::import_image`] of a
@@ -814,7 +863,7 @@ impl Store {
         memfd: Option<std::os::fd::OwnedFd>,
         tiers: ImportTiers<'_>,
     ) -> Result<(Store, HandoverSummary), StoreError> {
-        Self::import_as(cfg, r, memfd, tiers)
+        Self::import_as(cfg, r, memfd, tiers, None)
     }
 
     /// Builds a store from [`Store::export_image`]'s stream and the
@@ -828,7 +877,7 @@ impl Store {
         r: &mut dyn Read,
         fd: std::os::fd::OwnedFd,
     ) -> Result<(Store, HandoverSummary), StoreError> {
-        Self::import_as(cfg, r, Some(fd), &mut no_tiers)
+        Self::import_as(cfg, r, Some(fd), &mut no_tiers, None)
     }
 
     fn import_as(
@@ -836,6 +885,7 @@ impl Store {
         r: &mut dyn Read,
         memfd: Option<std::os::fd::OwnedFd>,
         tiers: ImportTiers<'_>,
+        mut snapshot: Option<Snapshot>,
     ) -> Result<(Store, HandoverSummary), StoreError> {
         let mut r = R(r, GatheredCrc::new());
         let magic = r.array::<8>()?;
@@ -866,7 +916,12 @@ impl Store {
             }
             None
         };
-        let version = if image { image_version + 1 } else { r.u32()? };
+        let version = if image { image_version.min(3) + 1 } else { r.u32()? };
+        // Image 4 says per shard whether its pages came ahead.
+        let modes = image_version >= 4;
+        if snapshot.is_some() && !modes {
+            return Err(bad("a snapshot came ahead of an image that cannot complete it"));
+        }
         if !(OLDEST_VERSION..=HANDOVER_VERSION).contains(&version) {
             return Err(bad(format!(
                 "export format {version}, this build reads {OLDEST_VERSION}..={HANDOVER_VERSION}"
@@ -956,6 +1011,15 @@ impl Store {
                 }
                 for (into, v) in cumulative(&mut counted).into_iter().zip(cumulative(&mut c)) {
                     *into = into.saturating_add(*v);
+                }
+                if modes && r.bool("pages came ahead")? {
+                    let snap = snapshot.as_mut().ok_or_else(|| bad("changes to a snapshot that never came"))?;
+                    if shards as usize != pool.shards.len() {
+                        return Err(bad(format!("pool {id}: changes for {shards} shards, {} here", pool.shards.len())));
+                    }
+                    let ids = precopy::ExportedCodecs { count: codecs, new_id: &new_id };
+                    store.install_shard(snap, &pool, shard as usize, &mut r, &ids, &mut sum)?;
+                    continue;
                 }
                 let entries = r.u64()?;
                 match &slots {
@@ -1205,11 +1269,8 @@ impl Store {
         b: &[u8; IMAGE_RECORD],
         sum: &mut HandoverSummary,
     ) -> Result<(Key, Entry), StoreError> {
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let key = Key::new(u64_at(0), u64_at(8));
-        let (flags, codec, check, len, loc) =
-            (b[16], (image.new_id)(b[17])?, u32_at(18), u32_at(22) as usize, u64_at(26));
+        let RecordFields { key, flags, codec, check, len, loc } = RecordFields::of(b);
+        let codec = (image.new_id)(codec)?;
         let entry = if flags & REC_SAME != 0 {
             Entry::new(key, loc, 0, 0, RAW_CODEC, F_SAME)
         } else if let Some(t) = record_tier(flags) {
