@@ -7,7 +7,14 @@
 //! ```
 //!
 //! With REPEAT, the export and the import run that many times on the same
-//! sealed store, and the fastest of each is printed.
+//! sealed store, and the fastest of each is printed. With a third argument
+//! `precopy`, the index goes ahead in a snapshot, 1 % of the pages are put
+//! again, and the pause's part (the image of the changes written, then
+//! completed) is timed instead:
+//!
+//! ```sh
+//! cargo run --release -p tmem-core --example handover_image -- 2000000 1 precopy
+//! ```
 use std::time::Instant;
 use tmem_core::{Key, PoolConfig, Store, StoreConfig, PAGE_SIZE};
 
@@ -32,6 +39,9 @@ fn main() {
             at += n;
         }
         assert_eq!(pool.put(Key::new(1, i), &page).unwrap(), tmem_core::PutOutcome::Stored);
+    }
+    if std::env::args().nth(3).as_deref() == Some("precopy") {
+        return precopy(&a, &pool, pages, &page, cfg);
     }
     let span = a.stats().alloc.span_bytes;
     a.seal(true);
@@ -81,4 +91,46 @@ fn main() {
         per(map),
         (mapped * PAGE_SIZE as u64) >> 20
     );
+}
+
+/// Pre-copy: the snapshot's cost (off the pause) and the pause's part.
+fn precopy(a: &Store, pool: &tmem_core::Pool, pages: u64, page: &[u8; PAGE_SIZE], cfg: impl Fn() -> StoreConfig) {
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let t = Instant::now();
+    a.track_changes(true);
+    let mut snap = Vec::new();
+    let sent = a.export_snapshot(&mut snap).unwrap();
+    let written = t.elapsed();
+    let t = Instant::now();
+    let snapshot = tmem_core::Snapshot::read(&mut snap.as_slice()).unwrap();
+    let built = t.elapsed();
+    println!(
+        "snapshot of {} pages ({} bytes): written {:.1} ms, built {:.1} ms, while serving",
+        sent.pages,
+        snap.len(),
+        ms(written),
+        ms(built)
+    );
+    let changed = pages / 100;
+    for i in 0..changed {
+        assert_eq!(pool.put(Key::new(1, i * 97 % pages), page).unwrap(), tmem_core::PutOutcome::Stored);
+    }
+    let t = Instant::now();
+    a.seal(true);
+    let mut image = Vec::new();
+    a.export_image(&mut image).unwrap();
+    let exported = t.elapsed();
+    let fd = a.memfd().unwrap().try_clone_to_owned().unwrap();
+    let t = Instant::now();
+    let no_tiers = &mut |_: u32, _: usize| unreachable!("no tiers");
+    let (b, got) = Store::import_image_after(cfg(), &mut image.as_slice(), fd, no_tiers, snapshot).unwrap();
+    let imported = t.elapsed();
+    assert_eq!(got.pages, pages);
+    println!(
+        "pause: {changed} pages put again, changes image {} bytes: written {:.1} ms, completed {:.1} ms",
+        image.len(),
+        ms(exported),
+        ms(imported)
+    );
+    drop(b);
 }

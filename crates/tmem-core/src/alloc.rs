@@ -474,43 +474,50 @@ impl ZsAlloc {
         }
         a.arena = PageArena::adopt(fd, &image.arena, used_pages)?;
         let (mut slot_bytes, mut objects) = (0u64, 0u64);
-        for (i, spans) in image.classes.iter().enumerate() {
-            let c = a.classes[i].get_mut();
-            let geo = c.geo;
-            for (id, s) in spans.iter().enumerate() {
-                let id = u32::try_from(id).expect("checked against MAX_SPANS_PER_CLASS");
-                let Some(s) = s else {
-                    c.spans.push(Span::unmapped());
-                    c.free_ids.push(id);
-                    continue;
-                };
-                let (used, bump, slots) = (usize::from(s.used), usize::from(s.bump), geo.slots);
-                if used > bump
-                    || bump > slots
-                    || (s.free_head != NO_SLOT && usize::from(s.free_head) >= bump)
-                    || used == 0
-                {
-                    return Err(bad(format!(
-                        "class {i} span {id}: {used} used, bump {bump}, free head {} of {slots} slots",
-                        s.free_head
-                    )));
+        let arena = &a.arena;
+        let classes = &mut a.classes;
+        arena.with_span_at(|span_at| -> Result<(), AllocError> {
+            for (i, spans) in image.classes.iter().enumerate() {
+                let c = classes[i].get_mut();
+                // One allocation, not a doubling series, in the pause.
+                c.spans.reserve_exact(spans.len());
+                let geo = c.geo;
+                for (id, s) in spans.iter().enumerate() {
+                    let id = u32::try_from(id).expect("checked against MAX_SPANS_PER_CLASS");
+                    let Some(s) = s else {
+                        c.spans.push(Span::unmapped());
+                        c.free_ids.push(id);
+                        continue;
+                    };
+                    let (used, bump, slots) = (usize::from(s.used), usize::from(s.bump), geo.slots);
+                    if used > bump
+                        || bump > slots
+                        || (s.free_head != NO_SLOT && usize::from(s.free_head) >= bump)
+                        || used == 0
+                    {
+                        return Err(bad(format!(
+                            "class {i} span {id}: {used} used, bump {bump}, free head {} of {slots} slots",
+                            s.free_head
+                        )));
+                    }
+                    let ptr = span_at(s.place, geo.pages)?;
+                    c.spans.push(Span {
+                        ptr: Some(ptr),
+                        used: s.used,
+                        bump: s.bump,
+                        free_head: s.free_head,
+                        partial_pos: NOT_PARTIAL,
+                        evacuating: false,
+                    });
+                    if used < slots {
+                        c.partial_push(id);
+                    }
+                    slot_bytes += (used * geo.size) as u64;
+                    objects += used as u64;
                 }
-                let ptr = a.arena.span_at(s.place, geo.pages)?;
-                c.spans.push(Span {
-                    ptr: Some(ptr),
-                    used: s.used,
-                    bump: s.bump,
-                    free_head: s.free_head,
-                    partial_pos: NOT_PARTIAL,
-                    evacuating: false,
-                });
-                if used < slots {
-                    c.partial_push(id);
-                }
-                slot_bytes += (used * geo.size) as u64;
-                objects += used as u64;
             }
-        }
+            Ok(())
+        })?;
         let meta: usize = a.classes.iter_mut().map(|c| c.get_mut().meta_bytes()).sum();
         a.slot_bytes.store(slot_bytes, Ordering::Relaxed);
         a.objects.store(objects, Ordering::Relaxed);

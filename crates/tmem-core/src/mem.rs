@@ -317,7 +317,17 @@ impl PageArena {
 
     /// The span of `pages` pages at `place`, if it lies inside the arena.
     pub fn span_at(&self, place: SpanPlace, pages: usize) -> Result<SpanPtr, MemError> {
+        Self::span_in(&self.lock(), place, pages)
+    }
+
+    /// Calls `f` with [`PageArena::span_at`] under one hold of the lock (an
+    /// adoption places every span of the image).
+    pub fn with_span_at<T>(&self, f: impl FnOnce(&dyn Fn(SpanPlace, usize) -> Result<SpanPtr, MemError>) -> T) -> T {
         let g = self.lock();
+        f(&|place, pages| Self::span_in(&g, place, pages))
+    }
+
+    fn span_in(g: &ArenaInner, place: SpanPlace, pages: usize) -> Result<SpanPtr, MemError> {
         let chunk = g
             .chunks
             .get(place.chunk as usize)

@@ -13,6 +13,18 @@
 //!    stores. A daemon under systemd hands over too: its `OFFER` names the
 //!    notify socket and the watchdog, for a successor that `ExecReload`
 //!    started;
+//!
+//!    **Pre-copy** (the successor says `precopy`, and every store keeps its
+//!    pages in a memfd): before it pauses, the running daemon starts
+//!    recording each store's changes and sends `SNAPSHOT` (its spec), then
+//!    each store's index snapshot ([`tmem_core::Store::export_snapshot`]),
+//!    all while it serves. The successor builds each store's index from it
+//!    ([`tmem_core::Snapshot::read`]) and answers `PREBUILT`, a byte per
+//!    store: 1 if the store it will build can complete the snapshot (same
+//!    grouping and shards), else 0, and that store's index then travels
+//!    whole in the pause. Requests wait from `PREBUILT` on, and the image
+//!    in the pause carries only the changes since the snapshot: the pause
+//!    grows with what the jobs did meanwhile, not with the pool;
 //! 2. it pauses its FUSE workers (they answer what they have taken and take
 //!    nothing more, so requests wait in the kernel), its NBD sessions
 //!    (each stops between two requests; clients' requests wait in the
@@ -29,7 +41,8 @@
 //!      ([`tmem_core::Store::export_image`]): the index and the allocator's
 //!      tables, no page. The successor maps the memfds and rebuilds the
 //!      index and the tables: the pause grows with the number of pages,
-//!      not with their bytes.
+//!      not with their bytes; after a pre-copy, with the number changed
+//!      since the snapshot ([`tmem_core::Store::import_image_after`]).
 //!    * **tiers** (before either): writeback to them is held
 //!      ([`tmem_core::Store::hold_tiers`]) and each tier describes itself
 //!      ([`tmem_tier::Tier::hand_over`]); the offer lists them, their
@@ -59,7 +72,7 @@
 //!    (`MAINPID=`, [`crate::supervisor`]), which systemd must hear before it
 //!    sees the old main process end. On anything else (`FAILED`, a closed
 //!    socket, no answer within [`ANSWER_TIMEOUT`]) it opens its stores
-//!    again, resumes and goes on serving.
+//!    again, stops recording changes, resumes and goes on serving.
 //! 6. The successor serves once it reads `GONE`, or once the old process
 //!    has ended. Its ublk devices come last, after `LOCKED`: the old
 //!    process's end is what quiesces them (the kernel keeps their requests,

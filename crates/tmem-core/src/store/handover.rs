@@ -497,7 +497,9 @@ fn read_codec(r: &mut R<'_>) -> Result<CodecConfig, StoreError> {
     }
 }
 
-fn write_alloc_image(w: &mut W<'_>, a: &crate::alloc::AllocImage) -> Result<(), StoreError> {
+/// Writes an allocator image; its spans as fixed records ([`SPAN_RECORD`])
+/// with `fixed` (image 4, snapshots), else field by field (images 1-3).
+fn write_alloc_image(w: &mut W<'_>, a: &crate::alloc::AllocImage, fixed: bool) -> Result<(), StoreError> {
     w.u32(u32::try_from(a.config.max_span_pages).expect("at most 16"))?;
     w.u32(u32::try_from(a.config.merge_permille).map_err(|_| bad("merge_permille over 2^32"))?)?;
     for v in a.compacted {
@@ -512,27 +514,64 @@ fn write_alloc_image(w: &mut W<'_>, a: &crate::alloc::AllocImage) -> Result<(), 
         w.u32(place.page)?;
     }
     w.u32(u32::try_from(a.classes.len()).expect("few classes"))?;
+    let mut buf = [0u8; SPAN_BATCH * SPAN_RECORD];
     for spans in &a.classes {
         w.u32(u32::try_from(spans.len()).expect("span ids fit u32"))?;
-        for span in spans {
-            match span {
-                None => w.u8(0)?,
-                Some(sp) => {
-                    w.u8(1)?;
-                    w.u32(sp.place.chunk)?;
-                    w.u32(sp.place.page)?;
-                    w.u16(sp.used)?;
-                    w.u16(sp.bump)?;
-                    w.u16(sp.free_head)?;
-                }
+        if !fixed {
+            for span in spans {
+                let rec = span_record(span.as_ref());
+                w.bytes(if span.is_some() { &rec[..] } else { &rec[..1] })?;
             }
+            continue;
+        }
+        for batch in spans.chunks(SPAN_BATCH) {
+            for (span, b) in batch.iter().zip(buf.chunks_exact_mut(SPAN_RECORD)) {
+                *b.first_chunk_mut().expect("a record") = span_record(span.as_ref());
+            }
+            w.bytes(&buf[..batch.len() * SPAN_RECORD])?;
         }
     }
     Ok(())
 }
 
-fn read_alloc_image(r: &mut R<'_>) -> Result<crate::alloc::AllocImage, StoreError> {
-    use crate::alloc::{AllocConfig, AllocImage, SpanImage};
+/// Bytes of one span in an allocator image: mapped (1), chunk (4), page
+/// (4), used (2), bump (2), free head (2). Written and read in batches of
+/// [`SPAN_BATCH`]: per-field calls took most of the time of a pause that
+/// carried a few GiB's span tables.
+const SPAN_RECORD: usize = 15;
+const SPAN_BATCH: usize = 256;
+
+fn span_record(span: Option<&crate::alloc::SpanImage>) -> [u8; SPAN_RECORD] {
+    let mut b = [0u8; SPAN_RECORD];
+    if let Some(sp) = span {
+        b[0] = 1;
+        b[1..5].copy_from_slice(&sp.place.chunk.to_le_bytes());
+        b[5..9].copy_from_slice(&sp.place.page.to_le_bytes());
+        b[9..11].copy_from_slice(&sp.used.to_le_bytes());
+        b[11..13].copy_from_slice(&sp.bump.to_le_bytes());
+        b[13..15].copy_from_slice(&sp.free_head.to_le_bytes());
+    }
+    b
+}
+
+fn read_span(b: &[u8; SPAN_RECORD]) -> Result<Option<crate::alloc::SpanImage>, StoreError> {
+    let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+    let u16_at = |i: usize| u16::from_le_bytes(b[i..i + 2].try_into().expect("2 bytes"));
+    match b[0] {
+        0 if b[1..].iter().all(|&x| x == 0) => Ok(None),
+        1 => Ok(Some(crate::alloc::SpanImage {
+            place: crate::mem::SpanPlace { chunk: u32_at(1), page: u32_at(5) },
+            used: u16_at(9),
+            bump: u16_at(11),
+            free_head: u16_at(13),
+        })),
+        _ => Err(bad("image: a span record that is neither mapped nor free")),
+    }
+}
+
+/// Reads what [`write_alloc_image`] wrote, with the same `fixed`.
+fn read_alloc_image(r: &mut R<'_>, fixed: bool) -> Result<crate::alloc::AllocImage, StoreError> {
+    use crate::alloc::{AllocConfig, AllocImage};
     use crate::mem::{ArenaImage, SpanPlace, CHUNK_PAGES};
     let config = AllocConfig { max_span_pages: r.u32()? as usize, merge_permille: r.u32()? as usize };
     if !(1..=crate::mem::MAX_SPAN_PAGES).contains(&config.max_span_pages) {
@@ -565,17 +604,27 @@ fn read_alloc_image(r: &mut R<'_>) -> Result<crate::alloc::AllocImage, StoreErro
             return Err(bad(format!("image: {n} spans in {chunks} chunks")));
         }
         let mut spans = Vec::with_capacity(usize::try_from(n.min(1 << 16)).map_err(bad_len)?);
-        for _ in 0..n {
-            spans.push(if r.bool("span mapped")? {
-                Some(SpanImage {
-                    place: SpanPlace { chunk: r.u32()?, page: r.u32()? },
-                    used: r.u16()?,
-                    bump: r.u16()?,
-                    free_head: r.u16()?,
-                })
-            } else {
-                None
-            });
+        let mut buf = [0u8; SPAN_BATCH * SPAN_RECORD];
+        if !fixed {
+            for _ in 0..n {
+                let mut b = [0u8; SPAN_RECORD];
+                b[0] = u8::from(r.bool("span mapped")?);
+                if b[0] == 1 {
+                    r.fill(&mut b[1..])?;
+                }
+                spans.push(read_span(&b)?);
+            }
+            classes.push(spans);
+            continue;
+        }
+        let mut left = n;
+        while left > 0 {
+            let k = usize::try_from(left.min(SPAN_BATCH as u64)).expect("at most a batch");
+            r.fill(&mut buf[..k * SPAN_RECORD])?;
+            for b in buf[..k * SPAN_RECORD].chunks_exact(SPAN_RECORD) {
+                spans.push(read_span(b.try_into().expect("a record"))?);
+            }
+            left -= k as u64;
         }
         classes.push(spans);
     }
@@ -762,7 +811,7 @@ impl Store {
             w.bytes(IMAGE_MAGIC)?;
             w.u32(if modes { IMAGE_VERSION } else { 3 })?;
             w.u8(u8::try_from(sh.window_shift).expect("a small shift"))?;
-            write_alloc_image(&mut w, &sh.alloc.image())?;
+            write_alloc_image(&mut w, &sh.alloc.image(), modes)?;
         } else {
             w.bytes(MAGIC)?;
             w.u32(HANDOVER_VERSION)?;
@@ -908,7 +957,7 @@ impl Store {
                     if ours == 0 { "does not" } else { "does" }
                 )));
             }
-            let a = read_alloc_image(&mut r)?;
+            let a = read_alloc_image(&mut r, image_version >= 4)?;
             Some(ZsAlloc::adopt(fd, &a).map_err(|e| bad(format!("image: {e}")))?)
         } else {
             if &magic != MAGIC {
@@ -1017,8 +1066,9 @@ impl Store {
                     if shards as usize != pool.shards.len() {
                         return Err(bad(format!("pool {id}: changes for {shards} shards, {} here", pool.shards.len())));
                     }
-                    let ids = precopy::ExportedCodecs { count: codecs, new_id: &new_id };
-                    store.install_shard(snap, &pool, shard as usize, &mut r, &ids, &mut sum)?;
+                    let slots = slots.as_ref().expect("an image");
+                    let adopted = precopy::Adopted { codecs, new_id: &new_id, slots };
+                    store.install_shard(snap, &pool, shard as usize, &mut r, &adopted, &mut sum)?;
                     continue;
                 }
                 let entries = r.u64()?;

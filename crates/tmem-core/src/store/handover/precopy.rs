@@ -78,11 +78,13 @@ struct Checks<'a> {
     tiers: usize,
 }
 
-/// The exporter's codecs: how many, and each id's in this store.
+/// What a shard's changes are checked and mapped with: the exporter's
+/// codecs (how many, and each id's in this store) and the adopted slots.
 #[derive(Clone, Copy)]
-pub(super) struct ExportedCodecs<'a> {
-    pub count: u8,
+pub(super) struct Adopted<'a> {
+    pub codecs: u8,
     pub new_id: &'a dyn Fn(u8) -> Result<u8, StoreError>,
+    pub slots: &'a SlotTable,
 }
 
 /// Highest entry handle and group id a record may name (64 Mi entries
@@ -355,7 +357,7 @@ impl Store {
             }
         }
         // The end state the successor checks every record against.
-        write_alloc_image(&mut w, &sh.alloc.image())?;
+        write_alloc_image(&mut w, &sh.alloc.image(), true)?;
         w.u64(sh.next_version.load(Ordering::SeqCst))?;
         w.u8(u8::try_from(*sh.codec_count.lock()).expect("at most 32 codecs"))?;
         w.bytes(SNAP_MAGIC)?;
@@ -385,10 +387,10 @@ impl Store {
         pool: &Pool,
         i: usize,
         r: &mut R<'_>,
-        ids: &ExportedCodecs<'_>,
+        adopted: &Adopted<'_>,
         sum: &mut HandoverSummary,
     ) -> Result<(), StoreError> {
-        let ExportedCodecs { count: codecs, new_id } = *ids;
+        let Adopted { codecs, new_id, slots } = *adopted;
         let sh = &*self.shared;
         let missing = || bad(format!("pool {} shard {i}: changes without its snapshot", pool.id));
         let shards = snapshot.pools.get_mut(pool.id as usize).and_then(Option::as_mut).ok_or_else(missing)?;
@@ -402,9 +404,8 @@ impl Store {
         }
         let taken = std::mem::replace(&mut shards[i], SnapShard::empty());
         let SnapShard { shard: mut built, suspect_entries, suspect_groups } = taken;
-        let slots = sh.alloc.slot_table();
         let checks = Checks {
-            slots: Some(&slots),
+            slots: Some(slots),
             version_codecs: Some((sh.next_version.load(Ordering::SeqCst), codecs)),
             tiers: pool.chain.as_ref().map_or(0, |c| c.tiers.len()),
         };
@@ -414,7 +415,7 @@ impl Store {
         for h in &suspect_entries {
             if built.entries.is_live(*h) {
                 let e = *built.entries.get(*h);
-                let ok = e.has(F_GROUP) || entry_passes(&e, &slots, checks.version_codecs.expect("set").0, codecs);
+                let ok = e.has(F_GROUP) || entry_passes(&e, slots, checks.version_codecs.expect("set").0, codecs);
                 if !ok {
                     return Err(bad(format!(
                         "page {:?}: not an allocated slot of the image, and not changed",
@@ -424,7 +425,7 @@ impl Store {
             }
         }
         for id in &suspect_groups {
-            if built.groups.get(*id).is_some_and(|g| !group_passes(g, &slots, codecs)) {
+            if built.groups.get(*id).is_some_and(|g| !group_passes(g, slots, codecs)) {
                 return Err(bad(format!(
                     "pool {} shard {i}: group {id} is not in the image, and not changed",
                     pool.id
@@ -517,7 +518,7 @@ impl Snapshot {
             }
             snap.pools.push(Some(built));
         }
-        let slots = read_alloc_image(&mut r)?.slot_table();
+        let slots = read_alloc_image(&mut r, true)?.slot_table();
         let next_version = r.u64()?;
         snap.codecs = r.u8()?;
         if &r.array::<8>()? != SNAP_MAGIC {
