@@ -401,8 +401,11 @@ impl Shard {
 
     /// Inserts `e`, whose key is not in the shard, at handle `h`, which
     /// holds none (a pre-copy successor); false, and nothing changed, if
-    /// the key is there.
+    /// the key is there or `h` holds an entry.
     pub fn insert_at(&mut self, h: u32, e: Entry, hash: u64) -> bool {
+        if self.entries.is_live(h) {
+            return false;
+        }
         let key = e.key();
         let entries = &self.entries;
         let hasher = |&x: &u32| hash_key(entries.get(x).key());

@@ -517,6 +517,8 @@ impl Daemon {
         let paused = Instant::now();
         let resume = || self.resume_serving();
         if let Some(Err(why)) = self.lock().fuse.as_ref().map(FuseMount::pause) {
+            // Nothing paused: only the recording a snapshot began ends.
+            stores.iter().for_each(|s| s.track_changes(false));
             send(&mut w, REFUSE, why.as_bytes())?;
             return Err(err(format!("refused a successor: {why}")));
         }

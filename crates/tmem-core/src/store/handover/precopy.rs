@@ -87,10 +87,11 @@ pub(super) struct Adopted<'a> {
     pub slots: &'a SlotTable,
 }
 
-/// Highest entry handle and group id a record may name (64 Mi entries
-/// in one shard): a damaged stream must not make a successor allocate
-/// for ever.
-const MAX_HANDLE: u32 = 1 << 26;
+/// Entry handles and group ids a record may name in one shard (16 Mi
+/// entries, 64 GiB of pages; 4 Mi groups): a damaged stream must not make
+/// a successor allocate what it names (640 MiB of entries at most).
+const MAX_HANDLE: u32 = 1 << 24;
+const MAX_GROUP_ID: u32 = 1 << 22;
 
 fn group_head(out: &mut Vec<u8>, g: &Group) {
     out.extend_from_slice(&g.object.to_le_bytes());
@@ -157,6 +158,9 @@ fn read_group(r: &mut R<'_>) -> Result<Group, StoreError> {
     let what = format!("group of object {object} at {base}");
     if base % MAX_GROUP_PAGES as u64 != 0 {
         return Err(bad(format!("{what}: not at the start of a window")));
+    }
+    if usize::from(codec) >= MAX_CODECS {
+        return Err(bad(format!("{what}: codec {codec}")));
     }
     if live == 0 || live & !slots != 0 {
         return Err(bad(format!("{what}: live slots {live:#06x} of {slots:#06x}")));
@@ -247,7 +251,7 @@ fn read_changes(r: &mut R<'_>, s: &mut Shard, checks: &Checks<'_>) -> Result<(),
     let groups = r.u64()?;
     for _ in 0..groups {
         let id = r.u32()?;
-        if id >= MAX_HANDLE {
+        if id >= MAX_GROUP_ID {
             return Err(bad(format!("group id {id} out of range")));
         }
         let g = if r.bool("group present")? { Some(read_group(r)?) } else { None };
@@ -287,7 +291,7 @@ fn read_changes(r: &mut R<'_>, s: &mut Shard, checks: &Checks<'_>) -> Result<(),
         let Some(rec) = rec else { continue };
         let e = read_entry(&rec, s, checks)?;
         if !s.insert_at(h, e, hash_key(e.key())) {
-            return Err(bad(format!("page {:?}: twice in one shard", e.key())));
+            return Err(bad(format!("page {:?} at handle {h}: its key or its handle twice in one shard", e.key())));
         }
         Pool::count(&mut s.c, &e);
     }
