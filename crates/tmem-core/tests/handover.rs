@@ -15,52 +15,13 @@ use tmem_core::{
 use tmem_tier::seal::Sealer;
 use tmem_tier::{MemTier, Tier};
 
-/// A page of one of three kinds: compressible text-like bytes, random bytes
-/// (stored raw or refused), or one repeated word.
-fn page(kind: u8, seed: u64) -> [u8; PAGE_SIZE] {
-    let mut p = [0u8; PAGE_SIZE];
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for (i, b) in p.iter_mut().enumerate() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = match kind % 3 {
-            0 => b"the quick brown fox "[(i + (x as usize % 3)) % 20],
-            1 => x.to_le_bytes()[0],
-            _ => (seed as u8) | 1,
-        };
-    }
-    p
-}
+mod mixed;
+use mixed::page;
 
-#[derive(Clone, Debug)]
-enum Op {
-    Put {
-        pool: usize,
-        index: u64,
-        kind: u8,
-        seed: u64,
-    },
-    Get {
-        pool: usize,
-        index: u64,
-    },
-    Flush {
-        pool: usize,
-        index: u64,
-    },
-    /// Switches new puts to zstd:1 (a second codec in the stream).
-    Zstd,
-}
+use mixed::Op;
 
 fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        6 => (0..3usize, 0..400u64, any::<u8>(), any::<u64>())
-            .prop_map(|(pool, index, kind, seed)| Op::Put { pool, index, kind, seed }),
-        2 => (0..3usize, 0..400u64).prop_map(|(pool, index)| Op::Get { pool, index }),
-        1 => (0..3usize, 0..400u64).prop_map(|(pool, index)| Op::Flush { pool, index }),
-        1 => Just(Op::Zstd),
-    ]
+    prop_oneof![9 => mixed::page_op(400, [6, 2, 1]), 1 => Just(Op::Zstd)]
 }
 
 fn config(limit: u64) -> StoreConfig {
@@ -99,6 +60,9 @@ fn build_in(cfg: StoreConfig, ops: &[Op]) -> (Store, Vec<u32>) {
                 Some(id) => store.set_codec(id).unwrap(),
                 None => zstd = Some(store.use_codec(&CodecConfig::Zstd { level: 1, dictionary: None }).unwrap()),
             },
+            Op::Group | Op::Compact | Op::Recompress | Op::WriteBack | Op::NewPool => {
+                unreachable!("not generated here")
+            }
         }
     }
     (store, pools.iter().map(|p| p.id()).collect())
@@ -119,6 +83,9 @@ fn run(store: &Store, ids: &[u32], ops: &[Op]) {
                 let _ = store.pool(ids[pool]).unwrap().flush_page(Key::new(1, index)).unwrap();
             }
             Op::Zstd => {}
+            Op::Group | Op::Compact | Op::Recompress | Op::WriteBack | Op::NewPool => {
+                unreachable!("not generated here")
+            }
         }
     }
 }
@@ -139,19 +106,8 @@ fn shared(limit: u64) -> StoreConfig {
 
 /// Every page of `a` is in `b`, byte for byte, and nothing else is.
 fn same_pages(a: &Store, b: &Store, ids: &[u32]) {
-    let (mut x, mut y) = ([0u8; PAGE_SIZE], [0u8; PAGE_SIZE]);
     for &id in ids {
-        let (pa, pb) = (a.pool(id).unwrap(), b.pool(id).unwrap());
-        assert_eq!(pa.config(), pb.config());
-        for index in 0..2500 {
-            let key = Key::new(1, index);
-            let ga = pa.get(key, &mut x).unwrap();
-            let gb = pb.get(key, &mut y).unwrap();
-            assert_eq!(ga, gb, "pool {id} page {index}");
-            if ga == GetOutcome::Hit {
-                assert!(x == y, "pool {id} page {index} differs");
-            }
-        }
+        mixed::same_pages_of(a, b, id, 2500);
     }
 }
 

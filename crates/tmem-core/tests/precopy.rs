@@ -13,62 +13,20 @@ use std::io::Write;
 use std::sync::Arc;
 use tmem_core::codec::CodecConfig;
 use tmem_core::{
-    GetOutcome, GroupConfig, Key, PolicyConfig, Pool, PoolConfig, PoolStats, RecompressConfig, Snapshot, Store,
-    StoreConfig, TierChain, PAGE_SIZE,
+    GroupConfig, Key, PolicyConfig, Pool, PoolConfig, PoolStats, RecompressConfig, Snapshot, Store, StoreConfig,
+    TierChain, PAGE_SIZE,
 };
 use tmem_tier::seal::Sealer;
 use tmem_tier::{MemTier, Tier};
 
-/// Text-like, random (stored raw or refused), or one repeated word.
-fn page(kind: u8, seed: u64) -> [u8; PAGE_SIZE] {
-    let mut p = [0u8; PAGE_SIZE];
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for (i, b) in p.iter_mut().enumerate() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = match kind % 3 {
-            0 => b"the quick brown fox "[(i + (x as usize % 3)) % 20],
-            1 => x.to_le_bytes()[0],
-            _ => (seed as u8) | 1,
-        };
-    }
-    p
-}
+mod mixed;
+use mixed::page;
 
-#[derive(Clone, Debug)]
-enum Op {
-    Put {
-        pool: usize,
-        index: u64,
-        kind: u8,
-        seed: u64,
-    },
-    Get {
-        pool: usize,
-        index: u64,
-    },
-    Flush {
-        pool: usize,
-        index: u64,
-    },
-    /// A grouping pass that groups every page it may.
-    Group,
-    Compact,
-    Recompress,
-    WriteBack,
-    /// Switches new puts to zstd:1 (a codec registered mid-way).
-    Zstd,
-    /// Creates a pool (untracked: it travels whole) and puts into it.
-    NewPool,
-}
+use mixed::Op;
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        8 => (0..3usize, 0..600u64, any::<u8>(), any::<u64>())
-            .prop_map(|(pool, index, kind, seed)| Op::Put { pool, index, kind, seed }),
-        2 => (0..3usize, 0..600u64).prop_map(|(pool, index)| Op::Get { pool, index }),
-        3 => (0..3usize, 0..600u64).prop_map(|(pool, index)| Op::Flush { pool, index }),
+        13 => mixed::page_op(600, [8, 2, 3]),
         1 => Just(Op::Group),
         1 => Just(Op::Compact),
         1 => Just(Op::Recompress),
@@ -242,22 +200,13 @@ fn complete(ex: &Exporter, snapshot: Option<Snapshot>) -> (Store, usize) {
     (b, image.len())
 }
 
-/// Every page of `a`'s pools is in `b`, byte for byte, and nothing else.
+/// Every page of `a`'s pools is in `b`, byte for byte, and nothing else,
+/// with the counters a successor carries.
 fn same_pages(a: &Store, b: &Store) {
-    let (mut x, mut y) = ([0u8; PAGE_SIZE], [0u8; PAGE_SIZE]);
     assert_eq!(a.pool_ids(), b.pool_ids());
     for id in a.pool_ids() {
-        let (pa, pb) = (a.pool(id).unwrap(), b.pool(id).unwrap());
-        for index in 0..600 {
-            let key = Key::new(1, index);
-            let ga = pa.get(key, &mut x).unwrap();
-            let gb = pb.get(key, &mut y).unwrap();
-            assert_eq!(ga, gb, "pool {id} page {index}");
-            if ga == GetOutcome::Hit {
-                assert!(x == y, "pool {id} page {index} differs");
-            }
-        }
-        assert_eq!(carried(&pa.stats()), carried(&pb.stats()), "pool {id}");
+        mixed::same_pages_of(a, b, id, 600);
+        assert_eq!(carried(&a.pool(id).unwrap().stats()), carried(&b.pool(id).unwrap().stats()), "pool {id}");
     }
 }
 
