@@ -16,7 +16,8 @@
 //!    handles and group ids ([`Snapshot::read`]); it checks every record
 //!    against the tables at the snapshot's end, and notes the ones that
 //!    fail (a page moved or freed after its shard was read): each of
-//!    those must come back changed, or the hand-over fails;
+//!    those must come back changed, or pass the checks in the pause, or
+//!    the hand-over fails;
 //! 3. in the pause, the image carries each tracked shard as its changes
 //!    only: every recorded handle and id, with what it holds now or that
 //!    it holds nothing. The successor removes what it had there, inserts
