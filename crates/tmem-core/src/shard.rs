@@ -403,29 +403,19 @@ impl Shard {
     /// holds none (a pre-copy successor); false, and nothing changed, if
     /// the key is there or `h` holds an entry.
     pub fn insert_at(&mut self, h: u32, e: Entry, hash: u64) -> bool {
-        if self.entries.is_live(h) {
-            return false;
-        }
-        let key = e.key();
-        let entries = &self.entries;
-        let hasher = |&x: &u32| hash_key(entries.get(x).key());
-        let hashbrown::hash_table::Entry::Vacant(slot) =
-            self.table.entry(hash, |&x| entries.get(x).key() == key, hasher)
-        else {
-            return false;
-        };
-        slot.insert(h);
-        self.entries.insert_at(h, e);
-        if !e.has(F_TIER) {
-            self.lru_push_front(h);
-        }
-        true
+        !self.entries.is_live(h) && self.insert_vacant(e, hash, Some(h))
     }
 
     /// Inserts an entry whose key is not in the shard, with one probe of
     /// the table (a hand-over's import); false, and nothing changed, if
     /// the key is there.
     pub fn insert_new(&mut self, e: Entry, hash: u64) -> bool {
+        self.insert_vacant(e, hash, None)
+    }
+
+    /// Inserts `e` at handle `at` (free), or at one from storage, if its
+    /// key is not in the table; false, and nothing changed, if it is.
+    fn insert_vacant(&mut self, e: Entry, hash: u64, at: Option<u32>) -> bool {
         let key = e.key();
         let entries = &self.entries;
         let hasher = |&x: &u32| hash_key(entries.get(x).key());
@@ -434,7 +424,13 @@ impl Shard {
         else {
             return false;
         };
-        let h = self.entries.insert(e);
+        let h = match at {
+            Some(h) => {
+                self.entries.insert_at(h, e);
+                h
+            }
+            None => self.entries.insert(e),
+        };
         slot.insert(h);
         if !e.has(F_TIER) {
             self.lru_push_front(h);

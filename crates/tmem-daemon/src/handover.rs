@@ -319,6 +319,11 @@ fn hello() -> Hello {
     let images = !crate::fault::handover_streamed();
     #[cfg(not(feature = "fault-injection"))]
     let images = true;
+    // A fault knob asks for no pre-copy, to measure the pause without it.
+    #[cfg(feature = "fault-injection")]
+    let precopy = !crate::fault::handover_no_precopy();
+    #[cfg(not(feature = "fault-injection"))]
+    let precopy = true;
     Hello {
         protocol,
         store_format: HANDOVER_VERSION,
@@ -326,17 +331,8 @@ fn hello() -> Hello {
         images,
         kernel_nbd: true,
         ublk: true,
-        precopy: images && precopy(),
+        precopy: images && precopy,
     }
-}
-
-/// Whether this build asks for a pre-copy hand-over (a fault knob turns it
-/// off, to measure the pause without it).
-fn precopy() -> bool {
-    #[cfg(feature = "fault-injection")]
-    return !crate::fault::handover_no_precopy();
-    #[cfg(not(feature = "fault-injection"))]
-    true
 }
 
 /// The configuration of each store a daemon with `spec` hands over, in
@@ -506,7 +502,7 @@ impl Daemon {
         }
         let stores = self.handed_stores();
         if h.precopy && h.images && stores.iter().all(|s| s.memfd().is_some()) {
-            if let Err(e) = self.send_snapshots(&mut w, &mut r) {
+            if let Err(e) = self.send_snapshots(&stores, &mut w, &mut r) {
                 for store in &stores {
                     store.track_changes(false);
                 }
@@ -577,15 +573,19 @@ impl Daemon {
     /// Sends each store's snapshot while this daemon serves (pre-copy:
     /// the module docs), recording what changes from then on; waits for
     /// the successor to have built them.
-    fn send_snapshots(&self, w: &mut BufWriter<UnixStream>, r: &mut BufReader<UnixStream>) -> Result<(), DaemonError> {
+    fn send_snapshots(
+        &self,
+        stores: &[&Store],
+        w: &mut BufWriter<UnixStream>,
+        r: &mut BufReader<UnixStream>,
+    ) -> Result<(), DaemonError> {
         let started = Instant::now();
-        let stores = self.handed_stores();
-        for store in &stores {
+        for store in stores {
             store.track_changes(true);
         }
         send(w, SNAPSHOT, &serde_json::to_vec(&SnapshotOffer { spec: self.spec.clone() }).map_err(err)?)?;
         let mut pages = 0;
-        for store in &stores {
+        for store in stores {
             pages += store.export_snapshot(w).map_err(err)?.pages;
         }
         w.flush().map_err(err)?;

@@ -747,6 +747,18 @@ fn write_stream_records(w: &mut W<'_>, sh: &Shared, s: &Shard, sum: &mut Handove
     Ok(())
 }
 
+/// Writes whether a pool slot holds a pool (a destroyed one keeps its id
+/// in the stream), counting the slot; returns the pool.
+fn write_present<'p>(
+    w: &mut W<'_>,
+    pool: &'p Option<Arc<Pool>>,
+    sum: &mut HandoverSummary,
+) -> Result<Option<&'p Arc<Pool>>, StoreError> {
+    sum.pools += 1;
+    w.u8(u8::from(pool.is_some()))?;
+    Ok(pool.as_ref())
+}
+
 fn bad_len(_: std::num::TryFromIntError) -> StoreError {
     bad("a count larger than this machine's address space")
 }
@@ -834,12 +846,7 @@ impl Store {
         }
         w.u32(u32::try_from(pools.len()).expect("fewer than 2^32 pools"))?;
         for pool in &pools {
-            sum.pools += 1;
-            let Some(pool) = pool else {
-                w.u8(0)?;
-                continue;
-            };
-            w.u8(1)?;
+            let Some(pool) = write_present(&mut w, pool, &mut sum)? else { continue };
             let c = &pool.cfg;
             w.u8(u8::from(c.kind == PoolKind::Ephemeral))?;
             w.u8(u8::from(c.exclusive_gets))?;

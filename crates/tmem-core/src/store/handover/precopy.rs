@@ -55,8 +55,6 @@ const ENTRY_CHANGE: usize = 4 + 1 + IMAGE_RECORD;
 /// predecessor served; [`Store::import_image_after`] completes it.
 pub struct Snapshot {
     shift: u8,
-    /// Codecs the exporter had at the snapshot's end.
-    codecs: u8,
     pools: Vec<Option<Vec<SnapShard>>>,
     pages: u64,
 }
@@ -69,12 +67,19 @@ struct SnapShard {
     suspect_groups: Vec<u32>,
 }
 
+/// The exporter's state that a record is checked against: the
+/// allocator's slots, the sealing counter, the number of codecs.
+#[derive(Clone, Copy)]
+struct EndState<'a> {
+    slots: &'a SlotTable,
+    next_version: u64,
+    codecs: u8,
+}
+
 /// What a changed record is checked against at once.
 struct Checks<'a> {
-    /// The allocator's slots (`None`: checked later, as suspects).
-    slots: Option<&'a SlotTable>,
-    /// The sealing counter and the number of codecs (`None`: later).
-    version_codecs: Option<(u64, u8)>,
+    /// The end state (`None`: checked later, as suspects).
+    end: Option<EndState<'a>>,
     /// Tiers below the pool.
     tiers: usize,
 }
@@ -180,23 +185,25 @@ fn read_group(r: &mut R<'_>) -> Result<Group, StoreError> {
     Ok(Group { object, base, serial: 0, chunks: chunks.into_boxed_slice(), len, check, codec, slots, live })
 }
 
-/// Whether group `g`'s chunks and codec pass `slots` and `codecs`.
-fn group_passes(g: &Group, slots: &SlotTable, codecs: u8) -> bool {
-    g.codec < codecs
-        && g.chunks
-            .iter()
-            .enumerate()
-            .all(|(i, &c)| slots.holds(crate::alloc::Loc::unpack(c), group::chunk_len(g.len as usize, i)))
-}
+impl EndState<'_> {
+    /// Whether group `g`'s chunks and codec are in this state.
+    fn group_passes(&self, g: &Group) -> bool {
+        g.codec < self.codecs
+            && g.chunks
+                .iter()
+                .enumerate()
+                .all(|(i, &c)| self.slots.holds(crate::alloc::Loc::unpack(c), group::chunk_len(g.len as usize, i)))
+    }
 
-/// Whether single (not grouped) entry `e` passes the checks that need the
-/// end state: its slot, its sealing version, its codec.
-fn entry_passes(e: &Entry, slots: &SlotTable, next_version: u64, codecs: u8) -> bool {
-    e.codec() < codecs
-        && match e.alloc_loc() {
-            Some(at) => slots.holds(at, e.len()),
-            None => !e.has(F_TIER) || e.loc < next_version,
-        }
+    /// Whether single (not grouped) entry `e`'s slot, sealing version and
+    /// codec are in this state.
+    fn entry_passes(&self, e: &Entry) -> bool {
+        e.codec() < self.codecs
+            && match e.alloc_loc() {
+                Some(at) => self.slots.holds(at, e.len()),
+                None => !e.has(F_TIER) || e.loc < self.next_version,
+            }
+    }
 }
 
 /// Decodes one entry record, with the checks that need no end state.
@@ -230,9 +237,8 @@ fn read_entry(b: &[u8; IMAGE_RECORD], s: &Shard, checks: &Checks<'_>) -> Result<
         }
         Entry::new(key, f.loc, f.check, f.len, f.codec, stored_flags(f.flags))
     };
-    if let Some(slots) = checks.slots {
-        let (next_version, codecs) = checks.version_codecs.expect("given with the slots");
-        if !entry_passes(&e, slots, next_version, codecs) {
+    if let Some(end) = checks.end {
+        if !end.entry_passes(&e) {
             return Err(bad(format!(
                 "page {key:?}: {} bytes of codec {} at {:#x} ({}) is not an allocated slot, a sealed version or a codec of the image",
                 e.len(),
@@ -256,8 +262,8 @@ fn read_changes(r: &mut R<'_>, s: &mut Shard, checks: &Checks<'_>) -> Result<(),
             return Err(bad(format!("group id {id} out of range")));
         }
         let g = if r.bool("group present")? { Some(read_group(r)?) } else { None };
-        if let (Some(g), Some(slots), Some((_, codecs))) = (&g, checks.slots, checks.version_codecs) {
-            if !group_passes(g, slots, codecs) {
+        if let (Some(g), Some(end)) = (&g, checks.end) {
+            if !end.group_passes(g) {
                 return Err(bad(format!("group {id}: a chunk or codec the image does not have")));
             }
         }
@@ -338,12 +344,7 @@ impl Store {
         w.u32(u32::try_from(pools.len()).expect("fewer than 2^32 pools"))?;
         let mut out = Vec::new();
         for pool in &pools {
-            sum.pools += 1;
-            let Some(pool) = pool else {
-                w.u8(0)?;
-                continue;
-            };
-            w.u8(1)?;
+            let Some(pool) = write_present(&mut w, pool, &mut sum)? else { continue };
             w.u8(u8::try_from(pool.chain.as_ref().map_or(0, |c| c.tiers.len())).expect("at most 8 tiers"))?;
             w.u32(u32::try_from(pool.shards.len()).expect("few shards"))?;
             for shard in pool.shards.iter() {
@@ -407,21 +408,17 @@ impl Store {
                 pool.shards.len()
             )));
         }
-        let taken = std::mem::replace(&mut shards[i], SnapShard::empty());
+        let taken = std::mem::replace(&mut shards[i], SnapShard::new(Shard::new()));
         let SnapShard { shard: mut built, suspect_entries, suspect_groups } = taken;
-        let checks = Checks {
-            slots: Some(slots),
-            version_codecs: Some((sh.next_version.load(Ordering::SeqCst), codecs)),
-            tiers: pool.chain.as_ref().map_or(0, |c| c.tiers.len()),
-        };
+        let end = EndState { slots, next_version: sh.next_version.load(Ordering::SeqCst), codecs };
+        let checks = Checks { end: Some(end), tiers: pool.chain.as_ref().map_or(0, |c| c.tiers.len()) };
         // Codec ids are the exporter's (`codecs` of them) until mapped below.
         read_changes(r, &mut built, &checks)?;
         // A suspect that its changes did not replace must pass now.
         for h in &suspect_entries {
             if built.entries.is_live(*h) {
                 let e = *built.entries.get(*h);
-                let ok = e.has(F_GROUP) || entry_passes(&e, slots, checks.version_codecs.expect("set").0, codecs);
-                if !ok {
+                if !e.has(F_GROUP) && !end.entry_passes(&e) {
                     return Err(bad(format!(
                         "page {:?}: not an allocated slot of the image, and not changed",
                         e.key()
@@ -430,7 +427,7 @@ impl Store {
             }
         }
         for id in &suspect_groups {
-            if built.groups.get(*id).is_some_and(|g| !group_passes(g, slots, codecs)) {
+            if built.groups.get(*id).is_some_and(|g| !end.group_passes(g)) {
                 return Err(bad(format!(
                     "pool {} shard {i}: group {id} is not in the image, and not changed",
                     pool.id
@@ -479,8 +476,9 @@ fn remap_codecs(s: &mut Shard, new_id: &dyn Fn(u8) -> Result<u8, StoreError>) ->
 }
 
 impl SnapShard {
-    fn empty() -> Self {
-        SnapShard { shard: Shard::new(), suspect_entries: Vec::new(), suspect_groups: Vec::new() }
+    /// `shard` as read, its suspects not yet found.
+    fn new(shard: Shard) -> Self {
+        SnapShard { shard, suspect_entries: Vec::new(), suspect_groups: Vec::new() }
     }
 }
 
@@ -502,7 +500,7 @@ impl Snapshot {
         if pools > MAX_POOLS {
             return Err(bad(format!("{pools} pools (at most {MAX_POOLS})")));
         }
-        let mut snap = Snapshot { shift, codecs: 0, pools: Vec::new(), pages: 0 };
+        let mut snap = Snapshot { shift, pools: Vec::new(), pages: 0 };
         for _ in 0..pools {
             if !r.bool("pool present")? {
                 snap.pools.push(None);
@@ -513,19 +511,18 @@ impl Snapshot {
             if tiers > MAX_TIERS || !shards.is_power_of_two() || shards > 1 << 16 {
                 return Err(bad(format!("a pool of {tiers} tiers and {shards} shards")));
             }
-            let checks = Checks { slots: None, version_codecs: None, tiers };
+            let checks = Checks { end: None, tiers };
             let mut built = Vec::with_capacity(shards as usize);
             for _ in 0..shards {
                 let mut s = Shard::new();
                 read_changes(&mut r, &mut s, &checks)?;
                 snap.pages += s.entries.live() as u64;
-                built.push(SnapShard { shard: s, suspect_entries: Vec::new(), suspect_groups: Vec::new() });
+                built.push(SnapShard::new(s));
             }
             snap.pools.push(Some(built));
         }
         let slots = read_alloc_image(&mut r, true)?.slot_table();
-        let next_version = r.u64()?;
-        snap.codecs = r.u8()?;
+        let end = EndState { slots: &slots, next_version: r.u64()?, codecs: r.u8()? };
         if &r.array::<8>()? != SNAP_MAGIC {
             return Err(bad("the snapshot does not end where its counts say"));
         }
@@ -540,14 +537,11 @@ impl Snapshot {
                 .live_handles()
                 .filter(|&h| {
                     let e = s.entries.get(h);
-                    !e.has(F_GROUP) && !entry_passes(e, &slots, next_version, snap.codecs)
+                    !e.has(F_GROUP) && !end.entry_passes(e)
                 })
                 .collect();
-            shard.suspect_groups = s
-                .groups
-                .ids()
-                .filter(|&id| !group_passes(s.groups.get(id).expect("listed"), &slots, snap.codecs))
-                .collect();
+            shard.suspect_groups =
+                s.groups.ids().filter(|&id| !end.group_passes(s.groups.get(id).expect("listed"))).collect();
         }
         Ok(snap)
     }
