@@ -43,6 +43,19 @@ pub fn handover_no_precopy() -> bool {
     std::env::var_os("TMEM_FAULT_HANDOVER_NO_PRECOPY").is_some()
 }
 
+/// Whether a successor says it cannot take FUSE over io_uring over (as
+/// one from before it), if `TMEM_FAULT_HANDOVER_NO_URING` is set.
+pub fn handover_no_uring() -> bool {
+    std::env::var_os("TMEM_FAULT_HANDOVER_NO_URING").is_some()
+}
+
+/// Whether a successor fails once it has taken the stores and devices
+/// (before its state file and sockets), if `TMEM_FAULT_HANDOVER_FAIL_TAKE`
+/// is set.
+pub fn handover_fail_take() -> bool {
+    std::env::var_os("TMEM_FAULT_HANDOVER_FAIL_TAKE").is_some()
+}
+
 /// Panics the first time it is called, if `TMEM_FAULT_PANIC_TEARDOWN` is set.
 pub fn panic_in_teardown() {
     static PANICKED: AtomicBool = AtomicBool::new(false);

@@ -98,7 +98,7 @@ use std::time::{Duration, Instant};
 use tmem_block::{CacheDevice, DeviceConfig, PoolDevice};
 use tmem_core::{Snapshot, Store, HANDOVER_VERSION};
 use tmem_ctl::Status;
-use tmem_fuse::{Export, FuseConfig, FuseMount};
+use tmem_fuse::{AdoptedRing, Export, FuseConfig, FuseMount, Transport};
 
 use crate::daemon::{log, Daemon, MOUNT_DIR};
 use crate::runtime::RuntimeDir;
@@ -156,6 +156,10 @@ struct Hello {
     /// running daemon serves (pre-copy); successors before it leave it out.
     #[serde(default)]
     precopy: bool,
+    /// The successor takes FUSE-over-io_uring entries over, with the
+    /// requests they hold; successors before it leave it out.
+    #[serde(default)]
+    fuse_uring: bool,
 }
 
 /// What comes before the snapshots of a pre-copy hand-over: the spec, from
@@ -195,6 +199,11 @@ struct Offer {
     /// each with `START_USER_RECOVERY` once this process has ended.
     #[serde(default)]
     ublk: Vec<HandedUblk>,
+    /// FUSE over io_uring: the ring entries, each holding a request, and
+    /// where their buffers are; the buffers' memfds follow the FUSE
+    /// connection, in [`tmem_fuse::RingHandover::regions`] order.
+    #[serde(default)]
+    fuse_ring: Option<tmem_fuse::RingHandover>,
 }
 
 /// The kernel's block devices on this daemon, paused for a hand-over.
@@ -324,6 +333,10 @@ fn hello() -> Hello {
     let precopy = !crate::fault::handover_no_precopy();
     #[cfg(not(feature = "fault-injection"))]
     let precopy = true;
+    #[cfg(feature = "fault-injection")]
+    let fuse_uring = !crate::fault::handover_no_uring();
+    #[cfg(not(feature = "fault-injection"))]
+    let fuse_uring = true;
     Hello {
         protocol,
         store_format: HANDOVER_VERSION,
@@ -332,6 +345,7 @@ fn hello() -> Hello {
         kernel_nbd: true,
         ublk: true,
         precopy: images && precopy,
+        fuse_uring,
     }
 }
 
@@ -473,6 +487,10 @@ impl Daemon {
         }
         if !h.ublk && !self.lock().ublk.is_empty() {
             return Some(format!("the successor (tmem {}) cannot take ublk devices over", h.version));
+        }
+        let over_uring = self.lock().fuse.as_ref().is_some_and(|f| matches!(f.transport(), Transport::IoUring { .. }));
+        if over_uring && !h.fuse_uring {
+            return Some(format!("the successor (tmem {}) cannot take FUSE over io_uring over", h.version));
         }
         if !self.spec.tiers.tiers.is_empty() && !h.images {
             return Some("devices with tiers are handed over only with their pools in shared memory (memfd)".into());
@@ -705,6 +723,7 @@ impl Daemon {
             .collect();
         let counters = self.devices.iter().map(|d| d.stats()).chain(self.caches.iter().map(|c| c.stats())).collect();
         let kernel_nbd = kernel.nbd.iter().map(|(h, _)| h.clone()).collect();
+        let fuse_ring = self.lock().fuse.as_ref().and_then(FuseMount::ring_handover).map(|(h, _)| h);
         let offer = Offer {
             spec: self.spec.clone(),
             status: self.status(),
@@ -715,6 +734,7 @@ impl Daemon {
             counters,
             kernel_nbd,
             ublk: kernel.ublk,
+            fuse_ring: fuse_ring.clone(),
         };
         send(w, OFFER, &serde_json::to_vec(&offer).map_err(err)?)?;
         let handed: Vec<&tmem_tier::TierHandover> = handed.iter().flatten().flat_map(|(_, ts)| ts).collect();
@@ -741,6 +761,13 @@ impl Daemon {
             let g = self.lock();
             let mut fds = vec![self.lock_file.as_fd()];
             fds.extend(g.fuse.as_ref().map(FuseMount::connection));
+            if let Some((ring, ring_fds)) = g.fuse.as_ref().and_then(FuseMount::ring_handover) {
+                // The workers hold still while paused: the same entries.
+                if fuse_ring.as_ref().is_none_or(|offered| offered.held.len() != ring.held.len()) {
+                    return Err(err("the FUSE ring entries changed while paused"));
+                }
+                fds.extend(ring_fds);
+            }
             if let Some(h) = nbd {
                 fds.push(h.listener.as_fd());
                 fds.extend(h.sessions.iter().map(|(fd, _)| fd.as_fd()));
@@ -954,7 +981,8 @@ fn take(
     role: Successor,
     ahead: Ahead,
 ) -> Result<(Arc<Daemon>, mpsc::Receiver<crate::daemon::Event>, PendingNbd, TakeReport), DaemonError> {
-    let Offer { spec, status: old, nbd_sessions, images, supervisor, tiers, counters, kernel_nbd, ublk } = offer;
+    let Offer { spec, status: old, nbd_sessions, images, supervisor, tiers, counters, kernel_nbd, ublk, fuse_ring } =
+        offer;
     let supervisor = match role {
         Successor::InService => Supervisor::inherit(Supervisor::from_env(), supervisor),
         Successor::OutsideService => Supervisor::default(),
@@ -1069,6 +1097,16 @@ fn take(
     // A daemon on the NBD or ublk transport has no FUSE mount.
     let without_fuse = matches!(old.transport.as_deref(), Some("nbd" | "ublk"));
     let conn = if spec.fuse && !without_fuse { Some(fds.next().ok_or_else(missing)?) } else { None };
+    let ring = match fuse_ring {
+        Some(handover) => {
+            let fds: Vec<OwnedFd> = fds.by_ref().take(handover.regions.len()).collect();
+            if fds.len() != handover.regions.len() {
+                return Err(missing());
+            }
+            Some(AdoptedRing { handover, fds })
+        }
+        None => None,
+    };
     let nbd = match &spec.nbd {
         Some(_) => {
             let listener = fds.next().ok_or_else(missing)?;
@@ -1100,7 +1138,8 @@ fn take(
     let fuse = conn
         .map(|conn| {
             let mountpoint = dir.join(MOUNT_DIR);
-            FuseMount::adopt(conn, FuseConfig { mountpoint, exports, threads: spec.fuse_threads, uring_per_queue: 0 })
+            let cfg = FuseConfig { mountpoint, exports, threads: spec.fuse_threads, uring_per_queue: spec.fuse_uring };
+            FuseMount::adopt(conn, cfg, ring)
         })
         .transpose()
         .map_err(err)?;
@@ -1126,6 +1165,12 @@ fn take(
         }
         _ => None,
     };
+    // Before the state file and the sockets, which would stay this
+    // process's: the fault stands for a failure in what comes before.
+    #[cfg(feature = "fault-injection")]
+    if crate::fault::handover_fail_take() {
+        return Err(err("fault injection: the successor fails once it has taken the stores and devices"));
+    }
     let status = daemon.status();
     daemon.save_state(&status);
     crate::daemon::bind_control(&daemon)?;

@@ -23,9 +23,13 @@ use fuser::{Config, FopenFlags, KernelConfig, MountOption, Request, SessionACL};
 use tmem_block::BlockDevice;
 
 mod devloop;
+mod region;
 mod uring;
 
-pub use uring::possible_cpus;
+pub use uring::{possible_cpus, AdoptedRing, FreshEntries, HeldEntry, RingHandover, RingRegion};
+
+/// How long a pause over io_uring may take to leave no entry free.
+const URING_PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Largest read we accept from the kernel; also each worker's buffer size.
 pub const MAX_IO: u32 = 1 << 20;
@@ -255,6 +259,10 @@ pub struct FuseMount {
     session: Option<fuser::Session<FuserFs>>,
     /// The connection of an adopted mount.
     adopted: Option<std::os::fd::OwnedFd>,
+    /// An adopted mount is this process's to unmount on drop only once it
+    /// has served ([`FuseMount::resume`]): a successor that fails before
+    /// leaves its predecessor's mount alone.
+    served: AtomicBool,
     workers: Option<devloop::DevWorkers>,
     uring: Option<uring::UringWorkers>,
     transport: Transport,
@@ -329,6 +337,7 @@ impl FuseMount {
         let m = Self {
             session: Some(session),
             adopted: None,
+            served: AtomicBool::new(true),
             workers: Some(workers),
             uring,
             transport,
@@ -392,19 +401,34 @@ impl FuseMount {
 
     /// Serves a mount that a predecessor process made, on its connection
     /// `fd` (passed over a unix socket), with `cfg`'s exports and threads;
-    /// nothing is mounted and no INIT takes place. `/dev/fuse` only. The
-    /// workers start paused: they take requests after [`FuseMount::resume`],
-    /// once the predecessor can no longer serve.
-    pub fn adopt(fd: std::os::fd::OwnedFd, cfg: FuseConfig) -> Result<Self, FuseError> {
+    /// nothing is mounted and no INIT takes place. With `ring`, the
+    /// predecessor's io_uring entries and the requests they hold are taken
+    /// over too ([`FuseMount::ring_handover`]). The workers start paused:
+    /// they take requests after [`FuseMount::resume`], once the predecessor
+    /// can no longer serve.
+    pub fn adopt(fd: std::os::fd::OwnedFd, cfg: FuseConfig, ring: Option<AdoptedRing>) -> Result<Self, FuseError> {
         let fs = Arc::new(BlockFs::new(cfg.exports, false));
-        let workers = devloop::DevWorkers::start(fs, std::os::fd::AsFd::as_fd(&fd), cfg.threads, true)
-            .map_err(|source| FuseError::Mount { path: cfg.mountpoint.clone(), source })?;
+        let mount_err = |source| FuseError::Mount { path: cfg.mountpoint.clone(), source };
+        let uring = ring
+            .map(|ring| {
+                let conn = std::os::fd::AsFd::as_fd(&fd).try_clone_to_owned()?;
+                uring::UringWorkers::adopt(fs.clone(), conn, ring)
+            })
+            .transpose()
+            .map_err(mount_err)?;
+        let workers =
+            devloop::DevWorkers::start(fs, std::os::fd::AsFd::as_fd(&fd), cfg.threads, true).map_err(mount_err)?;
+        let transport = match &uring {
+            Some(w) => Transport::IoUring { workers: w.workers() },
+            None => Transport::DevFuse,
+        };
         Ok(Self {
             session: None,
             adopted: Some(fd),
+            served: AtomicBool::new(false),
             workers: Some(workers),
-            uring: None,
-            transport: Transport::DevFuse,
+            uring,
+            transport,
             mountpoint: cfg.mountpoint,
         })
     }
@@ -419,30 +443,50 @@ impl FuseMount {
     }
 
     /// Stops taking requests; returns once every request taken is answered
-    /// (those not taken wait in the kernel). Refused over io_uring, whose
-    /// workers cannot leave requests behind.
+    /// (those not taken wait in the kernel). Over io_uring, each entry that
+    /// a request can reach is left holding one, unanswered, for
+    /// [`FuseMount::ring_handover`] (`uring::UringWorkers::pause`).
     pub fn pause(&self) -> Result<(), String> {
-        if self.uring.is_some() {
-            return Err("requests are served over io_uring, which cannot be paused".into());
-        }
         if let Some(w) = &self.workers {
             w.pause();
+        }
+        if let Some(u) = &self.uring {
+            if let Err(why) = u.pause(&self.mountpoint, URING_PAUSE_TIMEOUT) {
+                self.resume();
+                return Err(why);
+            }
         }
         Ok(())
     }
 
-    /// Takes requests again after [`FuseMount::pause`].
+    /// Takes requests again after [`FuseMount::pause`], or for the first
+    /// time after [`FuseMount::adopt`].
     pub fn resume(&self) {
+        self.served.store(true, Ordering::Release);
+        if let Some(u) = &self.uring {
+            u.resume();
+        }
         if let Some(w) = &self.workers {
             w.resume();
         }
     }
 
+    /// After [`FuseMount::pause`], over io_uring: what a successor needs to
+    /// take the ring entries over ([`FuseMount::adopt`]), with the memfds
+    /// of their buffers, in [`RingHandover::regions`] order.
+    pub fn ring_handover(&self) -> Option<(RingHandover, Vec<std::os::fd::BorrowedFd<'_>>)> {
+        self.uring.as_ref().map(uring::UringWorkers::handover)
+    }
+
     /// Ends this process's part after a successor adopted the mount: the
-    /// (paused) workers stop and the mount stays.
+    /// (paused) workers stop, leaving the requests they hold to the
+    /// successor, and the mount stays.
     pub fn leave_mounted(mut self) {
         if let Some(w) = self.workers.take() {
             w.stop();
+        }
+        if let Some(u) = self.uring.take() {
+            u.leave();
         }
         if let Some(s) = self.session.take() {
             // Dropping the session would unmount.
@@ -518,9 +562,18 @@ fn unmount_when_free(path: &Path) -> std::io::Result<()> {
 
 impl Drop for FuseMount {
     fn drop(&mut self) {
-        if self.session.is_some() || self.adopted.is_some() {
+        if self.session.is_some() || (self.adopted.is_some() && self.served.load(Ordering::Acquire)) {
             let r = self.unmount_now();
             self.join_uring_if(r.is_ok());
+        } else {
+            // Adopted, never served: the workers end, leaving the requests
+            // the ring entries hold to the predecessor, which still serves.
+            if let Some(w) = self.workers.take() {
+                w.stop();
+            }
+            if let Some(u) = self.uring.take() {
+                u.leave();
+            }
         }
     }
 }

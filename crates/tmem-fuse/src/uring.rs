@@ -29,15 +29,18 @@
 //! - At unmount the kernel ends every waiting command with `-ENOTCONN`.
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
-
 use std::thread::JoinHandle;
-use tmem_lock::{Mutex, Rank};
+use std::time::{Duration, Instant};
+
+use tmem_lock::{Condvar, Mutex, Rank};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
+use crate::region::{slot_bytes, Region, PAGE};
 use crate::{BlockFs, NodeKind, TTL};
 
 /// The kernel's switch for FUSE over io_uring (off by default).
@@ -261,17 +264,21 @@ pub(crate) fn dispatch(
     }
 }
 
+/// The CPUs listed in `file` of `/sys/devices/system/cpu` ("0-3,8").
+fn cpu_list(file: &str) -> io::Result<Vec<usize>> {
+    let s = std::fs::read_to_string(format!("/sys/devices/system/cpu/{file}"))?;
+    let parse = |x: &str| x.parse::<usize>().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
+    let mut cpus = Vec::new();
+    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        cpus.extend(parse(a)?..=parse(b)?);
+    }
+    Ok(cpus)
+}
+
 /// Number of ring queues the kernel expects: one per possible CPU.
 pub fn possible_cpus() -> io::Result<usize> {
-    let s = std::fs::read_to_string("/sys/devices/system/cpu/possible")?;
-    let mut n = 0;
-    for part in s.trim().split(',') {
-        let (a, b) = part.split_once('-').unwrap_or((part, part));
-        let parse = |x: &str| x.parse::<usize>().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
-        n = n.max(parse(b)? + 1);
-        let _ = parse(a)?;
-    }
-    Ok(n)
+    Ok(cpu_list("possible")?.into_iter().max().map_or(0, |m| m + 1))
 }
 
 /// `struct fuse_uring_cmd_req` in the 80-byte command area.
@@ -282,30 +289,106 @@ fn cmd_req(commit_id: u64, qid: u16) -> [u8; 80] {
     c
 }
 
-/// One worker: one ring with one entry on queue `qid`.
+/// A worker's state, as a pause reads it.
+mod state {
+    /// Its command is with the kernel: the entry is free, or a request is
+    /// on its way to it.
+    pub const WAITING: u8 = 0;
+    /// It answers the request in its entry.
+    pub const SERVING: u8 = 1;
+    /// Paused with a request in its entry, which it has not answered.
+    pub const HELD: u8 = 2;
+    /// It has ended (unmounted, or its ring failed).
+    pub const ENDED: u8 = 3;
+}
+
+/// One worker's entry and state, on a cache line of its own so that
+/// workers never share one on the request path.
+#[repr(align(128))]
+struct Cell {
+    state: AtomicU8,
+    /// The request its entry holds (`commit_id`), while held.
+    commit_id: AtomicU64,
+    qid: u16,
+    /// Its region, and its slot's offset there.
+    region: usize,
+    offset: usize,
+}
+
+/// What the workers of one mount share. The request path touches only
+/// atomics: a worker that has a request sets its cell `SERVING`, then
+/// reads `paused` (both `SeqCst`); a pause sets `paused`, then reads every
+/// cell. Either the worker sees the pause and holds the request, or the
+/// pause sees it serving and waits for it (as `devloop`'s pause).
+struct Ctl {
+    paused: AtomicBool,
+    /// Set once a successor has the held requests: held workers end.
+    stop: AtomicBool,
+    cells: Box<[Cell]>,
+    /// Under [`Rank::UringPark`]; guards nothing but the waits below.
+    park: Mutex<()>,
+    changed: Condvar,
+    /// Requests served.
+    served: AtomicU64,
+    /// Why a worker ended early, if one did.
+    failure: Mutex<Option<String>>,
+}
+
+impl Ctl {
+    fn fail(&self, why: String) {
+        let mut f = self.failure.lock();
+        f.get_or_insert(why);
+    }
+
+    /// Wakes whoever waits on `changed`; taking the lock first means a
+    /// waiter that checked its condition under it cannot miss this.
+    fn notify(&self) {
+        let _g = self.park.lock();
+        self.changed.notify_all();
+    }
+
+    /// Waits while paused; false once stopped.
+    fn wait_while_paused(&self) -> bool {
+        let mut g = self.park.lock();
+        while self.paused.load(Ordering::SeqCst) && !self.stop.load(Ordering::SeqCst) {
+            self.changed.wait(&mut g);
+        }
+        !self.stop.load(Ordering::SeqCst)
+    }
+}
+
+/// One worker: one ring with one entry on queue `qid`, whose buffers are a
+/// slot of a [`Region`].
 struct Worker {
     ring: IoUring<squeue::Entry128, cqueue::Entry>,
     fd: RawFd,
+    index: usize,
     qid: u16,
-    hdr: Box<RingHeader>,
-    payload: Vec<u8>,
+    /// Keeps the slot mapped.
+    _region: Arc<Region>,
+    hdr: *mut RingHeader,
+    payload: *mut u8,
+    payload_len: usize,
     iov: Box<[libc::iovec; 2]>,
 }
 
+// SAFETY: `hdr` and `payload` point into `_region`, which the worker keeps
+// alive, and no other worker uses its slot.
+unsafe impl Send for Worker {}
+
 impl Worker {
-    fn new(fd: RawFd, qid: u16, payload_bytes: usize) -> io::Result<Self> {
+    fn new(fd: RawFd, index: usize, cell: &Cell, region: Arc<Region>, payload_bytes: usize) -> io::Result<Self> {
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(2)?;
-        let mut hdr = Box::new(RingHeader {
-            in_out: [0; 128],
-            op_in: [0; 128],
-            ent: EntInOut { flags: 0, commit_id: 0, payload_sz: 0, padding: 0, reserved: 0 },
-        });
-        let mut payload = vec![0u8; payload_bytes];
+        let base = region.at(cell.offset, slot_bytes(payload_bytes))?;
+        let hdr = base.cast::<RingHeader>();
+        // SAFETY: the slot is slot_bytes long (checked by `at`): its header
+        // page, then payload_bytes.
+        let payload = unsafe { base.add(PAGE) };
         let iov = Box::new([
-            libc::iovec { iov_base: std::ptr::from_mut(hdr.as_mut()).cast(), iov_len: size_of::<RingHeader>() },
-            libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: payload.len() },
+            libc::iovec { iov_base: hdr.cast(), iov_len: size_of::<RingHeader>() },
+            libc::iovec { iov_base: payload.cast(), iov_len: payload_bytes },
         ]);
-        Ok(Self { ring, fd, qid, hdr, payload, iov })
+        Ok(Self { ring, fd, index, qid: cell.qid, _region: region, hdr, payload, payload_len: payload_bytes, iov })
     }
 
     /// Submits `cmd` and waits for its completion; returns its result.
@@ -317,10 +400,10 @@ impl Worker {
         if cmd_op == CMD_REGISTER {
             set_sqe_len(&mut sqe, 2);
         }
-        // SAFETY: the SQE points at `self.iov`, whose buffers `self.hdr` and
-        // `self.payload` live as long as the ring (fields of self, never
-        // reallocated); the kernel writes them only until it completes the
-        // command, which we wait for below before touching them.
+        // SAFETY: the SQE points at `self.iov`, whose buffers are this
+        // worker's slot, mapped as long as `self._region` lives; the kernel
+        // writes them only until it completes the command, which we wait
+        // for below before touching them.
         unsafe { self.ring.submission().push(&sqe) }.map_err(|_| io::Error::other("io_uring submission queue full"))?;
         loop {
             match self.ring.submit_and_wait(1) {
@@ -334,39 +417,83 @@ impl Worker {
         }
     }
 
-    /// Registers the entry, then serves requests until the connection ends.
-    fn run(mut self, fs: &BlockFs, shared: &Shared) {
-        let mut res = self.roundtrip(CMD_REGISTER, 0);
-        let mut registered = false;
+    /// Registers the entry (or, `adopted`, starts from the request the
+    /// entry holds), then serves requests until the connection ends.
+    fn run(mut self, fs: &BlockFs, ctl: &Ctl, adopted: bool) {
+        let cell = &ctl.cells[self.index];
+        let mut res = if adopted {
+            Ok(0)
+        } else if ctl.wait_while_paused() {
+            // A successor's fresh entries register only once it serves: one
+            // that fails must leave no entry of its own behind.
+            self.roundtrip(CMD_REGISTER, 0)
+        } else {
+            Err(io::Error::other("stopped"))
+        };
+        let mut registered = adopted;
         loop {
             match res {
                 Ok(0) => registered = true,
                 // Unmounted: the kernel ends waiting commands with -ENOTCONN,
                 // and refuses commits with it.
-                Ok(e) if registered && (-e == libc::ENOTCONN || -e == libc::ECONNABORTED) => return,
+                Ok(e) if registered && (-e == libc::ENOTCONN || -e == libc::ECONNABORTED) => break,
                 // Registration refused (the kernel then keeps using /dev/fuse),
                 // or the ring failed: this worker ends and says why.
-                Ok(e) => return shared.fail(format!("io_uring command failed: {}", io::Error::from_raw_os_error(-e))),
-                Err(e) => return shared.fail(format!("io_uring: {e}")),
+                Ok(e) => {
+                    ctl.fail(format!("io_uring command failed: {}", io::Error::from_raw_os_error(-e)));
+                    break;
+                }
+                Err(e) if ctl.stop.load(Ordering::SeqCst) => drop(e),
+                Err(e) => {
+                    ctl.fail(format!("io_uring: {e}"));
+                    break;
+                }
             }
-            shared.served.fetch_add(1, Ordering::Relaxed);
-            let commit_id = self.hdr.ent.commit_id;
-            let payload_in = self.hdr.ent.payload_sz as usize;
-            let unique = u64_at(&self.hdr.in_out, 8);
-            let payload_in = payload_in.min(self.payload.len());
-            let (error, len) = match dispatch(fs, &self.hdr.in_out, &self.hdr.op_in, payload_in, &mut self.payload) {
+            // SAFETY: the kernel is done with the slot until our next
+            // command; only this worker makes references into it.
+            let (hdr, payload) =
+                unsafe { (&mut *self.hdr, std::slice::from_raw_parts_mut(self.payload, self.payload_len)) };
+            let commit_id = hdr.ent.commit_id;
+            if !take(ctl, cell, commit_id) {
+                // Stopped while holding: a successor answers it.
+                return;
+            }
+            ctl.served.fetch_add(1, Ordering::Relaxed);
+            let payload_in = (hdr.ent.payload_sz as usize).min(payload.len());
+            let unique = u64_at(&hdr.in_out, 8);
+            let (error, len) = match dispatch(fs, &hdr.in_out, &hdr.op_in, payload_in, payload) {
                 Ok(len) => (0i32, len),
                 Err(errno) => (-errno, 0),
             };
             let len32 = u32::try_from(len).unwrap_or(u32::MAX);
-            let out = &mut self.hdr.in_out;
+            let out = &mut hdr.in_out;
             out[..4].copy_from_slice(&(16 + len32).to_ne_bytes());
             out[4..8].copy_from_slice(&error.to_ne_bytes());
             out[8..16].copy_from_slice(&unique.to_ne_bytes());
-            self.hdr.ent.payload_sz = len32;
+            hdr.ent.payload_sz = len32;
+            cell.state.store(state::WAITING, Ordering::SeqCst);
             res = self.roundtrip(CMD_COMMIT_AND_FETCH, commit_id);
         }
+        cell.state.store(state::ENDED, Ordering::SeqCst);
+        ctl.notify();
     }
+}
+
+/// A request `commit_id` is in `cell`'s entry: true to serve it now. While
+/// paused, holds it until the pause ends (true) or a successor has it (false).
+fn take(ctl: &Ctl, cell: &Cell, commit_id: u64) -> bool {
+    cell.commit_id.store(commit_id, Ordering::Relaxed);
+    cell.state.store(state::SERVING, Ordering::SeqCst);
+    if !ctl.paused.load(Ordering::SeqCst) {
+        return true;
+    }
+    cell.state.store(state::HELD, Ordering::SeqCst);
+    ctl.notify();
+    if !ctl.wait_while_paused() {
+        return false;
+    }
+    cell.state.store(state::SERVING, Ordering::SeqCst);
+    true
 }
 
 /// Sets `len` (bytes 24..28 of the SQE), which `UringCmd80` has no setter for.
@@ -381,31 +508,67 @@ fn set_sqe_len(sqe: &mut squeue::Entry128, len: u32) {
     }
 }
 
-/// State the workers of one mount share.
-struct Shared {
-    /// Requests served.
-    served: AtomicU64,
-    /// Why a worker ended early, if one did.
-    failure: Mutex<Option<String>>,
+/// What a running mount's ring entries hand to a successor
+/// ([`crate::FuseMount::ring_handover`]): where their buffers are, and the
+/// request each holds. Their memfds travel beside it, in `regions` order.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct RingHandover {
+    pub regions: Vec<RingRegion>,
+    /// Each entry's payload buffer, in bytes.
+    pub payload_bytes: u64,
+    pub held: Vec<HeldEntry>,
+    /// Entries that hold nothing, per queue: those of CPUs that are
+    /// possible but offline, which no request reaches. The successor
+    /// registers as many fresh entries there.
+    pub fresh: Vec<FreshEntries>,
 }
 
-impl Default for Shared {
-    fn default() -> Self {
-        Self { served: AtomicU64::new(0), failure: Mutex::new(Rank::UringFailure, None) }
-    }
+/// A region of entry buffers, mapped at `base` in the predecessor.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+pub struct RingRegion {
+    pub base: u64,
+    pub len: u64,
 }
 
-impl Shared {
-    fn fail(&self, why: String) {
-        let mut f = self.failure.lock();
-        f.get_or_insert(why);
-    }
+/// An entry and the request it holds.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+pub struct HeldEntry {
+    /// Index into [`RingHandover::regions`].
+    pub region: u32,
+    /// Its slot's offset in the region.
+    pub offset: u64,
+    pub qid: u16,
+    pub commit_id: u64,
+}
+
+/// Fresh entries to register on queue `qid`.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+pub struct FreshEntries {
+    pub qid: u16,
+    pub count: u32,
+}
+
+/// Most regions, held entries and fresh entries a successor takes.
+const MAX_HANDED_REGIONS: usize = 64;
+const MAX_HANDED_ENTRIES: usize = 1 << 14;
+
+/// A predecessor's ring entries for [`crate::FuseMount::adopt`].
+#[derive(Debug)]
+pub struct AdoptedRing {
+    pub handover: RingHandover,
+    /// The regions' memfds, in order.
+    pub fds: Vec<OwnedFd>,
 }
 
 /// The io_uring workers of one mount.
 pub(crate) struct UringWorkers {
     threads: Vec<JoinHandle<()>>,
-    shared: Arc<Shared>,
+    ctl: Arc<Ctl>,
+    regions: Vec<Arc<Region>>,
+    payload_bytes: usize,
+    queues: usize,
+    /// Fill requests issued and not yet answered, per queue (see `pause`).
+    fills: Arc<[AtomicUsize]>,
     _fd: Arc<OwnedFd>,
 }
 
@@ -414,24 +577,108 @@ impl UringWorkers {
     /// `fd` (a `/dev/fuse` fd whose INIT has completed with io_uring).
     pub(crate) fn start(fs: Arc<BlockFs>, fd: OwnedFd, per_queue: usize, payload_bytes: usize) -> io::Result<Self> {
         let queues = possible_cpus()?;
-        let fd = Arc::new(fd);
-        let shared = Arc::new(Shared::default());
-        let mut threads = Vec::new();
+        let per_queue = per_queue.max(1);
+        let region = Arc::new(Region::new(queues * per_queue * slot_bytes(payload_bytes))?);
+        let mut cells = Vec::with_capacity(queues * per_queue);
         for q in 0..queues {
             let qid = u16::try_from(q).map_err(|_| io::Error::other("too many CPUs"))?;
-            for i in 0..per_queue.max(1) {
-                let (fs, fd, sh) = (fs.clone(), fd.clone(), shared.clone());
-                let t = std::thread::Builder::new().name(format!("fuse-uring-{q}.{i}")).spawn(move || {
-                    // Buffers are allocated here, once.
-                    match Worker::new(fd.as_raw_fd(), qid, payload_bytes) {
-                        Ok(worker) => worker.run(&fs, &sh),
-                        Err(e) => sh.fail(format!("cannot set up an io_uring: {e}")),
-                    }
-                })?;
-                threads.push(t);
+            for _ in 0..per_queue {
+                cells.push(cell(state::WAITING, qid, 0, cells.len() * slot_bytes(payload_bytes), 0));
             }
         }
-        Ok(Self { threads, shared, _fd: fd })
+        let adopted = vec![false; cells.len()];
+        Self::spawn(fs, fd, cells, &adopted, vec![region], payload_bytes, false)
+    }
+
+    /// Takes a predecessor's entries over ([`RingHandover`]): maps their
+    /// buffers where it had them and starts a worker on each, paused, with
+    /// the request the entry holds; and workers for fresh entries, which
+    /// register once resumed. Requests flow on [`UringWorkers::resume`].
+    pub(crate) fn adopt(fs: Arc<BlockFs>, fd: OwnedFd, ring: AdoptedRing) -> io::Result<Self> {
+        let AdoptedRing { handover: h, fds } = ring;
+        let bad = |what: String| io::Error::other(format!("FUSE ring hand-over: {what}"));
+        let fresh: usize = h.fresh.iter().map(|f| f.count as usize).sum();
+        if h.regions.len() != fds.len() || h.regions.len() > MAX_HANDED_REGIONS {
+            return Err(bad(format!("{} regions with {} descriptors", h.regions.len(), fds.len())));
+        }
+        if h.held.len() + fresh > MAX_HANDED_ENTRIES || h.held.len() + fresh == 0 {
+            return Err(bad(format!("{} held and {fresh} fresh entries", h.held.len())));
+        }
+        let payload_bytes = usize::try_from(h.payload_bytes).ok().filter(|b| (PAGE..=64 << 20).contains(b));
+        let payload_bytes =
+            payload_bytes.ok_or_else(|| bad(format!("payload buffers of {} bytes", h.payload_bytes)))?;
+        let queues = possible_cpus()?;
+        let mut regions = Vec::with_capacity(h.regions.len() + 1);
+        for (r, fd) in h.regions.iter().zip(fds) {
+            let len = usize::try_from(r.len).map_err(|_| bad(format!("a region of {} bytes", r.len)))?;
+            regions.push(Arc::new(Region::adopt(fd, r.base, len)?));
+        }
+        let mut cells = Vec::with_capacity(h.held.len() + fresh);
+        for e in &h.held {
+            let region = regions.get(e.region as usize).ok_or_else(|| bad(format!("region {}", e.region)))?;
+            if usize::from(e.qid) >= queues {
+                return Err(bad(format!("queue {} on a machine of {queues} possible CPUs", e.qid)));
+            }
+            let offset = usize::try_from(e.offset).map_err(|_| bad(format!("offset {}", e.offset)))?;
+            let hdr = region.at(offset, slot_bytes(payload_bytes))?.cast::<RingHeader>();
+            // SAFETY: a slot inside the region (checked by `at`); the kernel
+            // wrote its request before the predecessor held it, and nothing
+            // writes it until a worker answers it.
+            let in_slot = unsafe { (*hdr).ent.commit_id };
+            if in_slot != e.commit_id {
+                return Err(bad(format!("the entry at {offset} holds request {in_slot}, not {}", e.commit_id)));
+            }
+            cells.push(cell(state::HELD, e.qid, e.region as usize, offset, e.commit_id));
+        }
+        let mut adopted = vec![true; cells.len()];
+        if fresh > 0 {
+            regions.push(Arc::new(Region::new(fresh * slot_bytes(payload_bytes))?));
+            let mut at = 0;
+            for f in &h.fresh {
+                if usize::from(f.qid) >= queues {
+                    return Err(bad(format!("queue {} on a machine of {queues} possible CPUs", f.qid)));
+                }
+                for _ in 0..f.count {
+                    cells.push(cell(state::WAITING, f.qid, regions.len() - 1, at * slot_bytes(payload_bytes), 0));
+                    adopted.push(false);
+                    at += 1;
+                }
+            }
+        }
+        Self::spawn(fs, fd, cells, &adopted, regions, payload_bytes, true)
+    }
+
+    fn spawn(
+        fs: Arc<BlockFs>,
+        fd: OwnedFd,
+        cells: Vec<Cell>,
+        adopted: &[bool],
+        regions: Vec<Arc<Region>>,
+        payload_bytes: usize,
+        paused: bool,
+    ) -> io::Result<Self> {
+        let queues = possible_cpus()?;
+        let fd = Arc::new(fd);
+        let ctl = Arc::new(Ctl {
+            paused: AtomicBool::new(paused),
+            stop: AtomicBool::new(false),
+            cells: cells.into_boxed_slice(),
+            park: Mutex::new(Rank::UringPark, ()),
+            changed: Condvar::new(),
+            served: AtomicU64::new(0),
+            failure: Mutex::new(Rank::UringFailure, None),
+        });
+        let mut threads = Vec::with_capacity(ctl.cells.len());
+        for (index, &adopted) in adopted.iter().enumerate() {
+            let c = &ctl.cells[index];
+            // Buffers are mapped here, once.
+            let worker = Worker::new(fd.as_raw_fd(), index, c, Arc::clone(&regions[c.region]), payload_bytes)?;
+            let (fs, ctl) = (Arc::clone(&fs), Arc::clone(&ctl));
+            let name = format!("fuse-uring-{}.{index}", c.qid);
+            threads.push(std::thread::Builder::new().name(name).spawn(move || worker.run(&fs, &ctl, adopted))?);
+        }
+        let fills = (0..queues).map(|_| AtomicUsize::new(0)).collect();
+        Ok(Self { threads, ctl, regions, payload_bytes, queues, fills, _fd: fd })
     }
 
     pub(crate) fn workers(&self) -> usize {
@@ -439,16 +686,129 @@ impl UringWorkers {
     }
 
     pub(crate) fn served(&self) -> u64 {
-        self.shared.served.load(Ordering::Relaxed)
+        self.ctl.served.load(Ordering::Relaxed)
     }
 
     /// Records why io_uring is not serving this mount.
     pub(crate) fn fail(&self, why: String) {
-        self.shared.fail(why);
+        self.ctl.fail(why);
     }
 
     pub(crate) fn failure(&self) -> Option<String> {
-        self.shared.failure.lock().clone()
+        self.ctl.failure.lock().clone()
+    }
+
+    /// Stops answering: returns once no worker answers a request and every
+    /// entry that a request can reach holds one, which it keeps. A free
+    /// entry would be lost to a successor: the kernel can give it a
+    /// request at any time, and only its registering process would hear
+    /// of it (or, once that has gone, nobody). So the pause fills the free
+    /// entries itself: a thread on each CPU with free entries asks for
+    /// `statfs` of `mountpoint` (never cached: one request, on that CPU's
+    /// queue) until none is free. Those requests are answered with the
+    /// rest, by the successor or after [`UringWorkers::resume`]. Entries of
+    /// offline CPUs, which no request reaches, stay free.
+    pub(crate) fn pause(&self, mountpoint: &Path, within: Duration) -> Result<(), String> {
+        let ctl = &self.ctl;
+        ctl.paused.store(true, Ordering::SeqCst);
+        let online = match cpu_list("online") {
+            Ok(cpus) => cpus,
+            Err(e) => {
+                self.resume();
+                return Err(format!("cannot read the online CPUs: {e}"));
+            }
+        };
+        let deadline = Instant::now() + within;
+        let mut last_fill = vec![Instant::now(); self.queues];
+        let mut g = ctl.park.lock();
+        loop {
+            let mut free = vec![0usize; self.queues];
+            let mut serving = 0;
+            for c in ctl.cells.iter() {
+                match c.state.load(Ordering::SeqCst) {
+                    state::WAITING => free[usize::from(c.qid)] += 1,
+                    state::SERVING => serving += 1,
+                    _ => {}
+                }
+            }
+            let unfilled: Vec<usize> = (0..self.queues).filter(|q| free[*q] > 0 && online.contains(q)).collect();
+            if serving == 0 && unfilled.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                drop(g);
+                self.resume();
+                return Err(format!(
+                    "FUSE over io_uring did not pause within {within:?}: {serving} requests still being answered, \
+                     free entries on CPUs {unfilled:?}"
+                ));
+            }
+            for q in unfilled {
+                // One fill per free entry; another if an entry stays free
+                // (a fill that came after a request took the entry waits in
+                // the kernel's queue until a commit takes it).
+                let pending = self.fills[q].load(Ordering::SeqCst);
+                if pending < free[q] || last_fill[q].elapsed() > Duration::from_millis(5) {
+                    self.fills[q].fetch_add(1, Ordering::SeqCst);
+                    if let Err(e) = fill(q, mountpoint, Arc::clone(&self.fills)) {
+                        self.fills[q].fetch_sub(1, Ordering::SeqCst);
+                        drop(g);
+                        self.resume();
+                        return Err(format!("cannot start a thread to fill CPU {q}'s ring entries: {e}"));
+                    }
+                    last_fill[q] = Instant::now();
+                }
+            }
+            ctl.changed.wait_for(&mut g, Duration::from_millis(1));
+        }
+    }
+
+    /// Answers requests again after [`UringWorkers::pause`].
+    pub(crate) fn resume(&self) {
+        let _g = self.ctl.park.lock();
+        self.ctl.paused.store(false, Ordering::SeqCst);
+        self.ctl.changed.notify_all();
+    }
+
+    /// What a successor needs to take the paused entries over, and the
+    /// memfds that go with it.
+    pub(crate) fn handover(&self) -> (RingHandover, Vec<BorrowedFd<'_>>) {
+        let mut used: Vec<usize> = Vec::new();
+        let mut held = Vec::new();
+        let mut fresh: Vec<FreshEntries> = Vec::new();
+        for c in self.ctl.cells.iter() {
+            match c.state.load(Ordering::SeqCst) {
+                state::HELD => {
+                    let region = used.iter().position(|&r| r == c.region).unwrap_or_else(|| {
+                        used.push(c.region);
+                        used.len() - 1
+                    });
+                    held.push(HeldEntry {
+                        region: u32::try_from(region).unwrap_or(u32::MAX),
+                        offset: c.offset as u64,
+                        qid: c.qid,
+                        commit_id: c.commit_id.load(Ordering::Relaxed),
+                    });
+                }
+                state::WAITING => match fresh.iter_mut().find(|f| f.qid == c.qid) {
+                    Some(f) => f.count += 1,
+                    None => fresh.push(FreshEntries { qid: c.qid, count: 1 }),
+                },
+                _ => {}
+            }
+        }
+        let regions =
+            used.iter().map(|&r| RingRegion { base: self.regions[r].base(), len: self.regions[r].len() as u64 });
+        let fds = used.iter().map(|&r| self.regions[r].fd()).collect();
+        (RingHandover { regions: regions.collect(), payload_bytes: self.payload_bytes as u64, held, fresh }, fds)
+    }
+
+    /// After a hand-over: the workers that hold requests end without
+    /// answering them (the successor does), and the others are left to
+    /// this process's end, which ends their commands.
+    pub(crate) fn leave(self) {
+        self.ctl.stop.store(true, Ordering::SeqCst);
+        self.ctl.notify();
     }
 
     /// Waits for the workers (they end when the connection does).
@@ -457,4 +817,24 @@ impl UringWorkers {
             let _ = t.join();
         }
     }
+}
+
+fn cell(state: u8, qid: u16, region: usize, offset: usize, commit_id: u64) -> Cell {
+    Cell { state: AtomicU8::new(state), commit_id: AtomicU64::new(commit_id), qid, region, offset }
+}
+
+/// Starts a thread on CPU `q` that sends one `statfs` request of
+/// `mountpoint` (on `q`'s queue) and counts itself out of `fills` once it
+/// is answered.
+fn fill(q: usize, mountpoint: &Path, fills: Arc<[AtomicUsize]>) -> io::Result<()> {
+    let path = mountpoint.to_owned();
+    std::thread::Builder::new().name(format!("fuse-fill-{q}")).spawn(move || {
+        let mut cpus = rustix::thread::CpuSet::new();
+        cpus.set(q);
+        if rustix::thread::sched_setaffinity(None, &cpus).is_ok() {
+            let _ = rustix::fs::statfs(&path);
+        }
+        fills[q].fetch_sub(1, Ordering::SeqCst);
+    })?;
+    Ok(())
 }

@@ -109,6 +109,8 @@ pub enum Rank {
     UringFailure,
     /// The `/dev/fuse` workers' pause waits (with their condition variable).
     FuseLoop,
+    /// The io_uring workers' pause waits (with their condition variable).
+    UringPark,
     /// A front's policy thread: its stop flag (with its condition variable).
     FrontStop,
     /// A front's policy: its latest counters (a leaf).

@@ -910,6 +910,78 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
     assert_clean(&s);
 }
 
+/// `tmem swap restart` of a daemon on FUSE over io_uring (issue 26 item
+/// 2): the running daemon leaves each ring entry holding a request, and
+/// the successor answers them from the same buffers, which makes the
+/// entries its own. A job with pages in swap keeps running through three
+/// restarts and reads back what it wrote; a successor that cannot take
+/// the ring is refused; the last successor still serves over io_uring.
+#[test]
+fn swap_restart_over_fuse_io_uring_keeps_every_page() {
+    if !can_run() {
+        return;
+    }
+    if !Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
+        tmem_testkit::skip(tmem_testkit::Feature::FuseUring, "this kernel has no FUSE over io_uring (Linux 6.14+)");
+        return;
+    }
+    let mut s = Setup::new("restart-uring");
+    let up = s.swap_up_with("1G", &["--fuse-uring", "2"]);
+    assert!(up.contains("requests via io_uring"), "{up}");
+    let stop = s.dir.join("stop-job");
+    let mut job = s
+        .in_cgroup(96, LONG_HOG, &["192", stop.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+    while s.stat()[0]["store"]["total"]["stored_pages"].as_u64().unwrap() < 12_800 {
+        assert!(std::time::Instant::now() < deadline, "the job never put 50 MiB in swap");
+        assert!(job.try_wait().unwrap().is_none(), "the job ended early");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let mut pid = s.daemon_pid();
+    let (ok, out) = tmem_env(&["swap", "restart", "--runtime-dir", s.dir()], &[("TMEM_FAULT_HANDOVER_NO_URING", "1")]);
+    assert!(!ok && out.contains("cannot take FUSE over io_uring over"), "{out}");
+    assert_eq!(s.daemon_pid(), pid, "the running daemon goes on");
+    // A successor that fails after the pause, with the ring entries held
+    // and the free ones filled: the running daemon answers them and goes on.
+    let (ok, out) = tmem_env(&["swap", "restart", "--runtime-dir", s.dir()], &[("TMEM_FAULT_HANDOVER_FAIL_TAKE", "1")]);
+    assert!(!ok && out.contains("fault injection"), "{out}");
+    assert_eq!(s.daemon_pid(), pid, "the running daemon goes on");
+    assert!(job.try_wait().unwrap().is_none(), "the job died");
+    for round in 0..3 {
+        let (ok, out) = tmem(&["swap", "restart", "--runtime-dir", s.dir()]);
+        assert!(ok, "restart {round}: {out}");
+        assert!(out.contains("took over from daemon pid") && out.contains("tmem swap restarted"), "{out}");
+        println!("restart {round}: {}", out.lines().find(|l| l.contains("took over")).unwrap());
+        let now = s.daemon_pid();
+        assert_ne!(now, pid, "restart {round}: a new process serves");
+        pid = now;
+        assert!(job.try_wait().unwrap().is_none(), "restart {round}: the job died");
+        std::thread::sleep(std::time::Duration::from_secs(2));
+    }
+    std::fs::write(&stop, b"").unwrap();
+    let status = tmem_testkit::wait_timeout(&mut job, std::time::Duration::from_secs(300)).expect("the job ends");
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut job.stdout.take().unwrap(), &mut out).unwrap();
+    println!("job: {status:?} {out}");
+    assert!(status.success() && out.contains("\nOK "), "the job read back what it wrote: {status:?} {out}");
+    let st = s.stat();
+    assert_eq!(st[0]["failed_reads"].as_u64(), Some(0));
+    assert_eq!(st[0]["failed_writes"].as_u64(), Some(0));
+    let down = s.swap_down();
+    // The last successor served the job's swap-ins over the ring it took.
+    let served: u64 = down
+        .split(" requests were served over io_uring")
+        .next()
+        .and_then(|head| head.rsplit(['(', ' ']).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no io_uring count in:\n{down}"));
+    assert!(served > 1000, "{served} requests over io_uring:\n{down}");
+    assert_clean(&s);
+}
+
 /// `tmem swap restart` of a daemon with a remote tier (2 Redis servers,
 /// R = 2) and a disk tier below its pool (issue 26 item 2): a job with
 /// pages in all three keeps running through two restarts and reads back
