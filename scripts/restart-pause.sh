@@ -12,8 +12,9 @@
 # hand-over would ask, TMEM_FAULT_HANDOVER_STREAMED; both need a build with
 # fault injection),
 # prints each restart's step lines and /proc/meminfo around them, then the
-# job's longest chunk read, and takes everything down. Root; uses the
-# release binary (cargo build --release -p tmem --features tmem-daemon/fault-injection).
+# job's longest chunk read, and takes everything down. UP_FLAGS adds flags
+# to `swap up` (e.g. UP_FLAGS="--fuse-uring 2"). Root; uses the release
+# binary (cargo build --release -p tmem --features tmem-daemon/fault-injection).
 set -u
 heap=$1 limit=$2 modes=$3 rounds=$4
 tmem=${TMEM:-$(dirname "$0")/../target/release/tmem}
@@ -56,7 +57,8 @@ while not os.path.exists(stop):
     passes += 1
 print("job: %d passes, longest 1 MiB chunk read %.1f ms" % (passes, worst * 1000), flush=True)
 PY
-"$tmem" swap up --runtime-dir "$rd" --size 8G --pool-limit 50% > "$work/up.log" 2>&1 || { cat "$work/up.log"; exit 1; }
+# shellcheck disable=SC2086 # UP_FLAGS is a list of flags
+"$tmem" swap up --runtime-dir "$rd" --size 8G --pool-limit 50% ${UP_FLAGS:-} > "$work/up.log" 2>&1 || { cat "$work/up.log"; exit 1; }
 mkdir -p "$cg"
 echo $((limit << 20)) > "$cg/memory.limit_in_bytes"
 sh -c "echo \$\$ > $cg/cgroup.procs; exec python3 $work/job.py $heap $work/stop" > "$work/job.out" 2>&1 &

@@ -7,10 +7,10 @@
 //!
 //! 1. successor → `HELLO`: its hand-over protocol, store export format and
 //!    version. The running daemon refuses (`REFUSE` with the reason, and
-//!    goes on serving) another protocol or format, FUSE over io_uring (a
-//!    ring cannot be paused: a request the kernel gives a retiring entry
-//!    would be lost), and tiers with a successor that does not take shared
-//!    stores. A daemon under systemd hands over too: its `OFFER` names the
+//!    goes on serving) another protocol or format, FUSE over io_uring with
+//!    a successor that cannot take ring entries over (`fuse_uring`), and
+//!    tiers with a successor that does not take shared stores. A daemon
+//!    under systemd hands over too: its `OFFER` names the
 //!    notify socket and the watchdog, for a successor that `ExecReload`
 //!    started;
 //!
@@ -26,7 +26,10 @@
 //!    in the pause carries only the changes since the snapshot: the pause
 //!    grows with what the jobs did meanwhile, not with the pool;
 //! 2. it pauses its FUSE workers (they answer what they have taken and take
-//!    nothing more, so requests wait in the kernel), its NBD sessions
+//!    nothing more, so requests wait in the kernel; over io_uring, each
+//!    ring entry is left holding a request, unanswered, which the
+//!    successor answers and so takes the entry: `tmem_fuse::RingHandover`),
+//!    its NBD sessions
 //!    (each stops between two requests; clients' requests wait in the
 //!    sockets, new clients in the listener's backlog) and its ublk queues
 //!    (each stops before its next request, which stays taken): the stores
@@ -56,7 +59,8 @@
 //!      once the successor says `READY`, the descriptors.
 //!
 //!    The descriptors (`SCM_RIGHTS`): the runtime directory's lock, the
-//!    FUSE connection, the NBD listener and each NBD session's socket;
+//!    FUSE connection, the memfds of its ring entries' buffers (io_uring),
+//!    the NBD listener and each NBD session's socket;
 //! 4. the successor imports the stores, builds the devices, its FUSE
 //!    workers (paused) and its NBD server (not yet started), binds the
 //!    control socket, and answers `TAKEN`; or `FAILED` with the reason. It
@@ -536,6 +540,15 @@ impl Daemon {
             send(&mut w, REFUSE, why.as_bytes())?;
             return Err(err(format!("refused a successor: {why}")));
         }
+        if let Some((ring, _)) = self.lock().fuse.as_ref().and_then(FuseMount::ring_handover) {
+            let free: u32 = ring.fresh.iter().map(|f| f.count).sum();
+            log(&format!(
+                "FUSE over io_uring paused: {} ring entries hold a request each ({} of them asked for by the pause \
+                 to fill free entries), {free} on offline CPUs stay free",
+                ring.held.len(),
+                ring.filled
+            ));
+        }
         // The NBD server's sessions, then the kernel's NBD and ublk devices.
         let paused_all = (|| -> Result<_, String> {
             let nbd = self.lock().nbd.as_ref().map(|n| n.pause(NBD_PAUSE_TIMEOUT)).transpose()?;
@@ -943,6 +956,8 @@ struct TakeReport {
     /// Pages in the tiers that came along, and the tiers' names.
     tier_pages: u64,
     tiers: Vec<String>,
+    /// FUSE-over-io_uring entries taken over, each with the request it held.
+    ring_entries: usize,
 }
 
 impl TakeReport {
@@ -959,8 +974,13 @@ impl TakeReport {
         } else {
             format!("; {} pages in its tiers ({}) came along", self.tier_pages, self.tiers.join(", "))
         };
+        let ring = match self.ring_entries {
+            0 => String::new(),
+            n => format!("; its {n} FUSE io_uring entries came along, each with the request it held"),
+        };
         format!(
-            "took over from daemon pid {old}: {} pages ({}) in {} ms, the longest that requests waited, by {how}{tiers}",
+            "took over from daemon pid {old}: {} pages ({}) in {} ms, the longest that requests waited, by \
+             {how}{tiers}{ring}",
             self.pages,
             crate::human(self.bytes),
             paused.as_millis()
@@ -1097,6 +1117,7 @@ fn take(
     // A daemon on the NBD or ublk transport has no FUSE mount.
     let without_fuse = matches!(old.transport.as_deref(), Some("nbd" | "ublk"));
     let conn = if spec.fuse && !without_fuse { Some(fds.next().ok_or_else(missing)?) } else { None };
+    let ring_entries = fuse_ring.as_ref().map_or(0, |h| h.held.len());
     let ring = match fuse_ring {
         Some(handover) => {
             let fds: Vec<OwnedFd> = fds.by_ref().take(handover.regions.len()).collect();
@@ -1146,7 +1167,7 @@ fn take(
     let stores = devices.iter().map(|d| d.store());
     let tier_pages = stores.clone().map(|s| s.stats().total.tier_pages).sum();
     let tiers = stores.flat_map(|s| s.tiers()).map(|t| t.name().to_owned()).collect();
-    let report = TakeReport { pages, bytes, images, ahead: ahead.pages, tier_pages, tiers };
+    let report = TakeReport { pages, bytes, images, ahead: ahead.pages, tier_pages, tiers, ring_entries };
     // With ublk devices to take (after LOCKED), "up" waits for them: `swap
     // restart` reports once the successor serves, so it reports their
     // recovery too.

@@ -27,6 +27,27 @@
 //!   back in the payload and their size in `ring_ent.payload_sz`, then
 //!   `COMMIT_AND_FETCH` with the request's `commit_id`.
 //! - At unmount the kernel ends every waiting command with `-ENOTCONN`.
+//!
+//! **Hand-over to a successor process** (`tmem swap restart`). An entry is
+//! bound to no process: the kernel keeps its two buffer addresses from
+//! `REGISTER`, and takes whatever `COMMIT_AND_FETCH` names the request it
+//! holds (`commit_id`) as the entry's next command, copying the answer
+//! from those addresses in the committing process. Nor can an entry be
+//! given back: an entry that waits free is cancelled when its ring closes,
+//! and a request the kernel gives it meanwhile is never answered. Hence:
+//! - Each entry's buffers are a slot of a memfd ([`Region`]).
+//! - The pause ([`UringWorkers::pause`]) leaves no entry free: the workers
+//!   hold the requests they get, and free entries are filled with requests
+//!   of our own (`statfs` from a thread on the entry's CPU). Entries of
+//!   offline CPUs, which no request reaches, stay free; the successor
+//!   registers fresh ones there.
+//! - The successor maps each memfd at the predecessor's address and
+//!   answers each held request from its slot with its own
+//!   `COMMIT_AND_FETCH` ([`UringWorkers::adopt`]): the entries are its own
+//!   from then on. A successor that fails before it serves answers nothing,
+//!   and the predecessor resumes and answers them itself.
+//! - The predecessor's workers then end without answering, and its rings
+//!   close with no command in them.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -521,6 +542,9 @@ pub struct RingHandover {
     /// possible but offline, which no request reaches. The successor
     /// registers as many fresh entries there.
     pub fresh: Vec<FreshEntries>,
+    /// Requests the pause asked for to fill free entries (for the log).
+    #[serde(default)]
+    pub filled: u64,
 }
 
 /// A region of entry buffers, mapped at `base` in the predecessor.
@@ -569,6 +593,8 @@ pub(crate) struct UringWorkers {
     queues: usize,
     /// Fill requests issued and not yet answered, per queue (see `pause`).
     fills: Arc<[AtomicUsize]>,
+    /// Fill requests the latest pause issued.
+    filled: AtomicU64,
     _fd: Arc<OwnedFd>,
 }
 
@@ -614,8 +640,12 @@ impl UringWorkers {
             regions.push(Arc::new(Region::adopt(fd, r.base, len)?));
         }
         let mut cells = Vec::with_capacity(h.held.len() + fresh);
+        let mut slots = std::collections::HashSet::with_capacity(h.held.len());
         for e in &h.held {
             let region = regions.get(e.region as usize).ok_or_else(|| bad(format!("region {}", e.region)))?;
+            if !slots.insert((e.region, e.offset)) {
+                return Err(bad(format!("two entries at {} of region {}", e.offset, e.region)));
+            }
             if usize::from(e.qid) >= queues {
                 return Err(bad(format!("queue {} on a machine of {queues} possible CPUs", e.qid)));
             }
@@ -678,7 +708,7 @@ impl UringWorkers {
             threads.push(std::thread::Builder::new().name(name).spawn(move || worker.run(&fs, &ctl, adopted))?);
         }
         let fills = (0..queues).map(|_| AtomicUsize::new(0)).collect();
-        Ok(Self { threads, ctl, regions, payload_bytes, queues, fills, _fd: fd })
+        Ok(Self { threads, ctl, regions, payload_bytes, queues, fills, filled: AtomicU64::new(0), _fd: fd })
     }
 
     pub(crate) fn workers(&self) -> usize {
@@ -718,6 +748,7 @@ impl UringWorkers {
                 return Err(format!("cannot read the online CPUs: {e}"));
             }
         };
+        self.filled.store(0, Ordering::Relaxed);
         let deadline = Instant::now() + within;
         let mut last_fill = vec![Instant::now(); self.queues];
         let mut g = ctl.park.lock();
@@ -757,6 +788,7 @@ impl UringWorkers {
                         return Err(format!("cannot start a thread to fill CPU {q}'s ring entries: {e}"));
                     }
                     last_fill[q] = Instant::now();
+                    self.filled.fetch_add(1, Ordering::Relaxed);
                 }
             }
             ctl.changed.wait_for(&mut g, Duration::from_millis(1));
@@ -800,7 +832,11 @@ impl UringWorkers {
         let regions =
             used.iter().map(|&r| RingRegion { base: self.regions[r].base(), len: self.regions[r].len() as u64 });
         let fds = used.iter().map(|&r| self.regions[r].fd()).collect();
-        (RingHandover { regions: regions.collect(), payload_bytes: self.payload_bytes as u64, held, fresh }, fds)
+        let filled = self.filled.load(Ordering::Relaxed);
+        (
+            RingHandover { regions: regions.collect(), payload_bytes: self.payload_bytes as u64, held, fresh, filled },
+            fds,
+        )
     }
 
     /// After a hand-over: the workers that hold requests end without

@@ -954,6 +954,7 @@ fn swap_restart_over_fuse_io_uring_keeps_every_page() {
         let (ok, out) = tmem(&["swap", "restart", "--runtime-dir", s.dir()]);
         assert!(ok, "restart {round}: {out}");
         assert!(out.contains("took over from daemon pid") && out.contains("tmem swap restarted"), "{out}");
+        assert!(out.contains("FUSE io_uring entries came along, each with the request it held"), "{out}");
         println!("restart {round}: {}", out.lines().find(|l| l.contains("took over")).unwrap());
         let now = s.daemon_pid();
         assert_ne!(now, pid, "restart {round}: a new process serves");
