@@ -267,12 +267,7 @@ fn job_runs_in_half_its_memory_over_fuse_io_uring() {
     assert!(up.contains("requests via io_uring"), "{up}");
     // The kernel's swap I/O went over the ring: far more than the handful of
     // requests from setting up loop and swap.
-    let served: u64 = down
-        .split(" requests were served over io_uring")
-        .next()
-        .and_then(|head| head.rsplit(['(', ' ']).next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no io_uring count in:\n{down}"));
+    let served = uring_requests_served(&down);
     assert!(served > 1000, "{served} requests over io_uring:\n{down}");
 }
 
@@ -810,6 +805,69 @@ while not os.path.exists(stop) or passes < 2:
 print("OK" if ok else "MISMATCH", passes, "passes, longest chunk read %.1f ms" % (worst * 1000), flush=True)
 "#;
 
+/// [`LONG_HOG`] in the test's memory cgroup: it reads its heap over and
+/// over until told to stop.
+struct LongJob {
+    child: std::process::Child,
+    stop: PathBuf,
+}
+
+impl LongJob {
+    /// `heap_mib` of heap under a limit of `limit_mib`.
+    fn start(s: &Setup, limit_mib: u32, heap_mib: u32) -> Self {
+        let stop = s.dir.join("stop-job");
+        let child = s
+            .in_cgroup(limit_mib, LONG_HOG, &[&heap_mib.to_string(), stop.to_str().unwrap()])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        Self { child, stop }
+    }
+
+    /// Waits (at most `within`) until `enough` says yes of `tmem stat`.
+    fn wait_for(&mut self, s: &Setup, within: std::time::Duration, enough: impl Fn(&serde_json::Value) -> bool) {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let st = s.stat();
+            if enough(&st) {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the job's pages never got there: {}", st[0]["store"]);
+            self.assert_running("before the restarts");
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+
+    fn assert_running(&mut self, when: &str) {
+        assert!(self.child.try_wait().unwrap().is_none(), "{when}: the job died");
+    }
+
+    /// Stops it; it must have read back what it wrote.
+    fn finish(mut self) {
+        std::fs::write(&self.stop, b"").unwrap();
+        let status =
+            tmem_testkit::wait_timeout(&mut self.child, std::time::Duration::from_secs(300)).expect("the job ends");
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut self.child.stdout.take().unwrap(), &mut out).unwrap();
+        println!("job: {status:?} {out}");
+        assert!(status.success() && out.contains("\nOK "), "the job read back what it wrote: {status:?} {out}");
+    }
+}
+
+/// Pages in `tmem stat`'s first device's store.
+fn stored_pages(st: &serde_json::Value) -> u64 {
+    st[0]["store"]["total"]["stored_pages"].as_u64().unwrap()
+}
+
+/// How many requests `swap down` says went over io_uring.
+fn uring_requests_served(down: &str) -> u64 {
+    down.split(" requests were served over io_uring")
+        .next()
+        .and_then(|head| head.rsplit(['(', ' ']).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no io_uring count in:\n{down}"))
+}
+
 /// Bytes of `pid`'s memory that are resident and locked (`Locked:` of
 /// smaps_rollup): under `mlockall(MCL_ONFAULT)`, the pages it has mapped.
 fn locked_bytes(pid: i32) -> u64 {
@@ -831,18 +889,8 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
     }
     let mut s = Setup::new("restart");
     s.swap_up("1G");
-    let stop = s.dir.join("stop-job");
-    let mut job = s
-        .in_cgroup(160, LONG_HOG, &["320", stop.to_str().unwrap()])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
-    while s.stat()[0]["store"]["total"]["stored_pages"].as_u64().unwrap() < 25_600 {
-        assert!(std::time::Instant::now() < deadline, "the job never put 100 MiB in swap");
-        assert!(job.try_wait().unwrap().is_none(), "the job ended early");
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    let mut job = LongJob::start(&s, 160, 320);
+    job.wait_for(&s, std::time::Duration::from_secs(180), |st| stored_pages(st) >= 25_600);
     let mut pid = s.daemon_pid();
     let mut before = s.stat()[0].clone();
     // A successor that speaks another protocol is refused; the daemon goes on.
@@ -893,16 +941,11 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
             let (was, is) = (before[c].as_u64().unwrap(), after[c].as_u64().unwrap());
             assert!(is >= was && (was > 0 || c.starts_with("read")), "restart {round}: {c} went back: {was} -> {is}");
         }
-        assert!(job.try_wait().unwrap().is_none(), "restart {round}: the job died");
+        job.assert_running(&format!("restart {round}"));
         std::thread::sleep(std::time::Duration::from_secs(2));
         before = s.stat()[0].clone();
     }
-    std::fs::write(&stop, b"").unwrap();
-    let status = tmem_testkit::wait_timeout(&mut job, std::time::Duration::from_secs(300)).expect("the job ends");
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut job.stdout.take().unwrap(), &mut out).unwrap();
-    println!("job: {status:?} {out}");
-    assert!(status.success() && out.contains("\nOK "), "the job read back what it wrote: {status:?} {out}");
+    job.finish();
     let st = s.stat();
     assert_eq!(st[0]["failed_reads"].as_u64(), Some(0));
     assert_eq!(st[0]["failed_writes"].as_u64(), Some(0));
@@ -928,18 +971,8 @@ fn swap_restart_over_fuse_io_uring_keeps_every_page() {
     let mut s = Setup::new("restart-uring");
     let up = s.swap_up_with("1G", &["--fuse-uring", "2"]);
     assert!(up.contains("requests via io_uring"), "{up}");
-    let stop = s.dir.join("stop-job");
-    let mut job = s
-        .in_cgroup(96, LONG_HOG, &["192", stop.to_str().unwrap()])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
-    while s.stat()[0]["store"]["total"]["stored_pages"].as_u64().unwrap() < 12_800 {
-        assert!(std::time::Instant::now() < deadline, "the job never put 50 MiB in swap");
-        assert!(job.try_wait().unwrap().is_none(), "the job ended early");
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    let mut job = LongJob::start(&s, 96, 192);
+    job.wait_for(&s, std::time::Duration::from_secs(180), |st| stored_pages(st) >= 12_800);
     let mut pid = s.daemon_pid();
     let (ok, out) = tmem_env(&["swap", "restart", "--runtime-dir", s.dir()], &[("TMEM_FAULT_HANDOVER_NO_URING", "1")]);
     assert!(!ok && out.contains("cannot take FUSE over io_uring over"), "{out}");
@@ -949,7 +982,7 @@ fn swap_restart_over_fuse_io_uring_keeps_every_page() {
     let (ok, out) = tmem_env(&["swap", "restart", "--runtime-dir", s.dir()], &[("TMEM_FAULT_HANDOVER_FAIL_TAKE", "1")]);
     assert!(!ok && out.contains("fault injection"), "{out}");
     assert_eq!(s.daemon_pid(), pid, "the running daemon goes on");
-    assert!(job.try_wait().unwrap().is_none(), "the job died");
+    job.assert_running("after a failed hand-over");
     for round in 0..3 {
         let (ok, out) = tmem(&["swap", "restart", "--runtime-dir", s.dir()]);
         assert!(ok, "restart {round}: {out}");
@@ -959,26 +992,16 @@ fn swap_restart_over_fuse_io_uring_keeps_every_page() {
         let now = s.daemon_pid();
         assert_ne!(now, pid, "restart {round}: a new process serves");
         pid = now;
-        assert!(job.try_wait().unwrap().is_none(), "restart {round}: the job died");
+        job.assert_running(&format!("restart {round}"));
         std::thread::sleep(std::time::Duration::from_secs(2));
     }
-    std::fs::write(&stop, b"").unwrap();
-    let status = tmem_testkit::wait_timeout(&mut job, std::time::Duration::from_secs(300)).expect("the job ends");
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut job.stdout.take().unwrap(), &mut out).unwrap();
-    println!("job: {status:?} {out}");
-    assert!(status.success() && out.contains("\nOK "), "the job read back what it wrote: {status:?} {out}");
+    job.finish();
     let st = s.stat();
     assert_eq!(st[0]["failed_reads"].as_u64(), Some(0));
     assert_eq!(st[0]["failed_writes"].as_u64(), Some(0));
     let down = s.swap_down();
     // The last successor served the job's swap-ins over the ring it took.
-    let served: u64 = down
-        .split(" requests were served over io_uring")
-        .next()
-        .and_then(|head| head.rsplit(['(', ' ']).next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no io_uring count in:\n{down}"));
+    let served = uring_requests_served(&down);
     assert!(served > 1000, "{served} requests over io_uring:\n{down}");
     assert_clean(&s);
 }
@@ -997,26 +1020,14 @@ fn swap_restart_keeps_the_pages_in_its_tiers() {
     let mut s = Setup::new("restart-tiers");
     let up = s.swap_up_with("24M", &below.args());
     assert!(up.contains("pool -> remote -> disk"), "{up}");
-    let stop = s.dir.join("stop-job");
-    let mut job = s
-        .in_cgroup(128, LONG_HOG, &["288", stop.to_str().unwrap()])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut job = LongJob::start(&s, 128, 288);
     let writes = |st: &serde_json::Value, name: &str| {
         let tiers = st[0]["store"]["tiers"].as_array().cloned().unwrap_or_default();
         tiers.iter().find(|t| t["name"] == name).and_then(|t| t["writes"].as_u64()).unwrap_or(0)
     };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(240);
-    loop {
-        let st = s.stat();
-        if writes(&st, "remote") > 2000 && writes(&st, "disk") > 2000 {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the tiers never took pages: {}", st[0]["store"]["tiers"]);
-        assert!(job.try_wait().unwrap().is_none(), "the job ended early");
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    job.wait_for(&s, std::time::Duration::from_secs(240), |st| {
+        writes(st, "remote") > 2000 && writes(st, "disk") > 2000
+    });
     let mut pid = s.daemon_pid();
     for round in 0..2 {
         let before = s.stat()[0]["store"]["total"].clone();
@@ -1027,7 +1038,7 @@ fn swap_restart_keeps_the_pages_in_its_tiers() {
         let now = s.daemon_pid();
         assert_ne!(now, pid, "restart {round}: a new process serves");
         pid = now;
-        assert!(job.try_wait().unwrap().is_none(), "restart {round}: the job died");
+        job.assert_running(&format!("restart {round}"));
         // The successor serves pages from both tiers.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
         while s.stat()[0]["store"]["total"]["tier_gets"].as_u64() <= before["tier_gets"].as_u64() {
@@ -1035,12 +1046,7 @@ fn swap_restart_keeps_the_pages_in_its_tiers() {
             std::thread::sleep(std::time::Duration::from_millis(200));
         }
     }
-    std::fs::write(&stop, b"").unwrap();
-    let status = tmem_testkit::wait_timeout(&mut job, std::time::Duration::from_secs(300)).expect("the job ends");
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut job.stdout.take().unwrap(), &mut out).unwrap();
-    println!("job: {status:?} {out}");
-    assert!(status.success() && out.contains("\nOK "), "the job read back what it wrote: {status:?} {out}");
+    job.finish();
     let st = s.stat();
     let t = &st[0]["store"]["total"];
     let log = || std::fs::read_to_string(s.dir.join("daemon.log")).unwrap_or_default();
