@@ -85,5 +85,7 @@ touch "$work/stop"
 wait "$job"
 job=""
 tail -1 "$work/job.out"
+# Over io_uring: what each pause held and filled.
+grep -h "FUSE over io_uring paused" "$rd/daemon.log" | sed 's/^/daemon log: /'
 read -r cpu1 steal1 < <(cpu)
 echo "CPU steal during the run: $(( (steal1 - steal0) * 1000 / (cpu1 - cpu0 + 1) / 10 )).$(( (steal1 - steal0) * 1000 / (cpu1 - cpu0 + 1) % 10 )) %"
