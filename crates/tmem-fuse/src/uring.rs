@@ -52,7 +52,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -591,8 +591,6 @@ pub(crate) struct UringWorkers {
     regions: Vec<Arc<Region>>,
     payload_bytes: usize,
     queues: usize,
-    /// Fill requests issued and not yet answered, per queue (see `pause`).
-    fills: Arc<[AtomicUsize]>,
     /// Fill requests the latest pause issued.
     filled: AtomicU64,
     _fd: Arc<OwnedFd>,
@@ -707,8 +705,7 @@ impl UringWorkers {
             let name = format!("fuse-uring-{}.{index}", c.qid);
             threads.push(std::thread::Builder::new().name(name).spawn(move || worker.run(&fs, &ctl, adopted))?);
         }
-        let fills = (0..queues).map(|_| AtomicUsize::new(0)).collect();
-        Ok(Self { threads, ctl, regions, payload_bytes, queues, fills, filled: AtomicU64::new(0), _fd: fd })
+        Ok(Self { threads, ctl, regions, payload_bytes, queues, filled: AtomicU64::new(0), _fd: fd })
     }
 
     pub(crate) fn workers(&self) -> usize {
@@ -750,7 +747,9 @@ impl UringWorkers {
         };
         self.filled.store(0, Ordering::Relaxed);
         let deadline = Instant::now() + within;
-        let mut last_fill = vec![Instant::now(); self.queues];
+        let mut last_fill: Vec<Option<Instant>> = vec![None; self.queues];
+        // A bound on fills, should requests keep landing elsewhere.
+        let most = 8 * ctl.cells.len();
         let mut g = ctl.park.lock();
         loop {
             let mut free = vec![0usize; self.queues];
@@ -775,21 +774,24 @@ impl UringWorkers {
                 ));
             }
             for q in unfilled {
-                // One fill per free entry; another if an entry stays free
-                // (a fill that came after a request took the entry waits in
+                // A fill per free entry, then again for those still free a
+                // millisecond later (a fill lands in well under that; one
+                // that came after another request took its entry waits in
                 // the kernel's queue until a commit takes it).
-                let pending = self.fills[q].load(Ordering::SeqCst);
-                if pending < free[q] || last_fill[q].elapsed() > Duration::from_millis(5) {
-                    self.fills[q].fetch_add(1, Ordering::SeqCst);
-                    if let Err(e) = fill(q, mountpoint, Arc::clone(&self.fills)) {
-                        self.fills[q].fetch_sub(1, Ordering::SeqCst);
+                if last_fill[q].is_some_and(|t| t.elapsed() < Duration::from_millis(1))
+                    || self.filled.load(Ordering::Relaxed) >= most as u64
+                {
+                    continue;
+                }
+                for _ in 0..free[q] {
+                    if let Err(e) = fill(q, mountpoint) {
                         drop(g);
                         self.resume();
                         return Err(format!("cannot start a thread to fill CPU {q}'s ring entries: {e}"));
                     }
-                    last_fill[q] = Instant::now();
                     self.filled.fetch_add(1, Ordering::Relaxed);
                 }
+                last_fill[q] = Some(Instant::now());
             }
             ctl.changed.wait_for(&mut g, Duration::from_millis(1));
         }
@@ -860,9 +862,8 @@ fn cell(state: u8, qid: u16, region: usize, offset: usize, commit_id: u64) -> Ce
 }
 
 /// Starts a thread on CPU `q` that sends one `statfs` request of
-/// `mountpoint` (on `q`'s queue) and counts itself out of `fills` once it
-/// is answered.
-fn fill(q: usize, mountpoint: &Path, fills: Arc<[AtomicUsize]>) -> io::Result<()> {
+/// `mountpoint` (on `q`'s queue) and ends once it is answered.
+fn fill(q: usize, mountpoint: &Path) -> io::Result<()> {
     let path = mountpoint.to_owned();
     std::thread::Builder::new().name(format!("fuse-fill-{q}")).spawn(move || {
         let mut cpus = rustix::thread::CpuSet::new();
@@ -870,7 +871,6 @@ fn fill(q: usize, mountpoint: &Path, fills: Arc<[AtomicUsize]>) -> io::Result<()
         if rustix::thread::sched_setaffinity(None, &cpus).is_ok() {
             let _ = rustix::fs::statfs(&path);
         }
-        fills[q].fetch_sub(1, Ordering::SeqCst);
     })?;
     Ok(())
 }
