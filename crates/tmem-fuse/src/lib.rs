@@ -474,8 +474,11 @@ impl FuseMount {
     /// After [`FuseMount::pause`], over io_uring: what a successor needs to
     /// take the ring entries over ([`FuseMount::adopt`]), with the memfds
     /// of their buffers, in [`RingHandover::regions`] order.
+    /// `None` also when no entry serves (the ring failed at the start and
+    /// the kernel serves on `/dev/fuse`).
     pub fn ring_handover(&self) -> Option<(RingHandover, Vec<std::os::fd::BorrowedFd<'_>>)> {
-        self.uring.as_ref().map(uring::UringWorkers::handover)
+        let (h, fds) = self.uring.as_ref().map(uring::UringWorkers::handover)?;
+        (!h.held.is_empty() || !h.fresh.is_empty()).then_some((h, fds))
     }
 
     /// Ends this process's part after a successor adopted the mount: the
