@@ -464,7 +464,8 @@ impl Worker {
                     ctl.fail(format!("io_uring command failed: {}", io::Error::from_raw_os_error(-e)));
                     break;
                 }
-                Err(e) if ctl.stop.load(Ordering::SeqCst) => drop(e),
+                // Stopped before it registered (a successor that failed).
+                Err(_) if ctl.stop.load(Ordering::SeqCst) => return,
                 Err(e) => {
                     ctl.fail(format!("io_uring: {e}"));
                     break;
