@@ -611,8 +611,7 @@ impl UringWorkers {
                 cells.push(cell(state::WAITING, qid, 0, cells.len() * slot_bytes(payload_bytes), 0));
             }
         }
-        let adopted = vec![false; cells.len()];
-        Self::spawn(fs, fd, cells, &adopted, vec![region], payload_bytes, false)
+        Self::spawn(fs, fd, cells, vec![region], payload_bytes, queues, false)
     }
 
     /// Takes a predecessor's entries over ([`RingHandover`]): maps their
@@ -659,7 +658,6 @@ impl UringWorkers {
             }
             cells.push(cell(state::HELD, e.qid, e.region as usize, offset, e.commit_id));
         }
-        let mut adopted = vec![true; cells.len()];
         if fresh > 0 {
             regions.push(Arc::new(Region::new(fresh * slot_bytes(payload_bytes))?));
             let mut at = 0;
@@ -669,24 +667,22 @@ impl UringWorkers {
                 }
                 for _ in 0..f.count {
                     cells.push(cell(state::WAITING, f.qid, regions.len() - 1, at * slot_bytes(payload_bytes), 0));
-                    adopted.push(false);
                     at += 1;
                 }
             }
         }
-        Self::spawn(fs, fd, cells, &adopted, regions, payload_bytes, true)
+        Self::spawn(fs, fd, cells, regions, payload_bytes, queues, true)
     }
 
     fn spawn(
         fs: Arc<BlockFs>,
         fd: OwnedFd,
         cells: Vec<Cell>,
-        adopted: &[bool],
         regions: Vec<Arc<Region>>,
         payload_bytes: usize,
+        queues: usize,
         paused: bool,
     ) -> io::Result<Self> {
-        let queues = possible_cpus()?;
         let fd = Arc::new(fd);
         let ctl = Arc::new(Ctl {
             paused: AtomicBool::new(paused),
@@ -698,8 +694,9 @@ impl UringWorkers {
             failure: Mutex::new(Rank::UringFailure, None),
         });
         let mut threads = Vec::with_capacity(ctl.cells.len());
-        for (index, &adopted) in adopted.iter().enumerate() {
-            let c = &ctl.cells[index];
+        for (index, c) in ctl.cells.iter().enumerate() {
+            // A cell that starts held is a predecessor's entry with its request.
+            let adopted = c.state.load(Ordering::Relaxed) == state::HELD;
             // Buffers are mapped here, once.
             let worker = Worker::new(fd.as_raw_fd(), index, c, Arc::clone(&regions[c.region]), payload_bytes)?;
             let (fs, ctl) = (Arc::clone(&fs), Arc::clone(&ctl));
