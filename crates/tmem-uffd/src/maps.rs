@@ -1,6 +1,7 @@
 //! What a process has mapped: the private anonymous ranges of
 //! `/proc/PID/maps` that `tmem run` manages, and which of their pages are
-//! present (`/proc/PID/pagemap`, bit 63, readable by the owner).
+//! present (`/proc/PID/pagemap`, bit 63, readable by the owner), and how
+//! many anonymous pages it has resident (`/proc/PID/statm`).
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader};
@@ -92,6 +93,33 @@ impl PageMap {
     }
 }
 
+/// A process's `statm`, open for reading again and again.
+pub struct Statm(File);
+
+impl Statm {
+    pub fn open(pid: u32) -> io::Result<Self> {
+        Ok(Self(File::open(format!("/proc/{pid}/statm"))?))
+    }
+
+    /// The anonymous pages the process has resident: `resident` less
+    /// `shared` (the kernel's `MM_ANONPAGES`; `shared` counts file and shmem
+    /// pages). Allocates nothing: the evictor reads it every few ms.
+    pub fn anon_pages(&self) -> io::Result<u64> {
+        let mut buf = [0u8; 160];
+        let n = self.0.read_at(&mut buf, 0)?;
+        parse_statm_anon(&buf[..n])
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "statm: fewer than 3 numbers"))
+    }
+}
+
+/// `resident - shared` of a `statm` line (`size resident shared text lib data dt`).
+fn parse_statm_anon(line: &[u8]) -> Option<u64> {
+    let mut fields = std::str::from_utf8(line).ok()?.split_ascii_whitespace().skip(1);
+    let resident: u64 = fields.next()?.parse().ok()?;
+    let shared: u64 = fields.next()?.parse().ok()?;
+    Some(resident.saturating_sub(shared))
+}
+
 /// How many threads `pid` has (`num_threads`, field 20 of its `stat`).
 pub fn threads(pid: u32) -> io::Result<usize> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
@@ -107,6 +135,21 @@ pub fn threads(pid: u32) -> io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn statm_gives_resident_less_shared() {
+        assert_eq!(parse_statm_anon(b"2000 700 300 10 0 900 0\n"), Some(400));
+        assert_eq!(parse_statm_anon(b"2000 700"), None);
+        assert_eq!(parse_statm_anon(b"x 700 300"), Some(400));
+        assert_eq!(parse_statm_anon(b"2000 y 300"), None);
+        let statm = Statm::open(std::process::id()).unwrap();
+        let before = statm.anon_pages().unwrap();
+        let v = vec![1u8; 64 * PAGE];
+        let after = statm.anon_pages().unwrap();
+        // Other tests' threads allocate too; the counters are per-CPU approximations.
+        assert!(after + 16 >= before + 64, "{before} -> {after}");
+        drop(v);
+    }
 
     #[test]
     fn thread_counts_come_from_stat() {
