@@ -7,6 +7,14 @@
 //!   protocol N, as an incompatible binary would.
 //! - `TMEM_FAULT_HANDOVER_NO_PRECOPY=1`: a successor asks for no pre-copy,
 //!   as one from before it would.
+//! - `TMEM_FAULT_HANDOVER_STREAMED=1`: a successor asks for the stores'
+//!   pages through the socket, as one from before zero-copy would.
+//! - `TMEM_FAULT_HANDOVER_NO_URING=1`: a successor cannot take FUSE over
+//!   io_uring over, as one from before it.
+//! - `TMEM_FAULT_HANDOVER_FAIL_TAKE=1`: a successor fails once it has
+//!   taken the stores and devices.
+//! - `TMEM_FAULT_HANDOVER_NOT_GONE=1`: the running daemon answers its
+//!   first successor's `TAKEN` as one that gave up waiting would.
 //! - `TMEM_FAULT_PANIC_TEARDOWN=1`: the first teardown panics after its
 //!   first swapoff, as one did on a counter's underflow.
 //! - `TMEM_FAULT_UBLK_WAITING=N`: a daemon that set up believes
@@ -49,11 +57,18 @@ pub fn handover_no_uring() -> bool {
     std::env::var_os("TMEM_FAULT_HANDOVER_NO_URING").is_some()
 }
 
-/// Whether a successor fails once it has taken the stores and devices
-/// (before its state file and sockets), if `TMEM_FAULT_HANDOVER_FAIL_TAKE`
-/// is set.
+/// Whether a successor fails once it has taken the stores and devices,
+/// if `TMEM_FAULT_HANDOVER_FAIL_TAKE` is set.
 pub fn handover_fail_take() -> bool {
     std::env::var_os("TMEM_FAULT_HANDOVER_FAIL_TAKE").is_some()
+}
+
+/// Whether the running daemon answers its first successor's `TAKEN` as
+/// one that gave up waiting would (it resumes and serves on; the successor
+/// then exits), if `TMEM_FAULT_HANDOVER_NOT_GONE` is set.
+pub fn handover_not_gone() -> bool {
+    static USED: AtomicBool = AtomicBool::new(false);
+    std::env::var_os("TMEM_FAULT_HANDOVER_NOT_GONE").is_some() && !USED.swap(true, Ordering::AcqRel)
 }
 
 /// Panics the first time it is called, if `TMEM_FAULT_PANIC_TEARDOWN` is set.

@@ -62,10 +62,10 @@
 //!    FUSE connection, the memfds of its ring entries' buffers (io_uring),
 //!    the NBD listener and each NBD session's socket;
 //! 4. the successor imports the stores, builds the devices, its FUSE
-//!    workers (paused) and its NBD server (not yet started), binds the
-//!    control socket, and answers `TAKEN`; or `FAILED` with the reason. It
-//!    serves nothing, and an imported image stays sealed, until `TAKEN` is
-//!    sent: a failed hand-over leaves the old process's pages as they were.
+//!    workers (paused) and its NBD server (not yet started), and answers
+//!    `TAKEN`; or `FAILED` with the reason. It serves nothing, and an
+//!    imported image stays sealed, until `TAKEN` is sent: a failed
+//!    hand-over leaves the old process's pages as they were.
 //! 5. On `TAKEN` the old process answers `GONE`, stops its workers and
 //!    exits without unmounting; the mount, the loop devices and swap never
 //!    change. With shared stores, or under a service manager, it first
@@ -78,14 +78,16 @@
 //!    socket, no answer within [`ANSWER_TIMEOUT`]) it opens its stores
 //!    again, stops recording changes, resumes and goes on serving.
 //! 6. The successor serves once it reads `GONE`, or once the old process
-//!    has ended. Its ublk devices come last, after `LOCKED`: the old
-//!    process's end is what quiesces them (the kernel keeps their requests,
-//!    and requeues those the old queues held), and the successor takes
-//!    each with `START_USER_RECOVERY` ([`tmem_ublk::UblkDevice::recover`]);
-//!    the kernel then reissues every kept request to it. If the old
-//!    process still runs without saying `GONE` (it
-//!    gave up waiting and resumed), the successor exits at once and serves
-//!    nothing: two processes never serve the same pages.
+//!    has ended; only then does it write the state file and bind the
+//!    control and hand-over sockets, so a successor that fails before
+//!    leaves the old process reachable. Its ublk devices come last, after
+//!    `LOCKED`: the old process's end is what quiesces them (the kernel
+//!    keeps their requests, and requeues those the old queues held), and
+//!    the successor takes each with `START_USER_RECOVERY`
+//!    ([`tmem_ublk::UblkDevice::recover`]); the kernel then reissues every
+//!    kept request to it. If the old process still runs without saying
+//!    `GONE` (it gave up waiting and resumed), the successor exits at once
+//!    and serves nothing: two processes never serve the same pages.
 //!
 //! What a process sees meanwhile: its swap-ins and swap-outs wait for the
 //! length of the pause (the successor logs it), and none fails.
@@ -815,6 +817,12 @@ impl Daemon {
         }
         match answer? {
             (TAKEN, _) => {
+                #[cfg(feature = "fault-injection")]
+                if crate::fault::handover_not_gone() {
+                    self.handing_over.store(false, std::sync::atomic::Ordering::Release);
+                    let _ = send(w, FAILED, b"fault injection");
+                    return Err(err("fault injection: TAKEN is answered as by a daemon that gave up waiting"));
+                }
                 // Past this point this process never serves again.
                 SAID_GONE.store(true, std::sync::atomic::Ordering::Release);
                 let _ = send(w, GONE, &[]);
@@ -897,6 +905,7 @@ pub fn run_successor(runtime_dir: PathBuf, role: Successor) -> Result<(), Daemon
                 crate::daemon::warn(&format!("hand-over: {why}; this process exits and serves nothing"));
                 std::process::exit(1);
             }
+            daemon.claim_runtime_dir();
             let ublk = daemon.serve_taken_over(nbd);
             let line = report.step(old, started.elapsed());
             log(&line);
@@ -1187,20 +1196,33 @@ fn take(
         }
         _ => None,
     };
-    // Before the state file and the sockets, which would stay this
-    // process's: the fault stands for a failure in what comes before.
     #[cfg(feature = "fault-injection")]
     if crate::fault::handover_fail_take() {
         return Err(err("fault injection: the successor fails once it has taken the stores and devices"));
     }
-    let status = daemon.status();
-    daemon.save_state(&status);
-    crate::daemon::bind_control(&daemon)?;
-    listen(&daemon)?;
+    // The state file and the sockets stay the running daemon's until it
+    // says GONE (`claim_runtime_dir`): a successor that fails from here
+    // on must leave it reachable.
     Ok((daemon, rx, PendingNbd { server: nbd, kernel, ublk }, report))
 }
 
 impl Daemon {
+    /// Makes the state file and the control and hand-over sockets this
+    /// process's, once its predecessor has said GONE (or ended). Past that
+    /// point there is no going back: a socket that cannot be bound is
+    /// warned of, and this process serves on without it.
+    fn claim_runtime_dir(self: &Arc<Self>) {
+        let status = self.status();
+        self.save_state(&status);
+        if let Err(e) = crate::daemon::bind_control(self).and_then(|()| listen(self)) {
+            crate::daemon::warn(&format!(
+                "{e}: this daemon serves, but tmem's commands cannot reach it; to end it, `kill {}` and \
+                 run `tmem swap down`",
+                std::process::id()
+            ));
+        }
+    }
+
     /// Faults every page of the adopted pools into this process, which
     /// locks them (`mlockall`); the old process, which held them locked
     /// until now, exits once it hears `LOCKED` after this: until then an

@@ -888,7 +888,7 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
         return;
     }
     let mut s = Setup::new("restart");
-    s.swap_up("1G");
+    s.swap_up_env("1G", &[], &[("TMEM_FAULT_HANDOVER_NOT_GONE", "1")]);
     let mut job = LongJob::start(&s, 160, 320);
     job.wait_for(&s, std::time::Duration::from_secs(180), |st| stored_pages(st) >= 25_600);
     let mut pid = s.daemon_pid();
@@ -897,6 +897,16 @@ fn swap_restart_keeps_every_page_of_a_running_job() {
     let (ok, out) = tmem_env(&["swap", "restart", "--runtime-dir", s.dir()], &[("TMEM_FAULT_HANDOVER_PROTOCOL", "99")]);
     assert!(!ok && out.contains("refused") && out.contains("protocol 99"), "{out}");
     assert_eq!(s.daemon_pid(), pid, "the running daemon goes on");
+    // A successor whose TAKEN the daemon answers as one that gave up
+    // waiting (once: TMEM_FAULT_HANDOVER_NOT_GONE) exits, and leaves the
+    // daemon its state file and both sockets: `stat` answers with its pid,
+    // and the next restarts go through its hand-over socket.
+    let (ok, out) = tmem(&["swap", "restart", "--runtime-dir", s.dir()]);
+    assert!(!ok && out.contains("answered 'F' to TAKEN and still runs"), "{out}");
+    assert_eq!(s.daemon_pid(), pid, "the running daemon goes on");
+    let (ok, out) = tmem(&["stat", "--runtime-dir", s.dir()]);
+    assert!(ok, "the daemon that went on answers: {out}");
+    job.assert_running("after a successor that was not let go on");
     // By default the index goes ahead while the daemon serves (pre-copy);
     // successors from before pre-copy, and from before zero-copy, are
     // served as they ask.
