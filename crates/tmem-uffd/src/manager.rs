@@ -24,9 +24,9 @@
 //!   them), and while the resident total is over the budget, has the
 //!   agent move a batch of victims out of the process with the most
 //!   resident pages (holding that engine, so no fault sees a page half
-//!   moved), reads them with one
-//!   `process_vm_readv`, stores them with the engine's lock dropped,
-//!   records them, then asks the agent to empty the staging area.
+//!   moved), reads them with one `process_vm_readv`, stores them with the
+//!   engine's lock dropped, records them, then asks the agent to empty the
+//!   staging area.
 //! - **fork thread**: one per process; before a `fork` waits for the batch
 //!   in flight, brings every page back and pauses eviction; after it resumes.
 //!
