@@ -144,10 +144,11 @@ mod tests {
         assert_eq!(parse_statm_anon(b"2000 y 300"), None);
         let statm = Statm::open(std::process::id()).unwrap();
         let before = statm.anon_pages().unwrap();
-        let v = vec![1u8; 64 * PAGE];
+        let v = vec![1u8; 4096 * PAGE];
         let after = statm.anon_pages().unwrap();
-        // Other tests' threads allocate too; the counters are per-CPU approximations.
-        assert!(after + 16 >= before + 64, "{before} -> {after}");
+        // Before 6.16 the kernel reads its per-CPU counters without summing
+        // them (off by up to 32 pages a CPU, or 2 per CPU a CPU past 16).
+        assert!(after >= before + 2048, "{before} -> {after}");
         drop(v);
     }
 
