@@ -147,7 +147,7 @@ mod tests {
         let v = vec![1u8; 4096 * PAGE];
         let after = statm.anon_pages().unwrap();
         // Before 6.16 the kernel reads its per-CPU counters without summing
-        // them (off by up to 32 pages a CPU, or 2 per CPU a CPU past 16).
+        // them: each CPU's part may lag by max(32, 2 x CPUs) pages.
         assert!(after >= before + 2048, "{before} -> {after}");
         drop(v);
     }
