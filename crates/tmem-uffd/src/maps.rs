@@ -146,8 +146,8 @@ mod tests {
         let before = statm.anon_pages().unwrap();
         let v = vec![1u8; 4096 * PAGE];
         let after = statm.anon_pages().unwrap();
-        // Before 6.16 the kernel reads its per-CPU counters without summing
-        // them: each CPU's part may lag by max(32, 2 x CPUs) pages.
+        // The kernel may read its per-CPU counters without summing them
+        // (get_mm_counter): each CPU's part may lag by max(32, 2 x CPUs) pages.
         assert!(after >= before + 2048, "{before} -> {after}");
         drop(v);
     }
