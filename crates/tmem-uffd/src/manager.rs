@@ -411,7 +411,12 @@ impl Shared {
     /// Brings the process's mirror and the total up to date with its engine.
     fn sync_resident(&self, p: &Process, engine: &Engine) {
         let new = engine.resident();
-        let total = shift(&self.total, p.resident.swap(new, Ordering::SeqCst), new);
+        let old = p.resident.swap(new, Ordering::SeqCst);
+        let total = if new >= old {
+            self.total.fetch_add(new - old, Ordering::SeqCst) + (new - old)
+        } else {
+            self.total.fetch_sub(old - new, Ordering::SeqCst) - (old - new)
+        };
         self.peak.fetch_max(total, Ordering::SeqCst);
         if total > self.limit() && !self.stuck.load(Ordering::SeqCst) {
             self.wake_evictor();
@@ -1020,15 +1025,6 @@ fn fork_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
     }
 }
 
-/// Moves one part of the sum `total` from `old` to `new`; the sum after.
-fn shift(total: &AtomicU64, old: u64, new: u64) -> u64 {
-    if new >= old {
-        total.fetch_add(new - old, Ordering::SeqCst) + (new - old)
-    } else {
-        total.fetch_sub(old - new, Ordering::SeqCst) - (old - new)
-    }
-}
-
 /// Gives a process its pages back and lets it go unmanaged.
 fn release(shared: &Shared, p: &Arc<Process>) {
     let _chan = p.chan.lock();
@@ -1064,9 +1060,10 @@ fn evict_loop(shared: &Arc<Shared>) {
                     shared.sync_resident(p, &engine);
                 }
                 last_scan = Instant::now();
+                // The scan adopted what was unseen: the run's sum is taken again.
+                poll_unseen(shared, &procs);
                 if unseen_over {
                     // Faults that waited on the unseen pages go on (or wait for eviction).
-                    poll_unseen(shared, &procs);
                     for q in &procs {
                         signal(&q.room);
                     }
