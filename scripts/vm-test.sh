@@ -34,6 +34,9 @@
 #        VM_BENCH=scripts/vm/bench-fronts.sh VM_KERNELS=trixie VM_TIMEOUT=3600 scripts/vm-test.sh
 #                                         (a measurement in the guest instead of the checks;
 #                                          VM_FILES=... copied to /data, VM_MEMORY=MiB)
+#        VM_DISK=MiB                      (a virtio disk of that size, ext2, mounted at
+#                                          /var/tmp in the guest: the rows that swap to a
+#                                          file or write back to one need it)
 set -eEuo pipefail
 shopt -s inherit_errexit
 trap 'echo "vm-test: failed (line $LINENO, exit $?): $BASH_COMMAND" >&2' ERR
@@ -51,6 +54,7 @@ PARALLEL=${VM_PARALLEL:-1}
 BENCH=${VM_BENCH:-}
 FILES=${VM_FILES:-}
 MEMORY=${VM_MEMORY:-1024}
+DISK=${VM_DISK:-0}
 mkdir -p "$WORK"
 # Files of an older layout of this directory.
 rm -rf "$WORK"/linux-image-* "$WORK/initramfs" "$WORK/initrd.gz" "$WORK/console.log"
@@ -68,7 +72,7 @@ declare -A QEMU=()
 cleanup() {
     local pid
     for pid in "${QEMU[@]}"; do kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
-    rm -rf "$WORK/initramfs" "$WORK"/modules-* "$WORK"/*.cpio.gz "$WORK"/initrd-*.gz
+    rm -rf "$WORK/initramfs" "$WORK"/modules-* "$WORK"/*.cpio.gz "$WORK"/initrd-*.gz "$WORK"/disk-*.img
 }
 trap cleanup EXIT
 trap 'exit 130' INT
@@ -160,13 +164,21 @@ start_vm() {
     echo "   config:$config"
     START[$suite]=$(date +%s)
     KVER[$suite]=$kver
+    # A disk for the guest (VM_DISK): a sparse file, read and written past
+    # the host's page cache (cache=none), formatted in the guest.
+    local disk=()
+    if [ "$DISK" != 0 ]; then
+        rm -f "$WORK/disk-$suite.img"
+        truncate -s "${DISK}M" "$WORK/disk-$suite.img"
+        disk=(-drive "file=$WORK/disk-$suite.img,if=virtio,format=raw,cache=none")
+    fi
     # thread=single: both vCPUs on one host thread. With a thread each
     # (MTTCG) every cmpxchg16b of the guest's allocator stops all vCPUs;
     # measured here with both guests at once, single took 265 and 284 CPU
     # seconds, MTTCG 384 and 383, and a 6.12 guest double-faulted once in
     # kmem_cache_alloc under MTTCG.
     timeout "$TIMEOUT" qemu-system-x86_64 -accel tcg,thread=single -m "$MEMORY" -smp 2 -nographic -no-reboot \
-        -kernel "$vmlinuz" -initrd "$WORK/initrd-$suite.gz" \
+        "${disk[@]}" -kernel "$vmlinuz" -initrd "$WORK/initrd-$suite.gz" \
         -append "console=ttyS0 cgroup_no_v1=all panic=-1 loglevel=3 tmem_vm_probe=$probe tmem_vm_smokes=$smokes" \
         </dev/null >"$WORK/console-$suite.log" 2>&1 &
     QEMU[$suite]=$!
@@ -180,7 +192,7 @@ finish_vm() {
     wait -n -p pid "${QEMU[@]}" || rc=$?
     for s in "${!QEMU[@]}"; do [ "${QEMU[$s]}" = "$pid" ] && suite=$s; done
     unset "QEMU[$suite]"
-    rm -f "$WORK/initrd-$suite.gz"
+    rm -f "$WORK/initrd-$suite.gz" "$WORK/disk-$suite.img"
     log="$WORK/console-$suite.log"
     echo "== $suite (${KVER[$suite]}): $(($(date +%s) - START[$suite])) s$([ "$rc" = 124 ] && echo ", timed out")"
     grep -a "VM-TEST" "$log" | sed -e 's/\r$//' -e 's/.*VM-TEST/VM-TEST/' || true

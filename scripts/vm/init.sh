@@ -145,8 +145,16 @@ wait_job() {
 }
 hang_watch &
 
-# A measurement instead of the checks (VM_BENCH of scripts/vm-test.sh).
+# A measurement instead of the checks (VM_BENCH of scripts/vm-test.sh),
+# with VM_DISK's disk at /var/tmp where there is one.
 if [ -e /bench.sh ]; then
+    modprobe virtio_blk 2>/dev/null
+    sleep 1
+    if [ -b /dev/vda ]; then
+        { mke2fs -q /dev/vda && modprobe ext4 && mkdir -p /var/tmp && mount -t ext4 /dev/vda /var/tmp; } \
+            || fail "cannot mount the disk at /var/tmp"
+        say "disk: /dev/vda at /var/tmp, $(df -k /var/tmp | awk 'NR == 2 {print $2}') KiB, ext2"
+    fi
     (. /bench.sh) > /tmp/bench.out 2>&1
     rc=$?
     sed 's/^/VM-TEST: bench: /' /tmp/bench.out

@@ -126,8 +126,8 @@ stage_modules() {
     mkdir -p "$stage/lib/modules/$kver"
     cp "$src"/modules.{builtin,builtin.modinfo,order} "$stage/lib/modules/$kver/"
     # ublk_drv is not in every kernel (Debian 12's cloud kernel has none):
-    # the guest's probe reports it.
-    for m in nbd loop fuse zram ublk_drv zstd lz4 lz4hc lzo lzo-rle; do
+    # the guest's probe reports it. virtio_blk and ext4 mount VM_DISK.
+    for m in nbd loop fuse zram ublk_drv zstd lz4 lz4hc lzo lzo-rle virtio_blk ext4; do
         deps=$(modprobe -C /dev/null -d "$base" -S "$kver" --show-depends "$m" 2>&1) \
             || { echo "   ($m: $deps)"; continue; }
         for f in $(awk '$1 == "insmod" {print $2}' <<<"$deps"); do

@@ -235,6 +235,8 @@ tmem_counters::counters! {
         idle_age_us: Max(Micros),
         /// Pages per second the policy lets the front write back, now.
         rate_pages: Max(Pages),
+        /// Pool size at which writeback starts, now: the fill level, backed off.
+        fill_bytes: Max(Bytes),
     }
 }
 
