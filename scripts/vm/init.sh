@@ -151,7 +151,7 @@ if [ -e /bench.sh ]; then
     modprobe virtio_blk 2>/dev/null
     sleep 1
     if [ -b /dev/vda ]; then
-        { mke2fs -q /dev/vda && modprobe ext4 && mkdir -p /var/tmp && mount -t ext4 /dev/vda /var/tmp; } \
+        { mke2fs -q /dev/vda >/dev/null && modprobe ext4 && mkdir -p /var/tmp && mount -t ext4 /dev/vda /var/tmp; } \
             || fail "cannot mount the disk at /var/tmp"
         say "disk: /dev/vda at /var/tmp, $(df -k /var/tmp | awk 'NR == 2 {print $2}') KiB, ext2"
     fi

@@ -605,7 +605,7 @@ impl DiskSwap {
         drop(f);
         let mut d = Self { path: path.to_owned(), created: true, active: false, throttled: None };
         let p = path.to_string_lossy();
-        cmd("fallocate", &["--length", &size.to_string(), &p])?;
+        cmd("fallocate", &["-l", &size.to_string(), &p])?;
         if let Some(limits) = profile.limits() {
             d.throttled = Some(ThrottledLoop::attach(path, limits)?);
         }

@@ -344,7 +344,7 @@ impl ZramDisk {
             policy: front.policy(),
             run: None,
         };
-        cmd("fallocate", &["--length", &swap_size.to_string(), &file.to_string_lossy()])?;
+        cmd("fallocate", &["-l", &swap_size.to_string(), &file.to_string_lossy()])?;
         let backing = match profile.limits() {
             Some(limits) => Backing::Throttled(ThrottledLoop::attach(file, limits)?),
             None => Backing::Plain(LoopDev::attach(file, true, false)?),
