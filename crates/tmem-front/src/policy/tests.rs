@@ -168,10 +168,10 @@ fn relaxes_back_to_the_configured_age_when_reads_stop() {
     assert!(p.stats(&FrontStats::default()).relaxes > 0);
 }
 
-#[test]
-fn a_hot_job_slower_than_the_longest_age_keeps_what_fits_in_the_front() {
-    // Every page every 120 ticks, past the longest age (80): the age cannot
-    // keep them up, the fill level must. All pages fit at 60% of the budget.
+/// A job touching every page every 120 ticks, past the longest age (80),
+/// in a front whose pages all fit at 60% of its budget; run for 600 ticks,
+/// by which the policy has backed off.
+fn slow_hot_job() -> (Policy, SimFront, impl Fn(&mut SimFront, u64)) {
     let mut f = SimFront::new(4000);
     let mut c = cfg(4000);
     c.budget = 4000 * PAGE_COST * 100 / 60;
@@ -179,6 +179,13 @@ fn a_hot_job_slower_than_the_longest_age_keeps_what_fits_in_the_front() {
     let touch =
         |f: &mut SimFront, t: u64| (0..4000).filter(|i| i % 120 == (t % 120) as usize).for_each(|i| f.access(i));
     run(&mut p, &mut f, 600, touch);
+    (p, f, touch)
+}
+
+#[test]
+fn a_hot_job_slower_than_the_longest_age_keeps_what_fits_in_the_front() {
+    // The age cannot keep these pages up: the fill level must.
+    let (mut p, mut f, touch) = slow_hot_job();
     assert!(p.fill_percent() > 60, "the fill level backed off past what the job needs: {}", p.fill_percent());
     let before = (f.written, f.read_back);
     run(&mut p, &mut f, 1200, touch);
@@ -190,11 +197,7 @@ fn a_hot_job_slower_than_the_longest_age_keeps_what_fits_in_the_front() {
 
 #[test]
 fn a_front_left_full_of_pages_that_turned_cold_tiers_them_again() {
-    let mut f = SimFront::new(4000);
-    let mut c = cfg(4000);
-    c.budget = 4000 * PAGE_COST * 100 / 60;
-    let mut p = Policy::new(c);
-    run(&mut p, &mut f, 600, |f, t| (0..4000).filter(|i| i % 120 == (t % 120) as usize).for_each(|i| f.access(i)));
+    let (mut p, mut f, _) = slow_hot_job();
     assert!(p.fill_percent() > 60);
     // The job stops: every page is cold now.
     run(&mut p, &mut f, 1000, |_, _| {});
