@@ -12,7 +12,7 @@
 MIB=${BENCH_MIB:-128}
 LEVELS=${BENCH_LEVELS:-50,35}
 ROWS=zram,zram+tmem
-[ -d /var/tmp ] && ROWS=zram,zram+tmem,zram+disk,zswap,zswap+tmem
+grep -q " /var/tmp " /proc/mounts && ROWS=zram,zram+tmem,zram+disk,zswap,zswap+tmem
 for m in fuse loop zram; do modprobe "$m" || exit 1; done
 echo "== uniformly hot: $MIB MiB at $LEVELS %, rows $ROWS"
 tmem bench pressure --workload-mib "$MIB" --levels "$LEVELS" --runs 1 --passes 2 \
