@@ -285,7 +285,7 @@ impl Policy {
             // a lower fill level. Age and rate keep what they learned.
             self.last_read_tick = self.tick;
             self.stats.relaxes += 1;
-            self.fill = (self.fill - FILL_STEP).max(self.cfg.fill_percent);
+            self.lower_fill();
         }
         let budget = self.cfg.budget.max(1);
         let fill = s.pool_bytes.saturating_mul(100) / budget;
@@ -335,6 +335,11 @@ impl Policy {
         self.stats.relaxes += 1;
         self.age = (self.age / 2).max(self.cfg.idle_age);
         self.rate = (self.rate * 2).min(self.cfg.rate);
+        self.lower_fill();
+    }
+
+    /// One step of the fill level back towards its configured value.
+    fn lower_fill(&mut self) {
         self.fill = self.fill.saturating_sub(FILL_STEP).max(self.cfg.fill_percent);
     }
 
