@@ -148,9 +148,10 @@ hang_watch &
 # A measurement instead of the checks (VM_BENCH of scripts/vm-test.sh),
 # with VM_DISK's disk at /var/tmp where there is one.
 if [ -e /bench.sh ]; then
-    modprobe virtio_blk 2>/dev/null
-    sleep 1
-    if [ -b /dev/vda ]; then
+    # A virtio block device (device id 2) on the bus: VM_DISK's disk.
+    if grep -qx 0x0002 /sys/bus/virtio/devices/*/device 2>/dev/null; then
+        modprobe virtio_blk || fail "modprobe virtio_blk"
+        wait_for /dev/vda
         { mke2fs -q /dev/vda >/dev/null && modprobe ext4 && mkdir -p /var/tmp && mount -t ext4 /dev/vda /var/tmp; } \
             || fail "cannot mount the disk at /var/tmp"
         say "disk: /dev/vda at /var/tmp, $(df -k /var/tmp | awk 'NR == 2 {print $2}') KiB, ext2"
