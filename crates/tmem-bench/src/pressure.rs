@@ -229,11 +229,37 @@ struct Ctx<'a> {
 }
 
 /// Everything a run measured.
+/// The mean of a sampled figure over time: each sample holds until the next.
+#[derive(Debug, Default)]
+struct TimeMean {
+    last: Option<(Instant, u64)>,
+    weighted: f64,
+    secs: f64,
+}
+
+impl TimeMean {
+    fn add(&mut self, at: Instant, value: u64) {
+        if let Some((t, prev)) = self.last {
+            let dt = at.saturating_duration_since(t).as_secs_f64();
+            self.weighted += prev as f64 * dt;
+            self.secs += dt;
+        }
+        self.last = Some((at, value));
+    }
+
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    fn mean(&self) -> Option<u64> {
+        (self.secs > 0.0).then(|| (self.weighted / self.secs) as u64)
+    }
+}
+
 struct Measured {
     wall: Duration,
     timed_out: bool,
     vmstat: SwapCounters,
     peak: PoolSample,
+    /// Pool memory averaged over the run's time (None: no samples).
+    pool_mean_bytes: Option<u64>,
     tier_peak_pages: u64,
     samples: u64,
     max_usage: u64,
@@ -333,6 +359,7 @@ impl Ctx<'_> {
         let mut next_sample = start;
         let mut next_swap_check = start;
         let mut peak = PoolSample::default();
+        let mut pool_mean = TimeMean::default();
         let mut tier_peak_pages = 0;
         let mut samples = 0;
         let mut timed_out = false;
@@ -355,6 +382,7 @@ impl Ctx<'_> {
                 if let Some(b) = backend.as_deref_mut() {
                     let s = b.sample();
                     samples += 1;
+                    pool_mean.add(now, s.pool_bytes);
                     tier_peak_pages = tier_peak_pages.max(s.tier_pages);
                     if s.pool_bytes > peak.pool_bytes {
                         peak = s;
@@ -407,6 +435,7 @@ impl Ctx<'_> {
             timed_out,
             vmstat,
             peak,
+            pool_mean_bytes: pool_mean.mean(),
             tier_peak_pages,
             samples,
             max_usage: cg.max_usage()?,
@@ -535,6 +564,7 @@ impl Ctx<'_> {
             vmstat: m.vmstat,
             pool_peak_bytes: m.peak.pool_bytes,
             pool_stored_bytes_at_peak: m.peak.stored_bytes,
+            pool_mean_bytes: m.pool_mean_bytes,
             tier_peak_pages: m.tier_peak_pages,
             pool_after_exit_bytes: m.after_exit.map(|(s, _)| s.pool_bytes),
             swap_used_after_exit_bytes: m.after_exit.map(|(_, u)| u),
@@ -844,6 +874,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         vmstat: m.vmstat,
         pool_peak_bytes: 0,
         pool_stored_bytes_at_peak: 0,
+        pool_mean_bytes: None,
         tier_peak_pages: 0,
         pool_after_exit_bytes: None,
         swap_used_after_exit_bytes: None,
@@ -1251,12 +1282,25 @@ mod tests {
         JobResult { seed: 1, code, signal, output: out.into(), stderr_tail: String::new() }
     }
 
+    #[test]
+    fn the_mean_over_time_weighs_each_sample_by_how_long_it_held() {
+        let t0 = Instant::now();
+        let mut m = TimeMean::default();
+        m.add(t0, 100);
+        assert_eq!(m.mean(), None, "one sample spans no time");
+        m.add(t0 + Duration::from_secs(3), 400);
+        m.add(t0 + Duration::from_secs(4), 0);
+        // 100 for 3 s, 400 for 1 s: 700 / 4.
+        assert_eq!(m.mean(), Some(175));
+    }
+
     fn measured(jobs: Vec<JobResult>, oom: u64, timed_out: bool) -> Measured {
         Measured {
             wall: Duration::from_secs(3),
             timed_out,
             vmstat: SwapCounters::default(),
             peak: PoolSample::default(),
+            pool_mean_bytes: None,
             tier_peak_pages: 0,
             samples: 0,
             max_usage: 0,

@@ -135,6 +135,7 @@ impl FrontOps for ZramFront {
             stored_bytes: mm.orig_data_size,
             written: bd.writes,
             read_back: bd.reads,
+            front_reads: self.dev.reads().map(|r| r.pages()),
         })
     }
 

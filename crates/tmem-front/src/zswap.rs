@@ -187,6 +187,7 @@ impl FrontOps for ZswapFront {
             stored_bytes: tmem_sys::zswap::stored_bytes(),
             written: zswap_written().saturating_sub(self.written_base),
             read_back: (self.reads)(),
+            front_reads: tmem_sys::vmstat::SwapCounters::now().ok().map(|c| c.zswpin),
         })
     }
 

@@ -1,11 +1,12 @@
 //! Kernel interfaces for tmem: swap areas and loop devices ([`swap`]), memory
 //! cgroups ([`cgroup`]), CPU and swap counters ([`vmstat`]), and zram and
 //! zswap control ([`zram`], [`zswap`]), and direct block and file I/O
-//! ([`blockio`], [`aligned`]). The benchmarks that drive them live in
+//! ([`blockio`], [`aligned`]), and block devices' read counters ([`blockstat`]). The benchmarks that drive them live in
 //! `tmem-bench`.
 
 pub mod aligned;
 pub mod blockio;
+pub mod blockstat;
 pub mod zram;
 
 /// `true` when the process runs with effective UID 0.

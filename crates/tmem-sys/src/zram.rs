@@ -387,6 +387,13 @@ impl ZramDevice {
         reset(&self.name)
     }
 
+    /// The reads it served (`/sys/block/zramN/stat`), those of written-back
+    /// pages included; `None` where the kernel does not count them.
+    #[must_use]
+    pub fn reads(&self) -> Option<crate::blockstat::BlockReads> {
+        crate::blockstat::BlockReads::of(&self.node())
+    }
+
     /// Its `mm_stat`.
     pub fn mm_stat(&self) -> Result<ZramMmStat, ZramError> {
         ZramMmStat::parse(&read_attr(&self.name, "mm_stat")?)

@@ -520,7 +520,7 @@ fn print_front_table(devs: &[DeviceStats]) {
         return;
     }
     let mut t = tmem_bench::table::plain([
-        "NAME", "FRONT", "DEVICE", "POOL", "DATA", "BUDGET", "FILL AT", "WRITTEN", "READ", "AGE", "RATE",
+        "NAME", "FRONT", "DEVICE", "POOL", "DATA", "BUDGET", "FILL AT", "SERVED", "WRITTEN", "READ", "AGE", "RATE",
     ]);
     for (d, f) in &fronts {
         t.add_row([
@@ -531,6 +531,7 @@ fn print_front_table(devs: &[DeviceStats]) {
             human(f.stored_bytes),
             human(f.budget_bytes),
             human(f.fill_bytes),
+            f.front_reads.to_string(),
             f.written_back.to_string(),
             f.read_back.to_string(),
             format!("{} s", f.idle_age_us / 1_000_000),

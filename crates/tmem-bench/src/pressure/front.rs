@@ -237,40 +237,7 @@ impl std::fmt::Display for Skipped {
     }
 }
 
-/// Reads and writes of a block device (`/sys/block/NAME/stat`), to time
-/// the reads back from the device below a front.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BlockReads {
-    /// Read requests completed.
-    pub ios: u64,
-    /// Milliseconds they spent, summed over the requests.
-    pub ticks_ms: u64,
-}
-
-impl BlockReads {
-    /// Now, for `/dev/NAME`.
-    #[must_use]
-    pub fn of(dev: &Path) -> Option<Self> {
-        let name = dev.file_name()?.to_string_lossy().into_owned();
-        Self::parse(&std::fs::read_to_string(format!("/sys/block/{name}/stat")).ok()?)
-    }
-
-    /// Parses a `stat` line: read I/Os first, read ticks (ms) fourth.
-    #[must_use]
-    pub fn parse(text: &str) -> Option<Self> {
-        let f: Vec<u64> = text.split_whitespace().map(str::parse).collect::<Result<_, _>>().ok()?;
-        Some(Self { ios: *f.first()?, ticks_ms: *f.get(3)? })
-    }
-
-    /// The mean time of a read since `before`, µs, and how many there were;
-    /// `None` without reads.
-    #[must_use]
-    pub fn mean_since(&self, before: &Self) -> Option<(f64, u64)> {
-        let ios = self.ios.checked_sub(before.ios).filter(|n| *n > 0)?;
-        let ms = self.ticks_ms.saturating_sub(before.ticks_ms);
-        Some((ms as f64 * 1000.0 / ios as f64, ios))
-    }
-}
+pub use tmem_sys::blockstat::BlockReads;
 
 /// The kernel's own zram with writeback to a disk file: the zram+disk row.
 /// The file and its loop device live from `prepare` to `finish`; each run
@@ -544,15 +511,5 @@ mod tests {
         assert_eq!(no_zswap.why_not(BackendKind::ZswapTmem).as_deref(), Some("this kernel has no zswap"));
         let s = Skipped { backend: "zram+disk".into(), reason: "needs zram writeback: x".into() };
         assert_eq!(s.to_string(), "SKIP: zram+disk: needs zram writeback: x");
-    }
-
-    #[test]
-    fn block_reads_give_the_mean_read_time() {
-        let before = BlockReads::parse("100 0 800 50 7 0 56 3 0 10 53 0 0 0 0 0 0").unwrap();
-        assert_eq!(before, BlockReads { ios: 100, ticks_ms: 50 });
-        let after = BlockReads { ios: 1100, ticks_ms: 250 };
-        assert_eq!(after.mean_since(&before), Some((200.0, 1000)));
-        assert_eq!(before.mean_since(&before), None);
-        assert_eq!(BlockReads::parse("1 2"), None);
     }
 }

@@ -112,6 +112,10 @@ pub struct RunRecord {
     pub pool_peak_bytes: u64,
     /// Uncompressed bytes the pool held at that peak sample.
     pub pool_stored_bytes_at_peak: u64,
+    /// Pool memory averaged over the run's time, each sample holding until
+    /// the next (None: fewer than two samples).
+    #[serde(default)]
+    pub pool_mean_bytes: Option<u64>,
     /// Most pages seen in tiers below the pool (tiered tmem rows).
     #[serde(default)]
     pub tier_peak_pages: u64,
@@ -220,6 +224,8 @@ pub struct Summary {
     pub median_wall_secs: Option<f64>,
     /// Median peak pool MiB over all runs.
     pub median_pool_peak_mib: Option<f64>,
+    /// Median of the pool memory averaged over each run's time, MiB.
+    pub median_pool_mean_mib: Option<f64>,
     /// Median pool ratio (stored / pool bytes at the peak).
     pub median_pool_ratio: Option<f64>,
     /// Median memory of the whole stack, MiB: the jobs' cgroup peak, plus
@@ -292,6 +298,9 @@ pub fn summarize(runs: &[RunRecord], backends: &[&str], levels: &[u32]) -> Vec<S
                 outcomes: rs.iter().map(|r| r.outcome).collect(),
                 median_wall_secs: median(ok),
                 median_pool_peak_mib: med(&|r| r.pool_peak_bytes as f64 / MIB),
+                median_pool_mean_mib: median(
+                    rs.iter().filter_map(|r| r.pool_mean_bytes).map(|b| b as f64 / MIB).collect(),
+                ),
                 median_stack_mib: med(&|r| {
                     let outside = if r.backend == "tmem-run" { 0 } else { r.pool_peak_bytes };
                     (r.cgroup_max_usage_bytes + outside) as f64 / MIB
@@ -406,6 +415,8 @@ pub fn render_table(sums: &[Summary], backends: &[&str], levels: &[u32]) -> Stri
     }
     block(&mut t, "wall time, s (median of correct runs)", &rows(backends, time));
     block(&mut t, "peak pool memory, MiB", &rows(backends, pool));
+    let mean: Fmt<'_> = &|s| s.median_pool_mean_mib.map(|m| format!("{m:.0}"));
+    block(&mut t, "pool memory averaged over the run, MiB", &rows(backends, mean));
     // zswap's pool is charged to the cgroup on v2 and not on v1: no exact figure for it here.
     let stacked: Vec<&str> = backends.iter().copied().filter(|b| !b.starts_with("zswap")).collect();
     let stack: Fmt<'_> = &|s| s.median_stack_mib.map(|m| format!("{m:.0}"));
@@ -541,6 +552,7 @@ mod tests {
             vmstat: SwapCounters { pswpout: 12_345, pswpin: 678, ..Default::default() },
             pool_peak_bytes: pool,
             pool_stored_bytes_at_peak: pool * 3,
+            pool_mean_bytes: Some(pool / 2),
             tier_peak_pages: 0,
             pool_after_exit_bytes: None,
             swap_used_after_exit_bytes: None,
