@@ -233,8 +233,6 @@ tmem_counters::counters! {
         relaxes: Counter(Events),
         /// Pages the front served from its own pool (its reads less the reads back).
         front_reads: Counter(Pages),
-        /// Times the front was found cold (few of its pages read, what went down stayed down): its fill level steps down to 0.
-        cold_fronts: Counter(Events),
         /// Idle age a page must reach before it goes down, now.
         idle_age_us: Max(Micros),
         /// Pages per second the policy lets the front write back, now.

@@ -28,19 +28,6 @@
 //!   down then, so there is nothing to judge), so a front left full of
 //!   pages that turned cold tiers them again. A job that is still hot pays
 //!   one more round of writeback per age for that probe.
-//! * **A cold front empties.** The fill level keeps a warm front's pages
-//!   up. When a judgement finds that what went down stayed down, and the
-//!   front served fewer than [`COLD_TURNOVER_PERCENT`] of its pages itself
-//!   over the horizon (it counts the reads it answered from its own pool:
-//!   zram's block reads less its reads back), the front is cold: each such
-//!   judgement halves the fill level (under [`FILL_STEP`] it is 0), so the
-//!   pages idle for the age go down to be stored denser below, a little
-//!   more at each step: a job that only looked cold (a long build before
-//!   its passes) loses less to one wrong judgement. A back-off, or the
-//!   front's own reads reaching the threshold, ends it, and the fill level
-//!   is the backed-off one again.
-//!   A uniformly hot job reads the front's pages at each pass, so its front
-//!   is never cold; a job whose cold part sits in the front is.
 //! * **Emergency.** At [`EMERGENCY_PERCENT`] of the budget the front is
 //!   about to refuse pages (zram's `mem_limit`): the shortest age and the
 //!   full rate apply, pause or not.
@@ -76,9 +63,6 @@ pub const EMERGENCY_PERCENT: u64 = 90;
 /// Points of the budget one back-off adds to the fill level (one relax
 /// takes them off).
 pub const FILL_STEP: u64 = 10;
-/// Share of the front's pages, %, that it may serve itself over the
-/// horizon and still be cold.
-pub const COLD_TURNOVER_PERCENT: u64 = 10;
 /// The highest fill level backing off may reach: below the emergency
 /// level, so that what comes back has room before the front refuses pages.
 pub const MAX_FILL_PERCENT: u64 = EMERGENCY_PERCENT - 5;
@@ -95,7 +79,7 @@ pub struct Sample {
     /// Pages it read back from tmem's device, since it was set up.
     pub read_back: u64,
     /// Pages read from it, those read back included (`None`: the kernel
-    /// does not count them; the front is then never judged cold).
+    /// does not count them).
     pub front_reads: Option<u64>,
 }
 
@@ -163,8 +147,6 @@ pub enum State {
     BelowFill,
     /// Writing back idle pages.
     WritingBack,
-    /// The front is cold: its fill level is lowered.
-    Cold,
     /// Paused until the given tick: written-back pages came back.
     Paused(u64),
     /// At the emergency fill level.
@@ -186,13 +168,9 @@ pub struct Policy {
     /// that only decayed since say nothing new.
     written_since_judged: bool,
     prev: Option<Sample>,
-    /// Decayed averages of pages written back, read back, and served by
-    /// the front itself, per tick.
+    /// Decayed averages of pages written back and read back per tick.
     avg_written: f64,
     avg_read: f64,
-    avg_served: f64,
-    /// The fill level while the front is cold (`None`: warm).
-    cold_fill: Option<u64>,
     state: State,
     last_ratio_percent: u64,
     stats: FrontStats,
@@ -213,8 +191,6 @@ impl Policy {
             prev: None,
             avg_written: 0.0,
             avg_read: 0.0,
-            avg_served: 0.0,
-            cold_fill: None,
             state: State::BelowFill,
             last_ratio_percent: 0,
             stats,
@@ -234,10 +210,10 @@ impl Policy {
         self.rate
     }
 
-    /// The current fill level, % of the budget (lowered while the front is cold).
+    /// The current fill level, % of the budget.
     #[must_use]
     pub fn fill_percent(&self) -> u64 {
-        self.cold_fill.unwrap_or(self.fill)
+        self.fill
     }
 
     /// What it does now.
@@ -261,21 +237,14 @@ impl Policy {
             state: self.state_line(),
             idle_age_us: u64::try_from(self.age.as_micros()).unwrap_or(u64::MAX),
             rate_pages: self.rate,
-            fill_bytes: self.cfg.budget / 100 * self.fill_percent(),
+            fill_bytes: self.cfg.budget / 100 * self.fill,
             ..self.stats.clone()
         }
     }
 
     fn state_line(&self) -> String {
         match self.state {
-            State::BelowFill => format!("below {}% of the budget: nothing goes down", self.fill_percent()),
-            State::Cold => format!(
-                "the front is cold (it served under {COLD_TURNOVER_PERCENT}% of its pages itself, and what went down \
-                 stayed down): writing back pages idle for {} s above {}% of the budget, at most {} pages/s",
-                self.age.as_secs(),
-                self.fill_percent(),
-                self.rate
-            ),
+            State::BelowFill => format!("below {}% of the budget: nothing goes down", self.fill),
             State::WritingBack => format!(
                 "writing back pages idle for {} s, at most {} pages/s ({}% of recent ones came back)",
                 self.age.as_secs(),
@@ -300,11 +269,9 @@ impl Policy {
         };
         // Reads the front answered from its own pool (zram counts a read
         // back among its reads too).
-        let served = match (self.prev.and_then(|p| p.front_reads), s.front_reads) {
-            (Some(a), Some(b)) => b.saturating_sub(a).saturating_sub(dr),
-            _ => 0,
-        };
-        self.stats.front_reads += served;
+        if let (Some(a), Some(b)) = (self.prev.and_then(|p| p.front_reads), s.front_reads) {
+            self.stats.front_reads += b.saturating_sub(a).saturating_sub(dr);
+        }
         self.prev = Some(*s);
         self.stats.written_back += dw;
         self.stats.read_back += dr;
@@ -313,12 +280,6 @@ impl Policy {
         let decay = 1.0 - 1.0 / (2 * self.age_ticks()).max(MIN_HORIZON_TICKS) as f64;
         self.avg_written = self.avg_written * decay + dw as f64;
         self.avg_read = self.avg_read * decay + dr as f64;
-        self.avg_served = self.avg_served * decay + served as f64;
-        let turnover_cold = s.front_reads.is_some()
-            && self.avg_served * 100.0 <= (COLD_TURNOVER_PERCENT * (s.stored_bytes / PAGE)) as f64;
-        if !turnover_cold {
-            self.cold_fill = None;
-        }
         if dr > 0 {
             self.last_read_tick = self.tick;
         }
@@ -326,7 +287,7 @@ impl Policy {
         let judged = MIN_JUDGED_PAGES.min(self.cfg.min_rate as f64 / 2.0);
         if self.tick.is_multiple_of(JUDGE_TICKS) && self.avg_written >= judged && self.written_since_judged {
             self.written_since_judged = false;
-            self.judge(turnover_cold);
+            self.judge();
         } else if self.fill > self.cfg.fill_percent && self.tick - self.last_read_tick >= self.age_ticks() {
             // Quiet for one age, with too little going down to judge: try
             // a lower fill level. Age and rate keep what they learned.
@@ -343,9 +304,8 @@ impl Policy {
             (State::Emergency, Some((self.cfg.idle_age.min(self.age), per_tick(self.cfg.rate))))
         } else if paused {
             (self.state, None)
-        } else if fill >= self.fill_percent() {
-            let state = if self.cold_fill.is_some() { State::Cold } else { State::WritingBack };
-            (state, Some((self.age, per_tick(self.rate))))
+        } else if fill >= self.fill {
+            (State::WritingBack, Some((self.age, per_tick(self.rate))))
         } else {
             (State::BelowFill, None)
         };
@@ -356,9 +316,8 @@ impl Policy {
         Decision { write_back, allow_writeback: !matches!(state, State::Paused(_)) }
     }
 
-    /// Backs off or relaxes by the share of written-back pages read back;
-    /// `turnover_cold`: the front serves few of its pages itself.
-    fn judge(&mut self, turnover_cold: bool) {
+    /// Backs off or relaxes by the share of written-back pages read back.
+    fn judge(&mut self) {
         let ratio = whole(self.avg_read * 100.0 / self.avg_written);
         self.last_ratio_percent = ratio;
         if ratio > self.cfg.backoff_percent {
@@ -369,18 +328,8 @@ impl Policy {
             self.age = (self.age * 2).min(self.cfg.max_idle_age);
             self.rate = (self.rate / 2).max(self.cfg.min_rate);
             self.fill = (self.fill + FILL_STEP).min(MAX_FILL_PERCENT).max(self.cfg.fill_percent);
-            self.cold_fill = None;
-        } else if ratio * 4 <= self.cfg.backoff_percent {
-            if self.backed_off() {
-                self.relax();
-            }
-            if turnover_cold {
-                if self.cold_fill.is_none() {
-                    self.stats.cold_fronts += 1;
-                }
-                let half = self.fill_percent() / 2;
-                self.cold_fill = Some(if half < FILL_STEP { 0 } else { half });
-            }
+        } else if ratio * 4 <= self.cfg.backoff_percent && self.backed_off() {
+            self.relax();
         }
     }
 
@@ -407,9 +356,6 @@ impl Policy {
         whole(self.age.as_secs_f64() / self.cfg.tick.as_secs_f64().max(1e-3)).max(1)
     }
 }
-
-/// Bytes of one page, for the front's stored bytes in pages.
-const PAGE: u64 = 4096;
 
 /// `x` rounded up to a whole number (`as` saturates: negative or NaN is 0).
 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]

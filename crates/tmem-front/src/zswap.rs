@@ -182,12 +182,14 @@ pub fn restore_saved(saved: Saved) -> Result<(), FrontError> {
 
 impl FrontOps for ZswapFront {
     fn sample(&self) -> Result<Sample, FrontError> {
+        let read_back = (self.reads)();
         Ok(Sample {
             pool_bytes: tmem_sys::zswap::pool_bytes()?,
             stored_bytes: tmem_sys::zswap::stored_bytes(),
             written: zswap_written().saturating_sub(self.written_base),
-            read_back: (self.reads)(),
-            front_reads: tmem_sys::vmstat::SwapCounters::now().ok().map(|c| c.zswpin),
+            read_back,
+            // zswpin counts the loads from zswap's pool alone.
+            front_reads: tmem_sys::vmstat::SwapCounters::now().ok().map(|c| c.zswpin + read_back),
         })
     }
 
