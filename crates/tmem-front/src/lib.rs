@@ -57,6 +57,14 @@ pub enum FrontError {
         /// Cause.
         source: std::io::Error,
     },
+    /// The device below the front could not be discarded.
+    #[error("discarding {} (nothing of the front's is on it): {source}", dev.display())]
+    Discard {
+        /// The device below.
+        dev: std::path::PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
     /// The policy thread could not start.
     #[error("cannot start the front's policy thread: {0}")]
     Spawn(std::io::Error),
@@ -231,6 +239,8 @@ tmem_counters::counters! {
         backoffs: Counter(Events),
         /// Times it relaxed again because few came back.
         relaxes: Counter(Events),
+        /// Times the device below was discarded whole: nothing of the front's was on it, and zram frees a written-back block only in its own bitmap.
+        below_discards: Counter(Events),
         /// Pages the front served from its own pool (its reads less the reads back).
         front_reads: Counter(Pages),
         /// Idle age a page must reach before it goes down, now.

@@ -28,6 +28,13 @@
 //!   down then, so there is nothing to judge), so a front left full of
 //!   pages that turned cold tiers them again. A job that is still hot pays
 //!   one more round of writeback per age for that probe.
+//! * **The device below, emptied.** zram marks a written-back block free
+//!   only in its own bitmap, so tmem would keep its page until the block
+//!   is written again. When the front counts no page below on two samples
+//!   in a row with nothing written back between them, after pages went
+//!   down since the last time, the policy has the whole device below
+//!   discarded. It waits [`DISCARD_SETTLE_TICKS`] after it starts, so that
+//!   a predecessor's policy, in a hand-over, has stopped writing back.
 //! * **Emergency.** At [`EMERGENCY_PERCENT`] of the budget the front is
 //!   about to refuse pages (zram's `mem_limit`): the shortest age and the
 //!   full rate apply, pause or not.
@@ -58,6 +65,8 @@ pub const JUDGE_TICKS: u64 = 5;
 /// (half the least rate, where that is lower: one tick at the least rate is
 /// a deliberate writeback, not noise).
 const MIN_JUDGED_PAGES: f64 = 64.0;
+/// Ticks a policy runs before it may discard the device below.
+pub const DISCARD_SETTLE_TICKS: u64 = 10;
 /// Fill level (% of the budget) at which the front is about to refuse pages.
 pub const EMERGENCY_PERCENT: u64 = 90;
 /// Points of the budget one back-off adds to the fill level (one relax
@@ -81,6 +90,9 @@ pub struct Sample {
     /// Pages read from it, those read back included (`None`: the kernel
     /// does not count them).
     pub front_reads: Option<u64>,
+    /// Pages it holds on the device below now (`None`: it does not say;
+    /// the device below is then never discarded).
+    pub below_pages: Option<u64>,
 }
 
 /// What a front does for the policy.
@@ -93,6 +105,10 @@ pub trait FrontOps: Send + Sync {
     /// Lets the front write back on its own, or stops it (zswap's
     /// shrinker); fronts that write back only when told ignore it.
     fn allow_writeback(&self, on: bool) -> Result<(), FrontError>;
+    /// Discards the whole device below: the front holds nothing on it.
+    fn discard_below(&self) -> Result<(), FrontError> {
+        Ok(())
+    }
 }
 
 /// The policy's settings.
@@ -138,6 +154,8 @@ pub struct Decision {
     pub write_back: Option<(Duration, u64)>,
     /// Whether the front may write back on its own.
     pub allow_writeback: bool,
+    /// Discard the whole device below first: nothing of the front's is on it.
+    pub discard_below: bool,
 }
 
 /// Why the policy does what it does now (for `tmem stat`).
@@ -168,6 +186,10 @@ pub struct Policy {
     /// that only decayed since say nothing new.
     written_since_judged: bool,
     prev: Option<Sample>,
+    /// Pages went down since the device below was last discarded.
+    below_dirty: bool,
+    /// The pages written so far when the front last counted nothing below.
+    empty_below_at: Option<u64>,
     /// Decayed averages of pages written back and read back per tick.
     avg_written: f64,
     avg_read: f64,
@@ -189,6 +211,8 @@ impl Policy {
             last_read_tick: 0,
             written_since_judged: false,
             prev: None,
+            below_dirty: true,
+            empty_below_at: None,
             avg_written: 0.0,
             avg_read: 0.0,
             state: State::BelowFill,
@@ -272,6 +296,7 @@ impl Policy {
         if let (Some(a), Some(b)) = (self.prev.and_then(|p| p.front_reads), s.front_reads) {
             self.stats.front_reads += b.saturating_sub(a).saturating_sub(dr);
         }
+        let discard_below = self.empty_below(s, dw);
         self.prev = Some(*s);
         self.stats.written_back += dw;
         self.stats.read_back += dr;
@@ -313,7 +338,28 @@ impl Policy {
         if write_back.is_some() {
             self.stats.writeback_runs += 1;
         }
-        Decision { write_back, allow_writeback: !matches!(state, State::Paused(_)) }
+        Decision { write_back, allow_writeback: !matches!(state, State::Paused(_)), discard_below }
+    }
+
+    /// Whether the device below is to be discarded now: it has held nothing
+    /// of the front's since the last sample, nothing went down between the
+    /// two, and pages went down since the last discard.
+    fn empty_below(&mut self, s: &Sample, written: u64) -> bool {
+        if written > 0 {
+            self.below_dirty = true;
+        }
+        if s.below_pages != Some(0) || !self.below_dirty || self.tick < DISCARD_SETTLE_TICKS {
+            self.empty_below_at = None;
+            return false;
+        }
+        if self.empty_below_at != Some(s.written) {
+            self.empty_below_at = Some(s.written);
+            return false;
+        }
+        self.empty_below_at = None;
+        self.below_dirty = false;
+        self.stats.below_discards += 1;
+        true
     }
 
     /// Backs off or relaxes by the share of written-back pages read back.
@@ -398,6 +444,9 @@ impl PolicyThread {
                     }
                     let result = ops.sample().and_then(|s| {
                         let d = policy.step(&s);
+                        if d.discard_below {
+                            ops.discard_below()?;
+                        }
                         if d.allow_writeback != allowed {
                             ops.allow_writeback(d.allow_writeback)?;
                             allowed = d.allow_writeback;

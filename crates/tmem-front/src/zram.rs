@@ -10,6 +10,11 @@
 //! tmem keeps at most the high-water mark of written-back blocks, and
 //! stale ones are overwritten first.
 //!
+//! zram never tells the device below that a block is free, so once
+//! `bd_stat` counts no page on it, the policy has the whole device
+//! discarded ([`FrontOps::discard_below`]): tmem's pool lets go of the
+//! pages of a job that has ended.
+//!
 //! Idle marking: where the kernel tracks access times
 //! (`CONFIG_ZRAM_TRACK_ENTRY_ACTIME`, Debian 13's 6.12), `echo SECS > idle`
 //! marks the pages not accessed for that long, and writeback follows at
@@ -136,6 +141,7 @@ impl FrontOps for ZramFront {
             written: bd.writes,
             read_back: bd.reads,
             front_reads: self.dev.reads().map(|r| r.pages()),
+            below_pages: Some(bd.count),
         })
     }
 
@@ -170,5 +176,14 @@ impl FrontOps for ZramFront {
     fn allow_writeback(&self, _on: bool) -> Result<(), FrontError> {
         // zram writes back only when told.
         Ok(())
+    }
+
+    fn discard_below(&self) -> Result<(), FrontError> {
+        let err = |source| FrontError::Discard { dev: self.backing.clone(), source };
+        // zram holds the device open exclusively; a plain open for writing
+        // is still allowed, and BLKDISCARD needs one.
+        let f = std::fs::OpenOptions::new().write(true).open(&self.backing).map_err(err)?;
+        let size = tmem_sys::blockio::block_device_size(&f).map_err(err)?;
+        tmem_sys::blockio::block_discard(&f, 0, size).map_err(err)
     }
 }

@@ -190,6 +190,8 @@ impl FrontOps for ZswapFront {
             read_back,
             // zswpin counts the loads from zswap's pool alone.
             front_reads: tmem_sys::vmstat::SwapCounters::now().ok().map(|c| c.zswpin + read_back),
+            // Its pages below are swap slots: the swap area's own discard frees them.
+            below_pages: None,
         })
     }
 

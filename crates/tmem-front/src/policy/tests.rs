@@ -16,11 +16,13 @@ struct SimFront {
     read_back: u64,
     /// Reads of the front, reads back included (as zram counts them).
     reads: u64,
+    /// Times the device below was discarded.
+    discards: u64,
 }
 
 impl SimFront {
     fn new(pages: usize) -> Self {
-        Self { pages: vec![(0, false); pages], now: 0, written: 0, read_back: 0, reads: 0 }
+        Self { pages: vec![(0, false); pages], now: 0, written: 0, read_back: 0, reads: 0, discards: 0 }
     }
 
     fn access(&mut self, i: usize) {
@@ -41,11 +43,17 @@ impl SimFront {
             written: self.written,
             read_back: self.read_back,
             front_reads: Some(self.reads),
+            below_pages: Some(self.pages.iter().filter(|p| p.1).count() as u64),
         }
     }
 
     /// Applies a decision (one tick is one second here).
     fn apply(&mut self, d: Decision) {
+        if d.discard_below {
+            let down = self.pages.iter().filter(|p| p.1).count();
+            assert_eq!(down, 0, "discarded the device below with {down} pages on it");
+            self.discards += 1;
+        }
         let Some((age, mut max)) = d.write_back else { return };
         for p in &mut self.pages {
             if max == 0 {
@@ -235,4 +243,40 @@ fn the_pages_the_front_serves_itself_are_counted_apart_from_reads_back() {
     p.step(&Sample { front_reads: None, ..f.sample() });
     run(&mut p, &mut f, 1, |f, _| f.access(0));
     assert_eq!(p.stats(&FrontStats::default()).front_reads, 4000 - down.len() as u64);
+}
+
+#[test]
+fn the_device_below_is_discarded_once_the_front_holds_nothing_on_it() {
+    let mut f = SimFront::new(4000);
+    let mut p = Policy::new(cfg(4000));
+    // Nothing below at the start, but a policy that just started waits.
+    run(&mut p, &mut f, 3, |_, _| {});
+    assert_eq!(f.discards, 0);
+    // Pages go down, then the job reads every one of them back.
+    run(&mut p, &mut f, 20, |_, _| {});
+    assert!(f.written > 0 && f.discards <= 1);
+    let before = f.discards;
+    run(&mut p, &mut f, 1, |f, _| (0..4000).for_each(|i| f.access(i)));
+    run(&mut p, &mut f, 2, |f, _| (0..4000).for_each(|i| f.access(i)));
+    assert_eq!(f.discards, before + 1, "two empty samples with no writes between: one discard");
+    // Empty and nothing new went down: no second discard.
+    run(&mut p, &mut f, 20, |f, _| (0..4000).for_each(|i| f.access(i)));
+    assert_eq!(f.discards, before + 1);
+    assert_eq!(p.stats(&FrontStats::default()).below_discards, f.discards);
+    // Idle again: pages go down and stay (the sim asserts on every discard
+    // that nothing is below).
+    run(&mut p, &mut f, 40, |_, _| {});
+    assert_eq!(f.discards, before + 1);
+}
+
+#[test]
+fn a_front_that_does_not_count_its_pages_below_is_never_discarded() {
+    let mut f = SimFront::new(4000);
+    let mut p = Policy::new(cfg(4000));
+    for t in 1..=40 {
+        f.now = t;
+        let d = p.step(&Sample { below_pages: None, ..f.sample() });
+        assert!(!d.discard_below);
+        f.apply(d);
+    }
 }
