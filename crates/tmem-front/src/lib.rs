@@ -57,8 +57,8 @@ pub enum FrontError {
         /// Cause.
         source: std::io::Error,
     },
-    /// The device below the front could not be discarded.
-    #[error("discarding {} (nothing of the front's is on it): {source}", dev.display())]
+    /// The device below the front could not be locked or discarded.
+    #[error("{}, the device below the front (to lock it, or discard it with nothing of the front's on it): {source}", dev.display())]
     Discard {
         /// The device below.
         dev: std::path::PathBuf,

@@ -33,8 +33,9 @@
 //!   is written again. When the front counts no page below on two samples
 //!   in a row with nothing written back between them, after pages went
 //!   down since the last time, the policy has the whole device below
-//!   discarded. It waits [`DISCARD_SETTLE_TICKS`] after it starts, so that
-//!   a predecessor's policy, in a hand-over, has stopped writing back.
+//!   discarded. The front checks again under a lock its writebacks take
+//!   too (a predecessor's policy may still run in a hand-over), and the
+//!   policy waits [`DISCARD_SETTLE_TICKS`] after it starts.
 //! * **Emergency.** At [`EMERGENCY_PERCENT`] of the budget the front is
 //!   about to refuse pages (zram's `mem_limit`): the shortest age and the
 //!   full rate apply, pause or not.
@@ -105,9 +106,13 @@ pub trait FrontOps: Send + Sync {
     /// Lets the front write back on its own, or stops it (zswap's
     /// shrinker); fronts that write back only when told ignore it.
     fn allow_writeback(&self, on: bool) -> Result<(), FrontError>;
-    /// Discards the whole device below: the front holds nothing on it.
-    fn discard_below(&self) -> Result<(), FrontError> {
-        Ok(())
+    /// Discards the whole device below if the front still holds nothing
+    /// on it and has still written `written` pages to it (checked again
+    /// under a lock that its writebacks take too, so that no other
+    /// process's policy, in a hand-over, writes back in between); returns
+    /// whether it did.
+    fn discard_below(&self, _written: u64) -> Result<bool, FrontError> {
+        Ok(false)
     }
 }
 
@@ -154,8 +159,9 @@ pub struct Decision {
     pub write_back: Option<(Duration, u64)>,
     /// Whether the front may write back on its own.
     pub allow_writeback: bool,
-    /// Discard the whole device below first: nothing of the front's is on it.
-    pub discard_below: bool,
+    /// Discard the whole device below first, if the front has still
+    /// written this many pages and holds nothing on it.
+    pub discard_below: Option<u64>,
 }
 
 /// Why the policy does what it does now (for `tmem stat`).
@@ -341,25 +347,36 @@ impl Policy {
         Decision { write_back, allow_writeback: !matches!(state, State::Paused(_)), discard_below }
     }
 
-    /// Whether the device below is to be discarded now: it has held nothing
-    /// of the front's since the last sample, nothing went down between the
-    /// two, and pages went down since the last discard.
-    fn empty_below(&mut self, s: &Sample, written: u64) -> bool {
+    /// Counts the outcome of a discard of the device below that the last
+    /// decision asked for: one not done (pages went down meanwhile) is
+    /// asked for again once the front is empty again.
+    pub fn count_discard(&mut self, done: bool) {
+        if done {
+            self.stats.below_discards += 1;
+        } else {
+            self.below_dirty = true;
+        }
+    }
+
+    /// Whether the device below is to be discarded now (with the pages
+    /// written so far): it has held nothing of the front's since the last
+    /// sample, nothing went down between the two, and pages went down
+    /// since the last discard.
+    fn empty_below(&mut self, s: &Sample, written: u64) -> Option<u64> {
         if written > 0 {
             self.below_dirty = true;
         }
         if s.below_pages != Some(0) || !self.below_dirty || self.tick < DISCARD_SETTLE_TICKS {
             self.empty_below_at = None;
-            return false;
+            return None;
         }
         if self.empty_below_at != Some(s.written) {
             self.empty_below_at = Some(s.written);
-            return false;
+            return None;
         }
         self.empty_below_at = None;
         self.below_dirty = false;
-        self.stats.below_discards += 1;
-        true
+        Some(s.written)
     }
 
     /// Backs off or relaxes by the share of written-back pages read back.
@@ -444,8 +461,9 @@ impl PolicyThread {
                     }
                     let result = ops.sample().and_then(|s| {
                         let d = policy.step(&s);
-                        if d.discard_below {
-                            ops.discard_below()?;
+                        if let Some(written) = d.discard_below {
+                            let done = ops.discard_below(written)?;
+                            policy.count_discard(done);
                         }
                         if d.allow_writeback != allowed {
                             ops.allow_writeback(d.allow_writeback)?;

@@ -126,6 +126,17 @@ impl ZramFront {
         Ok(self.dev.remove()?)
     }
 
+    /// Opens the device below (for writing: BLKDISCARD needs it; zram
+    /// holds it exclusively, which a plain open does not need) and takes
+    /// an exclusive `flock` on it, which every writeback and discard of any
+    /// process's policy over this device holds: a hand-over has two.
+    fn lock_below(&self, write: bool) -> Result<std::fs::File, FrontError> {
+        let err = |source| FrontError::Discard { dev: self.backing.clone(), source };
+        let f = std::fs::OpenOptions::new().read(true).write(write).open(&self.backing).map_err(err)?;
+        tmem_sys::blockio::lock_exclusive_wait(&f).map_err(err)?;
+        Ok(f)
+    }
+
     fn since_born_ms(&self) -> u64 {
         u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
     }
@@ -146,6 +157,7 @@ impl FrontOps for ZramFront {
     }
 
     fn write_back_idle(&self, age: Duration, max_pages: u64) -> Result<u64, FrontError> {
+        let _below = self.lock_below(false)?;
         if self.ages.load(Ordering::Relaxed) != AGES_NO {
             match self.dev.mark_idle(Some(age.as_secs().max(1)))? {
                 true => {
@@ -178,12 +190,15 @@ impl FrontOps for ZramFront {
         Ok(())
     }
 
-    fn discard_below(&self) -> Result<(), FrontError> {
+    fn discard_below(&self, written: u64) -> Result<bool, FrontError> {
+        let f = self.lock_below(true)?;
+        let bd = self.dev.bd_stat()?;
+        if bd.count != 0 || bd.writes != written {
+            return Ok(false);
+        }
         let err = |source| FrontError::Discard { dev: self.backing.clone(), source };
-        // zram holds the device open exclusively; a plain open for writing
-        // is still allowed, and BLKDISCARD needs one.
-        let f = std::fs::OpenOptions::new().write(true).open(&self.backing).map_err(err)?;
         let size = tmem_sys::blockio::block_device_size(&f).map_err(err)?;
-        tmem_sys::blockio::block_discard(&f, 0, size).map_err(err)
+        tmem_sys::blockio::block_discard(&f, 0, size).map_err(err)?;
+        Ok(true)
     }
 }

@@ -59,6 +59,11 @@ pub fn lock_exclusive(file: &File) -> io::Result<()> {
     Ok(rustix::fs::flock(file, rustix::fs::FlockOperation::NonBlockingLockExclusive)?)
 }
 
+/// Takes an exclusive `flock`, waiting for it (held until the file is closed).
+pub fn lock_exclusive_wait(file: &File) -> io::Result<()> {
+    Ok(rustix::fs::flock(file, rustix::fs::FlockOperation::LockExclusive)?)
+}
+
 /// Whether the file's open flags include `O_DIRECT`.
 pub fn is_direct(file: &File) -> io::Result<bool> {
     Ok(rustix::fs::fcntl_getfl(file)?.contains(rustix::fs::OFlags::DIRECT))

@@ -49,9 +49,9 @@ impl SimFront {
 
     /// Applies a decision (one tick is one second here).
     fn apply(&mut self, d: Decision) {
-        if d.discard_below {
+        if let Some(written) = d.discard_below {
             let down = self.pages.iter().filter(|p| p.1).count();
-            assert_eq!(down, 0, "discarded the device below with {down} pages on it");
+            assert_eq!((down, written), (0, self.written), "discarded the device below with {down} pages on it");
             self.discards += 1;
         }
         let Some((age, mut max)) = d.write_back else { return };
@@ -87,6 +87,9 @@ fn run(policy: &mut Policy, f: &mut SimFront, ticks: u64, mut touch: impl FnMut(
         touch(f, t);
         let d = policy.step(&f.sample());
         f.apply(d);
+        if d.discard_below.is_some() {
+            policy.count_discard(true);
+        }
     }
 }
 
@@ -276,7 +279,23 @@ fn a_front_that_does_not_count_its_pages_below_is_never_discarded() {
     for t in 1..=40 {
         f.now = t;
         let d = p.step(&Sample { below_pages: None, ..f.sample() });
-        assert!(!d.discard_below);
+        assert_eq!(d.discard_below, None);
         f.apply(d);
     }
+}
+
+#[test]
+fn a_discard_the_front_did_not_do_is_asked_for_again() {
+    let mut p = Policy::new(cfg(4000));
+    let sample = |written| Sample { written, below_pages: Some(0), front_reads: Some(0), ..Sample::default() };
+    let asked: Vec<Option<u64>> = (0..11).map(|t| p.step(&sample(if t < 5 { t } else { 5 })).discard_below).collect();
+    assert_eq!(asked.iter().flatten().count(), 1, "one discard once empty and settled: {asked:?}");
+    assert_eq!(asked.last(), Some(&Some(5)));
+    // The front found pages below after all (another writer came first).
+    p.count_discard(false);
+    assert_eq!(p.step(&sample(5)).discard_below, None, "one empty sample is not enough");
+    assert_eq!(p.step(&sample(5)).discard_below, Some(5));
+    p.count_discard(true);
+    assert_eq!(p.stats(&FrontStats::default()).below_discards, 1);
+    assert!((0..5).all(|_| p.step(&sample(5)).discard_below.is_none()), "nothing went down since");
 }
