@@ -51,7 +51,8 @@ pub struct FrontArgs {
     /// Fill level of the budget, %, below which nothing goes down.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(0..=100))]
     pub front_fill: u64,
-    /// Pages a second the front may write back to tmem, at most.
+    /// Pages a second the front may write back to tmem, at most (it starts
+    /// at 1/64 of it, and doubles while what goes down stays down).
     #[arg(long, default_value_t = 25_600, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
     pub front_rate: u64,
     /// zswap on cgroup v2: a cgroup directory whose memory.zswap.max is set

@@ -9,6 +9,10 @@
 //! * **Idle age.** Above it, pages not accessed for `idle_age` go down, at
 //!   most `rate` pages a second (zram's `writeback_limit`). A page read
 //!   again within the age is not idle, so a hot page stays in the front.
+//! * **Slow start.** The rate starts at `min_rate` and doubles at each
+//!   judgement that finds what went down stayed down, up to `rate`: before
+//!   anything has had the time to come back, a uniformly hot job, whose
+//!   pages all look idle between two passes, sends few of them down.
 //! * **Learning from reads back.** The pages written back and the pages
 //!   read back are averaged over a horizon of twice the current age, at
 //!   least [`MIN_HORIZON_TICKS`] (reads lag the writes they answer, by up
@@ -205,13 +209,13 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// A policy at its configured age and rate.
+    /// A policy at its configured age and least rate (a slow start).
     #[must_use]
     pub fn new(cfg: PolicyConfig) -> Self {
         let stats = FrontStats { budget_bytes: cfg.budget, ..FrontStats::default() };
         Self {
             age: cfg.idle_age,
-            rate: cfg.rate,
+            rate: cfg.min_rate.min(cfg.rate),
             fill: cfg.fill_percent,
             tick: 0,
             last_read_tick: 0,

@@ -121,10 +121,12 @@ fn a_uniformly_hot_job_slower_than_the_age_stops_being_tiered() {
 #[test]
 fn cold_pages_go_down_and_hot_ones_stay() {
     let mut f = SimFront::new(4000);
-    let mut p = Policy::new(cfg(4000));
+    // A fill level of 0: every idle page may go down.
+    let mut p = Policy::new(PolicyConfig { fill_percent: 0, ..cfg(4000) });
     // The first 3000 pages are never touched again; the last 1000 every 2 ticks.
     run(&mut p, &mut f, 120, |f, t| (3000..4000).filter(|i| i % 2 == (t % 2) as usize).for_each(|i| f.access(i)));
     assert_eq!(f.pages[..3000].iter().filter(|p| p.1).count(), 3000, "every cold page went down");
+    assert!(p.rate() > 64, "the slow start ramped up while pages stayed down: {}", p.rate());
     assert_eq!(f.pages[3000..].iter().filter(|p| p.1).count(), 0, "no hot page went down");
     assert_eq!(f.read_back, 0);
     assert_eq!(p.stats(&FrontStats::default()).backoffs, 0);
@@ -298,4 +300,16 @@ fn a_discard_the_front_did_not_do_is_asked_for_again() {
     p.count_discard(true);
     assert_eq!(p.stats(&FrontStats::default()).below_discards, 1);
     assert!((0..5).all(|_| p.step(&sample(5)).discard_below.is_none()), "nothing went down since");
+}
+
+#[test]
+fn a_slow_start_sends_few_pages_of_a_hot_job_down_before_they_come_back() {
+    // Every page every 10 ticks: each looks idle for 5 ticks of each pass.
+    let mut f = SimFront::new(4000);
+    let mut p = Policy::new(cfg(4000));
+    assert_eq!(p.rate(), 64, "it starts at the least rate");
+    run(&mut p, &mut f, 10, |f, t| (0..4000).filter(|i| i % 10 == (t % 10) as usize).for_each(|i| f.access(i)));
+    // Ticks 5-10 at 64 pages a tick; the full rate (2000) could have sent
+    // every idle page down at tick 5.
+    assert!(f.written <= 6 * 64, "{} pages went down in the first pass", f.written);
 }
