@@ -401,13 +401,16 @@ counters! {
         /// Requests that panicked and failed alone with EIO.
         panics: Counter(Events),
         /// Pages of freed swap slots dropped when the kernel's swap area
-        /// on the device had no slot in use.
+        /// on the device had no slot in use, and pages of blocks zram freed
+        /// (dropped when it read every block it still uses).
         stale_pages_dropped: Counter(Pages),
         /// Such sweeps that stopped at once: a write came in between the
-        /// reading of /proc/swaps and the sweep's start.
+        /// reading of /proc/swaps and the sweep's start, or zram's marking
+        /// of the blocks it uses failed.
         stale_sweeps_interrupted: Counter(Events),
         /// Pages such sweeps kept because the kernel wrote them during the
-        /// sweep (it may have taken their slots).
+        /// sweep (it may have taken their slots), or read them while zram
+        /// marked the blocks it uses.
         stale_pages_kept: Counter(Pages),
         /// Times the daemon emptied the device's idle swap area (swapoff,
         /// mkswap, swapon) to give back freed slots' pages.
@@ -620,8 +623,34 @@ impl PoolDevice {
             bump(&self.io.stale_sweeps_interrupted, 1);
             return StaleSweep::Interrupted;
         }
+        self.sweep_unmarked(1)
+    }
+
+    /// Drops every page but those read or written while `mark` runs: for a
+    /// device below zram, which never says which written-back blocks it
+    /// freed. `mark` reads, through zram, every block zram still uses (each
+    /// read reaches this device and marks its page) and returns whether it
+    /// read them all; when it did not, nothing is dropped (`Interrupted`).
+    /// Nothing may write to the device meanwhile but what `mark` allows
+    /// for (zram writes to it only when told to write back): a write keeps
+    /// its page, as in [`drop_stale`](Self::drop_stale). Shares its one
+    /// sweep at a time.
+    pub fn keep_only_marked(&self, mark: &mut dyn FnMut() -> bool) -> StaleSweep {
+        if !self.written.begin() {
+            return StaleSweep::Interrupted;
+        }
+        if !mark() {
+            self.written.end();
+            bump(&self.io.stale_sweeps_interrupted, 1);
+            return StaleSweep::Interrupted;
+        }
+        self.sweep_unmarked(0)
+    }
+
+    /// Drops every unmarked page from page `first` on, and ends the sweep.
+    fn sweep_unmarked(&self, first: u64) -> StaleSweep {
         let (mut dropped, mut kept) = (0, 0);
-        for page in 1..self.size / PAGE {
+        for page in first..self.size / PAGE {
             let _g = self.stripe(page);
             if self.written.written(page) {
                 kept += 1;
@@ -701,6 +730,9 @@ impl PoolDevice {
         self.range(offset, buf.len() as u64)?;
         bump(&self.io.read_ios, 1);
         bump(&self.io.read_bytes, buf.len() as u64);
+        if !buf.is_empty() {
+            self.written.on_read(offset / PAGE, (offset + buf.len() as u64 - 1) / PAGE);
+        }
         // A partial first and last page one by one; the whole pages between in
         // one batch, so pages in a lower tier cost one round trip together.
         let page_len = PAGE_SIZE as u64;

@@ -1,5 +1,12 @@
 //! Pages written while [`PoolDevice::drop_stale`](crate::PoolDevice::drop_stale)
-//! runs, so that a sweep skips them instead of stopping at the first write.
+//! runs, so that a sweep skips them instead of stopping at the first write;
+//! and pages read or written while
+//! [`PoolDevice::keep_only_marked`](crate::PoolDevice::keep_only_marked)
+//! runs its mark, which are the ones it keeps.
+//!
+//! A read marks its pages before it looks them up; the mark's reads come
+//! through the kernel (zram, a loop or ublk device), whose completion of
+//! the request orders the mark before the caller's sweep.
 //!
 //! A sweep drops the pages of freed swap slots; a page the kernel writes
 //! once the sweep has begun may be a slot it has just taken, and must stay.
@@ -58,6 +65,16 @@ impl WrittenDuringSweep {
         self.active.load(Ordering::SeqCst)
     }
 
+    /// Called by a read of pages `first..=last` before it looks them up.
+    pub(crate) fn on_read(&self, first: u64, last: u64) {
+        if self.active.load(Ordering::SeqCst) {
+            for page in first..=last {
+                let (word, bit) = Self::at(page);
+                self.bits[word].fetch_or(bit, Ordering::SeqCst);
+            }
+        }
+    }
+
     /// Called by a write under `page`'s stripe, after it counted itself.
     pub(crate) fn on_write(&self, page: u64) {
         if self.active.load(Ordering::SeqCst) {
@@ -94,10 +111,13 @@ mod tests {
         assert!(w.written(3) && w.written(129) && !w.written(4) && !w.written(128));
         w.end();
         w.on_write(5);
-        assert!(!w.written(5));
+        w.on_read(5, 7);
+        assert!(!w.written(5) && !w.written(6));
         // The next sweep starts with no marks.
         assert!(w.begin());
         assert!(!w.written(3) && !w.written(129));
+        w.on_read(63, 65);
+        assert!(w.written(63) && w.written(64) && w.written(65) && !w.written(62) && !w.written(66));
         w.end();
     }
 }

@@ -144,6 +144,37 @@ fn drop_stale_frees_every_page_but_the_header_unless_a_write_came_in() {
     }
 }
 
+#[test]
+fn keep_only_marked_keeps_the_pages_read_while_it_marks_and_drops_the_rest() {
+    for d in [device(PolicyConfig::default()), tiered_device()] {
+        d.write_at(&pattern(64 * PAGE_SIZE, 7), 0).unwrap();
+        let mut back = vec![0u8; 2 * PAGE_SIZE];
+        // A mark that fails drops nothing.
+        assert_eq!(d.keep_only_marked(&mut || false), StaleSweep::Interrupted);
+        assert_eq!(d.store().stats().total.stored_pages, 64);
+        // Pages 10 and 11 read in one request, page 20 written: they stay.
+        let mut mark = || {
+            d.read_at(&mut back, 10 * PAGE).unwrap();
+            d.write_at(&pattern(PAGE_SIZE, 20), 20 * PAGE).unwrap();
+            true
+        };
+        // 64 stored; kept: 10, 11 and 20 (page 0 too is dropped: no header below zram).
+        assert_eq!(d.keep_only_marked(&mut mark), StaleSweep::Done { dropped: 61, kept: 3 });
+        assert_eq!(d.store().stats().total.stored_pages, 3);
+        let mut one = vec![0u8; PAGE_SIZE];
+        d.read_at(&mut one, 11 * PAGE).unwrap();
+        assert_eq!(one, pattern(64 * PAGE_SIZE, 7)[11 * PAGE_SIZE..12 * PAGE_SIZE]);
+        d.read_at(&mut one, 20 * PAGE).unwrap();
+        assert_eq!(one, pattern(PAGE_SIZE, 20));
+        d.read_at(&mut one, 0).unwrap();
+        assert!(one.iter().all(|b| *b == 0));
+        // Outside a mark, reads mark nothing: the next sweep starts clean.
+        assert_eq!(d.keep_only_marked(&mut || true), StaleSweep::Done { dropped: 3, kept: 0 });
+        let s = d.stats();
+        assert_eq!((s.stale_pages_dropped, s.stale_sweeps_interrupted), (64, 1));
+    }
+}
+
 /// A write that comes in while a sweep runs keeps its page, whether the
 /// sweep has passed the page already or not, and the sweep goes on.
 #[test]

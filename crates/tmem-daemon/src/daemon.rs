@@ -814,7 +814,7 @@ impl Daemon {
     fn zram_up(&self, i: usize, name: &str, backing: &Path) -> Result<PathBuf, DaemonError> {
         let size = self.devices[i].size();
         let total_ram = self.total_ram()?;
-        let (node, id) = self.fronts.lock().zram_up(i, backing, size, &self.spec.front, total_ram)?;
+        let (node, id) = self.fronts.lock().zram_up(i, backing, &self.devices[i], size, &self.spec.front, total_ram)?;
         {
             let mut g = self.lock();
             g.status.devices[i].front_node = Some(node.clone());

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tmem_front::policy::{PolicyConfig, PolicyThread};
-use tmem_front::zram::{ZramFront, ZramFrontConfig};
+use tmem_front::zram::{Below, ZramFront, ZramFrontConfig};
 use tmem_front::zswap::{Saved, ZswapFront, ZswapFrontConfig};
 use tmem_front::{Choice, Front, FrontKind, FrontStats};
 
@@ -216,34 +216,38 @@ impl Fronts {
         self.choice.front
     }
 
-    /// Sets up zram in front of device `i`'s loop device `backing`;
-    /// returns the zram device's node (to mkswap and swapon) and id.
+    /// Sets up zram in front of device `i`'s loop device `backing` (over
+    /// `device`); returns the zram device's node (to mkswap and swapon)
+    /// and id.
     pub fn zram_up(
         &mut self,
         i: usize,
         backing: &Path,
+        device: &Arc<tmem_block::PoolDevice>,
         disksize: u64,
         args: &FrontArgs,
         total_ram: u64,
     ) -> Result<(PathBuf, u32), DaemonError> {
         let cfg =
             ZramFrontConfig { algorithm: args.front_algorithm.clone(), disksize, mem_limit: args.budget(total_ram) };
-        let front = ZramFront::create(&cfg, backing).map_err(front_err)?;
+        let front = ZramFront::create(&cfg, backing).map_err(front_err)?.with_below(StoreBelow::of(device));
         let (node, id) = (front.node(), front.id());
         self.zram_policy(i, front, args, total_ram)?;
         Ok((node, id))
     }
 
-    /// Adopts a predecessor's zram device `id` in front of `backing`.
+    /// Adopts a predecessor's zram device `id` in front of `backing` (over
+    /// `device`).
     pub fn zram_adopt(
         &mut self,
         i: usize,
         id: u32,
         backing: &Path,
+        device: &Arc<tmem_block::PoolDevice>,
         args: &FrontArgs,
         total_ram: u64,
     ) -> Result<(), DaemonError> {
-        let front = ZramFront::adopt(id, backing).map_err(front_err)?;
+        let front = ZramFront::adopt(id, backing).map_err(front_err)?.with_below(StoreBelow::of(device));
         self.zram_policy(i, front, args, total_ram)
     }
 
@@ -377,6 +381,30 @@ impl Fronts {
             if let Ok(f) = Arc::try_unwrap(h.front) {
                 let _ = f.release();
             }
+        }
+    }
+}
+
+/// A device's store, below its zram front: the policy reclaims the pages
+/// of blocks zram freed ([`tmem_block::PoolDevice::keep_only_marked`]).
+#[derive(Debug)]
+struct StoreBelow(Arc<tmem_block::PoolDevice>);
+
+impl StoreBelow {
+    fn of(device: &Arc<tmem_block::PoolDevice>) -> Arc<dyn Below> {
+        Arc::new(Self(Arc::clone(device)))
+    }
+}
+
+impl Below for StoreBelow {
+    fn stored_pages(&self) -> u64 {
+        self.0.store().stats().total.stored_pages
+    }
+
+    fn keep_only_marked(&self, mark: &mut dyn FnMut() -> bool) -> Option<u64> {
+        match self.0.keep_only_marked(mark) {
+            tmem_block::StaleSweep::Done { dropped, .. } => Some(dropped),
+            tmem_block::StaleSweep::Interrupted => None,
         }
     }
 }

@@ -1409,7 +1409,7 @@ fn adopt_fronts(daemon: &Daemon, old: &Status, total_ram: u64) -> Result<crate::
     let mut fronts = crate::front::Fronts::chosen(tmem_front::Choice { front, reason: old.front_reason.clone() });
     for (i, d) in old.devices.iter().enumerate() {
         if let (Some(id), Some(backing)) = (d.front_zram, &d.loop_dev) {
-            fronts.zram_adopt(i, id, backing, &daemon.spec.front, total_ram)?;
+            fronts.zram_adopt(i, id, backing, &daemon.devices[i], &daemon.spec.front, total_ram)?;
         }
     }
     if front == tmem_front::Front::Zswap {

@@ -57,9 +57,9 @@ pub enum FrontError {
         /// Cause.
         source: std::io::Error,
     },
-    /// The device below the front could not be locked or discarded.
-    #[error("{}, the device below the front (to lock it, or discard it with nothing of the front's on it): {source}", dev.display())]
-    Discard {
+    /// The device below the front could not be opened or locked.
+    #[error("{}, the device below the front: cannot lock it: {source}", dev.display())]
+    Below {
         /// The device below.
         dev: std::path::PathBuf,
         /// Cause.
@@ -239,8 +239,10 @@ tmem_counters::counters! {
         backoffs: Counter(Events),
         /// Times it relaxed again because few came back.
         relaxes: Counter(Events),
-        /// Times the device below was discarded whole: nothing of the front's was on it, and zram frees a written-back block only in its own bitmap.
-        below_discards: Counter(Events),
+        /// Times tmem dropped the pages of blocks zram had freed below (zram frees a written-back block only in its own bitmap).
+        below_reclaims: Counter(Events),
+        /// Pages of freed blocks below that tmem dropped.
+        below_reclaimed: Counter(Pages),
         /// Pages the front served from its own pool (its reads less the reads back).
         front_reads: Counter(Pages),
         /// Idle age a page must reach before it goes down, now.

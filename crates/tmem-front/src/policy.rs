@@ -32,14 +32,14 @@
 //!   down then, so there is nothing to judge), so a front left full of
 //!   pages that turned cold tiers them again. A job that is still hot pays
 //!   one more round of writeback per age for that probe.
-//! * **The device below, emptied.** zram marks a written-back block free
-//!   only in its own bitmap, so tmem would keep its page until the block
-//!   is written again. When the front counts no page below on two samples
-//!   in a row with nothing written back between them, after pages went
-//!   down since the last time, the policy has the whole device below
-//!   discarded. The front checks again under a lock its writebacks take
-//!   too (a predecessor's policy may still run in a hand-over), and the
-//!   policy waits [`DISCARD_SETTLE_TICKS`] after it starts.
+//! * **Freed blocks below.** zram marks a written-back block free only in
+//!   its own bitmap, so tmem keeps the block's page until zram writes the
+//!   block again. When tmem holds more than twice the pages zram counts
+//!   below (`bd_stat`), plus [`RECLAIM_SLACK_PAGES`], at most once every
+//!   [`RECLAIM_TICKS`], the policy has the front reclaim them
+//!   ([`FrontOps::reclaim_below`]): under a lock its writebacks take too,
+//!   zram reads every block it still uses, and tmem drops every page of
+//!   its device that was not read.
 //! * **Emergency.** At [`EMERGENCY_PERCENT`] of the budget the front is
 //!   about to refuse pages (zram's `mem_limit`): the shortest age and the
 //!   full rate apply, pause or not.
@@ -70,8 +70,10 @@ pub const JUDGE_TICKS: u64 = 5;
 /// (half the least rate, where that is lower: one tick at the least rate is
 /// a deliberate writeback, not noise).
 const MIN_JUDGED_PAGES: f64 = 64.0;
-/// Ticks a policy runs before it may discard the device below.
-pub const DISCARD_SETTLE_TICKS: u64 = 10;
+/// Ticks between two reclaims of freed blocks below (and before the first).
+pub const RECLAIM_TICKS: u64 = 20;
+/// Pages tmem may hold below beyond twice zram's count before a reclaim.
+pub const RECLAIM_SLACK_PAGES: u64 = 256;
 /// Fill level (% of the budget) at which the front is about to refuse pages.
 pub const EMERGENCY_PERCENT: u64 = 90;
 /// Points of the budget one back-off adds to the fill level (one relax
@@ -96,8 +98,10 @@ pub struct Sample {
     /// does not count them).
     pub front_reads: Option<u64>,
     /// Pages it holds on the device below now (`None`: it does not say;
-    /// the device below is then never discarded).
+    /// nothing below is then reclaimed).
     pub below_pages: Option<u64>,
+    /// Pages tmem holds on the device below now (`None`: unknown).
+    pub below_stored: Option<u64>,
 }
 
 /// What a front does for the policy.
@@ -110,13 +114,11 @@ pub trait FrontOps: Send + Sync {
     /// Lets the front write back on its own, or stops it (zswap's
     /// shrinker); fronts that write back only when told ignore it.
     fn allow_writeback(&self, on: bool) -> Result<(), FrontError>;
-    /// Discards the whole device below if the front still holds nothing
-    /// on it and has still written `written` pages to it (checked again
-    /// under a lock that its writebacks take too, so that no other
-    /// process's policy, in a hand-over, writes back in between); returns
-    /// whether it did.
-    fn discard_below(&self, _written: u64) -> Result<bool, FrontError> {
-        Ok(false)
+    /// Has tmem drop the pages of blocks the front has freed below
+    /// (reading, under a lock its writebacks take too, every block it still
+    /// uses); returns the pages dropped, `None` where it cannot.
+    fn reclaim_below(&self) -> Result<Option<u64>, FrontError> {
+        Ok(None)
     }
 }
 
@@ -163,9 +165,8 @@ pub struct Decision {
     pub write_back: Option<(Duration, u64)>,
     /// Whether the front may write back on its own.
     pub allow_writeback: bool,
-    /// Discard the whole device below first, if the front has still
-    /// written this many pages and holds nothing on it.
-    pub discard_below: Option<u64>,
+    /// Reclaim the pages of blocks freed below first.
+    pub reclaim_below: bool,
 }
 
 /// Why the policy does what it does now (for `tmem stat`).
@@ -196,10 +197,8 @@ pub struct Policy {
     /// that only decayed since say nothing new.
     written_since_judged: bool,
     prev: Option<Sample>,
-    /// Pages went down since the device below was last discarded.
-    below_dirty: bool,
-    /// The pages written so far when the front last counted nothing below.
-    empty_below_at: Option<u64>,
+    /// The tick of the last reclaim below.
+    reclaimed_at: u64,
     /// Decayed averages of pages written back and read back per tick.
     avg_written: f64,
     avg_read: f64,
@@ -221,8 +220,7 @@ impl Policy {
             last_read_tick: 0,
             written_since_judged: false,
             prev: None,
-            below_dirty: true,
-            empty_below_at: None,
+            reclaimed_at: 0,
             avg_written: 0.0,
             avg_read: 0.0,
             state: State::BelowFill,
@@ -306,7 +304,7 @@ impl Policy {
         if let (Some(a), Some(b)) = (self.prev.and_then(|p| p.front_reads), s.front_reads) {
             self.stats.front_reads += b.saturating_sub(a).saturating_sub(dr);
         }
-        let discard_below = self.empty_below(s, dw);
+        let reclaim_below = self.reclaim_due(s);
         self.prev = Some(*s);
         self.stats.written_back += dw;
         self.stats.read_back += dr;
@@ -348,39 +346,24 @@ impl Policy {
         if write_back.is_some() {
             self.stats.writeback_runs += 1;
         }
-        Decision { write_back, allow_writeback: !matches!(state, State::Paused(_)), discard_below }
+        Decision { write_back, allow_writeback: !matches!(state, State::Paused(_)), reclaim_below }
     }
 
-    /// Counts the outcome of a discard of the device below that the last
-    /// decision asked for: one not done (pages went down meanwhile) is
-    /// asked for again once the front is empty again.
-    pub fn count_discard(&mut self, done: bool) {
-        if done {
-            self.stats.below_discards += 1;
-        } else {
-            self.below_dirty = true;
-        }
+    /// Counts a reclaim below that dropped `pages` pages.
+    pub fn count_reclaim(&mut self, pages: u64) {
+        self.stats.below_reclaims += 1;
+        self.stats.below_reclaimed += pages;
     }
 
-    /// Whether the device below is to be discarded now (with the pages
-    /// written so far): it has held nothing of the front's since the last
-    /// sample, nothing went down between the two, and pages went down
-    /// since the last discard.
-    fn empty_below(&mut self, s: &Sample, written: u64) -> Option<u64> {
-        if written > 0 {
-            self.below_dirty = true;
+    /// Whether tmem holds enough pages of blocks freed below to reclaim
+    /// them now.
+    fn reclaim_due(&mut self, s: &Sample) -> bool {
+        let (Some(live), Some(stored)) = (s.below_pages, s.below_stored) else { return false };
+        if self.tick < self.reclaimed_at + RECLAIM_TICKS || stored <= live * 2 + RECLAIM_SLACK_PAGES {
+            return false;
         }
-        if s.below_pages != Some(0) || !self.below_dirty || self.tick < DISCARD_SETTLE_TICKS {
-            self.empty_below_at = None;
-            return None;
-        }
-        if self.empty_below_at != Some(s.written) {
-            self.empty_below_at = Some(s.written);
-            return None;
-        }
-        self.empty_below_at = None;
-        self.below_dirty = false;
-        Some(s.written)
+        self.reclaimed_at = self.tick;
+        true
     }
 
     /// Backs off or relaxes by the share of written-back pages read back.
@@ -465,9 +448,10 @@ impl PolicyThread {
                     }
                     let result = ops.sample().and_then(|s| {
                         let d = policy.step(&s);
-                        if let Some(written) = d.discard_below {
-                            let done = ops.discard_below(written)?;
-                            policy.count_discard(done);
+                        if d.reclaim_below {
+                            if let Some(pages) = ops.reclaim_below()? {
+                                policy.count_reclaim(pages);
+                            }
                         }
                         if d.allow_writeback != allowed {
                             ops.allow_writeback(d.allow_writeback)?;

@@ -10,10 +10,14 @@
 //! tmem keeps at most the high-water mark of written-back blocks, and
 //! stale ones are overwritten first.
 //!
-//! zram never tells the device below that a block is free, so once
-//! `bd_stat` counts no page on it, the policy has the whole device
-//! discarded ([`FrontOps::discard_below`]): tmem's pool lets go of the
-//! pages of a job that has ended.
+//! zram never tells the device below that a block is free, so tmem's pool
+//! would keep the pages of an ended job's blocks. With tmem's store behind
+//! it ([`Below`], [`ZramFront::with_below`]), the policy has the front
+//! reclaim them ([`FrontOps::reclaim_below`]): under a `flock` on the
+//! device below, which every writeback takes too (a hand-over runs two
+//! policies), it reads through zram every slot debugfs `block_state`
+//! flags written back, and tmem drops every page that was not read. No
+//! block can become used meanwhile: only a writeback uses one.
 //!
 //! Idle marking: where the kernel tracks access times
 //! (`CONFIG_ZRAM_TRACK_ENTRY_ACTIME`, Debian 13's 6.12), `echo SECS > idle`
@@ -24,6 +28,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tmem_sys::zram::ZramDevice;
@@ -49,11 +54,22 @@ const AGES_NO: u8 = 2;
 /// No `echo all > idle` made yet.
 const NEVER: u64 = u64::MAX;
 
+/// tmem's store on the device below the front.
+pub trait Below: Send + Sync + std::fmt::Debug {
+    /// Pages it holds.
+    fn stored_pages(&self) -> u64;
+    /// Drops every page but those read or written while `mark` runs;
+    /// returns the pages dropped, `None` when it dropped nothing (`mark`
+    /// failed, or another sweep was running).
+    fn keep_only_marked(&self, mark: &mut dyn FnMut() -> bool) -> Option<u64>;
+}
+
 /// tmem's zram device in front of its own device.
 #[derive(Debug)]
 pub struct ZramFront {
     dev: ZramDevice,
     backing: PathBuf,
+    below: Option<Arc<dyn Below>>,
     ages: AtomicU8,
     /// Milliseconds after `born` of the last `echo all > idle`.
     last_mark_ms: AtomicU64,
@@ -90,10 +106,18 @@ impl ZramFront {
         Self {
             dev,
             backing: backing.to_owned(),
+            below: None,
             ages: AtomicU8::new(AGES_UNKNOWN),
             last_mark_ms: AtomicU64::new(NEVER),
             born: Instant::now(),
         }
+    }
+
+    /// With tmem's store below, whose pages of freed blocks the policy
+    /// reclaims.
+    #[must_use]
+    pub fn with_below(self, below: Arc<dyn Below>) -> Self {
+        Self { below: Some(below), ..self }
     }
 
     /// `/dev/zramN`.
@@ -126,13 +150,13 @@ impl ZramFront {
         Ok(self.dev.remove()?)
     }
 
-    /// Opens the device below (for writing: BLKDISCARD needs it; zram
-    /// holds it exclusively, which a plain open does not need) and takes
-    /// an exclusive `flock` on it, which every writeback and discard of any
-    /// process's policy over this device holds: a hand-over has two.
-    fn lock_below(&self, write: bool) -> Result<std::fs::File, FrontError> {
-        let err = |source| FrontError::Discard { dev: self.backing.clone(), source };
-        let f = std::fs::OpenOptions::new().read(true).write(write).open(&self.backing).map_err(err)?;
+    /// Opens the device below (zram holds it exclusively, which a plain
+    /// open does not need) and takes an exclusive `flock` on it, which
+    /// every writeback and reclaim of any process's policy over this
+    /// device holds: a hand-over has two.
+    fn lock_below(&self) -> Result<std::fs::File, FrontError> {
+        let err = |source| FrontError::Below { dev: self.backing.clone(), source };
+        let f = std::fs::File::open(&self.backing).map_err(err)?;
         tmem_sys::blockio::lock_exclusive_wait(&f).map_err(err)?;
         Ok(f)
     }
@@ -153,11 +177,12 @@ impl FrontOps for ZramFront {
             read_back: bd.reads,
             front_reads: self.dev.reads().map(|r| r.pages()),
             below_pages: Some(bd.count),
+            below_stored: self.below.as_ref().map(|b| b.stored_pages()),
         })
     }
 
     fn write_back_idle(&self, age: Duration, max_pages: u64) -> Result<u64, FrontError> {
-        let _below = self.lock_below(false)?;
+        let _below = self.lock_below()?;
         if self.ages.load(Ordering::Relaxed) != AGES_NO {
             match self.dev.mark_idle(Some(age.as_secs().max(1)))? {
                 true => {
@@ -190,15 +215,22 @@ impl FrontOps for ZramFront {
         Ok(())
     }
 
-    fn discard_below(&self, written: u64) -> Result<bool, FrontError> {
-        let f = self.lock_below(true)?;
-        let bd = self.dev.bd_stat()?;
-        if bd.count != 0 || bd.writes != written {
-            return Ok(false);
+    fn reclaim_below(&self) -> Result<Option<u64>, FrontError> {
+        let Some(below) = &self.below else { return Ok(None) };
+        let _below = self.lock_below()?;
+        let slots = self.dev.written_back_slots()?;
+        let mut failed = None;
+        let mut mark = || match self.dev.read_slots(&slots) {
+            Ok(()) => true,
+            Err(e) => {
+                failed = Some(e);
+                false
+            }
+        };
+        let dropped = below.keep_only_marked(&mut mark);
+        match failed {
+            Some(e) => Err(e.into()),
+            None => Ok(dropped),
         }
-        let err = |source| FrontError::Discard { dev: self.backing.clone(), source };
-        let size = tmem_sys::blockio::block_device_size(&f).map_err(err)?;
-        tmem_sys::blockio::block_discard(&f, 0, size).map_err(err)?;
-        Ok(true)
     }
 }

@@ -192,6 +192,7 @@ impl FrontOps for ZswapFront {
             front_reads: tmem_sys::vmstat::SwapCounters::now().ok().map(|c| c.zswpin + read_back),
             // Its pages below are swap slots: the swap area's own discard frees them.
             below_pages: None,
+            below_stored: None,
         })
     }
 

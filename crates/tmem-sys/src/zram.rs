@@ -121,6 +121,26 @@ impl BdStat {
     }
 }
 
+/// The slots flagged `w` (written back) in a debugfs `block_state` text:
+/// one line per allocated slot, `INDEX SECS.USECS FLAGS`, the flags a
+/// run of letters or `.` (`s` same-filled, `w` written back, `h` huge, `i`
+/// idle, ...).
+pub fn parse_written_back_slots(text: &str) -> Result<Vec<u64>, ZramError> {
+    let err = |reason: String| ZramError::Parse { what: "block_state", reason, input: text.to_owned() };
+    let mut slots = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [index, _, flags] = fields[..] else {
+            return Err(err(format!("{line:?}: expected 3 fields")));
+        };
+        let index: u64 = index.parse().map_err(|e| err(format!("{line:?}: index: {e}")))?;
+        if flags.contains('w') {
+            slots.push(index);
+        }
+    }
+    Ok(slots)
+}
+
 /// The zram devices whose backing device is `dev` (by `backing_dev`, which
 /// names the block device's node): what a dead daemon's zram front left.
 #[must_use]
@@ -392,6 +412,46 @@ impl ZramDevice {
     #[must_use]
     pub fn reads(&self) -> Option<crate::blockstat::BlockReads> {
         crate::blockstat::BlockReads::of(&self.node())
+    }
+
+    /// The slots whose pages are on the backing device now (flag `w` in
+    /// debugfs `block_state`: `CONFIG_ZRAM_MEMORY_TRACKING`, debugfs at
+    /// `/sys/kernel/debug`); `Unavailable` where there is no such file.
+    pub fn written_back_slots(&self) -> Result<Vec<u64>, ZramError> {
+        let path = Path::new("/sys/kernel/debug/zram").join(&self.name).join("block_state");
+        match std::fs::read_to_string(&path) {
+            Ok(text) => parse_written_back_slots(&text),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(ZramError::Unavailable(format!(
+                "{}: no such file (zram without CONFIG_ZRAM_MEMORY_TRACKING, or debugfs not mounted)",
+                path.display()
+            ))),
+            Err(source) => Err(ZramError::SysfsRead { path, source }),
+        }
+    }
+
+    /// Reads each of `slots` through the device (`O_DIRECT`, one page
+    /// each): for a written-back slot, zram reads its block from the
+    /// backing device, which sees every block zram still uses. Reading
+    /// changes nothing in zram but the slots' access times.
+    pub fn read_slots(&self, slots: &[u64]) -> Result<(), ZramError> {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        let path = self.node();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .map_err(|source| ZramError::Open { path: path.clone(), source })?;
+        let mut buf = crate::aligned::AlignedBuf::zeroed(4096);
+        for &slot in slots {
+            let offset = slot * 4096;
+            file.read_exact_at(&mut buf, offset).map_err(|source| ZramError::Read {
+                path: path.clone(),
+                offset,
+                len: 4096,
+                source,
+            })?;
+        }
+        Ok(())
     }
 
     /// Its `mm_stat`.

@@ -16,13 +16,13 @@ struct SimFront {
     read_back: u64,
     /// Reads of the front, reads back included (as zram counts them).
     reads: u64,
-    /// Times the device below was discarded.
-    discards: u64,
+    /// Pages tmem keeps below for blocks zram freed (read back).
+    stale_below: u64,
 }
 
 impl SimFront {
     fn new(pages: usize) -> Self {
-        Self { pages: vec![(0, false); pages], now: 0, written: 0, read_back: 0, reads: 0, discards: 0 }
+        Self { pages: vec![(0, false); pages], now: 0, written: 0, read_back: 0, reads: 0, stale_below: 0 }
     }
 
     fn access(&mut self, i: usize) {
@@ -31,6 +31,7 @@ impl SimFront {
         if p.1 {
             p.1 = false;
             self.read_back += 1;
+            self.stale_below += 1;
         }
         p.0 = self.now;
     }
@@ -44,16 +45,12 @@ impl SimFront {
             read_back: self.read_back,
             front_reads: Some(self.reads),
             below_pages: Some(self.pages.iter().filter(|p| p.1).count() as u64),
+            below_stored: Some(self.pages.iter().filter(|p| p.1).count() as u64 + self.stale_below),
         }
     }
 
     /// Applies a decision (one tick is one second here).
     fn apply(&mut self, d: Decision) {
-        if let Some(written) = d.discard_below {
-            let down = self.pages.iter().filter(|p| p.1).count();
-            assert_eq!((down, written), (0, self.written), "discarded the device below with {down} pages on it");
-            self.discards += 1;
-        }
         let Some((age, mut max)) = d.write_back else { return };
         for p in &mut self.pages {
             if max == 0 {
@@ -87,8 +84,8 @@ fn run(policy: &mut Policy, f: &mut SimFront, ticks: u64, mut touch: impl FnMut(
         touch(f, t);
         let d = policy.step(&f.sample());
         f.apply(d);
-        if d.discard_below.is_some() {
-            policy.count_discard(true);
+        if d.reclaim_below {
+            policy.count_reclaim(std::mem::take(&mut f.stale_below));
         }
     }
 }
@@ -251,58 +248,6 @@ fn the_pages_the_front_serves_itself_are_counted_apart_from_reads_back() {
 }
 
 #[test]
-fn the_device_below_is_discarded_once_the_front_holds_nothing_on_it() {
-    let mut f = SimFront::new(4000);
-    let mut p = Policy::new(cfg(4000));
-    // Nothing below at the start, but a policy that just started waits.
-    run(&mut p, &mut f, 3, |_, _| {});
-    assert_eq!(f.discards, 0);
-    // Pages go down, then the job reads every one of them back.
-    run(&mut p, &mut f, 20, |_, _| {});
-    assert!(f.written > 0 && f.discards <= 1);
-    let before = f.discards;
-    run(&mut p, &mut f, 1, |f, _| (0..4000).for_each(|i| f.access(i)));
-    run(&mut p, &mut f, 2, |f, _| (0..4000).for_each(|i| f.access(i)));
-    assert_eq!(f.discards, before + 1, "two empty samples with no writes between: one discard");
-    // Empty and nothing new went down: no second discard.
-    run(&mut p, &mut f, 20, |f, _| (0..4000).for_each(|i| f.access(i)));
-    assert_eq!(f.discards, before + 1);
-    assert_eq!(p.stats(&FrontStats::default()).below_discards, f.discards);
-    // Idle again: pages go down and stay (the sim asserts on every discard
-    // that nothing is below).
-    run(&mut p, &mut f, 40, |_, _| {});
-    assert_eq!(f.discards, before + 1);
-}
-
-#[test]
-fn a_front_that_does_not_count_its_pages_below_is_never_discarded() {
-    let mut f = SimFront::new(4000);
-    let mut p = Policy::new(cfg(4000));
-    for t in 1..=40 {
-        f.now = t;
-        let d = p.step(&Sample { below_pages: None, ..f.sample() });
-        assert_eq!(d.discard_below, None);
-        f.apply(d);
-    }
-}
-
-#[test]
-fn a_discard_the_front_did_not_do_is_asked_for_again() {
-    let mut p = Policy::new(cfg(4000));
-    let sample = |written| Sample { written, below_pages: Some(0), front_reads: Some(0), ..Sample::default() };
-    let asked: Vec<Option<u64>> = (0..11).map(|t| p.step(&sample(if t < 5 { t } else { 5 })).discard_below).collect();
-    assert_eq!(asked.iter().flatten().count(), 1, "one discard once empty and settled: {asked:?}");
-    assert_eq!(asked.last(), Some(&Some(5)));
-    // The front found pages below after all (another writer came first).
-    p.count_discard(false);
-    assert_eq!(p.step(&sample(5)).discard_below, None, "one empty sample is not enough");
-    assert_eq!(p.step(&sample(5)).discard_below, Some(5));
-    p.count_discard(true);
-    assert_eq!(p.stats(&FrontStats::default()).below_discards, 1);
-    assert!((0..5).all(|_| p.step(&sample(5)).discard_below.is_none()), "nothing went down since");
-}
-
-#[test]
 fn a_slow_start_sends_few_pages_of_a_hot_job_down_before_they_come_back() {
     // Every page every 10 ticks: each looks idle for 5 ticks of each pass.
     let mut f = SimFront::new(4000);
@@ -312,4 +257,36 @@ fn a_slow_start_sends_few_pages_of_a_hot_job_down_before_they_come_back() {
     // Ticks 5-10 at 64 pages a tick; the full rate (2000) could have sent
     // every idle page down at tick 5.
     assert!(f.written <= 6 * 64, "{} pages went down in the first pass", f.written);
+}
+
+#[test]
+fn pages_of_blocks_freed_below_are_reclaimed_once_they_outweigh_the_live_ones() {
+    let mut f = SimFront::new(4000);
+    let mut p = Policy::new(PolicyConfig { fill_percent: 0, ..cfg(4000) });
+    // Everything goes down, then the job reads every page back: zram frees
+    // the blocks, tmem keeps their pages.
+    run(&mut p, &mut f, 60, |_, _| {});
+    assert_eq!(f.pages.iter().filter(|p| p.1).count(), 4000);
+    // The same tick sees 4,000 pages below with none in use, and reclaims
+    // them (the last reclaim is long past).
+    run(&mut p, &mut f, 1, |f, _| (0..4000).for_each(|i| f.access(i)));
+    let st = p.stats(&FrontStats::default());
+    assert_eq!((st.below_reclaims, st.below_reclaimed, f.stale_below), (1, 4000, 0));
+    // A few freed blocks among many live ones: under twice the live pages
+    // plus the slack, nothing to reclaim.
+    run(&mut p, &mut f, 60, |_, _| {});
+    run(&mut p, &mut f, 1, |f, _| (0..300).for_each(|i| f.access(i)));
+    run(&mut p, &mut f, 30, |_, _| {});
+    assert_eq!(p.stats(&FrontStats::default()).below_reclaims, 1, "300 stale pages against 3,700 live ones");
+}
+
+#[test]
+fn reclaims_below_are_spaced_and_need_both_counts() {
+    let mut p = Policy::new(cfg(4000));
+    let sample = |stored| Sample { below_pages: Some(10), below_stored: stored, ..Sample::default() };
+    let due: Vec<u64> = (1..=60).filter(|_| p.step(&sample(Some(10_000))).reclaim_below).collect();
+    assert_eq!(due, vec![20, 40, 60], "at most once every {RECLAIM_TICKS} ticks");
+    assert!((0..40).all(|_| !p.step(&sample(None)).reclaim_below), "no count of tmem's pages: nothing to weigh");
+    assert!(!p.step(&sample(Some(2 * 10 + RECLAIM_SLACK_PAGES))).reclaim_below);
+    assert!(p.step(&sample(Some(2 * 10 + RECLAIM_SLACK_PAGES + 1))).reclaim_below);
 }

@@ -161,3 +161,14 @@ fn bd_stat_parses_three_fields_and_refuses_fewer() {
 fn no_zram_device_is_backed_by_a_path_that_is_no_device() {
     assert!(backed_by(std::path::Path::new("/nonexistent/tmem-test")).is_empty());
 }
+
+#[test]
+fn block_state_gives_the_written_back_slots() {
+    let text = "           0       91.275000 s.....\n           7     5512.012345 .w.i..\n        1024     5512.012345 .wh..n\n";
+    assert_eq!(parse_written_back_slots(text).unwrap(), vec![7, 1024]);
+    assert_eq!(parse_written_back_slots("").unwrap(), Vec::<u64>::new());
+    for bad in ["7 1.0\n", "x 1.0 .w....\n", "7 1.0 .w.... extra\n"] {
+        let e = parse_written_back_slots(bad).unwrap_err().to_string();
+        assert!(e.contains("block_state"), "{bad:?}: {e}");
+    }
+}
