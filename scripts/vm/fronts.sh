@@ -48,7 +48,7 @@ while :; do
     reclaims=$(front_counter below_reclaims)
     [ "${reclaims:-0}" -gt 0 ] && [ "${stored:-1}" -le $((2 * ${live:-0} + 256)) ] && break
     i=$((i + 1))
-    [ "$i" -lt 200 ] || fail "front zram: tmem still holds $stored pages 40 s after the job ended, zram $live below ($reclaims reclaims)"
+    [ "$i" -lt 200 ] || fail "front zram: tmem still holds $stored pages 40 s after the job ended, zram $live below ($reclaims reclaims; $(grep 'front policy' /run/tmem/daemon.log | tail -2))"
     sleep 0.2
 done
 say "front zram: after the job, $reclaims reclaims below ($(front_counter below_reclaimed) pages); tmem holds $stored pages, zram counts $live below"

@@ -15,6 +15,9 @@ mount -t devtmpfs dev /dev
 mount -t tmpfs run /run
 mount -t tmpfs tmp /tmp
 mkdir -p /sys/fs/cgroup && mount -t cgroup2 cgroup2 /sys/fs/cgroup
+# As systemd does (sys-kernel-debug.mount): the zram front's reclaim reads
+# zram's block_state there.
+mount -t debugfs debugfs /sys/kernel/debug
 ip link set lo up
 
 say() { echo "VM-TEST: $*"; }
