@@ -65,6 +65,15 @@ pub enum FrontError {
         /// Cause.
         source: std::io::Error,
     },
+    /// zram's `block_state` named fewer written-back slots than `bd_stat`
+    /// counts: the reclaim below did not run.
+    #[error("reclaim below skipped: block_state lists {listed} written-back slots, bd_stat counts {live}")]
+    Reclaim {
+        /// Slots flagged written back.
+        listed: u64,
+        /// Pages zram counts below.
+        live: u64,
+    },
     /// The policy thread could not start.
     #[error("cannot start the front's policy thread: {0}")]
     Spawn(std::io::Error),

@@ -219,6 +219,13 @@ impl FrontOps for ZramFront {
         let Some(below) = &self.below else { return Ok(None) };
         let _below = self.lock_below()?;
         let slots = self.dev.written_back_slots()?;
+        // No block can be taken under the lock, only freed: a listing that
+        // names fewer slots than zram counts below now is cut short, and
+        // the sweep would drop live pages.
+        let live = self.dev.bd_stat()?.count;
+        if (slots.len() as u64) < live {
+            return Err(FrontError::Reclaim { listed: slots.len() as u64, live });
+        }
         let mut failed = None;
         let mut mark = || match self.dev.read_slots(&slots) {
             Ok(()) => true,

@@ -121,6 +121,23 @@ impl BdStat {
     }
 }
 
+/// Reads a debugfs file that prints whole lines per read: a read whose
+/// buffer cannot hold the next line returns 0, which `read_to_string`'s
+/// first small read takes for the end (it then returns nothing at all),
+/// so every read here offers 1 MiB.
+fn read_whole_lines(mut file: &std::fs::File) -> io::Result<String> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match file.read(&mut buf)? {
+            0 => break,
+            n => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8(out).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
 /// The slots flagged `w` (written back) in a debugfs `block_state` text:
 /// one line per allocated slot, `INDEX SECS.USECS FLAGS`, the flags a
 /// run of letters or `.` (`s` same-filled, `w` written back, `h` huge, `i`
@@ -419,14 +436,18 @@ impl ZramDevice {
     /// `/sys/kernel/debug`); `Unavailable` where there is no such file.
     pub fn written_back_slots(&self) -> Result<Vec<u64>, ZramError> {
         let path = Path::new("/sys/kernel/debug/zram").join(&self.name).join("block_state");
-        match std::fs::read_to_string(&path) {
-            Ok(text) => parse_written_back_slots(&text),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(ZramError::Unavailable(format!(
-                "{}: no such file (zram without CONFIG_ZRAM_MEMORY_TRACKING, or debugfs not mounted)",
-                path.display()
-            ))),
-            Err(source) => Err(ZramError::SysfsRead { path, source }),
-        }
+        let file = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(ZramError::Unavailable(format!(
+                    "{}: no such file (zram without CONFIG_ZRAM_MEMORY_TRACKING, or debugfs not mounted)",
+                    path.display()
+                )))
+            }
+            Err(source) => return Err(ZramError::SysfsRead { path, source }),
+        };
+        let text = read_whole_lines(&file).map_err(|source| ZramError::SysfsRead { path, source })?;
+        parse_written_back_slots(&text)
     }
 
     /// Reads each of `slots` through the device (`O_DIRECT`, one page
