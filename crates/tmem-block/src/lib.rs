@@ -629,17 +629,19 @@ impl PoolDevice {
     /// Drops every page but those read or written while `mark` runs: for a
     /// device below zram, which never says which written-back blocks it
     /// freed. `mark` reads, through zram, every block zram still uses (each
-    /// read reaches this device and marks its page) and returns whether it
-    /// read them all; when it did not, nothing is dropped (`Interrupted`).
+    /// read reaches this device and marks its page) and returns how many
+    /// pages at least must be marked now, or `None` when it could not read
+    /// them all; then, or when fewer pages were marked (reads that did not
+    /// reach this device), nothing is dropped (`Interrupted`).
     /// Nothing may write to the device meanwhile but what `mark` allows
     /// for (zram writes to it only when told to write back): a write keeps
     /// its page, as in [`drop_stale`](Self::drop_stale). Shares its one
     /// sweep at a time.
-    pub fn keep_only_marked(&self, mark: &mut dyn FnMut() -> bool) -> StaleSweep {
+    pub fn keep_only_marked(&self, mark: &mut dyn FnMut() -> Option<u64>) -> StaleSweep {
         if !self.written.begin() {
             return StaleSweep::Interrupted;
         }
-        if !mark() {
+        if mark().is_none_or(|min| self.written.count() < min) {
             self.written.end();
             bump(&self.io.stale_sweeps_interrupted, 1);
             return StaleSweep::Interrupted;

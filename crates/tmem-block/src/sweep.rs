@@ -65,6 +65,11 @@ impl WrittenDuringSweep {
         self.active.load(Ordering::SeqCst)
     }
 
+    /// Pages marked since [`begin`](Self::begin).
+    pub(crate) fn count(&self) -> u64 {
+        self.bits.iter().map(|w| u64::from(w.load(Ordering::SeqCst).count_ones())).sum()
+    }
+
     /// Called by a read of pages `first..=last` before it looks them up.
     pub(crate) fn on_read(&self, first: u64, last: u64) {
         if self.active.load(Ordering::SeqCst) {

@@ -150,13 +150,15 @@ fn keep_only_marked_keeps_the_pages_read_while_it_marks_and_drops_the_rest() {
         d.write_at(&pattern(64 * PAGE_SIZE, 7), 0).unwrap();
         let mut back = vec![0u8; 2 * PAGE_SIZE];
         // A mark that fails drops nothing.
-        assert_eq!(d.keep_only_marked(&mut || false), StaleSweep::Interrupted);
+        assert_eq!(d.keep_only_marked(&mut || None), StaleSweep::Interrupted);
+        // Nor does a mark that reached fewer pages than the caller knows are live.
+        assert_eq!(d.keep_only_marked(&mut || Some(1)), StaleSweep::Interrupted);
         assert_eq!(d.store().stats().total.stored_pages, 64);
         // Pages 10 and 11 read in one request, page 20 written: they stay.
         let mut mark = || {
             d.read_at(&mut back, 10 * PAGE).unwrap();
             d.write_at(&pattern(PAGE_SIZE, 20), 20 * PAGE).unwrap();
-            true
+            Some(3)
         };
         // 64 stored; kept: 10, 11 and 20 (page 0 too is dropped: no header below zram).
         assert_eq!(d.keep_only_marked(&mut mark), StaleSweep::Done { dropped: 61, kept: 3 });
@@ -169,9 +171,9 @@ fn keep_only_marked_keeps_the_pages_read_while_it_marks_and_drops_the_rest() {
         d.read_at(&mut one, 0).unwrap();
         assert!(one.iter().all(|b| *b == 0));
         // Outside a mark, reads mark nothing: the next sweep starts clean.
-        assert_eq!(d.keep_only_marked(&mut || true), StaleSweep::Done { dropped: 3, kept: 0 });
+        assert_eq!(d.keep_only_marked(&mut || Some(0)), StaleSweep::Done { dropped: 3, kept: 0 });
         let s = d.stats();
-        assert_eq!((s.stale_pages_dropped, s.stale_sweeps_interrupted), (64, 1));
+        assert_eq!((s.stale_pages_dropped, s.stale_sweeps_interrupted), (64, 2));
     }
 }
 

@@ -401,7 +401,7 @@ impl Below for StoreBelow {
         self.0.store().stats().total.stored_pages
     }
 
-    fn keep_only_marked(&self, mark: &mut dyn FnMut() -> bool) -> Option<u64> {
+    fn keep_only_marked(&self, mark: &mut dyn FnMut() -> Option<u64>) -> Option<u64> {
         match self.0.keep_only_marked(mark) {
             tmem_block::StaleSweep::Done { dropped, .. } => Some(dropped),
             tmem_block::StaleSweep::Interrupted => None,

@@ -59,9 +59,11 @@ pub trait Below: Send + Sync + std::fmt::Debug {
     /// Pages it holds.
     fn stored_pages(&self) -> u64;
     /// Drops every page but those read or written while `mark` runs;
-    /// returns the pages dropped, `None` when it dropped nothing (`mark`
-    /// failed, or another sweep was running).
-    fn keep_only_marked(&self, mark: &mut dyn FnMut() -> bool) -> Option<u64>;
+    /// `mark` returns how many pages at least must be marked by then
+    /// (`None`: it failed). Returns the pages dropped, `None` when it
+    /// dropped nothing (`mark` failed, fewer pages were marked, or another
+    /// sweep was running).
+    fn keep_only_marked(&self, mark: &mut dyn FnMut() -> Option<u64>) -> Option<u64>;
 }
 
 /// tmem's zram device in front of its own device.
@@ -227,11 +229,14 @@ impl FrontOps for ZramFront {
             return Err(FrontError::Reclaim { listed: slots.len() as u64, live });
         }
         let mut failed = None;
-        let mut mark = || match self.dev.read_slots(&slots) {
-            Ok(()) => true,
+        // Every block still live after the reads was live throughout, so
+        // listed and read: fewer marks than zram counts below then would
+        // mean reads that missed the store.
+        let mut mark = || match self.dev.read_slots(&slots).and_then(|()| self.dev.bd_stat()) {
+            Ok(bd) => Some(bd.count),
             Err(e) => {
                 failed = Some(e);
-                false
+                None
             }
         };
         let dropped = below.keep_only_marked(&mut mark);
