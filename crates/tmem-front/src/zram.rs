@@ -72,6 +72,8 @@ pub struct ZramFront {
     dev: ZramDevice,
     backing: PathBuf,
     below: Option<Arc<dyn Below>>,
+    /// Set once `block_state` turned out missing: reclaims are off (said once).
+    no_block_state: std::sync::atomic::AtomicBool,
     ages: AtomicU8,
     /// Milliseconds after `born` of the last `echo all > idle`.
     last_mark_ms: AtomicU64,
@@ -109,6 +111,7 @@ impl ZramFront {
             dev,
             backing: backing.to_owned(),
             below: None,
+            no_block_state: std::sync::atomic::AtomicBool::new(false),
             ages: AtomicU8::new(AGES_UNKNOWN),
             last_mark_ms: AtomicU64::new(NEVER),
             born: Instant::now(),
@@ -219,8 +222,17 @@ impl FrontOps for ZramFront {
 
     fn reclaim_below(&self) -> Result<Option<u64>, FrontError> {
         let Some(below) = &self.below else { return Ok(None) };
+        if self.no_block_state.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
         let _below = self.lock_below()?;
-        let slots = self.dev.written_back_slots()?;
+        let slots = match self.dev.written_back_slots() {
+            Err(e @ tmem_sys::zram::ZramError::Unavailable(_)) => {
+                self.no_block_state.store(true, Ordering::Relaxed);
+                return Err(e.into());
+            }
+            other => other?,
+        };
         // No block can be taken under the lock, only freed: a listing that
         // names fewer slots than zram counts below now is cut short, and
         // the sweep would drop live pages.
