@@ -27,7 +27,7 @@
 //! the pages still marked: the same age, in two steps.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,7 +73,7 @@ pub struct ZramFront {
     backing: PathBuf,
     below: Option<Arc<dyn Below>>,
     /// Set once `block_state` turned out missing: reclaims are off (said once).
-    no_block_state: std::sync::atomic::AtomicBool,
+    no_block_state: AtomicBool,
     ages: AtomicU8,
     /// Milliseconds after `born` of the last `echo all > idle`.
     last_mark_ms: AtomicU64,
@@ -111,7 +111,7 @@ impl ZramFront {
             dev,
             backing: backing.to_owned(),
             below: None,
-            no_block_state: std::sync::atomic::AtomicBool::new(false),
+            no_block_state: AtomicBool::new(false),
             ages: AtomicU8::new(AGES_UNKNOWN),
             last_mark_ms: AtomicU64::new(NEVER),
             born: Instant::now(),
