@@ -29,7 +29,9 @@ no_front_left() {
 # 1. --front zram: idle pages go down to tmem, some come back, the job is right.
 tmem swap up --front zram --front-limit 24M --front-idle-age 1 --front-fill 0 > /tmp/up-zram.log 2>&1 \
     || fail "tmem swap up --front zram"
-grep -E '^front:|in front' /tmp/up-zram.log | sed 's/^/VM-TEST:   /'
+grep -E '^front:|in front|codec auto' /tmp/up-zram.log | sed 's/^/VM-TEST:   /'
+# --codec auto: behind a front, tmem's store is the dense cold tier.
+grep -q 'codec auto: zstd:3+dict' /tmp/up-zram.log || fail "front zram: codec auto did not pick zstd:3+dict: $(cat /tmp/up-zram.log)"
 say "swap: $(tail -n +2 /proc/swaps | tr '\n' ';')"
 coldjob "front zram"
 tmem stat | sed 's/^/VM-TEST:   /'

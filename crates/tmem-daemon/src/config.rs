@@ -6,7 +6,7 @@
 //! devices = 1
 //! size = "8G"
 //! pool-limit = "25%"       # or "2G"
-//! codec = "lz4"            # zstd, zstd:3, lz4+dict, ...
+//! codec = "auto"           # lz4, zstd, zstd:3, lz4+dict, ... (auto: lz4, zstd:3+dict behind a front)
 //! priority = 100
 //! fuse-threads = 16       # default: one per online CPU, at least 4
 //! fuse-uring = 0
@@ -294,8 +294,10 @@ impl Config {
                 .parse::<PoolLimit>()
                 .map_err(|e| e.to_string())
                 .and_then(|l| limits::pool_limit("", l, machine.total_ram).map_err(detail))),
-            codec: checked!(s.codec, "swap.codec", |v: String| tmem_core::codec::CodecChoice::parse(&v)
-                .map(|_| v)
+            codec: checked!(s.codec, "swap.codec", |v: String| tmem_core::codec::CodecChoice::parse(
+                crate::auto_codec::resolve(&v, tmem_front::Front::None)
+            )
+            .map(|_| v)
                 .map_err(|e| e.to_string())),
             priority: checked!(s.priority, "swap.priority", |p: i64| limits::priority("", p).map_err(detail)),
             fuse_threads: checked!(s.fuse_threads, "swap.fuse-threads", |n: u64| limits::fuse_threads("", n, machine)

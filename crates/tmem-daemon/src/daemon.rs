@@ -138,7 +138,7 @@ fn setup_err(e: impl std::fmt::Display) -> DaemonError {
 
 /// Runs the daemon until an orderly teardown; returns an error only when
 /// setup fails (after undoing what was set up) or is stopped by a signal.
-pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
+pub fn run(mut spec: DaemonSpec) -> Result<(), DaemonError> {
     crate::logging::init();
     let dir = RuntimeDir::create(&spec.runtime_dir)?;
     let lock_file = match spec.lock_fd {
@@ -154,6 +154,15 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
     protect(&mut steps)?;
 
     let total_ram = swap::total_ram_bytes().map_err(setup_err)?;
+    // The front first: `--codec auto` depends on it.
+    let fronts = match spec.swap {
+        true => crate::front::Fronts::choose(&spec.front)?,
+        false => crate::front::Fronts::default(),
+    };
+    if spec.swap {
+        steps.push(format!("front: {} ({})", fronts.front().as_str(), fronts.choice.reason));
+    }
+    steps.extend(spec.resolve_codecs(fronts.front()));
     let mut devices = Vec::new();
     for d in &spec.devices {
         let store = store_config(d, total_ram)?;
@@ -226,13 +235,6 @@ pub fn run(spec: DaemonSpec) -> Result<(), DaemonError> {
             c.eviction.name(),
         ));
         caches.push(Arc::new(dev));
-    }
-    let fronts = match spec.swap {
-        true => crate::front::Fronts::choose(&spec.front)?,
-        false => crate::front::Fronts::default(),
-    };
-    if spec.swap {
-        steps.push(format!("front: {} ({})", fronts.front().as_str(), fronts.choice.reason));
     }
     let status = Status {
         state: "starting".into(),

@@ -16,6 +16,7 @@
 //! - [`supervisor`]: systemd's notify protocol, and a successor's `MAINPID=`;
 //! - `fault` (feature `fault-injection`, test builds only): injected faults.
 
+pub mod auto_codec;
 pub mod config;
 pub mod control;
 pub mod daemon;

@@ -9,7 +9,7 @@ use tmem_block::CacheConfig;
 use tmem_core::codec::CodecChoice;
 use tmem_core::{DictTraining, Eviction, GroupConfig, Incompressible, PolicyConfig, RecompressConfig, StoreConfig};
 
-use crate::{limits, DaemonError};
+use crate::{auto_codec, limits, DaemonError};
 
 /// Fewest `/dev/fuse` worker threads by default: on 2 vCPUs 4 workers keep
 /// the loop device's queue busy while others wait in the kernel.
@@ -45,7 +45,9 @@ pub struct DeviceSpec {
     pub name: String,
     /// Size in bytes.
     pub size: u64,
-    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary once the pool holds 8 MiB, and newer ones as it grows.
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary once the
+    /// pool holds 8 MiB, and newer ones as it grows; auto (see
+    /// [`auto_codec`]) until the daemon resolves it.
     pub codec: String,
     /// The pool limit.
     pub pool_limit: PoolLimit,
@@ -304,6 +306,20 @@ pub struct DaemonSpec {
 }
 
 impl DaemonSpec {
+    /// Resolves every `auto` codec for `front` (see [`auto_codec`]); the
+    /// setup's steps, for the codecs that were `auto`.
+    pub fn resolve_codecs(&mut self, front: tmem_front::Front) -> Vec<String> {
+        let mut steps = Vec::new();
+        let codecs = self.devices.iter_mut().map(|d| (&d.name, &mut d.codec));
+        for (name, codec) in codecs.chain(self.caches.iter_mut().map(|c| (&c.name, &mut c.codec))) {
+            if let Some(why) = auto_codec::reason(codec, front) {
+                steps.push(format!("{name}: {why}"));
+            }
+            *codec = auto_codec::resolve(codec, front).to_owned();
+        }
+        steps
+    }
+
     /// Checks everything that can be checked before the daemon starts:
     /// device sizes and count, codecs and limits, tiers and key file.
     pub fn validate(&self, total_ram: u64) -> Result<(), DaemonError> {
@@ -446,8 +462,12 @@ pub struct CacheArgs {
 }
 
 /// Builds the store configuration of a device.
+/// A codec still `auto` ([`DaemonSpec::resolve_codecs`] has not run: a
+/// check before the front is chosen) builds as it would with no front;
+/// either choice is a valid codec.
 pub fn store_config(d: &DeviceSpec, total_ram: u64) -> Result<StoreConfig, DaemonError> {
-    let choice = CodecChoice::parse(&d.codec).map_err(|e| DaemonError::Invalid(format!("codec {:?}: {e}", d.codec)))?;
+    let codec = auto_codec::resolve(&d.codec, tmem_front::Front::None);
+    let choice = CodecChoice::parse(codec).map_err(|e| DaemonError::Invalid(format!("codec {:?}: {e}", d.codec)))?;
     let (max_pool_bytes, max_pool_percent) = match d.pool_limit {
         PoolLimit::Bytes(b) => (b, 0),
         PoolLimit::Percent(p) => (0, p),

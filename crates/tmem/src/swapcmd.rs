@@ -22,8 +22,9 @@ pub struct UpArgs {
     /// Pool memory limit per device: a size (2G, at least 1M) or a percentage of RAM (1%..100%).
     #[arg(long, default_value = "25%")]
     pool_limit: PoolLimit,
-    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary once the pool holds 8 MiB, and newer ones as it grows.
-    #[arg(long, default_value = "lz4")]
+    /// Codec: lz4, zstd, zstd:LEVEL; "+dict" trains a dictionary once the pool holds 8 MiB, and newer ones as it grows;
+    /// auto: lz4 with no front, zstd:3+dict behind one (tmem then holds the front's cold pages, off the fault path).
+    #[arg(long, default_value = "auto")]
     codec: String,
     /// Swap priority (higher is used first; disk swap is usually negative).
     #[arg(long, default_value_t = 100)]

@@ -1088,6 +1088,8 @@ fn zswap_in_front_is_put_back_after_a_crash() {
     let mut s = Setup::new("zswapfront");
     let up = s.swap_up_with("1G", &["--front", "zswap", "--front-limit", "64M"]);
     assert!(up.contains("front: zswap") && up.contains("zswap in front"), "{up}");
+    assert!(up.contains("swap0: codec auto: zstd:3+dict, as zswap keeps the hot pages"), "{up}");
+    assert!(s.stat()[0]["store"]["codec"].as_str().unwrap().starts_with("zstd"), "the cold tier's codec");
     assert!(tmem_sys::zswap::is_on(&zswap_params()["enabled"]), "zswap is on while tmem runs");
     assert!(s.dir.join("front.json").exists(), "the values before are saved first");
     let out = s.run_hog(256, 192);
@@ -1132,6 +1134,8 @@ fn zram_in_front_writes_idle_pages_to_tmem_or_is_refused_with_the_reason() {
         assert_clean(&s);
         let up = s.swap_up_with("1G", &["--front", "auto"]);
         assert!(up.contains("front: none (--front auto: no front"), "{up}");
+        assert!(up.contains("swap0: codec auto: lz4, as no front"), "{up}");
+        assert_eq!(s.stat()[0]["store"]["codec"], "lz4", "the fault path's codec");
         assert_eq!(s.stat()[0].get("front"), None, "no front, no front counters");
         s.swap_down();
         assert_clean(&s);
