@@ -298,7 +298,7 @@ impl Config {
                 crate::auto_codec::resolve(&v, tmem_front::Front::None)
             )
             .map(|_| v)
-                .map_err(|e| e.to_string())),
+            .map_err(|e| e.to_string())),
             priority: checked!(s.priority, "swap.priority", |p: i64| limits::priority("", p).map_err(detail)),
             fuse_threads: checked!(s.fuse_threads, "swap.fuse-threads", |n: u64| limits::fuse_threads("", n, machine)
                 .map_err(detail)),

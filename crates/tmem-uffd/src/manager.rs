@@ -72,14 +72,20 @@ const RESCAN: Duration = Duration::from_millis(20);
 /// `a_python_heap_stays_within_its_memory_and_reads_back_whole`).
 const UNSEEN_POLL: Duration = Duration::from_millis(2);
 /// How long a fault thread keeps reading its userfaultfd after a fault
-/// before it sleeps in `poll`, while the run is well under its budget. A thread
-/// running through cold memory faults again a few µs after it is woken, and
-/// waking a sleeping reader costs each such fault a context switch.
+/// before it sleeps in `poll`. A thread running through cold memory faults
+/// again a few µs after it is served, and waking a sleeping reader costs
+/// each such fault a wake-up of another vCPU (`scripts/uffd-floor.c` on the
+/// 2-vCPU VM: 48-58 µs a fault sleeping, 14-16 µs spinning).
 const SPIN: Duration = Duration::from_micros(50);
 /// How far under its budget, in slacks, a run must be for its fault
-/// threads to spin: where a fault may soon wait for eviction, the evictor
-/// needs the CPU.
+/// threads to spin outright; nearer, where a fault may soon wait for
+/// eviction, the evictor needs the CPU, and they yield it at each turn.
 const SPIN_ROOM: u64 = 4;
+/// How long a fault thread whose fault waits for room keeps yielding the
+/// CPU (to the evictor, which makes the room) before it sleeps until the
+/// evictor signals: an eviction batch takes about a millisecond, and a
+/// sleeping reader's wake-up costs as much as the fault.
+const ROOM_WAIT: Duration = Duration::from_millis(1);
 /// How often the writeback worker looks at the pool's fill (as a device's).
 const WRITEBACK_PERIOD: Duration = Duration::from_millis(20);
 /// How long the program may run before its agent says hello.
@@ -254,8 +260,8 @@ struct Process {
     /// Written by the evictor when it made room; the fault thread polls it.
     room: OwnedFd,
     gone: AtomicBool,
-    /// The reader role, with the time of the last fault read (for the spin).
-    reader: Mutex<Instant>,
+    /// The reader role, with what it spins on.
+    reader: Mutex<Reader>,
     /// Events read and not yet applied to the engine.
     ///
     /// The kernel lets a `munmap`, `mremap` or `madvise` go on as soon as
@@ -693,7 +699,7 @@ fn admit(shared: &Arc<Shared>, sock: OwnedFd) -> Result<u32, String> {
         pagemap,
         room,
         gone: AtomicBool::new(false),
-        reader: Mutex::new(Rank::RunReader, Instant::now()),
+        reader: Mutex::new(Rank::RunReader, Reader { last_fault: Instant::now(), waiting_since: None }),
         events: Mutex::new(Rank::RunEvents, Vec::with_capacity(64)),
         faults: Mutex::new(Rank::RunFaults, VecDeque::with_capacity(64)),
         retry: AtomicBool::new(false),
@@ -774,41 +780,94 @@ fn over_budget(shared: &Shared) -> bool {
         && !shared.stuck.load(Ordering::SeqCst)
 }
 
+/// What the reader role holds between two reads.
+struct Reader {
+    /// When it last read a fault.
+    last_fault: Instant,
+    /// Since when a queued fault has waited for room, if one does.
+    waiting_since: Option<Instant>,
+}
+
+/// What the reader does before it reads the (non-blocking) userfaultfd again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pause {
+    /// Reads at once: faults are queued and may be served.
+    None,
+    /// Spins once: within [`SPIN`] of a fault, well under the budget.
+    Spin,
+    /// Yields the CPU once: within [`SPIN`] of a fault near the budget, or
+    /// within [`ROOM_WAIT`] of a fault's wait for room.
+    Yield,
+    /// Sleeps in `poll` (the userfaultfd, the agent's socket, the room
+    /// signal) for at most this many milliseconds.
+    Sleep(i64),
+}
+
+/// The reader's pause: `retry`, a fault must be tried again after the
+/// program's map changes; `queued`, faults wait to be served; `over`, the
+/// run is past its budget and slack; `room`, it is [`SPIN_ROOM`] slacks
+/// under its budget; `spun`, the last fault read is [`SPIN`] old (or the
+/// `TMEM_RUN_SPIN_US` that replaces it); `waiting`, how long a queued
+/// fault has waited for room.
+///
+/// Measured (docs/PRESSURE.md, "Yielding instead of sleeping"): spinning
+/// outright near the budget cost the python job of `tmem bench pressure`
+/// 17 % at 50 % on 2 CPUs, as the evictor lost the CPU; sleeping there cost
+/// it a wake-up per fault, 1.4-1.7x the time of yielding.
+fn pause(retry: bool, queued: bool, over: bool, room: bool, spun: bool, waiting: Duration) -> Pause {
+    match (queued, over) {
+        _ if retry => Pause::Sleep(1),
+        (true, true) if waiting < ROOM_WAIT => Pause::Yield,
+        (true, true) => Pause::Sleep(200),
+        (true, false) => Pause::None,
+        (false, _) if spun => Pause::Sleep(200),
+        (false, _) if room => Pause::Spin,
+        (false, _) => Pause::Yield,
+    }
+}
+
 /// Takes the reader role, waits for the userfaultfd (or spins on it), and
 /// reads all that is there: events to `p.events`, faults to `p.faults`.
 /// False when the program's agent hung up.
 fn read_faults(shared: &Shared, p: &Process, events: &mut [Event; 64], buf: &mut [u8; PAGE], spin: Duration) -> bool {
-    let mut last_fault = p.reader.lock();
+    let mut reader = p.reader.lock();
     if p.gone.load(Ordering::SeqCst) {
         return true;
     }
     let over = over_budget(shared);
     let queued = !p.faults.lock().is_empty();
     let retry = p.retry.swap(false, Ordering::SeqCst);
-    // Within SPIN of the last fault, with the run well under its budget
-    // (SPIN_ROOM slacks), read again without sleeping (the userfaultfd is
-    // non-blocking). Near the budget the evictor needs the CPU more:
-    // spinning whenever under it made the python job of `tmem bench
-    // pressure` at 50 % take 29.4 s against 25.2 s without, on 2 CPUs.
-    let spinning =
-        last_fault.elapsed() < spin && shared.total.load(Ordering::Relaxed) + SPIN_ROOM * shared.slack < shared.limit();
-    if retry || (queued && over) || (!queued && !spinning) {
-        let timeout = if retry { 1 } else { 200 };
-        let uffd = p.uffd_fd();
-        let mut fds = [
-            PollFd::new(&uffd, PollFlags::IN),
-            PollFd::new(&p.sock, PollFlags::RDHUP),
-            PollFd::new(&p.room, PollFlags::IN),
-        ];
-        let _ = poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: timeout * 1_000_000 }));
-        if fds[2].revents().contains(PollFlags::IN) {
-            drain(&p.room);
+    let room = shared.total.load(Ordering::Relaxed) + SPIN_ROOM * shared.slack < shared.limit();
+    let waiting = match (queued && over, reader.waiting_since) {
+        (false, _) => {
+            reader.waiting_since = None;
+            Duration::ZERO
         }
-        if fds[1].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR) {
-            return false;
+        (true, Some(since)) => since.elapsed(),
+        (true, None) => {
+            reader.waiting_since = Some(Instant::now());
+            Duration::ZERO
         }
-    } else if !queued {
-        std::hint::spin_loop();
+    };
+    match pause(retry, queued, over, room, reader.last_fault.elapsed() >= spin, waiting) {
+        Pause::None => {}
+        Pause::Spin => std::hint::spin_loop(),
+        Pause::Yield => std::thread::yield_now(),
+        Pause::Sleep(timeout) => {
+            let uffd = p.uffd_fd();
+            let mut fds = [
+                PollFd::new(&uffd, PollFlags::IN),
+                PollFd::new(&p.sock, PollFlags::RDHUP),
+                PollFd::new(&p.room, PollFlags::IN),
+            ];
+            let _ = poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: timeout * 1_000_000 }));
+            if fds[2].revents().contains(PollFlags::IN) {
+                drain(&p.room);
+            }
+            if fds[1].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR) {
+                return false;
+            }
+        }
     }
     loop {
         let mut pending = p.events.lock();
@@ -827,7 +886,7 @@ fn read_faults(shared: &Shared, p: &Process, events: &mut [Event; 64], buf: &mut
                     let _ = p.uffd.copy(addr, buf);
                 }
                 Event::Fault { addr, .. } => {
-                    *last_fault = Instant::now();
+                    reader.last_fault = Instant::now();
                     faults.push_back(addr);
                 }
                 Event::Other(_) => {}
@@ -835,7 +894,7 @@ fn read_faults(shared: &Shared, p: &Process, events: &mut [Event; 64], buf: &mut
             }
         }
     }
-    drop(last_fault);
+    drop(reader);
     // Applied now if the engine is free, so that dropped pages leave the
     // store soon; else by the next to take it (an evictor holding it may be
     // waiting on a fault that only the next read serves: never wait here).
@@ -1213,4 +1272,41 @@ fn read_slots(p: &Process, slots: &[u32], bufs: &mut [[u8; PAGE]]) -> std::io::R
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: Duration = Duration::ZERO;
+
+    #[test]
+    fn a_reader_spins_well_under_the_budget_and_yields_near_it_then_sleeps() {
+        // No fault queued, the last one recent: spin where there is room, else yield.
+        assert_eq!(pause(false, false, false, true, false, NOW), Pause::Spin);
+        assert_eq!(pause(false, false, false, false, false, NOW), Pause::Yield);
+        assert_eq!(pause(false, false, true, false, false, NOW), Pause::Yield);
+        // The last fault is SPIN old: sleep until the next.
+        assert_eq!(pause(false, false, false, true, true, NOW), Pause::Sleep(200));
+        assert_eq!(pause(false, false, false, false, true, NOW), Pause::Sleep(200));
+    }
+
+    #[test]
+    fn a_fault_waiting_for_room_yields_to_the_evictor_for_a_while_then_sleeps() {
+        assert_eq!(pause(false, true, true, false, false, NOW), Pause::Yield);
+        assert_eq!(pause(false, true, true, false, true, ROOM_WAIT / 2), Pause::Yield);
+        assert_eq!(pause(false, true, true, false, false, ROOM_WAIT), Pause::Sleep(200));
+        // Room again: serve at once.
+        assert_eq!(pause(false, true, false, false, true, ROOM_WAIT * 2), Pause::None);
+        assert_eq!(pause(false, true, false, true, false, NOW), Pause::None);
+    }
+
+    #[test]
+    fn a_retry_sleeps_a_millisecond_whatever_else_holds() {
+        for bits in 0..32u32 {
+            let b = |i: u32| bits & (1 << i) != 0;
+            let waiting = if b(4) { ROOM_WAIT } else { NOW };
+            assert_eq!(pause(true, b(0), b(1), b(2), b(3), waiting), Pause::Sleep(1));
+        }
+    }
 }
