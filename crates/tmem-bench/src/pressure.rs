@@ -109,7 +109,10 @@ pub struct PressureArgs {
     /// tmem pool limit (size or % of RAM).
     #[arg(long, default_value = "50%")]
     pub tmem_pool_limit: String,
-    /// tmem codec (as `tmem swap up --codec`).
+    /// tmem codec (as `tmem swap up --codec`). lz4 compares codec for
+    /// codec with zram lz4; `auto` (swap up's default: lz4 with no front,
+    /// zstd:3+dict behind one) measures what `tmem swap up` runs; the
+    /// tmem-run row takes named codecs only.
     #[arg(long, default_value = "lz4")]
     pub tmem_codec: String,
     /// FUSE over io_uring workers per CPU for the tmem rows (as `tmem swap up
