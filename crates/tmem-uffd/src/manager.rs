@@ -813,7 +813,7 @@ enum Pause {
 /// Measured (docs/PRESSURE.md, "Yielding instead of sleeping"): spinning
 /// outright near the budget cost the python job of `tmem bench pressure`
 /// 17 % at 50 % on 2 CPUs, as the evictor lost the CPU; sleeping there cost
-/// it a wake-up per fault, 1.4-1.7x the time of yielding.
+/// it a wake-up per fault, 1.3-1.8x the time of yielding.
 fn pause(retry: bool, queued: bool, over: bool, room: bool, spun: bool, waiting: Duration) -> Pause {
     match (queued, over) {
         _ if retry => Pause::Sleep(1),
