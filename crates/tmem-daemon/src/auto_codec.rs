@@ -12,6 +12,7 @@
 //! front is chosen, before any store is built; the resolved codec is what
 //! the state, the status and a successor see.
 
+use tmem_core::codec::{CodecChoice, CodecError};
 use tmem_front::Front;
 
 /// The codec name that asks for the front's choice.
@@ -30,6 +31,13 @@ pub fn resolve(codec: &str, front: Front) -> &str {
         (AUTO, Front::Zram | Front::Zswap) => BEHIND_FRONT,
         (named, _) => named,
     }
+}
+
+/// Parses `codec` before the front is chosen (a flag, the config file, a
+/// spec not yet resolved): `auto` parses as it would with no front; both
+/// of its choices are codecs the store takes.
+pub fn parse(codec: &str) -> Result<CodecChoice, CodecError> {
+    CodecChoice::parse(resolve(codec, Front::None))
 }
 
 /// Why [`resolve`] picked what it did, for the setup's steps; `None` when
@@ -65,8 +73,9 @@ mod tests {
 
     #[test]
     fn both_choices_are_codecs_the_store_takes() {
-        for c in [ALONE, BEHIND_FRONT] {
-            tmem_core::codec::CodecChoice::parse(c).unwrap();
+        for c in [ALONE, BEHIND_FRONT, AUTO] {
+            parse(c).unwrap();
         }
+        assert!(parse("gzip").is_err());
     }
 }

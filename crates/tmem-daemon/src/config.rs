@@ -294,11 +294,9 @@ impl Config {
                 .parse::<PoolLimit>()
                 .map_err(|e| e.to_string())
                 .and_then(|l| limits::pool_limit("", l, machine.total_ram).map_err(detail))),
-            codec: checked!(s.codec, "swap.codec", |v: String| tmem_core::codec::CodecChoice::parse(
-                crate::auto_codec::resolve(&v, tmem_front::Front::None)
-            )
-            .map(|_| v)
-            .map_err(|e| e.to_string())),
+            codec: checked!(s.codec, "swap.codec", |v: String| crate::auto_codec::parse(&v)
+                .map(|_| v)
+                .map_err(|e| e.to_string())),
             priority: checked!(s.priority, "swap.priority", |p: i64| limits::priority("", p).map_err(detail)),
             fuse_threads: checked!(s.fuse_threads, "swap.fuse-threads", |n: u64| limits::fuse_threads("", n, machine)
                 .map_err(detail)),

@@ -6,7 +6,6 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use tmem_block::CacheConfig;
-use tmem_core::codec::CodecChoice;
 use tmem_core::{DictTraining, Eviction, GroupConfig, Incompressible, PolicyConfig, RecompressConfig, StoreConfig};
 
 use crate::{auto_codec, limits, DaemonError};
@@ -463,11 +462,10 @@ pub struct CacheArgs {
 
 /// Builds the store configuration of a device.
 /// A codec still `auto` ([`DaemonSpec::resolve_codecs`] has not run: a
-/// check before the front is chosen) builds as it would with no front;
-/// either choice is a valid codec.
+/// check before the front is chosen) builds as it would with no front
+/// ([`auto_codec::parse`]).
 pub fn store_config(d: &DeviceSpec, total_ram: u64) -> Result<StoreConfig, DaemonError> {
-    let codec = auto_codec::resolve(&d.codec, tmem_front::Front::None);
-    let choice = CodecChoice::parse(codec).map_err(|e| DaemonError::Invalid(format!("codec {:?}: {e}", d.codec)))?;
+    let choice = auto_codec::parse(&d.codec).map_err(|e| DaemonError::Invalid(format!("codec {:?}: {e}", d.codec)))?;
     let (max_pool_bytes, max_pool_percent) = match d.pool_limit {
         PoolLimit::Bytes(b) => (b, 0),
         PoolLimit::Percent(p) => (0, p),
