@@ -69,6 +69,9 @@ pub struct FaultArgs {
     /// tmem codec (as `tmem swap up --codec`).
     #[arg(long, default_value = "lz4")]
     pub tmem_codec: String,
+    /// `tmem run --read-ahead` of the tmem-run row (default: tmem run's).
+    #[arg(long)]
+    pub tmem_read_ahead: Option<u64>,
     /// tmem pool limit (size or % of RAM).
     #[arg(long, default_value = "50%")]
     pub tmem_pool_limit: String,
@@ -450,6 +453,7 @@ pub fn bench(a: &FaultArgs) -> anyhow::Result<FaultReport> {
     let cfg = BackendConfig {
         zram_algorithm: a.zram_algorithm.clone(),
         tmem_codec: a.tmem_codec.clone(),
+        tmem_read_ahead: a.tmem_read_ahead,
         tmem_pool_limit: a.tmem_pool_limit.clone(),
         tmem_fuse_uring: a.tmem_fuse_uring,
         tmem_fuse_threads: a.tmem_fuse_threads,
@@ -665,12 +669,14 @@ fn print_report(r: &FaultReport) {
     );
     println!(
         "backends: zram = /dev/{} (hot-added) {}; fuse-ram = tmem's FUSE + loop path over plain RAM, served by the \
-         bench; tmem = tmem swap up --codec {} --pool-limit {} --fuse-uring {}.",
+         bench; tmem = tmem swap up --codec {} --pool-limit {} --fuse-uring {}; tmem-run = tmem run --codec {}{}.",
         r.zram_device.as_deref().unwrap_or("zramN"),
         a.zram_algorithm,
         a.tmem_codec,
         a.tmem_pool_limit,
-        a.tmem_fuse_uring
+        a.tmem_fuse_uring,
+        a.tmem_codec,
+        a.tmem_read_ahead.map(|n| format!(" --read-ahead {n}")).unwrap_or_default()
     );
     println!();
     print!("{}", render_table(&r.cells));
@@ -680,7 +686,8 @@ fn print_report(r: &FaultReport) {
          every touch's, as userfaultfd's faults count as minor; its pages went out by tmem run's eviction past a \
          budget of 1/32 of the region, at least 4 MiB, raised past the region for the pass: the faults are served \
          from the pool with no eviction going on). minor: the \
-         page was already in the swap cache (read ahead by an earlier fault). read/major: pages read from swap \
+         page was already in the swap cache (read ahead by an earlier fault); tmem-run's: its userfaultfd faults (a page \
+         tmem run read ahead takes none). read/major: pages read from swap \
          (pswpin + zswpin, system-wide) per major fault; zero pages never reach a device (the swap layer keeps \
          them itself), so it can sit a little under 1. us/page: mean over every touch. ratio: uncompressed / pool \
          bytes once the pages were out (at least {MIN_OUT_PERCENT}% of them must be, by mincore, before a pass). \

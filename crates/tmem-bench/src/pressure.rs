@@ -115,6 +115,9 @@ pub struct PressureArgs {
     /// tmem-run row takes named codecs only.
     #[arg(long, default_value = "lz4")]
     pub tmem_codec: String,
+    /// `tmem run --read-ahead` of the tmem-run row (default: tmem run's).
+    #[arg(long)]
+    pub tmem_read_ahead: Option<u64>,
     /// FUSE over io_uring workers per CPU for the tmem rows (as `tmem swap up
     /// --fuse-uring`; 0: /dev/fuse).
     #[arg(long, default_value_t = 0)]
@@ -916,6 +919,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         zswap_max_pool_percent: a.zswap_max_pool_percent,
         tmem_pool_limit: a.tmem_pool_limit.clone(),
         tmem_codec: a.tmem_codec.clone(),
+        tmem_read_ahead: a.tmem_read_ahead,
         tmem_fuse_uring: a.tmem_fuse_uring,
         tmem_fuse_threads: a.tmem_fuse_threads,
         tmem_recompress: (a.tmem_recompress.clone(), a.tmem_recompress_after),
@@ -1135,9 +1139,11 @@ fn print_report(
     }
     if names.contains(&"tmem-run") {
         println!(
-            "tmem-run = each job under tmem run --memory (limit / {}) --codec {}: userfaultfd, no swap; the jobs' \
+            "tmem-run = each job under tmem run --memory (limit / {}) --codec {}{}: userfaultfd, no swap; the jobs' \
              cgroup has no limit and holds the tmem run helpers, their pools included; pool = their pools.",
-            a.jobs, a.tmem_codec
+            a.jobs,
+            a.tmem_codec,
+            a.tmem_read_ahead.map(|n| format!(" --read-ahead {n}")).unwrap_or_default()
         );
     }
     if names.iter().any(|n| backend_has_front(n)) {

@@ -92,6 +92,35 @@ fn full_pool_writes_back_instead_of_refusing() {
 }
 
 #[test]
+fn a_get_from_memory_leaves_tier_pages_where_they_are() {
+    let s = store(1 << 20);
+    let tier = Arc::new(MemTier::new(1 << 30));
+    let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![tier.clone()]));
+    for i in 0..3000 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored, "put {i}");
+    }
+    let mut out = [0u8; PAGE_SIZE];
+    let (mut in_memory, mut in_tier) = (0, 0);
+    for i in 0..3000 {
+        match p.get_in_memory(key(i), &mut out).unwrap() {
+            Some(GetOutcome::Hit) => {
+                assert_eq!(out, page(i), "page {i}");
+                in_memory += 1;
+            }
+            None => {
+                // (Writeback may still be moving pages down, never up.)
+                assert!(tier.keys().iter().any(|k| k.index == i), "page {i} said to be in a tier");
+                in_tier += 1;
+            }
+            Some(GetOutcome::Miss) => panic!("page {i} missing"),
+        }
+    }
+    assert!(in_memory > 0 && in_tier > 1000, "{in_memory} in memory, {in_tier} in the tier");
+    assert_eq!(p.stats().tier_gets, 0, "nothing was read from the tier");
+    assert_eq!(p.get_in_memory(key(5000), &mut out).unwrap(), Some(GetOutcome::Miss));
+}
+
+#[test]
 fn incompressible_pages_go_straight_down() {
     let s = store(0);
     let tier = Arc::new(MemTier::new(1 << 30));

@@ -23,6 +23,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use crate::readahead::ReadAhead;
 pub use crate::stats::EngineStats;
 use crate::sys::{Outcome, PAGE};
 
@@ -81,6 +82,9 @@ pub trait Backing {
     fn put(&self, key: u64, page: &[u8; PAGE]) -> bool;
     /// Reads the page under `key`; false when it is not there.
     fn get(&self, key: u64, out: &mut [u8; PAGE]) -> bool;
+    /// As `get`, but false also when reading the page would wait on a lower
+    /// tier's I/O (read-ahead's read).
+    fn get_in_memory(&self, key: u64, out: &mut [u8; PAGE]) -> bool;
     fn remove(&self, key: u64);
 }
 
@@ -112,13 +116,16 @@ pub struct Engine {
     next_key: u64,
     /// Pauses in force: `fork`s between their fill and their return.
     pauses: u32,
+    /// The program's sequential streams, for read-ahead.
+    ahead: ReadAhead,
     stats: EngineStats,
 }
 
 impl Engine {
-    /// An engine with `slots` staging slots.
+    /// An engine with `slots` staging slots, reading ahead at most
+    /// `read_ahead` pages after a fault.
     #[must_use]
-    pub fn new(slots: u32) -> Self {
+    pub fn new(slots: u32, read_ahead: u64) -> Self {
         Self {
             pages: BTreeMap::new(),
             clock: VecDeque::new(),
@@ -128,6 +135,7 @@ impl Engine {
             pinned: Vec::new(),
             next_key: 0,
             pauses: 0,
+            ahead: ReadAhead::new(read_ahead),
             stats: EngineStats::default(),
         }
     }
@@ -235,6 +243,29 @@ impl Engine {
             }
             Outcome::Gone | Outcome::Busy => Served::Gone,
         }
+    }
+
+    /// A fault at `pn` was served from the store: how many stored pages
+    /// after it to map ahead ([`ReadAhead`]).
+    pub fn read_ahead_window(&mut self, pn: Pn) -> u64 {
+        self.ahead.window(pn)
+    }
+
+    /// Maps the stored page at `pn`, read ahead of a fault near it, from
+    /// `buf`, which holds the page under `key` (read while the engine was
+    /// free, as for [`Engine::serve_planned`]). It comes in unreferenced: a
+    /// page the program does not touch is the hand's first victim. False,
+    /// and nothing changed, when `pn` no longer holds `key` or the map is
+    /// changing.
+    pub fn serve_ahead(&mut self, mem: &impl Mem, backing: &impl Backing, pn: Pn, key: u64, buf: &[u8; PAGE]) -> bool {
+        if self.plan(pn) != FaultPlan::FromStore(key) || mem.fill(pn, buf) != Outcome::Done {
+            return false;
+        }
+        backing.remove(key);
+        self.stored -= 1;
+        self.stats.read_ahead += 1;
+        self.make_resident(pn, false);
+        true
     }
 
     fn make_resident(&mut self, pn: Pn, referenced: bool) {

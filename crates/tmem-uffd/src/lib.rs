@@ -6,6 +6,7 @@
 //! - [`proto`]: what the agent preloaded into the program and the helper say.
 //! - [`engine`]: where each page of one process is; the fault and eviction
 //!   steps, tested against a model of memory.
+//! - [`readahead`]: how many stored pages to map ahead of a fault.
 //! - [`maps`]: the process's private anonymous ranges and present pages.
 //! - [`stats`]: the counters of a run, defined once.
 //! - `manager` (feature `manager`): the helper's threads over a store.
@@ -15,6 +16,7 @@
 pub mod engine;
 pub mod maps;
 pub mod proto;
+pub mod readahead;
 pub mod stats;
 pub mod sys;
 

@@ -104,6 +104,8 @@ pub struct RunConfig {
     pub tiers: Option<TierChain>,
     /// Background recompression of cold pages.
     pub recompress: Option<RecompressConfig>,
+    /// Largest read-ahead window, pages (`crate::readahead`; 0: none).
+    pub read_ahead: u64,
     /// The agent library to preload.
     pub agent: PathBuf,
     pub program: OsString,
@@ -176,6 +178,10 @@ impl Backing for PoolBacking<'_> {
 
     fn get(&self, key: u64, out: &mut [u8; PAGE]) -> bool {
         matches!(self.0.get(Key::new(0, key), out), Ok(GetOutcome::Hit))
+    }
+
+    fn get_in_memory(&self, key: u64, out: &mut [u8; PAGE]) -> bool {
+        matches!(self.0.get_in_memory(Key::new(0, key), out), Ok(Some(GetOutcome::Hit)))
     }
 
     fn remove(&self, key: u64) {
@@ -354,6 +360,8 @@ struct Shared {
     /// The budget in pages (`--memory`, or as set since).
     limit: AtomicU64,
     slack: u64,
+    /// Largest read-ahead window, pages.
+    read_ahead: u64,
     /// CPUs this run may use: the most fault threads a process gets.
     cpus: usize,
     procs: Mutex<Vec<Arc<Process>>>,
@@ -478,6 +486,7 @@ pub fn run(cfg: &RunConfig, started: impl FnOnce(Observer) -> std::io::Result<()
         store: Arc::new(store),
         limit: AtomicU64::new(limit),
         slack,
+        read_ahead: cfg.read_ahead,
         cpus: std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
         procs: Mutex::new(Rank::RunProcesses, Vec::new()),
         total: AtomicU64::new(0),
@@ -690,7 +699,7 @@ fn admit(shared: &Arc<Shared>, sock: OwnedFd) -> Result<u32, String> {
             None => shared.store.create_pool(PoolConfig::persistent()),
         },
         chan: Mutex::new(Rank::RunAgentChannel, ()),
-        engine: Mutex::new(Rank::RunEngine, Engine::new(hello.slots)),
+        engine: Mutex::new(Rank::RunEngine, Engine::new(hello.slots, shared.read_ahead)),
         resident: AtomicU64::new(0),
         statm,
         unseen_base: AtomicU64::new(0),
@@ -914,13 +923,14 @@ fn serve_faults(shared: &Shared, p: &Process, buf: &mut [u8; PAGE]) {
         }
         let Some(addr) = p.faults.lock().pop_front() else { return };
         match serve_fault(shared, p, &backing, addr / P, buf) {
-            Served::Done | Served::Gone => {}
-            Served::Retry => {
+            (Served::Done, FaultPlan::FromStore(_)) => read_ahead(shared, p, &backing, addr / P, buf),
+            (Served::Done | Served::Gone, _) => {}
+            (Served::Retry, _) => {
                 p.faults.lock().push_front(addr);
                 p.retry.store(true, Ordering::SeqCst);
                 return;
             }
-            Served::Lost => {
+            (Served::Lost, _) => {
                 shared.lost.fetch_add(1, Ordering::SeqCst);
                 eprintln!(
                     "tmem run: the store lost the page at {addr:#x} of pid {}; killing it rather than let it read anything else",
@@ -934,7 +944,14 @@ fn serve_faults(shared: &Shared, p: &Process, buf: &mut [u8; PAGE]) {
 }
 
 /// Serves one fault at `pn`, reading the store without the engine's lock.
-fn serve_fault(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, buf: &mut [u8; PAGE]) -> Served {
+/// Returns how it went and the plan it was served by.
+fn serve_fault(
+    shared: &Shared,
+    p: &Process,
+    backing: &PoolBacking<'_>,
+    pn: Pn,
+    buf: &mut [u8; PAGE],
+) -> (Served, FaultPlan) {
     loop {
         let mut engine = p.engine_applied(shared);
         let plan = engine.plan(pn);
@@ -953,7 +970,39 @@ fn serve_fault(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, 
         if served == Served::Retry && p.events_pending() {
             continue; // events came: apply them and plan again
         }
-        return served;
+        return (served, plan);
+    }
+}
+
+/// After a fault at `pn` served from the store, maps the stored pages among
+/// the ones that follow it, as many as the engine's read-ahead window says
+/// (pages still resident in the window are passed over), while the run has
+/// room for them under its budget plus half its slack (the other half stays
+/// for faults).
+fn read_ahead(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, buf: &mut [u8; PAGE]) {
+    let window = p.engine_applied(shared).read_ahead_window(pn);
+    for next in pn + 1..=pn + window {
+        let used = shared.total.load(Ordering::Relaxed) + shared.unseen.load(Ordering::Relaxed);
+        if used + 1 >= shared.limit() + shared.slack / 2 {
+            return;
+        }
+        let key = match p.engine_applied(shared).plan(next) {
+            FaultPlan::FromStore(key) => key,
+            FaultPlan::Present | FaultPlan::FromSlot(_) => continue,
+            FaultPlan::Zero => return,
+        };
+        // A page in a lower tier is left for its fault. (A key that left
+        // the store meanwhile left the engine too: the plan check in
+        // `serve_ahead` then fails.)
+        if !backing.get_in_memory(key, buf) {
+            continue;
+        }
+        let mut engine = p.engine_applied(shared);
+        let mapped = engine.serve_ahead(&p.real(), backing, next, key, buf);
+        shared.sync_resident(p, &engine);
+        if !mapped {
+            return;
+        }
     }
 }
 

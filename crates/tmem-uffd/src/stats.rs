@@ -13,6 +13,8 @@ tmem_counters::counters! {
         slot_returns: Counter(Pages),
         /// Pages stored by eviction.
         evicted: Counter(Pages),
+        /// Stored pages mapped ahead of a fault, next to the page it asked for.
+        read_ahead: Counter(Pages),
         /// Moves refused because the page was busy (shared after fork, pinned).
         move_busy: Counter(Pages),
         /// Pages the store refused; they went back to the program.

@@ -166,6 +166,8 @@ pub struct BackendConfig {
     pub tmem_pool_limit: String,
     /// tmem --codec.
     pub tmem_codec: String,
+    /// `tmem run --read-ahead` of the tmem-run row (None: tmem run's default).
+    pub tmem_read_ahead: Option<u64>,
     /// tmem --fuse-uring.
     pub tmem_fuse_uring: usize,
     /// tmem --fuse-threads, also the fuse-ram baseline's worker count
@@ -219,6 +221,7 @@ impl BackendConfig {
             tmem_runtime_dir: PathBuf::from(format!("/run/tmem-bench-{pid}")),
             tmem_pool_limit: "50%".into(),
             tmem_codec: "lz4".into(),
+            tmem_read_ahead: None,
             tmem_fuse_uring: 0,
             tmem_fuse_threads: 0,
             tmem_discard: tmem_sys::swap::SwapDiscard::Once,
@@ -545,23 +548,28 @@ impl Backend {
 pub struct TmemRun {
     exe: PathBuf,
     codec: String,
+    read_ahead: Option<u64>,
 }
 
 impl TmemRun {
     fn prepare(c: &BackendConfig) -> anyhow::Result<Self> {
-        Self::new(&c.tmem_codec)
+        Ok(Self { read_ahead: c.tmem_read_ahead, ..Self::new(&c.tmem_codec)? })
     }
 
     /// This binary's `tmem run` with `--codec codec`.
     pub fn new(codec: &str) -> anyhow::Result<Self> {
-        Ok(Self { exe: current_exe()?, codec: codec.to_owned() })
+        Ok(Self { exe: current_exe()?, codec: codec.to_owned(), read_ahead: None })
     }
 
-    /// `PROGRAM ARGS` under `tmem run --memory BUDGET --codec C`.
+    /// `PROGRAM ARGS` under `tmem run --memory BUDGET --codec C [--read-ahead N]`.
     #[must_use]
     pub fn wrap(&self, budget: u64, program: &str, args: &[&str]) -> (String, Vec<String>) {
         let mut wrapped: Vec<String> =
-            ["run", "--memory", &budget.to_string(), "--codec", &self.codec, "--", program].map(str::to_owned).to_vec();
+            ["run", "--memory", &budget.to_string(), "--codec", &self.codec].map(str::to_owned).to_vec();
+        if let Some(n) = self.read_ahead {
+            wrapped.extend(["--read-ahead".to_owned(), n.to_string()]);
+        }
+        wrapped.extend(["--".to_owned(), program.to_owned()]);
         wrapped.extend(args.iter().map(|s| (*s).to_owned()));
         (self.exe.to_string_lossy().into_owned(), wrapped)
     }

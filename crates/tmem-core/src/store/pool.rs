@@ -304,6 +304,17 @@ impl Pool {
         }
     }
 
+    /// As [`Pool::get`], from the pool's own memory only: a page in a lower
+    /// tier stays there, and `None` says so. For read-ahead, which must not
+    /// wait on a tier's I/O.
+    pub fn get_in_memory(&self, key: Key, out: &mut [u8; PAGE_SIZE]) -> Result<Option<GetOutcome>, StoreError> {
+        self.check_live()?;
+        match self.get_local(key, hash_key(key), out) {
+            LocalGet::Done(r) => r.map(Some),
+            LocalGet::InTier(_) => Ok(None),
+        }
+    }
+
     /// Gets several pages: `outs[i]` receives the page of `keys[i]`, and the
     /// result for it is what [`Pool::get`] would return. Pages in lower tiers
     /// are fetched with one batch per tier, so a multi-page read costs one

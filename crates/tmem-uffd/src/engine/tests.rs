@@ -105,6 +105,10 @@ impl Backing for Store {
         }
     }
 
+    fn get_in_memory(&self, key: u64, out: &mut [u8; PAGE]) -> bool {
+        self.get(key, out)
+    }
+
     fn remove(&self, key: u64) {
         self.pages.borrow_mut().remove(&key);
     }
@@ -135,6 +139,10 @@ enum Op {
     /// The program drops a mapped page and no event says so yet (an
     /// `madvise` racing a scan's adoption).
     DropUnseen(Pn),
+    /// A read-ahead reads the stored page at `pn` without the engine's lock...
+    AheadRead(Pn),
+    /// ...and maps it, maybe after other ops changed the page meanwhile.
+    AheadMap,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -152,6 +160,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Changing),
         1 => Just(Op::ForkFill),
         1 => (0..SPACE).prop_map(Op::DropUnseen),
+        1 => (0..SPACE).prop_map(Op::AheadRead),
+        1 => Just(Op::AheadMap),
     ]
 }
 
@@ -164,13 +174,23 @@ struct World {
     batch: Option<(Batch, Option<HashMap<u32, u64>>)>,
     /// Pages dropped behind the engine's back, still counted as resident by it.
     unseen: usize,
+    /// A read-ahead between its read of the store and its mapping.
+    ahead: Option<(Pn, u64, Box<[u8; PAGE]>)>,
 }
 
 impl World {
     fn new() -> Self {
         let sim = Sim::default();
         sim.mapped.borrow_mut().extend(0..SPACE);
-        Self { sim, store: Store::default(), engine: Engine::new(8), truth: HashMap::new(), batch: None, unseen: 0 }
+        Self {
+            sim,
+            store: Store::default(),
+            engine: Engine::new(8, crate::readahead::MAX_WINDOW),
+            truth: HashMap::new(),
+            batch: None,
+            unseen: 0,
+            ahead: None,
+        }
     }
 
     /// Touches `pn` as the program would: a missing page faults, and a
@@ -180,13 +200,35 @@ impl World {
             return;
         }
         let mut buf = [0u8; PAGE];
+        let mut plan = self.engine.plan(pn);
         let mut served = self.engine.serve(&self.sim, &self.store, pn, &mut buf);
         if served == Served::Retry {
             self.sim.changing.set(false);
+            plan = self.engine.plan(pn);
             served = self.engine.serve(&self.sim, &self.store, pn, &mut buf);
         }
         assert_eq!(served, Served::Done, "fault at {pn}");
         assert!(self.sim.ptes.borrow().contains_key(&pn), "a served fault maps the page");
+        if matches!(plan, FaultPlan::FromStore(_)) {
+            // As the manager's `read_ahead`: the stored pages that follow.
+            for next in pn + 1..=pn + self.engine.read_ahead_window(pn) {
+                let key = match self.engine.plan(next) {
+                    FaultPlan::FromStore(key) => key,
+                    FaultPlan::Present | FaultPlan::FromSlot(_) => continue,
+                    FaultPlan::Zero => break,
+                };
+                assert!(self.store.get_in_memory(key, &mut buf), "a stored page is in the store");
+                if !self.engine.serve_ahead(&self.sim, &self.store, next, key, &buf) {
+                    break;
+                }
+                self.check_mapped(next);
+            }
+        }
+    }
+
+    /// A page just mapped holds what the program last wrote there.
+    fn check_mapped(&self, pn: Pn) {
+        assert_eq!(self.sim.ptes.borrow()[&pn], self.truth.get(&pn).copied().unwrap_or(0), "page {pn}");
     }
 
     fn mapped(&self, pn: Pn) -> bool {
@@ -302,6 +344,20 @@ impl World {
                 self.truth.remove(&pn);
                 self.unseen += 1;
             }
+            Op::AheadRead(pn) if self.ahead.is_none() => {
+                if let FaultPlan::FromStore(key) = self.engine.plan(pn) {
+                    let mut buf = Box::new([0u8; PAGE]);
+                    assert!(self.store.get(key, &mut buf));
+                    self.ahead = Some((pn, key, buf));
+                }
+            }
+            Op::AheadMap => {
+                if let Some((pn, key, buf)) = self.ahead.take() {
+                    if self.engine.serve_ahead(&self.sim, &self.store, pn, key, &buf) {
+                        self.check_mapped(pn);
+                    }
+                }
+            }
             Op::ForkFill => {
                 for pn in self.engine.away() {
                     self.touch(pn);
@@ -398,4 +454,49 @@ fn pauses_nest_so_the_first_fork_back_does_not_restart_eviction_under_the_second
     // Two passes: the first clears the bits the writes set.
     w.engine.victims(4, &mut victims);
     assert_eq!(victims.len(), 4, "the last fork returned");
+}
+
+#[test]
+fn a_walk_through_stored_pages_reads_ahead_and_every_page_reads_right() {
+    let mut w = World::new();
+    for pn in 0..16 {
+        w.apply(Op::Write(pn, pn + 100));
+    }
+    // Two passes of the hand: the first clears the bits the writes set.
+    for _ in 0..4 {
+        w.apply(Op::EvictStart(8));
+        w.apply(Op::EvictRead);
+        w.apply(Op::EvictCommit { refuse: false });
+    }
+    assert_eq!(w.engine.stored(), 16);
+    for pn in 0..16 {
+        w.apply(Op::Read(pn));
+    }
+    let s = w.engine.stats();
+    // Faults at 0 (no stream yet), 1 (window 2: 2-3), 4 (4: 5-8), 9 (8: 10-15).
+    assert_eq!((s.store_fills, s.read_ahead), (4, 12));
+    w.check_all();
+}
+
+#[test]
+fn a_read_ahead_that_lost_its_race_maps_nothing() {
+    let mut w = World::new();
+    w.apply(Op::Write(5, 1));
+    for _ in 0..2 {
+        w.apply(Op::EvictStart(1));
+        w.apply(Op::EvictRead);
+        w.apply(Op::EvictCommit { refuse: false });
+    }
+    w.apply(Op::AheadRead(5));
+    w.apply(Op::Write(5, 2)); // the program faulted it back and wrote it,
+    for _ in 0..2 {
+        // and it went away again, under a new key
+        w.apply(Op::EvictStart(1));
+        w.apply(Op::EvictRead);
+        w.apply(Op::EvictCommit { refuse: false });
+    }
+    assert_eq!(w.engine.stored(), 1);
+    w.apply(Op::AheadMap);
+    assert_eq!(w.engine.stats().read_ahead, 0);
+    w.check_all();
 }
