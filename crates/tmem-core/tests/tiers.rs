@@ -60,14 +60,21 @@ fn get(p: &tmem_core::Pool, i: u64) -> Result<Option<[u8; PAGE_SIZE]>, StoreErro
     })
 }
 
-#[test]
-fn full_pool_writes_back_instead_of_refusing() {
+/// A 1 MiB store whose pool was given 3,000 pages (`page(0..3000)`), with
+/// a memory tier below it that took what did not fit.
+fn full_pool_over_a_tier() -> (tmem_core::Store, Arc<MemTier>, Arc<tmem_core::Pool>) {
     let s = store(1 << 20);
     let tier = Arc::new(MemTier::new(1 << 30));
     let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![tier.clone()]));
     for i in 0..3000 {
         assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored, "put {i}");
     }
+    (s, tier, p)
+}
+
+#[test]
+fn full_pool_writes_back_instead_of_refusing() {
+    let (s, tier, p) = full_pool_over_a_tier();
     let st = p.stats();
     assert_eq!(st.pool_limit_hit, 0, "{st:?}");
     assert!(st.written_back_pages > 1000, "{st:?}");
@@ -93,12 +100,7 @@ fn full_pool_writes_back_instead_of_refusing() {
 
 #[test]
 fn a_get_from_memory_leaves_tier_pages_where_they_are() {
-    let s = store(1 << 20);
-    let tier = Arc::new(MemTier::new(1 << 30));
-    let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![tier.clone()]));
-    for i in 0..3000 {
-        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored, "put {i}");
-    }
+    let (_store, tier, p) = full_pool_over_a_tier();
     let mut out = [0u8; PAGE_SIZE];
     let (mut in_memory, mut in_tier) = (0, 0);
     for i in 0..3000 {
