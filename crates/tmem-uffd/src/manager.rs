@@ -373,6 +373,10 @@ struct Shared {
     peak_pool: AtomicU64,
     peak_pool_pages: AtomicU64,
     lost: AtomicU64,
+    /// `RunStats::room_waits`, `room_wait_us` and `evict_us`.
+    room_waits: AtomicU64,
+    room_wait_us: AtomicU64,
+    evict_us: AtomicU64,
     /// Over the budget with nothing movable (every resident page busy):
     /// faults go on past the slack and the evictor waits for its next scan.
     stuck: AtomicBool,
@@ -419,6 +423,9 @@ impl Shared {
                 .sum(),
             processes_ended: ended,
             lost_pages: self.lost.load(Ordering::SeqCst),
+            room_waits: self.room_waits.load(Ordering::Relaxed),
+            room_wait_us: self.room_wait_us.load(Ordering::Relaxed),
+            evict_us: self.evict_us.load(Ordering::Relaxed),
         }
     }
 
@@ -444,6 +451,10 @@ impl Shared {
             self.evict_cv.notify_one();
         }
     }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 fn eventfd() -> std::io::Result<OwnedFd> {
@@ -495,6 +506,9 @@ pub fn run(cfg: &RunConfig, started: impl FnOnce(Observer) -> std::io::Result<()
         peak_pool: AtomicU64::new(0),
         peak_pool_pages: AtomicU64::new(0),
         lost: AtomicU64::new(0),
+        room_waits: AtomicU64::new(0),
+        room_wait_us: AtomicU64::new(0),
+        evict_us: AtomicU64::new(0),
         stuck: AtomicBool::new(false),
         closing: AtomicBool::new(false),
         stop: AtomicBool::new(false),
@@ -848,12 +862,16 @@ fn read_faults(shared: &Shared, p: &Process, events: &mut [Event; 64], buf: &mut
     let retry = p.retry.swap(false, Ordering::SeqCst);
     let room = shared.total.load(Ordering::Relaxed) + SPIN_ROOM * shared.slack < shared.limit();
     let waiting = match (queued && over, reader.waiting_since) {
-        (false, _) => {
+        (false, since) => {
+            if let Some(since) = since {
+                shared.room_wait_us.fetch_add(micros(since.elapsed()), Ordering::Relaxed);
+            }
             reader.waiting_since = None;
             Duration::ZERO
         }
         (true, Some(since)) => since.elapsed(),
         (true, None) => {
+            shared.room_waits.fetch_add(1, Ordering::Relaxed);
             reader.waiting_since = Some(Instant::now());
             Duration::ZERO
         }
@@ -1189,7 +1207,9 @@ fn evict_loop(shared: &Arc<Shared>) {
             else {
                 break;
             };
+            let started = Instant::now();
             let (moved, retry) = evict_batch(shared, p, &mut batch, &mut bufs);
+            shared.evict_us.fetch_add(micros(started.elapsed()), Ordering::Relaxed);
             for q in &procs {
                 signal(&q.room);
             }

@@ -60,5 +60,11 @@ tmem_counters::counters! {
         processes_ended: Counter(Events),
         /// Pages a fault asked for that the store did not have (must stay 0).
         lost_pages: Counter(Pages),
+        /// Times a process's faults had to wait for eviction to make room under the budget plus slack.
+        room_waits: Counter(Events),
+        /// Time faults spent waiting for room, summed over the processes' fault queues.
+        room_wait_us: Counter(Micros),
+        /// Time the evictor spent moving, reading and storing batches of victims.
+        evict_us: Counter(Micros),
     }
 }

@@ -198,7 +198,8 @@ fn summary(cfg: &RunConfig, r: &RunReport) -> String {
     format!(
         "tmem run: {} {}; resident at most {:.1} MiB of --memory {:.1} MiB ({:.1} MiB over it at most; faults wait past {:.1} MiB over, \
          and pages the program touched before a scan registered them come on top); pool at most {:.1} MiB for {:.1} MiB of pages ({ratio:.2}x, {}); \
-         faults: {} first touches, {} from the pool, {} caught in flight; {} pages read ahead of them; {} pages evicted, {} adopted by scans, {} busy, {} lost; {} process(es)",
+         faults: {} first touches, {} from the pool, {} caught in flight; {} pages read ahead of them; {} pages evicted, {} adopted by scans, {} busy, {} lost; \
+         faults waited for room {} times, {:.1} s in all; the evictor worked {:.1} s; {} process(es)",
         cfg.program.to_string_lossy(),
         r.status.map_or_else(|| "did not start".into(), |s| s.to_string()),
         mib(s.resident_peak_pages),
@@ -216,6 +217,9 @@ fn summary(cfg: &RunConfig, r: &RunReport) -> String {
         e.adopted,
         e.move_busy,
         s.lost_pages,
+        s.room_waits,
+        s.room_wait_us as f64 / 1e6,
+        s.evict_us as f64 / 1e6,
         s.processes_ended,
     )
 }
