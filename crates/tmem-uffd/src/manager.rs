@@ -785,22 +785,12 @@ fn fault_loop(shared: &Arc<Shared>, p: &Arc<Process>) {
     let mut buf = Box::new([0u8; PAGE]);
     // TMEM_RUN_SPIN_US overrides SPIN, for measuring (docs/PRESSURE.md).
     let spin = std::env::var("TMEM_RUN_SPIN_US").ok().and_then(|v| v.parse().ok()).map_or(SPIN, Duration::from_micros);
-    // The pages this thread still has to read ahead: done between faults,
-    // a page at a time, so that a new fault never waits behind a window.
-    let mut ahead: Option<std::ops::Range<Pn>> = None;
     while !p.gone.load(Ordering::SeqCst) {
-        if !read_faults(shared, p, &mut events, &mut buf, spin, ahead.is_some()) {
+        if !read_faults(shared, p, &mut events, &mut buf, spin) {
             p.gone.store(true, Ordering::SeqCst);
             break;
         }
-        if let Some(window) = serve_faults(shared, p, &mut buf) {
-            ahead = Some(window);
-        }
-        if let Some(window) = &mut ahead {
-            if !p.faults.lock().is_empty() || !read_ahead_one(shared, p, window, &mut buf) {
-                ahead = None;
-            }
-        }
+        serve_faults(shared, p, &mut buf);
     }
     if p.handlers.fetch_sub(1, Ordering::SeqCst) == 1 {
         finish(shared, p);
@@ -841,20 +831,18 @@ enum Pause {
 /// run is past its budget and slack; `room`, it is [`SPIN_ROOM`] slacks
 /// under its budget; `spun`, the last fault read is [`SPIN`] old (or the
 /// `TMEM_RUN_SPIN_US` that replaces it); `waiting`, how long a queued
-/// fault has waited for room; `ahead`, the thread has pages to read ahead
-/// (it does that between two reads rather than spin or sleep).
+/// fault has waited for room.
 ///
 /// Measured (docs/PRESSURE.md, "Yielding instead of sleeping"): spinning
 /// outright near the budget cost the python job of `tmem bench pressure`
 /// 17 % at 50 % on 2 CPUs, as the evictor lost the CPU; sleeping there cost
 /// it a wake-up per fault, 1.3-1.8x the time of yielding.
-fn pause(retry: bool, queued: bool, over: bool, room: bool, spun: bool, waiting: Duration, ahead: bool) -> Pause {
+fn pause(retry: bool, queued: bool, over: bool, room: bool, spun: bool, waiting: Duration) -> Pause {
     match (queued, over) {
         _ if retry => Pause::Sleep(1),
         (true, true) if waiting < ROOM_WAIT => Pause::Yield,
         (true, true) => Pause::Sleep(200),
         (true, false) => Pause::None,
-        (false, _) if ahead => Pause::None,
         (false, _) if spun => Pause::Sleep(200),
         (false, _) if room => Pause::Spin,
         (false, _) => Pause::Yield,
@@ -864,14 +852,7 @@ fn pause(retry: bool, queued: bool, over: bool, room: bool, spun: bool, waiting:
 /// Takes the reader role, waits for the userfaultfd (or spins on it), and
 /// reads all that is there: events to `p.events`, faults to `p.faults`.
 /// False when the program's agent hung up.
-fn read_faults(
-    shared: &Shared,
-    p: &Process,
-    events: &mut [Event; 64],
-    buf: &mut [u8; PAGE],
-    spin: Duration,
-    ahead: bool,
-) -> bool {
+fn read_faults(shared: &Shared, p: &Process, events: &mut [Event; 64], buf: &mut [u8; PAGE], spin: Duration) -> bool {
     let mut reader = p.reader.lock();
     if p.gone.load(Ordering::SeqCst) {
         return true;
@@ -895,7 +876,7 @@ fn read_faults(
             Duration::ZERO
         }
     };
-    match pause(retry, queued, over, room, reader.last_fault.elapsed() >= spin, waiting, ahead) {
+    match pause(retry, queued, over, room, reader.last_fault.elapsed() >= spin, waiting) {
         Pause::None => {}
         Pause::Spin => std::hint::spin_loop(),
         Pause::Yield => std::thread::yield_now(),
@@ -951,30 +932,21 @@ fn read_faults(
 }
 
 /// Serves queued faults while the run is under its budget plus slack.
-/// Returns the read-ahead window of the last one served from the store
-/// that continued a stream.
-fn serve_faults(shared: &Shared, p: &Process, buf: &mut [u8; PAGE]) -> Option<std::ops::Range<Pn>> {
+fn serve_faults(shared: &Shared, p: &Process, buf: &mut [u8; PAGE]) {
     let backing = PoolBacking(&p.pool);
-    let mut ahead = None;
     loop {
         if over_budget(shared) {
             shared.wake_evictor();
-            return ahead;
+            return;
         }
-        let Some(addr) = p.faults.lock().pop_front() else { return ahead };
-        let pn = addr / P;
-        match serve_fault(shared, p, &backing, pn, buf) {
-            (Served::Done, FaultPlan::FromStore(_)) => {
-                let window = p.engine_applied(shared).read_ahead_window(pn);
-                if window > 0 {
-                    ahead = Some(pn + 1..pn + 1 + window);
-                }
-            }
+        let Some(addr) = p.faults.lock().pop_front() else { return };
+        match serve_fault(shared, p, &backing, addr / P, buf) {
+            (Served::Done, FaultPlan::FromStore(_)) => read_ahead(shared, p, &backing, addr / P, buf),
             (Served::Done | Served::Gone, _) => {}
             (Served::Retry, _) => {
                 p.faults.lock().push_front(addr);
                 p.retry.store(true, Ordering::SeqCst);
-                return ahead;
+                return;
             }
             (Served::Lost, _) => {
                 shared.lost.fetch_add(1, Ordering::SeqCst);
@@ -1020,36 +992,36 @@ fn serve_fault(
     }
 }
 
-/// Reads ahead the next stored page of `window` (what is left of the
-/// window of a fault served from the store: `Engine::read_ahead_window`)
-/// and takes it off the window. Resident pages are passed over, and only
-/// pages the pool holds in memory are read (a page in a lower tier is left
-/// for its fault). False when the window is done: no page is left, a page
-/// was never stored, the map is changing, or the run has less than half
-/// its slack left under the budget (the other half stays for faults).
-fn read_ahead_one(shared: &Shared, p: &Process, window: &mut std::ops::Range<Pn>, buf: &mut [u8; PAGE]) -> bool {
-    let backing = PoolBacking(&p.pool);
-    while let Some(next) = window.next() {
+/// After a fault at `pn` served from the store, maps the stored pages among
+/// the ones that follow it, as many as the engine's read-ahead window says
+/// (pages still resident in the window are passed over), while the run has
+/// room for them under its budget plus half its slack (the other half stays
+/// for faults).
+fn read_ahead(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, buf: &mut [u8; PAGE]) {
+    let window = p.engine_applied(shared).read_ahead_window(pn);
+    for next in pn + 1..=pn + window {
         let used = shared.total.load(Ordering::Relaxed) + shared.unseen.load(Ordering::Relaxed);
         if used + 1 >= shared.limit() + shared.slack / 2 {
-            return false;
+            return;
         }
         let key = match p.engine_applied(shared).plan(next) {
             FaultPlan::FromStore(key) => key,
             FaultPlan::Present | FaultPlan::FromSlot(_) => continue,
-            FaultPlan::Zero => return false,
+            FaultPlan::Zero => return,
         };
-        // (A key that left the store meanwhile left the engine too: the
-        // plan check in `serve_ahead` then fails.)
+        // A page in a lower tier is left for its fault. (A key that left
+        // the store meanwhile left the engine too: the plan check in
+        // `serve_ahead` then fails.)
         if !backing.get_in_memory(key, buf) {
             continue;
         }
         let mut engine = p.engine_applied(shared);
-        let mapped = engine.serve_ahead(&p.real(), &backing, next, key, buf);
+        let mapped = engine.serve_ahead(&p.real(), backing, next, key, buf);
         shared.sync_resident(p, &engine);
-        return mapped && !window.is_empty();
+        if !mapped {
+            return;
+        }
     }
-    false
 }
 
 impl Process {
@@ -1380,39 +1352,30 @@ mod tests {
     #[test]
     fn a_reader_spins_well_under_the_budget_and_yields_near_it_then_sleeps() {
         // No fault queued, the last one recent: spin where there is room, else yield.
-        assert_eq!(pause(false, false, false, true, false, NOW, false), Pause::Spin);
-        assert_eq!(pause(false, false, false, false, false, NOW, false), Pause::Yield);
-        assert_eq!(pause(false, false, true, false, false, NOW, false), Pause::Yield);
+        assert_eq!(pause(false, false, false, true, false, NOW), Pause::Spin);
+        assert_eq!(pause(false, false, false, false, false, NOW), Pause::Yield);
+        assert_eq!(pause(false, false, true, false, false, NOW), Pause::Yield);
         // The last fault is SPIN old: sleep until the next.
-        assert_eq!(pause(false, false, false, true, true, NOW, false), Pause::Sleep(200));
-        assert_eq!(pause(false, false, false, false, true, NOW, false), Pause::Sleep(200));
+        assert_eq!(pause(false, false, false, true, true, NOW), Pause::Sleep(200));
+        assert_eq!(pause(false, false, false, false, true, NOW), Pause::Sleep(200));
     }
 
     #[test]
     fn a_fault_waiting_for_room_yields_to_the_evictor_for_a_while_then_sleeps() {
-        assert_eq!(pause(false, true, true, false, false, NOW, false), Pause::Yield);
-        assert_eq!(pause(false, true, true, false, true, ROOM_WAIT / 2, false), Pause::Yield);
-        assert_eq!(pause(false, true, true, false, false, ROOM_WAIT, false), Pause::Sleep(200));
+        assert_eq!(pause(false, true, true, false, false, NOW), Pause::Yield);
+        assert_eq!(pause(false, true, true, false, true, ROOM_WAIT / 2), Pause::Yield);
+        assert_eq!(pause(false, true, true, false, false, ROOM_WAIT), Pause::Sleep(200));
         // Room again: serve at once.
-        assert_eq!(pause(false, true, false, false, true, ROOM_WAIT * 2, false), Pause::None);
-        assert_eq!(pause(false, true, false, true, false, NOW, false), Pause::None);
+        assert_eq!(pause(false, true, false, false, true, ROOM_WAIT * 2), Pause::None);
+        assert_eq!(pause(false, true, false, true, false, NOW), Pause::None);
     }
 
     #[test]
     fn a_retry_sleeps_a_millisecond_whatever_else_holds() {
-        for bits in 0..64u32 {
+        for bits in 0..32u32 {
             let b = |i: u32| bits & (1 << i) != 0;
             let waiting = if b(4) { ROOM_WAIT } else { NOW };
-            assert_eq!(pause(true, b(0), b(1), b(2), b(3), waiting, b(5)), Pause::Sleep(1));
+            assert_eq!(pause(true, b(0), b(1), b(2), b(3), waiting), Pause::Sleep(1));
         }
-    }
-
-    #[test]
-    fn pages_to_read_ahead_keep_the_reader_busy_unless_a_fault_waits_for_room() {
-        for (over, room, spun) in [(false, true, false), (false, false, true), (true, false, true)] {
-            assert_eq!(pause(false, false, over, room, spun, NOW, true), Pause::None, "{over} {room} {spun}");
-        }
-        assert_eq!(pause(false, true, true, false, false, NOW, true), Pause::Yield);
-        assert_eq!(pause(false, true, true, false, false, ROOM_WAIT, true), Pause::Sleep(200));
     }
 }
