@@ -251,6 +251,21 @@ impl Engine {
         self.ahead.window(pn)
     }
 
+    /// The first stored page of `pages`, with its key, for read-ahead:
+    /// resident and in-flight pages are passed over, and a page the engine
+    /// never saw (zeros, or not mapped at all) ends the window.
+    #[must_use]
+    pub fn next_stored(&self, pages: std::ops::RangeInclusive<Pn>) -> Option<(Pn, u64)> {
+        for pn in pages {
+            match self.plan(pn) {
+                FaultPlan::FromStore(key) => return Some((pn, key)),
+                FaultPlan::Present | FaultPlan::FromSlot(_) => {}
+                FaultPlan::Zero => return None,
+            }
+        }
+        None
+    }
+
     /// Maps the stored page at `pn`, read ahead of a fault near it, from
     /// `buf`, which holds the page under `key` (read while the engine was
     /// free, as for [`Engine::serve_planned`]). It comes in unreferenced: a

@@ -941,7 +941,7 @@ fn serve_faults(shared: &Shared, p: &Process, buf: &mut [u8; PAGE]) {
         }
         let Some(addr) = p.faults.lock().pop_front() else { return };
         match serve_fault(shared, p, &backing, addr / P, buf) {
-            (Served::Done, FaultPlan::FromStore(_)) => read_ahead(shared, p, &backing, addr / P, buf),
+            (Served::Done, window) if window > 0 => read_ahead(shared, p, &backing, addr / P, window, buf),
             (Served::Done | Served::Gone, _) => {}
             (Served::Retry, _) => {
                 p.faults.lock().push_front(addr);
@@ -962,14 +962,9 @@ fn serve_faults(shared: &Shared, p: &Process, buf: &mut [u8; PAGE]) {
 }
 
 /// Serves one fault at `pn`, reading the store without the engine's lock.
-/// Returns how it went and the plan it was served by.
-fn serve_fault(
-    shared: &Shared,
-    p: &Process,
-    backing: &PoolBacking<'_>,
-    pn: Pn,
-    buf: &mut [u8; PAGE],
-) -> (Served, FaultPlan) {
+/// Returns how it went and, for a fault served from the store, how many
+/// pages after it to read ahead (`Engine::read_ahead_window`; else 0).
+fn serve_fault(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, buf: &mut [u8; PAGE]) -> (Served, u64) {
     loop {
         let mut engine = p.engine_applied(shared);
         let plan = engine.plan(pn);
@@ -984,31 +979,31 @@ fn serve_fault(
         }
         let served = if read { engine.serve_planned(&p.real(), backing, pn, plan, buf) } else { Served::Lost };
         shared.sync_resident(p, &engine);
+        let window = match (served, plan) {
+            (Served::Done, FaultPlan::FromStore(_)) => engine.read_ahead_window(pn),
+            _ => 0,
+        };
         drop(engine);
         if served == Served::Retry && p.events_pending() {
             continue; // events came: apply them and plan again
         }
-        return (served, plan);
+        return (served, window);
     }
 }
 
-/// After a fault at `pn` served from the store, maps the stored pages among
-/// the ones that follow it, as many as the engine's read-ahead window says
-/// (pages still resident in the window are passed over), while the run has
-/// room for them under its budget plus half its slack (the other half stays
-/// for faults).
-fn read_ahead(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, buf: &mut [u8; PAGE]) {
-    let window = p.engine_applied(shared).read_ahead_window(pn);
-    for next in pn + 1..=pn + window {
+/// After a fault at `pn` served from the store, maps the stored pages of
+/// the `window` pages that follow it (`Engine::next_stored`), while the
+/// run has room for them under its budget plus half its slack (the other
+/// half stays for faults).
+fn read_ahead(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, window: u64, buf: &mut [u8; PAGE]) {
+    let (mut from, end) = (pn + 1, pn + window);
+    while from <= end {
         let used = shared.total.load(Ordering::Relaxed) + shared.unseen.load(Ordering::Relaxed);
         if used + 1 >= shared.limit() + shared.slack / 2 {
             return;
         }
-        let key = match p.engine_applied(shared).plan(next) {
-            FaultPlan::FromStore(key) => key,
-            FaultPlan::Present | FaultPlan::FromSlot(_) => continue,
-            FaultPlan::Zero => return,
-        };
+        let Some((next, key)) = p.engine_applied(shared).next_stored(from..=end) else { return };
+        from = next + 1;
         // A page in a lower tier is left for its fault. (A key that left
         // the store meanwhile left the engine too: the plan check in
         // `serve_ahead` then fails.)

@@ -211,12 +211,10 @@ impl World {
         assert!(self.sim.ptes.borrow().contains_key(&pn), "a served fault maps the page");
         if matches!(plan, FaultPlan::FromStore(_)) {
             // As the manager's `read_ahead`: the stored pages that follow.
-            for next in pn + 1..=pn + self.engine.read_ahead_window(pn) {
-                let key = match self.engine.plan(next) {
-                    FaultPlan::FromStore(key) => key,
-                    FaultPlan::Present | FaultPlan::FromSlot(_) => continue,
-                    FaultPlan::Zero => break,
-                };
+            let end = pn + self.engine.read_ahead_window(pn);
+            let mut from = pn + 1;
+            while let Some((next, key)) = self.engine.next_stored(from..=end) {
+                from = next + 1;
                 assert!(self.store.get_in_memory(key, &mut buf), "a stored page is in the store");
                 if !self.engine.serve_ahead(&self.sim, &self.store, next, key, &buf) {
                     break;
@@ -226,7 +224,7 @@ impl World {
         }
     }
 
-    /// A page just mapped holds what the program last wrote there.
+    /// A mapped page holds what the program last wrote there, or zeros.
     fn check_mapped(&self, pn: Pn) {
         assert_eq!(self.sim.ptes.borrow()[&pn], self.truth.get(&pn).copied().unwrap_or(0), "page {pn}");
     }
@@ -252,7 +250,7 @@ impl World {
             }
             Op::Read(pn) if self.mapped(pn) => {
                 self.touch(pn);
-                assert_eq!(self.sim.ptes.borrow()[&pn], self.truth.get(&pn).copied().unwrap_or(0), "read at {pn}");
+                self.check_mapped(pn);
             }
             Op::EvictStart(n) if self.batch.is_none() => {
                 let mut b = Batch::default();
