@@ -80,7 +80,8 @@ pub struct RampArgs {
     #[arg(long, default_value_t = 1800)]
     pub timeout: u64,
     /// Also run the job under `tmem run --memory LIMIT --codec TMEM_CODEC`
-    /// (userfaultfd, no swap; its cgroup has no limit): the `tmem-run` row.
+    /// (userfaultfd, no swap; its cgroup has no limit): the `tmem-run` row,
+    /// run last. `--backends ...,tmem-run` does the same.
     #[arg(long)]
     pub tmem_run: bool,
     /// Run even if other swap areas are active.
@@ -324,11 +325,15 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
     let limit = a.limit_mib << 20;
     let max_live = a.steps.iter().max().copied().unwrap_or(100) * limit / 100;
     let swap_size = (max_live * 2 + (256 << 20)).div_ceil(64 << 20) * (64 << 20);
+    // `--backends tmem-run` is the `--tmem-run` row: the job under `tmem
+    // run`, in a cgroup without a limit, not a swap backend under one.
+    let tmem_run = a.tmem_run || a.backends.contains(&BackendKind::TmemRun);
+    let backends: Vec<BackendKind> = a.backends.iter().copied().filter(|k| *k != BackendKind::TmemRun).collect();
     let ctx = Ctx {
         args: a,
         layout,
         dir: dir.path().to_owned(),
-        progress: Progress::new(1 + a.backends.len() + usize::from(a.tmem_run)),
+        progress: Progress::new(1 + backends.len() + usize::from(tmem_run)),
         cpus: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
     };
     let cfg = BackendConfig {
@@ -342,8 +347,8 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         front: a.front.config(limit),
         ..BackendConfig::new(swap_size, &a.swap_dir)
     };
-    let available = Availability::probe(&a.backends);
-    let skipped: Vec<Skipped> = available.skipped(&a.backends);
+    let available = Availability::probe(&backends);
+    let skipped: Vec<Skipped> = available.skipped(&backends);
     for s in &skipped {
         println!("{s}");
     }
@@ -356,7 +361,7 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         return Err(anyhow!("the reference run failed ({:?}): {}", reference.outcome, reference.stderr_tail));
     }
     let mut zram_device = None;
-    for &kind in &a.backends {
+    for &kind in &backends {
         if interrupted() {
             break;
         }
@@ -396,7 +401,7 @@ pub fn run(a: &RampArgs) -> anyhow::Result<()> {
         }
         ctx.progress.steps_done(1);
     }
-    if a.tmem_run && !interrupted() {
+    if tmem_run && !interrupted() {
         ctx.progress.show("tmem-run", true);
         match ctx.cgroup(false).and_then(|cg| ctx.run_job(None, cg, "tmem-run", true)) {
             Ok(r) => {

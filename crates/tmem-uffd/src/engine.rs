@@ -63,6 +63,15 @@ pub enum FaultPlan {
     Present,
 }
 
+/// What read-ahead maps at a page ([`Engine::next_ahead`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ahead {
+    /// The page stored under this key.
+    Stored(u64),
+    /// Zeros: the engine never saw the page, so the kernel would give zeros.
+    Zeros,
+}
+
 /// The program's memory, as the engine acts on it.
 pub trait Mem {
     /// Maps a copy of `page` at `pn` and wakes its waiters.
@@ -245,41 +254,65 @@ impl Engine {
         }
     }
 
-    /// A fault at `pn` was served from the store: how many stored pages
-    /// after it to map ahead ([`ReadAhead`]).
+    /// A fault at `pn` was served from the store or with zeros: how many
+    /// pages after it to map ahead ([`ReadAhead`]).
     pub fn read_ahead_window(&mut self, pn: Pn) -> u64 {
         self.ahead.window(pn)
     }
 
-    /// The first stored page of `pages`, with its key, for read-ahead:
-    /// resident and in-flight pages are passed over, and a page the engine
-    /// never saw (zeros, or not mapped at all) ends the window.
+    /// The first page of `pages` that read-ahead maps, and what it maps
+    /// there: resident and in-flight pages are passed over. A page the
+    /// engine never saw gets zeros, as its fault would (a fill past the end
+    /// of the mapping fails, and that ends the window).
     #[must_use]
-    pub fn next_stored(&self, pages: std::ops::RangeInclusive<Pn>) -> Option<(Pn, u64)> {
-        for pn in pages {
-            match self.plan(pn) {
-                FaultPlan::FromStore(key) => return Some((pn, key)),
-                FaultPlan::Present | FaultPlan::FromSlot(_) => {}
-                FaultPlan::Zero => return None,
-            }
-        }
-        None
+    pub fn next_ahead(&self, pages: std::ops::RangeInclusive<Pn>) -> Option<(Pn, Ahead)> {
+        pages.into_iter().find_map(|pn| match self.plan(pn) {
+            FaultPlan::FromStore(key) => Some((pn, Ahead::Stored(key))),
+            FaultPlan::Zero => Some((pn, Ahead::Zeros)),
+            FaultPlan::Present | FaultPlan::FromSlot(_) => None,
+        })
     }
 
-    /// Maps the stored page at `pn`, read ahead of a fault near it, from
-    /// `buf`, which holds the page under `key` (read while the engine was
-    /// free, as for [`Engine::serve_planned`]). It comes in unreferenced: a
-    /// page the program does not touch is the hand's first victim. False,
-    /// and nothing changed, when `pn` no longer holds `key` or the map is
-    /// changing.
-    pub fn serve_ahead(&mut self, mem: &impl Mem, backing: &impl Backing, pn: Pn, key: u64, buf: &[u8; PAGE]) -> bool {
-        if self.plan(pn) != FaultPlan::FromStore(key) || mem.fill(pn, buf) != Outcome::Done {
+    /// Maps the page at `pn` ahead of a fault near it: for
+    /// [`Ahead::Stored`], `buf` holds the page under its key (read while
+    /// the engine was free, as for [`Engine::serve_planned`]); for
+    /// [`Ahead::Zeros`], `buf` is overwritten with zeros. A stored page
+    /// comes in unreferenced: if the program does not touch it, it is the
+    /// hand's first victim. Zeros come in referenced, as a first touch's
+    /// do: the program is writing its fresh memory in order, and what it
+    /// writes there is its newest data. False, and nothing changed, when `pn` no longer holds what
+    /// was planned, or the fill failed (the map is changing, or `pn` is
+    /// not mapped).
+    pub fn serve_ahead(
+        &mut self,
+        mem: &impl Mem,
+        backing: &impl Backing,
+        pn: Pn,
+        ahead: Ahead,
+        buf: &mut [u8; PAGE],
+    ) -> bool {
+        let planned = match ahead {
+            Ahead::Stored(key) => FaultPlan::FromStore(key),
+            Ahead::Zeros => FaultPlan::Zero,
+        };
+        if self.plan(pn) != planned {
             return false;
         }
-        backing.remove(key);
-        self.stored -= 1;
-        self.stats.read_ahead += 1;
-        self.make_resident(pn, false);
+        if ahead == Ahead::Zeros {
+            buf.fill(0);
+        }
+        if mem.fill(pn, buf) != Outcome::Done {
+            return false;
+        }
+        match ahead {
+            Ahead::Stored(key) => {
+                backing.remove(key);
+                self.stored -= 1;
+                self.stats.read_ahead += 1;
+            }
+            Ahead::Zeros => self.stats.zeros_ahead += 1,
+        }
+        self.make_resident(pn, ahead == Ahead::Zeros);
         true
     }
 

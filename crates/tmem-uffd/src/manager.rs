@@ -54,7 +54,7 @@ use tmem_core::{GetOutcome, Key, Pool, PoolConfig, PutOutcome, RecompressConfig,
 use tmem_counters::Counters;
 use tmem_lock::{Condvar, Mutex, MutexGuard, Rank};
 
-use crate::engine::{Backing, Batch, Engine, FaultPlan, Mem, Pn, Served};
+use crate::engine::{Ahead, Backing, Batch, Engine, FaultPlan, Mem, Pn, Served};
 use crate::maps::{self, PageMap, Range, Statm};
 use crate::proto::{self, Hello};
 use crate::stats::{EngineStats, RunStats};
@@ -980,7 +980,7 @@ fn serve_fault(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, 
         let served = if read { engine.serve_planned(&p.real(), backing, pn, plan, buf) } else { Served::Lost };
         shared.sync_resident(p, &engine);
         let window = match (served, plan) {
-            (Served::Done, FaultPlan::FromStore(_)) => engine.read_ahead_window(pn),
+            (Served::Done, FaultPlan::FromStore(_) | FaultPlan::Zero) => engine.read_ahead_window(pn),
             _ => 0,
         };
         drop(engine);
@@ -991,10 +991,11 @@ fn serve_fault(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, 
     }
 }
 
-/// After a fault at `pn` served from the store, maps the stored pages of
-/// the `window` pages that follow it (`Engine::next_stored`), while the
-/// run has room for them under its budget plus half its slack (the other
-/// half stays for faults).
+/// After a fault at `pn` served from the store or with zeros, maps the
+/// pages of the `window` pages that follow it that a fault would map
+/// (`Engine::next_ahead`: stored pages, and zeros where the engine never saw
+/// one), while the run has room for them under its budget plus half its
+/// slack (the other half stays for faults).
 fn read_ahead(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, window: u64, buf: &mut [u8; PAGE]) {
     let (mut from, end) = (pn + 1, pn + window);
     while from <= end {
@@ -1002,16 +1003,18 @@ fn read_ahead(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, w
         if used + 1 >= shared.limit() + shared.slack / 2 {
             return;
         }
-        let Some((next, key)) = p.engine_applied(shared).next_stored(from..=end) else { return };
+        let Some((next, ahead)) = p.engine_applied(shared).next_ahead(from..=end) else { return };
         from = next + 1;
         // A page in a lower tier is left for its fault. (A key that left
         // the store meanwhile left the engine too: the plan check in
         // `serve_ahead` then fails.)
-        if !backing.get_in_memory(key, buf) {
-            continue;
+        if let Ahead::Stored(key) = ahead {
+            if !backing.get_in_memory(key, buf) {
+                continue;
+            }
         }
         let mut engine = p.engine_applied(shared);
-        let mapped = engine.serve_ahead(&p.real(), backing, next, key, buf);
+        let mapped = engine.serve_ahead(&p.real(), backing, next, ahead, buf);
         shared.sync_resident(p, &engine);
         if !mapped {
             return;

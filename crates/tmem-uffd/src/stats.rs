@@ -15,6 +15,8 @@ tmem_counters::counters! {
         evicted: Counter(Pages),
         /// Stored pages mapped ahead of a fault, next to the page it asked for.
         read_ahead: Counter(Pages),
+        /// Pages never touched, filled with zeros ahead of a fault in a stream of first touches or of stored pages.
+        zeros_ahead: Counter(Pages),
         /// Moves refused because the page was busy (shared after fork, pinned).
         move_busy: Counter(Pages),
         /// Pages the store refused; they went back to the program.

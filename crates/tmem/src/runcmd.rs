@@ -30,9 +30,10 @@ pub struct RunArgs {
     tiers: tmem_daemon::tiers::TierArgs,
     #[command(flatten)]
     recompress: tmem_daemon::spec::RecompressArgs,
-    /// Largest read-ahead window, in pages: a fault served from the pool
-    /// that continues one of the program's sequential streams also maps
-    /// up to this many stored pages after it (0: none).
+    /// Largest read-ahead window, in pages: a fault that continues one of
+    /// the program's sequential streams also maps up to this many pages
+    /// after it, from the pool, or zeros where the program never had a
+    /// page (0: none).
     #[arg(long, default_value_t = tmem_uffd::readahead::MAX_WINDOW, value_parser = clap::value_parser!(u64).range(0..=tmem_uffd::readahead::MAX_WINDOW))]
     read_ahead: u64,
     /// Serve Prometheus metrics (OpenMetrics text at /metrics) on this address, e.g. 127.0.0.1:9849.
@@ -198,7 +199,7 @@ fn summary(cfg: &RunConfig, r: &RunReport) -> String {
     format!(
         "tmem run: {} {}; resident at most {:.1} MiB of --memory {:.1} MiB ({:.1} MiB over it at most; faults wait past {:.1} MiB over, \
          and pages the program touched before a scan registered them come on top); pool at most {:.1} MiB for {:.1} MiB of pages ({ratio:.2}x, {}); \
-         faults: {} first touches, {} from the pool, {} caught in flight; {} pages read ahead of them; {} pages evicted, {} adopted by scans, {} busy, {} lost; \
+         faults: {} first touches, {} from the pool, {} caught in flight; {} stored pages read ahead of them and {} fresh ones filled with zeros ahead; {} pages evicted, {} adopted by scans, {} busy, {} lost; \
          faults waited for room {} times, {:.1} s in all; the evictor worked {:.1} s; {} process(es)",
         cfg.program.to_string_lossy(),
         r.status.map_or_else(|| "did not start".into(), |s| s.to_string()),
@@ -213,6 +214,7 @@ fn summary(cfg: &RunConfig, r: &RunReport) -> String {
         e.store_fills,
         e.slot_returns,
         e.read_ahead,
+        e.zeros_ahead,
         e.evicted,
         e.adopted,
         e.move_busy,

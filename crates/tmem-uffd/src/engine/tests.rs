@@ -139,7 +139,8 @@ enum Op {
     /// The program drops a mapped page and no event says so yet (an
     /// `madvise` racing a scan's adoption).
     DropUnseen(Pn),
-    /// A read-ahead reads the stored page at `pn` without the engine's lock...
+    /// A read-ahead plans the page at `pn` (and reads it, if stored)
+    /// without the engine's lock...
     AheadRead(Pn),
     /// ...and maps it, maybe after other ops changed the page meanwhile.
     AheadMap,
@@ -174,8 +175,8 @@ struct World {
     batch: Option<(Batch, Option<HashMap<u32, u64>>)>,
     /// Pages dropped behind the engine's back, still counted as resident by it.
     unseen: usize,
-    /// A read-ahead between its read of the store and its mapping.
-    ahead: Option<(Pn, u64, Box<[u8; PAGE]>)>,
+    /// A read-ahead between its plan (and its read of the store) and its mapping.
+    ahead: Option<(Pn, Ahead, Box<[u8; PAGE]>)>,
 }
 
 impl World {
@@ -209,14 +210,16 @@ impl World {
         }
         assert_eq!(served, Served::Done, "fault at {pn}");
         assert!(self.sim.ptes.borrow().contains_key(&pn), "a served fault maps the page");
-        if matches!(plan, FaultPlan::FromStore(_)) {
-            // As the manager's `read_ahead`: the stored pages that follow.
+        if matches!(plan, FaultPlan::FromStore(_) | FaultPlan::Zero) {
+            // As the manager's `read_ahead`: the pages that follow.
             let end = pn + self.engine.read_ahead_window(pn);
             let mut from = pn + 1;
-            while let Some((next, key)) = self.engine.next_stored(from..=end) {
+            while let Some((next, ahead)) = self.engine.next_ahead(from..=end) {
                 from = next + 1;
-                assert!(self.store.get_in_memory(key, &mut buf), "a stored page is in the store");
-                if !self.engine.serve_ahead(&self.sim, &self.store, next, key, &buf) {
+                if let Ahead::Stored(key) = ahead {
+                    assert!(self.store.get_in_memory(key, &mut buf), "a stored page is in the store");
+                }
+                if !self.engine.serve_ahead(&self.sim, &self.store, next, ahead, &mut buf) {
                     break;
                 }
                 self.check_mapped(next);
@@ -343,15 +346,19 @@ impl World {
                 self.unseen += 1;
             }
             Op::AheadRead(pn) if self.ahead.is_none() => {
-                if let FaultPlan::FromStore(key) = self.engine.plan(pn) {
-                    let mut buf = Box::new([0u8; PAGE]);
-                    assert!(self.store.get(key, &mut buf));
-                    self.ahead = Some((pn, key, buf));
+                let mut buf = Box::new([0u8; PAGE]);
+                match self.engine.plan(pn) {
+                    FaultPlan::FromStore(key) => {
+                        assert!(self.store.get(key, &mut buf));
+                        self.ahead = Some((pn, Ahead::Stored(key), buf));
+                    }
+                    FaultPlan::Zero if self.mapped(pn) => self.ahead = Some((pn, Ahead::Zeros, buf)),
+                    _ => {}
                 }
             }
             Op::AheadMap => {
-                if let Some((pn, key, buf)) = self.ahead.take() {
-                    if self.engine.serve_ahead(&self.sim, &self.store, pn, key, &buf) {
+                if let Some((pn, ahead, mut buf)) = self.ahead.take() {
+                    if self.engine.serve_ahead(&self.sim, &self.store, pn, ahead, &mut buf) {
                         self.check_mapped(pn);
                     }
                 }
@@ -457,7 +464,8 @@ fn pauses_nest_so_the_first_fork_back_does_not_restart_eviction_under_the_second
 #[test]
 fn a_walk_through_stored_pages_reads_ahead_and_every_page_reads_right() {
     let mut w = World::new();
-    for pn in 0..16 {
+    // Written downwards: no stream forms, so no zeros are mapped ahead.
+    for pn in (0..16).rev() {
         w.apply(Op::Write(pn, pn + 100));
     }
     // Two passes of the hand: the first clears the bits the writes set.
@@ -496,5 +504,44 @@ fn a_read_ahead_that_lost_its_race_maps_nothing() {
     assert_eq!(w.engine.stored(), 1);
     w.apply(Op::AheadMap);
     assert_eq!(w.engine.stats().read_ahead, 0);
+    w.check_all();
+}
+
+#[test]
+fn a_stream_of_first_touches_is_filled_with_zeros_ahead_and_stops_at_the_mapping_end() {
+    let mut w = World::new();
+    for pn in 0..16 {
+        w.apply(Op::Write(pn, pn + 1));
+    }
+    let s = w.engine.stats();
+    // Faults at 0 (no stream yet), 1 (window 2: 2-3), 4 (4: 5-8), 9 (8: 10-17).
+    assert_eq!((s.zero_fills, s.zeros_ahead), (4, 14));
+    // A stream that runs into the end of the mapping maps nothing past it.
+    for pn in SPACE - 8..SPACE {
+        w.apply(Op::Write(pn, pn + 1));
+    }
+    assert!(w.sim.ptes.borrow().keys().all(|&pn| pn < SPACE));
+    w.check_all();
+}
+
+#[test]
+fn zeros_ahead_never_cover_a_page_the_program_has_or_the_store_holds() {
+    let mut w = World::new();
+    // 3 is stored, 4 resident: a stream through 0..8 reads 3 back and passes 4 by.
+    for pn in [3, 4] {
+        w.apply(Op::Write(pn, 100 + pn));
+    }
+    for _ in 0..2 {
+        w.apply(Op::EvictStart(1));
+        w.apply(Op::EvictRead);
+        w.apply(Op::EvictCommit { refuse: false });
+    }
+    w.apply(Op::Write(4, 104));
+    assert!(matches!(w.engine.plan(3), FaultPlan::FromStore(_)));
+    for pn in 0..8 {
+        w.apply(Op::Read(pn));
+    }
+    let s = w.engine.stats();
+    assert_eq!(s.read_ahead, 1, "3 came back ahead of its fault");
     w.check_all();
 }
