@@ -1,6 +1,6 @@
-//! How many stored pages to map ahead of a fault: a window per sequential
-//! stream, grown while the program walks through it, as the kernel's file
-//! readahead does.
+//! How many pages to map ahead of a fault (stored pages, and zeros where
+//! the program never had one): a window per sequential stream, grown while
+//! the program walks through it, as the kernel's file readahead does.
 //!
 //! Userspace sees no accessed bits, so whether a page read ahead was used
 //! cannot be asked. What can be seen is the program's next fault: one just
