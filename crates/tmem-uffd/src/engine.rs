@@ -21,11 +21,14 @@
 //! when it is faulted in (userspace sees no accessed bits), so a page that
 //! came back recently survives one pass of the hand.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
+
+mod pages;
 
 use crate::readahead::ReadAhead;
 pub use crate::stats::EngineStats;
 use crate::sys::{Outcome, PAGE};
+use pages::Pages;
 
 /// A page number: an address divided by the page size.
 pub type Pn = u64;
@@ -113,7 +116,7 @@ pub enum Served {
 /// Where every page of one process is.
 #[derive(Debug)]
 pub struct Engine {
-    pages: BTreeMap<Pn, Page>,
+    pages: Pages,
     /// CLOCK ring of resident pages; entries whose page left are skipped.
     clock: VecDeque<Pn>,
     /// Staging slot → the page in it, `None` once it came back or was dropped.
@@ -136,7 +139,7 @@ impl Engine {
     #[must_use]
     pub fn new(slots: u32, read_ahead: u64) -> Self {
         Self {
-            pages: BTreeMap::new(),
+            pages: Pages::default(),
             clock: VecDeque::new(),
             slots: vec![None; slots as usize],
             resident: 0,
@@ -179,11 +182,11 @@ impl Engine {
 
     #[must_use]
     pub fn plan(&self, pn: Pn) -> FaultPlan {
-        match self.pages.get(&pn) {
+        match self.pages.get(pn) {
             None => FaultPlan::Zero,
             Some(Page::Resident { .. } | Page::Pinned) => FaultPlan::Present,
-            Some(Page::InFlight { slot }) => FaultPlan::FromSlot(*slot),
-            Some(Page::Stored { key }) => FaultPlan::FromStore(*key),
+            Some(Page::InFlight { slot }) => FaultPlan::FromSlot(slot),
+            Some(Page::Stored { key }) => FaultPlan::FromStore(key),
         }
     }
 
@@ -227,8 +230,8 @@ impl Engine {
                     FaultPlan::Zero => self.stats.zero_fills += 1,
                     FaultPlan::Present => {
                         self.stats.dropped_unseen += 1;
-                        if let Some(Page::Resident { referenced }) = self.pages.get_mut(&pn) {
-                            *referenced = true;
+                        if let Some(Page::Resident { .. }) = self.pages.get(pn) {
+                            self.pages.insert(pn, Page::Resident { referenced: true });
                             return Served::Done;
                         }
                     }
@@ -324,7 +327,7 @@ impl Engine {
 
     /// Takes in a page that a scan found present; false if the engine knew it.
     pub fn adopt(&mut self, pn: Pn) -> bool {
-        match self.pages.get(&pn) {
+        match self.pages.get(pn) {
             Some(Page::Pinned) => {}
             Some(_) => return false,
             None => self.stats.adopted += 1,
@@ -337,9 +340,8 @@ impl Engine {
     /// dropped its contents. Stored keys are removed from `backing`;
     /// in-flight pages are cancelled (their batch skips them).
     pub fn forget(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
-        let gone: Vec<(Pn, Page)> = self.pages.range(start..end).map(|(p, s)| (*p, *s)).collect();
-        for (pn, state) in gone {
-            self.pages.remove(&pn);
+        for (pn, state) in self.pages.range(start, end) {
+            self.pages.remove(pn);
             match state {
                 Page::Resident { .. } => self.resident -= 1,
                 Page::Pinned => {}
@@ -359,9 +361,9 @@ impl Engine {
     /// `mremap` moved `n` pages from `from` to `to`: whatever was at the
     /// destination is gone, and the pages keep their state at their new place.
     pub fn remap(&mut self, backing: &impl Backing, from: Pn, to: Pn, n: u64) {
-        let moved: Vec<(Pn, Page)> = self.pages.range(from..from + n).map(|(p, s)| (*p, *s)).collect();
+        let moved = self.pages.range(from, from + n);
         for (pn, _) in &moved {
-            self.pages.remove(pn);
+            self.pages.remove(*pn);
         }
         self.forget(backing, to, to + n);
         for (pn, state) in moved {
@@ -388,9 +390,9 @@ impl Engine {
         while out.len() < max && budget > 0 {
             budget -= 1;
             let Some(pn) = self.clock.pop_front() else { break };
-            if let Some(Page::Resident { referenced }) = self.pages.get_mut(&pn) {
-                if *referenced {
-                    *referenced = false;
+            if let Some(Page::Resident { referenced }) = self.pages.get(pn) {
+                if referenced {
+                    self.pages.insert(pn, Page::Resident { referenced: false });
                     self.clock.push_back(pn);
                 } else if !out.contains(&pn) {
                     out.push(pn);
@@ -400,12 +402,12 @@ impl Engine {
     }
 
     fn rebuild_clock(&mut self) {
-        self.clock = self.pages.iter().filter(|(_, s)| matches!(s, Page::Resident { .. })).map(|(p, _)| *p).collect();
+        self.clock = self.pages.all().filter(|(_, s)| matches!(s, Page::Resident { .. })).map(|(p, _)| p).collect();
     }
 
     /// Records how moving victim `pn` into `slot` went (the caller's batch owns the slot).
     pub fn moved(&mut self, pn: Pn, slot: u32, outcome: Outcome) {
-        debug_assert!(matches!(self.pages.get(&pn), Some(Page::Resident { .. })), "victims are resident");
+        debug_assert!(matches!(self.pages.get(pn), Some(Page::Resident { .. })), "victims are resident");
         match outcome {
             Outcome::Done => {
                 self.pages.insert(pn, Page::InFlight { slot });
@@ -426,7 +428,7 @@ impl Engine {
     /// may have ended. One that is still shared comes back pinned.
     pub fn unpin(&mut self) {
         for pn in std::mem::take(&mut self.pinned) {
-            if self.pages.get(&pn) == Some(&Page::Pinned) {
+            if self.pages.get(pn) == Some(Page::Pinned) {
                 self.make_resident(pn, false);
             }
         }
@@ -441,6 +443,7 @@ impl Engine {
     /// A new key for a page about to be stored.
     pub fn new_key(&mut self) -> u64 {
         self.next_key += 1;
+        assert!(self.next_key <= pages::MAX_KEY, "keys count up from 1 and never reach 2^61");
         self.next_key
     }
 
@@ -470,9 +473,9 @@ impl Engine {
     #[must_use]
     pub fn away(&self) -> Vec<Pn> {
         self.pages
-            .iter()
+            .all()
             .filter(|(_, s)| matches!(s, Page::InFlight { .. } | Page::Stored { .. }))
-            .map(|(p, _)| *p)
+            .map(|(p, _)| p)
             .collect()
     }
 
@@ -480,9 +483,9 @@ impl Engine {
     #[must_use]
     pub fn keys(&self) -> Vec<u64> {
         self.pages
-            .values()
-            .filter_map(|s| match s {
-                Page::Stored { key } => Some(*key),
+            .all()
+            .filter_map(|(_, s)| match s {
+                Page::Stored { key } => Some(key),
                 _ => None,
             })
             .collect()
