@@ -18,8 +18,9 @@
 //! so that a later fault gets zeros exactly where the kernel would give them.
 //!
 //! Eviction uses a CLOCK hand over the resident pages. A page is referenced
-//! when it is faulted in (userspace sees no accessed bits), so a page that
-//! came back recently survives one pass of the hand.
+//! when it is faulted in, or filled with zeros ahead of such a fault
+//! (userspace sees no accessed bits), so a page that came back recently
+//! survives one pass of the hand.
 
 use std::collections::VecDeque;
 
@@ -283,9 +284,9 @@ impl Engine {
     /// comes in unreferenced: if the program does not touch it, it is the
     /// hand's first victim. Zeros come in referenced, as a first touch's
     /// do: the program is writing its fresh memory in order, and what it
-    /// writes there is its newest data. False, and nothing changed, when `pn` no longer holds what
-    /// was planned, or the fill failed (the map is changing, or `pn` is
-    /// not mapped).
+    /// writes there is its newest data. False, and nothing changed, when
+    /// `pn` no longer holds what was planned, or the fill failed (the map
+    /// is changing, or `pn` is not mapped).
     pub fn serve_ahead(
         &mut self,
         mem: &impl Mem,
