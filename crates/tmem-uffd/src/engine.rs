@@ -231,8 +231,7 @@ impl Engine {
                     FaultPlan::Zero => self.stats.zero_fills += 1,
                     FaultPlan::Present => {
                         self.stats.dropped_unseen += 1;
-                        if let Some(Page::Resident { .. }) = self.pages.get(pn) {
-                            self.pages.insert(pn, Page::Resident { referenced: true });
+                        if self.pages.set_referenced(pn, true).is_some() {
                             return Served::Done;
                         }
                     }
@@ -391,9 +390,8 @@ impl Engine {
         while out.len() < max && budget > 0 {
             budget -= 1;
             let Some(pn) = self.clock.pop_front() else { break };
-            if let Some(Page::Resident { referenced }) = self.pages.get(pn) {
+            if let Some(referenced) = self.pages.set_referenced(pn, false) {
                 if referenced {
-                    self.pages.insert(pn, Page::Resident { referenced: false });
                     self.clock.push_back(pn);
                 } else if !out.contains(&pn) {
                     out.push(pn);
@@ -444,7 +442,6 @@ impl Engine {
     /// A new key for a page about to be stored.
     pub fn new_key(&mut self) -> u64 {
         self.next_key += 1;
-        assert!(self.next_key <= pages::MAX_KEY, "keys count up from 1 and never reach 2^61");
         self.next_key
     }
 

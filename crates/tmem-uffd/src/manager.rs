@@ -962,8 +962,9 @@ fn serve_faults(shared: &Shared, p: &Process, buf: &mut [u8; PAGE]) {
 }
 
 /// Serves one fault at `pn`, reading the store without the engine's lock.
-/// Returns how it went and, for a fault served from the store, how many
-/// pages after it to read ahead (`Engine::read_ahead_window`; else 0).
+/// Returns how it went and, for a fault served from the store or with
+/// zeros, how many pages after it to read ahead
+/// (`Engine::read_ahead_window`; else 0).
 fn serve_fault(shared: &Shared, p: &Process, backing: &PoolBacking<'_>, pn: Pn, buf: &mut [u8; PAGE]) -> (Served, u64) {
     loop {
         let mut engine = p.engine_applied(shared);

@@ -25,7 +25,7 @@ const TAG_IN_FLIGHT: u64 = 3;
 const TAG_STORED: u64 = 4;
 
 /// The largest store key a word can hold (keys count up from 1).
-pub const MAX_KEY: u64 = u64::MAX >> TAG_BITS;
+const MAX_KEY: u64 = u64::MAX >> TAG_BITS;
 
 fn encode(page: Page) -> u64 {
     match page {
@@ -95,6 +95,16 @@ impl Pages {
             self.len += 1;
         }
         old
+    }
+
+    /// Sets the referenced bit of `pn` if it is resident, in one lookup;
+    /// returns the bit it had (`None`: not resident, nothing changed).
+    pub fn set_referenced(&mut self, pn: Pn, referenced: bool) -> Option<bool> {
+        let (leaf, at) = split(pn);
+        let word = &mut self.leaves.get_mut(&leaf)?.words[at];
+        let Some(Page::Resident { referenced: was }) = decode(*word) else { return None };
+        *word = encode(Page::Resident { referenced });
+        Some(was)
     }
 
     pub fn remove(&mut self, pn: Pn) -> Option<Page> {
@@ -184,6 +194,7 @@ mod tests {
     enum Op {
         Insert(Pn, Page),
         Remove(Pn),
+        SetReferenced(Pn, bool),
         Range(Pn, Pn),
     }
 
@@ -193,6 +204,7 @@ mod tests {
         prop_oneof![
             3 => (pn.clone(), page()).prop_map(|(p, s)| Op::Insert(p, s)),
             2 => pn.clone().prop_map(Op::Remove),
+            2 => (pn.clone(), any::<bool>()).prop_map(|(p, r)| Op::SetReferenced(p, r)),
             1 => (pn.clone(), pn).prop_map(|(a, b)| Op::Range(a.min(b), a.max(b))),
         ]
     }
@@ -206,6 +218,13 @@ mod tests {
                 match op {
                     Op::Insert(pn, s) => prop_assert_eq!(pages.insert(pn, s), model.insert(pn, s)),
                     Op::Remove(pn) => prop_assert_eq!(pages.remove(pn), model.remove(&pn)),
+                    Op::SetReferenced(pn, r) => {
+                        let was = match model.get_mut(&pn) {
+                            Some(Page::Resident { referenced }) => Some(std::mem::replace(referenced, r)),
+                            _ => None,
+                        };
+                        prop_assert_eq!(pages.set_referenced(pn, r), was);
+                    }
                     Op::Range(a, b) => {
                         let want: Vec<(Pn, Page)> = model.range(a..b).map(|(p, s)| (*p, *s)).collect();
                         prop_assert_eq!(pages.range(a, b), want);
