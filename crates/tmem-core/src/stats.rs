@@ -333,5 +333,10 @@ counters! {
         metadata_bytes: Gauge(Bytes),
         /// Limit now in force (`u64::MAX` when unlimited).
         pool_limit_bytes: Max(Bytes),
+        /// Writebacks to lower tiers that a put (or the block layer's retry
+        /// of a refused one) ran itself to make room, its write waiting on
+        /// tier I/O: the background writeback had not kept up. Counted
+        /// since this process built or adopted the store.
+        writeback_waits: Counter(Events),
     }
 }

@@ -294,6 +294,7 @@ impl Store {
             pool_total_size: mem,
             metadata_bytes,
             pool_limit_bytes: self.shared.policy.limit_bytes(),
+            writeback_waits: self.shared.writeback_waits.load(std::sync::atomic::Ordering::Relaxed),
             ratio: if mem == 0 { 0.0 } else { total.orig_data_size as f64 / mem as f64 },
             codec: self.codec_name(),
             dictionary: self.shared.dictionary_status(),

@@ -246,6 +246,35 @@ fn a_grouped_image_keeps_its_groups() {
 }
 
 #[test]
+fn an_image_keeps_its_shard_layout() {
+    let windows = || StoreConfig { shard_windows: true, ..shared(0) };
+    let ops: Vec<Op> = (0..512).map(|i| Op::Put { pool: 0, index: i, kind: 0, seed: i }).collect();
+    for (from, to) in [(windows(), shared(0)), (shared(0), windows()), (windows(), windows())] {
+        let (a, ids) = build_in(from, &ops);
+        // Whatever the successor's own setting, the image's layout holds:
+        // a key looked up in another shard than its entry's would miss.
+        let (b, _, got) = hand_image(&a, to);
+        assert_eq!(got.pages, 512);
+        same_pages(&a, &b, &ids);
+        // And it goes on (the memfd is b's now: compare with a store of
+        // its own that took the same puts).
+        b.seal(false);
+        run(&b, &ids, &ops);
+        let (c, _) = build_in(shared(0), &ops);
+        same_pages(&c, &b, &ids);
+    }
+    // Grouping still must stay as it was.
+    let (a, _) = build_in(windows(), &ops);
+    a.seal(true);
+    let mut image = Vec::new();
+    a.export_image(&mut image).unwrap();
+    let fd = a.memfd().unwrap().try_clone_to_owned().unwrap();
+    let grouped = StoreConfig { group: Some(tmem_core::GroupConfig::default()), ..shared(0) };
+    let e = Store::import_image(grouped, &mut image.as_slice(), fd).unwrap_err().to_string();
+    assert!(e.contains("never groups pages") && e.contains("grouping must stay as it was"), "{e}");
+}
+
+#[test]
 fn a_damaged_image_is_one_error() {
     let ops: Vec<Op> =
         (0..300).map(|i| Op::Put { pool: (i % 3) as usize, index: i, kind: (i % 3) as u8, seed: i }).collect();

@@ -324,3 +324,66 @@ fn concurrent_overwrites_writeback_and_incompressible_puts_lose_nothing() {
     assert_eq!(st.tier_pages, tier.capacity().stored_pages, "no stale tier copies left");
     assert_eq!(st.tier_get_fail, 0);
 }
+
+/// A memory tier that records the order in which values arrive.
+struct Recording(MemTier, std::sync::Mutex<Vec<u64>>);
+
+impl Tier for Recording {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn put(&self, key: TierKey, value: &[u8]) -> Result<tmem_tier::TierPut, tmem_tier::TierError> {
+        self.1.lock().unwrap().push(key.index);
+        self.0.put(key, value)
+    }
+    fn get(&self, key: TierKey, out: &mut Vec<u8>) -> Result<tmem_tier::TierGet, tmem_tier::TierError> {
+        self.0.get(key, out)
+    }
+    fn remove(&self, key: TierKey) -> Result<bool, tmem_tier::TierError> {
+        self.0.remove(key)
+    }
+    fn clear_pool(&self, pool: u32) -> Result<(), tmem_tier::TierError> {
+        self.0.clear_pool(pool)
+    }
+    fn capacity(&self) -> tmem_tier::Capacity {
+        self.0.capacity()
+    }
+    fn health(&self) -> tmem_tier::Health {
+        self.0.health()
+    }
+    fn stats(&self) -> tmem_tier::TierStats {
+        self.0.stats()
+    }
+}
+
+/// Of the values a 1 MiB pool given `page(0..3000)` in order wrote back,
+/// the share that followed their left neighbour.
+fn neighbours_written_back_together(shard_windows: bool) -> f64 {
+    let s = StoreConfig {
+        policy: PolicyConfig { max_pool_bytes: 1 << 20, ..Default::default() },
+        shard_windows,
+        ..Default::default()
+    }
+    .build()
+    .unwrap();
+    let tier = Arc::new(Recording(MemTier::new(1 << 30), std::sync::Mutex::new(Vec::new())));
+    let p = s.create_pool_with_tiers(PoolConfig::persistent(), chain(vec![tier.clone()]));
+    for i in 0..3000 {
+        assert_eq!(p.put(key(i), &page(i)).unwrap(), PutOutcome::Stored, "put {i}");
+    }
+    for i in 0..3000 {
+        assert_eq!(get(&p, i).unwrap(), Some(page(i)), "get {i}");
+    }
+    let order = tier.1.lock().unwrap();
+    assert!(order.len() > 1000, "{} written back", order.len());
+    let next = order.windows(2).filter(|w| w[1] == w[0] + 1).count();
+    next as f64 / (order.len() - 1) as f64
+}
+
+#[test]
+fn windows_kept_in_a_shard_go_down_side_by_side() {
+    let with = neighbours_written_back_together(true);
+    let without = neighbours_written_back_together(false);
+    assert!(with > 0.8, "{with:.2} of values followed their neighbour with windows");
+    assert!(without < 0.5, "{without:.2} without");
+}

@@ -484,6 +484,9 @@ pub fn store_config(d: &DeviceSpec, total_ram: u64) -> Result<StoreConfig, Daemo
         codec: Some(choice.codec),
         dictionary: choice.dictionary.then(DictTraining::default),
         group: d.group.config()?,
+        // Neighbours leave together: a tier below reads a readahead's pages
+        // back with one request.
+        shard_windows: true,
         // A successor adopts the pool's memfd instead of copying it.
         shared_memory: true,
         ..Default::default()

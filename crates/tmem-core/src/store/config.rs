@@ -116,6 +116,13 @@ pub struct StoreConfig {
     /// ([`Store::grouping`] runs it; `store/grouping.rs`). Fixed at build:
     /// it decides in which shard each key lives.
     pub group: Option<GroupConfig>,
+    /// Keep each window of 16 indexes of an object in one shard (grouping
+    /// always does), so that pages put together leave together: writeback
+    /// takes a shard's oldest pages, and a tier below then holds
+    /// neighbours side by side and returns a readahead's pages with one
+    /// read. Fixed at build; a store adopted from an image keeps the
+    /// image's layout.
+    pub shard_windows: bool,
     /// Keep the pages in a memfd that a successor process can adopt without
     /// a copy ([`Store::export_image`]); private memory otherwise.
     pub shared_memory: bool,
@@ -132,6 +139,15 @@ impl StoreConfig {
         self.build_with(alloc)
     }
 
+    /// How many low bits of an index its shard ignores.
+    pub(super) fn window_shift(&self) -> u32 {
+        if self.group.is_some() || self.shard_windows {
+            crate::group::WINDOW_SHIFT
+        } else {
+            0
+        }
+    }
+
     /// Builds the store around `alloc` (a new one, or one adopted from a
     /// predecessor).
     pub(super) fn build_with(self, alloc: ZsAlloc) -> Result<Store, StoreError> {
@@ -139,7 +155,7 @@ impl StoreConfig {
         if let Some(g) = &self.group {
             g.build()?;
         }
-        let window_shift = if self.group.is_some() { crate::group::WINDOW_SHIFT } else { 0 };
+        let window_shift = self.window_shift();
         let shared = Arc::new(Shared {
             alloc,
             policy,
@@ -156,6 +172,7 @@ impl StoreConfig {
             next_version: AtomicU64::new(1),
             clock: std::time::Instant::now(),
             room_failed_at: AtomicU64::new(0),
+            writeback_waits: AtomicU64::new(0),
             auto_dictionary: self
                 .dictionary
                 .map(|t| dictionary::AutoDictionary::new(self.codec.clone().unwrap_or(CodecConfig::LZ4), t))

@@ -144,6 +144,42 @@ fn io_err(e: std::io::Error) -> StoreError {
     StoreError::Handover(format!("stream: {e}"))
 }
 
+/// The image's byte for its shards' layout: 0 (each key hashed on its
+/// own), [`crate::group::WINDOW_SHIFT`] (grouping, whose windows share a
+/// shard), or that with [`WINDOWS_ONLY`] (windows without grouping).
+/// Builds before windows without grouping wrote only the first two.
+pub(super) fn layout_byte(sh: &Shared) -> u8 {
+    let shift = u8::try_from(sh.window_shift).expect("a small shift");
+    match (sh.group.is_some(), shift) {
+        (false, 0) => 0,
+        (true, s) => s,
+        (false, s) => s | WINDOWS_ONLY,
+    }
+}
+
+/// [`layout_byte`]'s mark of windows kept together without grouping.
+const WINDOWS_ONLY: u8 = 0x40;
+
+/// Whether a store built with `cfg` adopts an image of layout `byte`
+/// ([`layout_byte`]) with its windows kept together. The image's entries
+/// stay in their shards, so the layout must be the image's: grouping must
+/// stay as it was, and a store that does not group takes either layout.
+pub(super) fn adopted_windows(cfg: &StoreConfig, byte: u8) -> Result<bool, StoreError> {
+    #[allow(clippy::cast_possible_truncation)] // 4, asserted below
+    const GROUPED: u8 = crate::group::WINDOW_SHIFT as u8;
+    const _: () = assert!(GROUPED as u32 == crate::group::WINDOW_SHIFT && GROUPED & WINDOWS_ONLY == 0);
+    const WINDOWS: u8 = GROUPED | WINDOWS_ONLY;
+    match (byte, cfg.group.is_some()) {
+        (0, false) => Ok(false),
+        (GROUPED, true) | (WINDOWS, false) => Ok(true),
+        (0 | WINDOWS, true) => {
+            Err(bad("the image never groups pages and this store does (grouping must stay as it was)"))
+        }
+        (GROUPED, false) => Err(bad("the image groups pages and this store does not (grouping must stay as it was)")),
+        (b, _) => Err(bad(format!("the image's shard layout {b:#x} is unknown to this build"))),
+    }
+}
+
 fn bad(what: impl Into<String>) -> StoreError {
     StoreError::Handover(what.into())
 }
@@ -822,7 +858,7 @@ impl Store {
         if image {
             w.bytes(IMAGE_MAGIC)?;
             w.u32(if modes { IMAGE_VERSION } else { 3 })?;
-            w.u8(u8::try_from(sh.window_shift).expect("a small shift"))?;
+            w.u8(layout_byte(sh))?;
             write_alloc_image(&mut w, &sh.alloc.image(), modes)?;
         } else {
             w.bytes(MAGIC)?;
@@ -955,15 +991,7 @@ impl Store {
             if !(1..=IMAGE_VERSION).contains(&image_version) {
                 return Err(bad(format!("image format {image_version}, this build reads 1..={IMAGE_VERSION}")));
             }
-            let shift = u32::from(r.u8()?);
-            let ours = if cfg.group.is_some() { crate::group::WINDOW_SHIFT } else { 0 };
-            if shift != ours {
-                return Err(bad(format!(
-                    "the image {} groups pages and this store {} (grouping must stay as it was)",
-                    if shift == 0 { "never" } else { "" },
-                    if ours == 0 { "does not" } else { "does" }
-                )));
-            }
+            cfg.shard_windows = adopted_windows(&cfg, r.u8()?)?;
             let a = read_alloc_image(&mut r, image_version >= 4)?;
             Some(ZsAlloc::adopt(fd, &a).map_err(|e| bad(format!("image: {e}")))?)
         } else {
@@ -1163,7 +1191,7 @@ impl Store {
         }
         sum.object_bytes += len as u64;
         let chunks = if let Some(adopted) = adopted {
-            if sh.window_shift == 0 {
+            if sh.group.is_none() {
                 return Err(bad(format!("{what}: a group in the image of a store that does not group")));
             }
             let n = r.u32()? as usize;
@@ -1185,7 +1213,7 @@ impl Store {
             if crc32fast::hash(&data) != check {
                 return Err(bad(format!("{what}: checksum mismatch")));
             }
-            if sh.window_shift == 0 {
+            if sh.group.is_none() {
                 return self.import_group_expanded(pool, object, base, codec, slots, live, &data, &page_checks, sum);
             }
             group::store_chunks(&sh.alloc, &data).map_err(|e| bad(format!("{what}: no memory for it: {e}")))?

@@ -30,6 +30,8 @@ pub(super) struct Shared {
     pub(super) clock: std::time::Instant,
     /// When making room last failed (ns since `clock`; 0: it did not).
     pub(super) room_failed_at: AtomicU64,
+    /// Writebacks a put's own thread ran to make room (`Stats::writeback_waits`).
+    pub(super) writeback_waits: AtomicU64,
     /// Automatic dictionary training, if configured or armed by hand.
     pub(super) auto_dictionary: std::sync::OnceLock<dictionary::AutoDictionary>,
     /// Background recompression's codec and state, once set up.
@@ -156,8 +158,11 @@ impl Shared {
     /// put never moves a persistent page, and its failure does not hold back
     /// the next persistent put's try. Returns whether it got there.
     pub(super) fn make_room(&self, target: u64, for_kind: PoolKind) -> bool {
-        if self.evict_ephemeral(target, for_kind) || (for_kind == PoolKind::Persistent && self.write_back_until(target))
-        {
+        let write_back = || {
+            self.writeback_waits.fetch_add(1, Ordering::Relaxed);
+            self.write_back_until(target)
+        };
+        if self.evict_ephemeral(target, for_kind) || (for_kind == PoolKind::Persistent && write_back()) {
             self.room_failed_at.store(0, Ordering::Relaxed);
             return true;
         }

@@ -658,6 +658,10 @@ impl Pool {
         for v in victims.iter_mut().filter(|v| v.raw) {
             self.encode_single(v);
         }
+        // In key order, so that a tier lays neighbours side by side and a
+        // readahead's pages come back with one read (a shard keeps each
+        // window of indexes together: `StoreConfig::shard_windows`).
+        victims.sort_unstable_by_key(|v| (v.key.object, v.key.index));
         // 3. Seal and offer them to the tiers in order, in batches, after the
         // removals queued so far (some may be of these keys' older copies).
         self.removals.send(chain);

@@ -54,7 +54,8 @@ const ENTRY_CHANGE: usize = 4 + 1 + IMAGE_RECORD;
 /// A store's index as its predecessor's snapshot gave it, built while the
 /// predecessor served; [`Store::import_image_after`] completes it.
 pub struct Snapshot {
-    shift: u8,
+    /// The image's shard layout (`handover::layout_byte`).
+    layout: u8,
     pools: Vec<Option<Vec<SnapShard>>>,
     pages: u64,
 }
@@ -340,7 +341,7 @@ impl Store {
         let mut sum = HandoverSummary::default();
         w.bytes(SNAP_MAGIC)?;
         w.u32(SNAP_VERSION)?;
-        w.u8(u8::try_from(sh.window_shift).expect("a small shift"))?;
+        w.u8(super::layout_byte(sh))?;
         w.u32(u32::try_from(pools.len()).expect("fewer than 2^32 pools"))?;
         let mut out = Vec::new();
         for pool in &pools {
@@ -495,12 +496,12 @@ impl Snapshot {
         if version != SNAP_VERSION {
             return Err(bad(format!("snapshot format {version}, this build reads {SNAP_VERSION}")));
         }
-        let shift = r.u8()?;
+        let layout = r.u8()?;
         let pools = r.u32()?;
         if pools > MAX_POOLS {
             return Err(bad(format!("{pools} pools (at most {MAX_POOLS})")));
         }
-        let mut snap = Snapshot { shift, pools: Vec::new(), pages: 0 };
+        let mut snap = Snapshot { layout, pools: Vec::new(), pages: 0 };
         for _ in 0..pools {
             if !r.bool("pool present")? {
                 snap.pools.push(None);
@@ -552,11 +553,11 @@ impl Snapshot {
     }
 
     /// Why a store built with `cfg` cannot complete this snapshot, if it
-    /// cannot: it must group as the exporter did and have as many shards.
+    /// cannot: it must group as the exporter did (and so lay out its shards
+    /// as it did) and have as many shards.
     pub fn unusable_with(&self, cfg: &StoreConfig) -> Option<String> {
-        let ours = if cfg.group.is_some() { crate::group::WINDOW_SHIFT } else { 0 };
-        if u32::from(self.shift) != ours {
-            return Some("the snapshot's store groups pages differently".into());
+        if let Err(e) = super::adopted_windows(cfg, self.layout) {
+            return Some(format!("the snapshot's store lays out its shards differently: {e}"));
         }
         let shards = if cfg.shards == 0 { default_shards() } else { cfg.shards.next_power_of_two() };
         self.pools
