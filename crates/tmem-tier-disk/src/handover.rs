@@ -327,10 +327,14 @@ fn decode(bytes: &[u8]) -> Result<Handed, TierError> {
         return Err(bad(format!("records overlap in segment {} at {}", w[1].0, w[1].1)));
     }
 
-    if us(d.u32("counters")?) != COUNTERS {
-        return Err(bad("counter count"));
+    // A predecessor built before the newest counters hands over fewer: those
+    // start at zero.
+    let n = us(d.u32("counters")?);
+    if n > COUNTERS {
+        return Err(bad(format!("{n} counters; this build knows {COUNTERS}")));
     }
-    let counters = (0..COUNTERS).map(|_| d.u64("counters")).collect::<Result<Vec<_>, _>>()?;
+    let mut counters = (0..n).map(|_| d.u64("counters")).collect::<Result<Vec<_>, _>>()?;
+    counters.resize(COUNTERS, 0);
     if !d.0.is_empty() {
         return Err(bad(format!("{} trailing bytes", d.0.len())));
     }

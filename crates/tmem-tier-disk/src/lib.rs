@@ -154,6 +154,7 @@
 //! included). [`DiskTier::disk_stats`] adds segment, GC and discard counters.
 
 use tmem_sys::aligned;
+mod around;
 mod gc;
 mod handover;
 mod read;
@@ -375,6 +376,8 @@ struct State {
     value_bytes: u64,
     /// Unused tails of sealed segments.
     waste_bytes: u64,
+    /// Spans of sealed segments that single gets read around their values.
+    around: around::ReadAround,
 }
 
 impl State {
@@ -397,6 +400,7 @@ impl State {
             live_bytes: 0,
             value_bytes: 0,
             waste_bytes: 0,
+            around: around::ReadAround::new(),
         }
     }
 }
@@ -895,6 +899,7 @@ impl Tier for DiskTier {
             bytes_read: get(&c.bytes_read),
             wire_bytes_out: get(&c.wire_out),
             wire_bytes_in: get(&c.wire_in),
+            backing_reads: get(&c.file_reads),
             get_p50_us: self.get_latency.quantile_us(0.5),
             get_p99_us: self.get_latency.quantile_us(0.99),
             put_p50_us: self.put_latency.quantile_us(0.5),

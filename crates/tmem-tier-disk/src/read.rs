@@ -24,6 +24,7 @@ impl DiskTier {
         if !self.direct {
             out.resize(len, 0);
             self.file.read_exact_at(out, at)?;
+            add(&self.counters.file_reads, 1);
             add(&self.counters.wire_in, u64::from(loc.len));
             return Ok(());
         }
@@ -45,6 +46,7 @@ impl DiskTier {
         let read = |buf: &mut [u8]| {
             let buf = &mut buf[..len];
             self.file.read_exact_at(buf, start)?;
+            add(&self.counters.file_reads, 1);
             add(&self.counters.wire_in, end - start);
             Ok(f(buf))
         };
@@ -80,7 +82,14 @@ impl DiskTier {
                     let at = us(loc.off + RECORD_HEADER);
                     out[i] = Some(Ok(Some(mem[at..at + us(loc.len)].to_vec())));
                 } else {
-                    on_disk.push((i, loc, self.gens[us(loc.seg)].load(Ordering::SeqCst)));
+                    let gen = self.gens[us(loc.seg)].load(Ordering::SeqCst);
+                    let mut v = Vec::new();
+                    if st.around.copy(loc.seg, self.value_span(loc).0, us(loc.len), gen, &mut v) {
+                        add(&self.counters.around_hits, 1);
+                        out[i] = Some(Ok(Some(v)));
+                    } else {
+                        on_disk.push((i, loc, gen));
+                    }
                 }
             }
         }
@@ -140,7 +149,7 @@ impl DiskTier {
     pub(crate) fn get_inner(&self, key: TierKey, out: &mut Vec<u8>) -> Result<TierGet, TierError> {
         let mut attempt = 0;
         loop {
-            let st = self.lock();
+            let mut st = self.lock();
             let Some(loc) = st.index.get(&key).copied() else { return Ok(TierGet::Miss) };
             if let Some(mem) = st.mem(loc.seg) {
                 let at = us(loc.off + RECORD_HEADER);
@@ -148,15 +157,27 @@ impl DiskTier {
                 return Ok(TierGet::Hit);
             }
             debug_assert_eq!(st.segs[us(loc.seg)].state, SegState::Sealed);
+            let gen = self.gens[us(loc.seg)].load(Ordering::SeqCst);
+            if loc.len > 0 && st.around.copy(loc.seg, self.value_span(loc).0, us(loc.len), gen, out) {
+                add(&self.counters.around_hits, 1);
+                return Ok(TierGet::Hit);
+            }
             if attempt >= OPTIMISTIC_READS {
                 // Under the lock the segment cannot be freed.
                 let r = self.pread_value(loc, out);
                 drop(st);
                 return self.read_done(r).map(|()| TierGet::Hit);
             }
-            let gen = self.gens[us(loc.seg)].load(Ordering::SeqCst);
+            let span = if loc.len > 0 { st.around.take() } else { None };
             drop(st);
-            let r = self.pread_value(loc, out);
+            let r = match span {
+                Some(mut span) => {
+                    let r = self.read_around(loc, gen, &mut span, out);
+                    self.lock().around.put(span);
+                    r
+                }
+                None => self.pread_value(loc, out),
+            };
             if self.gens[us(loc.seg)].load(Ordering::SeqCst) == gen {
                 return self.read_done(r).map(|()| TierGet::Hit);
             }
@@ -165,6 +186,26 @@ impl DiskTier {
             add(&self.counters.read_retries, 1);
             attempt += 1;
         }
+    }
+
+    /// Reads the [`around::AROUND_BYTES`] from the page of the value at
+    /// `loc` (the value's own pages at least, the segment's end at most)
+    /// into `span`, and copies the value into `out`. The span holds the
+    /// read for generation `gen`, which the caller checks after it.
+    fn read_around(&self, loc: Loc, gen: u64, span: &mut around::Span, out: &mut Vec<u8>) -> io::Result<()> {
+        let (at, start, end) = self.value_span(loc);
+        let seg_end = self.seg_off(loc.seg) + u64::from(self.seg_bytes);
+        let stop = end.max((start + around::AROUND_BYTES as u64).min(seg_end));
+        let len = usize::try_from(stop - start).expect("a span is small");
+        span.set(loc.seg, start, 0, gen);
+        let buf = span.buf(len);
+        self.file.read_exact_at(buf, start)?;
+        add(&self.counters.file_reads, 1);
+        add(&self.counters.wire_in, stop - start);
+        let skip = usize::try_from(at - start).expect("within a page");
+        out.extend_from_slice(&buf[skip..skip + us(loc.len)]);
+        span.set(loc.seg, start, len, gen);
+        Ok(())
     }
 
     pub(crate) fn read_done(&self, r: io::Result<()>) -> Result<(), TierError> {

@@ -24,10 +24,12 @@ pub(crate) struct Counters {
     pub(crate) gc_moved_values: AtomicU64,
     pub(crate) gc_moved_bytes: AtomicU64,
     pub(crate) read_retries: AtomicU64,
+    pub(crate) file_reads: AtomicU64,
+    pub(crate) around_hits: AtomicU64,
 }
 
 /// Fields of [`Counters`].
-pub(crate) const COUNTERS: usize = 17;
+pub(crate) const COUNTERS: usize = 19;
 
 impl Counters {
     /// Every counter, in declaration order (the hand-over state's order).
@@ -50,6 +52,8 @@ impl Counters {
             &self.gc_moved_values,
             &self.gc_moved_bytes,
             &self.read_retries,
+            &self.file_reads,
+            &self.around_hits,
         ]
     }
 }
@@ -102,6 +106,12 @@ counters! {
         gc_moved_bytes: Counter(Bytes),
         /// Lock-free reads retried because their segment was freed meanwhile.
         read_retries: Counter(Events),
+        /// Reads of values from the file (`pread`s; a merged read of a
+        /// batched get counts once, the GC's reads not at all).
+        file_reads: Counter(Events),
+        /// Gets of sealed segments' values answered from the span that a
+        /// single get read around its own (`around.rs`), with no read.
+        around_hits: Counter(Events),
         /// Segment writes that failed and wait for a retry.
         failed_writes: Gauge(Events),
     }
@@ -137,6 +147,8 @@ impl DiskTier {
             gc_moved_values: get(&c.gc_moved_values),
             gc_moved_bytes: get(&c.gc_moved_bytes),
             read_retries: get(&c.read_retries),
+            file_reads: get(&c.file_reads),
+            around_hits: get(&c.around_hits),
             failed_writes: u64::try_from(st.failed.len()).unwrap_or(u64::MAX),
         }
     }

@@ -165,6 +165,53 @@ fn o_direct_is_used_on_var_tmp() {
 }
 
 #[test]
+fn neighbours_written_together_come_back_with_one_read() {
+    let p = TempPath::new("/var/tmp", "one-read");
+    let tier = DiskTierConfig { capacity_bytes: 8 << 20, ..DiskTierConfig::new(&p.0) }.build().unwrap();
+    let mut rng = Rng(7);
+    // 8 neighbours side by side, then 1,000 values that seal their segment.
+    let vals: Vec<_> = (0..1008u64).map(|i| (TierKey { pool: 1, object: 0, index: i }, rng.value(i))).collect();
+    let items: Vec<(TierKey, &[u8])> = vals.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+    assert!(tier.put_batch(&items).into_iter().all(|r| matches!(r, Ok(TierPut::Stored))));
+    tier.flush().unwrap();
+    assert!(tier.disk_stats().segment_writes > 0);
+    let reads = || tier.stats().backing_reads;
+    assert_eq!(reads(), 0, "nothing read yet");
+    let keys: Vec<TierKey> = vals[..8].iter().map(|(k, _)| *k).collect();
+    for (got, (_, want)) in tier.get_batch(&keys).into_iter().zip(&vals) {
+        assert_eq!(got.unwrap().as_deref(), Some(want.as_slice()));
+    }
+    assert_eq!(reads(), 1, "a merged read counts once");
+    // Two values of the sealed first segment, far apart: a read each.
+    let apart = [vals[0].0, vals[300].0];
+    assert!(tier.get_batch(&apart).into_iter().all(|r| r.unwrap().is_some()));
+    assert_eq!(reads(), 3);
+    let mut out = Vec::new();
+    assert_eq!(tier.get(vals[3].0, &mut out).unwrap(), TierGet::Hit);
+    assert_eq!((out.as_slice(), reads()), (vals[3].1.as_slice(), 4));
+    // A single get read 16 KiB around its value: the next neighbours come
+    // from that span, with no read, until one lies past it.
+    let mut around = 0;
+    for (k, v) in &vals[4..40] {
+        let before = reads();
+        out.clear();
+        assert_eq!(tier.get(*k, &mut out).unwrap(), TierGet::Hit);
+        assert_eq!(&out, v, "{k:?}");
+        if reads() == before {
+            around += 1;
+        }
+    }
+    let ds = tier.disk_stats();
+    assert_eq!(ds.around_hits, around);
+    assert!(around >= 20, "{around} of 36 neighbours came from a span");
+    // A batched get is answered from the spans too.
+    let keys: Vec<TierKey> = vals[38..40].iter().map(|(k, _)| *k).collect();
+    let before = reads();
+    assert!(tier.get_batch(&keys).into_iter().all(|r| r.unwrap().is_some()));
+    assert_eq!(reads(), before);
+}
+
+#[test]
 fn conformance_buffered_on_tmpfs() {
     let p = TempPath::new(tmpfs_dir(), "conf-buffered");
     let tier =
@@ -404,6 +451,8 @@ fn tampered_bytes_fail_authentication() {
     let i = usize::try_from(at).unwrap();
     raw.write_all_at(&[file[i] ^ 0x20], at).unwrap();
     drop(raw);
+    // The get above read its span before the change.
+    tier.lock().around.clear();
     // The tier returns what it has; authentication is the caller's job.
     assert_eq!(tier.get(*key, &mut out).unwrap(), TierGet::Hit);
     assert_eq!(out.len(), value.len());
@@ -839,7 +888,8 @@ fn corrupt_hand_over_states_are_refused() {
         s[at..at + bytes.len()].copy_from_slice(bytes);
         seal(s)
     };
-    let last = body.len() - 4 - 17 * 8 - 32; // the last index entry
+    let counters_at = body.len() - 4 - stats::COUNTERS * 8;
+    let last = counters_at - 32; // the last index entry
     refused(edit(0, b"tmemdist"), "not a disk tier");
     refused(edit(8, &2u32.to_le_bytes()), "version 2");
     refused(edit(12, &5000u32.to_le_bytes()), "segment size 5000");
@@ -851,7 +901,15 @@ fn corrupt_hand_over_states_are_refused() {
     refused(edit(last + 20, &99u32.to_le_bytes()), "outside its segment");
     refused(edit(last + 28, &u32::MAX.to_le_bytes()), "outside its segment");
     refused(edit(last, &body[last - 32..last - 12]), "listed twice");
-    refused(edit(body.len() - 4 - 17 * 8, &16u32.to_le_bytes()), "counter count");
+    let more = u32::try_from(stats::COUNTERS + 1).unwrap();
+    refused(edit(counters_at, &more.to_le_bytes()), "counters; this build knows");
+    // A predecessor that knew one counter fewer: the newest starts at 0.
+    let mut older = body[..counters_at].to_vec();
+    older.extend_from_slice(&u32::try_from(stats::COUNTERS - 1).unwrap().to_le_bytes());
+    older.extend_from_slice(&body[counters_at + 4..body.len() - 8]);
+    let t = adopt(seal(older)).unwrap();
+    check_invariants(&t);
+    assert_eq!(t.disk_stats().tier.writes, tier.disk_stats().tier.writes);
     refused(seal([body, &[0]].concat()), "trailing");
     // An index entry of the open segment naming another key: its header disagrees.
     let open = u32::from_le_bytes(body[free_at - 8..free_at - 4].try_into().unwrap());

@@ -716,6 +716,7 @@ impl Tier for RemoteTier {
             bytes_read: l(&c.bytes_read),
             wire_bytes_out: l(&c.wire_out),
             wire_bytes_in: l(&c.wire_in),
+            backing_reads: 0,
             get_p50_us: c.get_lat.quantile_us(0.5),
             get_p99_us: c.get_lat.quantile_us(0.99),
             put_p50_us: c.put_lat.quantile_us(0.5),

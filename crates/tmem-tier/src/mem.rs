@@ -213,6 +213,7 @@ impl Tier for MemTier {
             bytes_read: self.bytes_read.load(r),
             wire_bytes_out: 0,
             wire_bytes_in: 0,
+            backing_reads: 0,
             get_p50_us: self.get_lat.quantile_us(0.5),
             get_p99_us: self.get_lat.quantile_us(0.99),
             put_p50_us: self.put_lat.quantile_us(0.5),
