@@ -285,6 +285,11 @@ struct Measured {
     after_exit: Option<(PoolSample, u64)>,
     /// Writes the device refused during the run.
     refused_writes: Option<u64>,
+    /// Reads of the lower tiers' backing stores per page they returned
+    /// during the run (None: no page came from a tier).
+    tier_reads_per_page: Option<f64>,
+    /// Writebacks that swap writes waited for during the run.
+    writeback_waits: Option<u64>,
     /// The Redis node the run killed (tmem+remote-kill).
     killed_node: Option<KilledNode>,
     /// The backend's last sample as the jobs ended (the front's counters).
@@ -353,6 +358,11 @@ impl Ctx<'_> {
         // Only tmem refuses a swap write (its pool is full and no tier takes the page).
         let refusing = backend.as_deref().is_some_and(|b| matches!(b, Backend::Tmem(_)));
         let failed_before = backend.as_deref().filter(|_| refusing).map(|b| b.sample().failed_writes);
+        // The daemon's counters: tmem rows only.
+        let tier_before = backend.as_deref().filter(|b| matches!(b, Backend::Tmem(_))).map(|b| {
+            let s = b.sample();
+            (s.tier_values_read, s.tier_backing_reads, s.writeback_waits)
+        });
         let mut kill_at = self.kill_node_at;
         let mut killed_node = None;
         let start = Instant::now();
@@ -427,6 +437,12 @@ impl Ctx<'_> {
         let front_stats = backend.as_deref().and_then(Backend::front_stats);
         let backing_reads = reads_before.zip(reads_after).and_then(|(b, a)| a.mean_since(&b));
         let refused_writes = failed_before.map(|b| last.failed_writes.saturating_sub(b));
+        let writeback_waits = tier_before.map(|(_, _, waits)| last.writeback_waits.saturating_sub(waits));
+        let tier_reads_per_page = tier_before.and_then(|(values, reads, _)| {
+            let values = last.tier_values_read.saturating_sub(values);
+            let reads = last.tier_backing_reads.saturating_sub(reads);
+            (values > 0 && reads > 0).then(|| reads as f64 / values as f64)
+        });
         let after_exit = match backend.as_deref() {
             Some(b) if !timed_out && !ours.is_empty() => {
                 let secs = self.args.after_exit_secs;
@@ -454,6 +470,8 @@ impl Ctx<'_> {
             foreign,
             after_exit,
             refused_writes,
+            tier_reads_per_page,
+            writeback_waits,
             killed_node,
             last,
             backing_reads,
@@ -575,6 +593,8 @@ impl Ctx<'_> {
             pool_after_exit_bytes: m.after_exit.map(|(s, _)| s.pool_bytes),
             swap_used_after_exit_bytes: m.after_exit.map(|(_, u)| u),
             refused_writes: m.refused_writes,
+            tier_reads_per_page: m.tier_reads_per_page,
+            writeback_waits: m.writeback_waits,
             killed_node: m.killed_node.clone(),
             front: backend_has_front(name).then(|| report::FrontRecord {
                 pool_bytes_at_peak: m.peak.front_pool_bytes,
@@ -885,6 +905,8 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         pool_after_exit_bytes: None,
         swap_used_after_exit_bytes: None,
         refused_writes: None,
+        tier_reads_per_page: None,
+        writeback_waits: None,
         killed_node: None,
         front: None,
         pool_samples: 0,
@@ -1322,6 +1344,8 @@ mod tests {
             foreign: vec![],
             after_exit: None,
             refused_writes: None,
+            tier_reads_per_page: None,
+            writeback_waits: None,
             killed_node: None,
             last: PoolSample::default(),
             backing_reads: None,

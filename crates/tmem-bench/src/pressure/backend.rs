@@ -250,6 +250,15 @@ pub struct PoolSample {
     pub stored_bytes: u64,
     /// Pages held in tiers below the pool (tmem with tiers).
     pub tier_pages: u64,
+    /// Values the tiers below the pool have returned since the daemon
+    /// started (their gets less their misses).
+    pub tier_values_read: u64,
+    /// Read requests the tiers made to their backing stores meanwhile
+    /// (`TierStats::backing_reads`: a merged read counts once).
+    pub tier_backing_reads: u64,
+    /// Writebacks a swap write waited for since the daemon started
+    /// (`Stats::writeback_waits`).
+    pub writeback_waits: u64,
     /// Writes the device refused since it started (tmem: the pool was full).
     pub failed_writes: u64,
     /// Of `pool_bytes`, the front's pool (the front rows: zram's
@@ -1025,6 +1034,12 @@ impl Tmem {
             s.pool_bytes += get("/store/mem_used_total");
             s.stored_bytes += get("/store/total/orig_data_size");
             s.tier_pages += get("/store/total/tier_pages");
+            s.writeback_waits += get("/store/writeback_waits");
+            for t in d.pointer("/store/tiers").and_then(serde_json::Value::as_array).into_iter().flatten() {
+                let get = |k: &str| t.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
+                s.tier_values_read += get("reads").saturating_sub(get("misses"));
+                s.tier_backing_reads += get("backing_reads");
+            }
             s.failed_writes += get("/failed_writes");
         }
         match self.front.as_ref().map(|f| f.row) {

@@ -128,6 +128,14 @@ pub struct RunRecord {
     /// Swap writes the device refused during the run (tmem rows; None elsewhere).
     #[serde(default)]
     pub refused_writes: Option<u64>,
+    /// Reads of the lower tiers' backing stores per page they returned
+    /// (a merged read of neighbours counts once; None: none came back).
+    #[serde(default)]
+    pub tier_reads_per_page: Option<f64>,
+    /// Writebacks to lower tiers that swap writes waited for (the daemon's
+    /// `writeback_waits`; None: no daemon).
+    #[serde(default)]
+    pub writeback_waits: Option<u64>,
     /// The Redis node the run killed (tmem+remote-kill).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub killed_node: Option<super::KilledNode>,
@@ -234,6 +242,10 @@ pub struct Summary {
     pub median_stack_mib: Option<f64>,
     /// Median of the most uncompressed MiB held in lower tiers.
     pub median_tier_peak_mib: Option<f64>,
+    /// Median reads of the lower tiers' backing stores per page read back.
+    pub median_tier_reads_per_page: Option<f64>,
+    /// Median writebacks that swap writes waited for.
+    pub median_writeback_waits: Option<f64>,
     /// Median pool MiB `--after-exit-secs` after the jobs exited.
     pub median_pool_after_exit_mib: Option<f64>,
     /// Median swap in use (MiB) at the same moment.
@@ -307,6 +319,8 @@ pub fn summarize(runs: &[RunRecord], backends: &[&str], levels: &[u32]) -> Vec<S
                 }),
                 median_pool_ratio: median(ratios),
                 median_tier_peak_mib: med(&|r| r.tier_peak_pages as f64 * 4096.0 / MIB),
+                median_tier_reads_per_page: median(rs.iter().filter_map(|r| r.tier_reads_per_page).collect()),
+                median_writeback_waits: median(rs.iter().filter_map(|r| r.writeback_waits).map(|n| n as f64).collect()),
                 median_pool_after_exit_mib: median(
                     rs.iter().filter_map(|r| r.pool_after_exit_bytes).map(|b| b as f64 / MIB).collect(),
                 ),
@@ -433,6 +447,10 @@ pub fn render_table(sums: &[Summary], backends: &[&str], levels: &[u32]) -> Stri
     if !tiered.is_empty() {
         let tier: Fmt<'_> = &|s| s.median_tier_peak_mib.map(|m| format!("{m:.0}"));
         block(&mut t, "pages in the lower tier at most, MiB uncompressed", &rows(&tiered, tier));
+        let reads: Fmt<'_> = &|s| s.median_tier_reads_per_page.map(|m| format!("{m:.2}"));
+        block(&mut t, "lower tier: reads of its disk or server per page read back", &rows(&tiered, reads));
+        let waits: Fmt<'_> = &|s| s.median_writeback_waits.map(|n| format!("{n:.0}"));
+        block(&mut t, "lower tier: writebacks a swap write waited for", &rows(&tiered, waits));
     }
     let after: Fmt<'_> =
         &|s| Some(format!("{:.0}/{:.1}", s.median_pool_after_exit_mib?, s.median_swap_used_after_exit_mib?));
@@ -557,6 +575,8 @@ mod tests {
             pool_after_exit_bytes: None,
             swap_used_after_exit_bytes: None,
             refused_writes: None,
+            tier_reads_per_page: None,
+            writeback_waits: None,
             killed_node: None,
             front: None,
             pool_samples: 10,
