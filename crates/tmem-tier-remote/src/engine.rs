@@ -70,6 +70,8 @@ pub(crate) struct Counters {
     pub bytes_read: AtomicU64,
     pub wire_out: AtomicU64,
     pub wire_in: AtomicU64,
+    /// `MGET`s sent (one per server a get or batched get reads from).
+    pub mgets: AtomicU64,
     pub get_lat: LatencyHistogram,
     pub put_lat: LatencyHistogram,
     /// Pages given a new copy by re-replication.
@@ -422,6 +424,7 @@ impl Inner {
                         }
                         (pipe, resp_cmd_len(&lens), len_u64(idxs.len() * (MAX_VALUE + 8)))
                     };
+                    add(&self.c.mgets, 1);
                     async move { (n, self.pipeline(n, build).await) }
                 })
                 .collect();

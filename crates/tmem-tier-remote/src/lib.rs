@@ -697,7 +697,8 @@ impl Tier for RemoteTier {
     /// the commands sent and the replies received (the `redis` crate does not
     /// count socket bytes); TLS record overhead, connection setup and the
     /// namespace scans at start and drop are not included. Latencies are per
-    /// call (a batch counts once).
+    /// call (a batch counts once). `backing_reads` counts the `MGET`s sent:
+    /// one per server a get reads from.
     fn stats(&self) -> TierStats {
         let c = &self.inner.c;
         let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
@@ -716,7 +717,7 @@ impl Tier for RemoteTier {
             bytes_read: l(&c.bytes_read),
             wire_bytes_out: l(&c.wire_out),
             wire_bytes_in: l(&c.wire_in),
-            backing_reads: 0,
+            backing_reads: l(&c.mgets),
             get_p50_us: c.get_lat.quantile_us(0.5),
             get_p99_us: c.get_lat.quantile_us(0.99),
             put_p50_us: c.put_lat.quantile_us(0.5),

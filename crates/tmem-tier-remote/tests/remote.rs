@@ -167,10 +167,14 @@ fn kill_one_of_three_mid_workload_r2() {
     let t = Instant::now();
     assert!(tier.wait_repaired(Duration::from_secs(20)), "re-replication did not finish: {:?}", tier.node_stats());
     eprintln!("re-replication finished {:?} after the writer", t.elapsed());
+    let mgets = tier.stats().backing_reads;
     for (i, g) in tier.get_batch(&keys).into_iter().enumerate() {
         let v = g.unwrap_or_else(|e| panic!("get {i}: {e}")).unwrap_or_else(|| panic!("get {i}: miss"));
         assert_eq!(v, value(u64::try_from(i).unwrap()), "value of {i}");
     }
+    // One MGET to each of the two surviving servers, at most.
+    let sent = tier.stats().backing_reads - mgets;
+    assert!((1..=2).contains(&sent), "{sent} MGETs for one batched get");
     let ns = tier.node_stats();
     assert!(!ns.nodes[1].up && ns.nodes_up == 2, "{ns:?}");
     assert!(ns.rereplicated_pages > 0, "{ns:?}");

@@ -168,9 +168,9 @@ counters! {
         wire_bytes_out: Counter(Bytes),
         /// Bytes received from the backing store, protocol overhead included.
         wire_bytes_in: Counter(Bytes),
-        /// Read requests made to the backing store (a `pread`, a round
-        /// trip); a batched get whose values lie together makes one. 0 when
-        /// not known.
+        /// Read requests made to the backing store (a `pread`, an `MGET` to
+        /// one server); a batched get whose values lie together makes one.
+        /// 0 when not known.
         backing_reads: Counter(Events),
         /// Get latency, microseconds.
         get_p50_us: Max(Micros),
