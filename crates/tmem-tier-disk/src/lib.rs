@@ -122,6 +122,10 @@
 //! A batched get sorts its values by place on disk and reads each run of
 //! values within a page of one another (up to 256 KiB) with one `pread`:
 //! pages written back together are read back together by swap readahead.
+//! A single get reads 16 KiB from its value's page into one of 32 spans
+//! (512 KiB more RAM, allocated at build), and gets of the values inside a
+//! span are copied from it while its segment's generation holds
+//! (`around.rs`): the kernel asks for most neighbours one request each.
 //!
 //! **Locks.** `state` (index, segments, buffers) is held only for memory
 //! work: lookups, appends, `memcpy`. All disk *mutations* (segment writes,
