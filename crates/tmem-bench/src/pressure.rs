@@ -357,12 +357,9 @@ impl Ctx<'_> {
         let cpu_before = CpuTimes::now();
         // Only tmem refuses a swap write (its pool is full and no tier takes the page).
         let refusing = backend.as_deref().is_some_and(|b| matches!(b, Backend::Tmem(_)));
-        let failed_before = backend.as_deref().filter(|_| refusing).map(|b| b.sample().failed_writes);
-        // The daemon's counters: tmem rows only.
-        let tier_before = backend.as_deref().filter(|b| matches!(b, Backend::Tmem(_))).map(|b| {
-            let s = b.sample();
-            (s.tier_values_read, s.tier_backing_reads, s.writeback_waits)
-        });
+        // The daemon's counters as the run starts (tmem rows only).
+        let daemon_before = backend.as_deref().filter(|_| refusing).map(Backend::sample);
+        let failed_before = daemon_before.map(|s| s.failed_writes);
         let mut kill_at = self.kill_node_at;
         let mut killed_node = None;
         let start = Instant::now();
@@ -437,10 +434,10 @@ impl Ctx<'_> {
         let front_stats = backend.as_deref().and_then(Backend::front_stats);
         let backing_reads = reads_before.zip(reads_after).and_then(|(b, a)| a.mean_since(&b));
         let refused_writes = failed_before.map(|b| last.failed_writes.saturating_sub(b));
-        let writeback_waits = tier_before.map(|(_, _, waits)| last.writeback_waits.saturating_sub(waits));
-        let tier_reads_per_page = tier_before.and_then(|(values, reads, _)| {
-            let values = last.tier_values_read.saturating_sub(values);
-            let reads = last.tier_backing_reads.saturating_sub(reads);
+        let writeback_waits = daemon_before.map(|b| last.writeback_waits.saturating_sub(b.writeback_waits));
+        let tier_reads_per_page = daemon_before.and_then(|b| {
+            let values = last.tier_values_read.saturating_sub(b.tier_values_read);
+            let reads = last.tier_backing_reads.saturating_sub(b.tier_backing_reads);
             (values > 0 && reads > 0).then(|| reads as f64 / values as f64)
         });
         let after_exit = match backend.as_deref() {

@@ -14,6 +14,14 @@ thread_local! {
 }
 
 impl DiskTier {
+    /// Fills `buf` from the file at `at`, counting the read and its bytes.
+    fn read_file(&self, buf: &mut [u8], at: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, at)?;
+        add(&self.counters.file_reads, 1);
+        add(&self.counters.wire_in, buf.len() as u64);
+        Ok(())
+    }
+
     /// Reads a value of a sealed segment from disk into `out`.
     pub(crate) fn pread_value(&self, loc: Loc, out: &mut Vec<u8>) -> io::Result<()> {
         if loc.len == 0 {
@@ -23,10 +31,7 @@ impl DiskTier {
         let len = us(loc.len);
         if !self.direct {
             out.resize(len, 0);
-            self.file.read_exact_at(out, at)?;
-            add(&self.counters.file_reads, 1);
-            add(&self.counters.wire_in, u64::from(loc.len));
-            return Ok(());
+            return self.read_file(out, at);
         }
         let skip = usize::try_from(at - start).expect("within a page");
         self.pread_span(start, end, |buf| out.extend_from_slice(&buf[skip..skip + len]))
@@ -45,9 +50,7 @@ impl DiskTier {
         let len = usize::try_from(end - start).expect("a merged read is small");
         let read = |buf: &mut [u8]| {
             let buf = &mut buf[..len];
-            self.file.read_exact_at(buf, start)?;
-            add(&self.counters.file_reads, 1);
-            add(&self.counters.wire_in, end - start);
+            self.read_file(buf, start)?;
             Ok(f(buf))
         };
         READ_BUF.with(|cell| match cell.try_borrow_mut() {
@@ -151,6 +154,9 @@ impl DiskTier {
         loop {
             let mut st = self.lock();
             let Some(loc) = st.index.get(&key).copied() else { return Ok(TierGet::Miss) };
+            if loc.len == 0 {
+                return Ok(TierGet::Hit);
+            }
             if let Some(mem) = st.mem(loc.seg) {
                 let at = us(loc.off + RECORD_HEADER);
                 out.extend_from_slice(&mem[at..at + us(loc.len)]);
@@ -158,7 +164,7 @@ impl DiskTier {
             }
             debug_assert_eq!(st.segs[us(loc.seg)].state, SegState::Sealed);
             let gen = self.gens[us(loc.seg)].load(Ordering::SeqCst);
-            if loc.len > 0 && st.around.copy(loc.seg, self.value_span(loc).0, us(loc.len), gen, out) {
+            if st.around.copy(loc.seg, self.value_span(loc).0, us(loc.len), gen, out) {
                 add(&self.counters.around_hits, 1);
                 return Ok(TierGet::Hit);
             }
@@ -168,7 +174,7 @@ impl DiskTier {
                 drop(st);
                 return self.read_done(r).map(|()| TierGet::Hit);
             }
-            let span = if loc.len > 0 { st.around.take() } else { None };
+            let span = st.around.take();
             drop(st);
             let r = match span {
                 Some(mut span) => {
@@ -199,9 +205,7 @@ impl DiskTier {
         let len = usize::try_from(stop - start).expect("a span is small");
         span.set(loc.seg, start, 0, gen);
         let buf = span.buf(len);
-        self.file.read_exact_at(buf, start)?;
-        add(&self.counters.file_reads, 1);
-        add(&self.counters.wire_in, stop - start);
+        self.read_file(buf, start)?;
         let skip = usize::try_from(at - start).expect("within a page");
         out.extend_from_slice(&buf[skip..skip + us(loc.len)]);
         span.set(loc.seg, start, len, gen);
