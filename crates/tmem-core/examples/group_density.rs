@@ -12,10 +12,13 @@
 //! device's pages are) in a store whose codec is zstd-9 with a 64 KiB
 //! dictionary trained on every 16th page of the corpus's first half, and
 //! measured: the objects' bytes and the span bytes (what the allocator
-//! holds). Then every page is grouped (16 pages a group, zstd-9 with the
-//! same dictionary, `Grouping::group_now`), compacted and measured again;
-//! every page is read back and compared. Rows: per page alone, grouped
-//! with the dictionary, and grouped without one (against zstd-9 pages).
+//! holds), and below each row where the rest goes, per page: slots
+//! rounded up to their class, span tails and free slots, the allocator's
+//! tables, and the index and codecs. Then every page is grouped (16 pages
+//! a group, zstd-9 with the same dictionary, `Grouping::group_now`),
+//! compacted and measured again; every page is read back and compared.
+//! Rows: per page alone, grouped with the dictionary, and grouped without
+//! one (against zstd-9 pages).
 use std::sync::Arc;
 
 use tmem_core::codec::{train_dictionary, CodecConfig};
@@ -69,6 +72,14 @@ fn row(name: &str, what: &str, pages: usize, s: &tmem_core::Stats) {
         s.mem_used_total as f64 / n,
         s.total.group_pages,
         s.total.groups,
+    );
+    println!(
+        "{name:>8} {:<28} slots {:>7.1}  tails and free slots {:>7.1}  allocator tables {:>5.1}  index and codecs {:>5.1} B/page",
+        "",
+        (s.alloc.slot_bytes - s.total.compr_data_size) as f64 / n,
+        (s.alloc.span_bytes - s.alloc.slot_bytes) as f64 / n,
+        s.alloc.meta_bytes as f64 / n,
+        (s.metadata_bytes - s.alloc.meta_bytes) as f64 / n,
     );
 }
 
