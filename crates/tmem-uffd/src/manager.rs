@@ -324,9 +324,9 @@ impl Process {
     /// call, and the second pass mends what the first split.
     ///
     /// Unless `force`, maps that read exactly as the last scan left them,
-    /// with no unmap or remap read since, are left as they are: every range
-    /// in them is registered. Returns whether the maps were registered
-    /// again.
+    /// with no unmap or remap read since, are not registered again: every
+    /// range in them is registered. The base of unseen pages is taken
+    /// again either way. Returns whether the maps were registered again.
     fn rescan(&self, shared: &Shared, force: bool) -> std::io::Result<bool> {
         let mut found = Vec::new();
         let mut registered = self.registered.lock();
@@ -334,10 +334,8 @@ impl Process {
         let moved = self.maps_moved.swap(false, Ordering::SeqCst);
         shared.map_scans.fetch_add(1, Ordering::Relaxed);
         let mut ranges = maps::anonymous_ranges(self.pid, &[self.stack])?;
-        if !force && !moved && ranges == *registered {
-            return Ok(false);
-        }
-        for pass in 0..2 {
+        let again = force || moved || ranges != *registered;
+        for pass in (0..2).take_while(|_| again) {
             if pass > 0 {
                 shared.map_scans.fetch_add(1, Ordering::Relaxed);
                 ranges = maps::anonymous_ranges(self.pid, &[self.stack])?;
@@ -371,7 +369,7 @@ impl Process {
         drop(engine);
         self.unseen_base.store(anon.saturating_sub(self.resident.load(Ordering::SeqCst)), Ordering::SeqCst);
         self.unseen.store(0, Ordering::SeqCst);
-        Ok(true)
+        Ok(again)
     }
 
     /// Reads the anonymous pages resident outside the engine's count beyond
