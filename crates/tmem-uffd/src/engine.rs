@@ -114,6 +114,16 @@ pub enum Served {
     Lost,
 }
 
+/// What one pass of [`Engine::bring_back`] came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BroughtBack {
+    /// Every page away when the pass began is back, or no longer mapped;
+    /// `lost` of them the store did not have.
+    Done { lost: u64 },
+    /// The memory map is changing: apply the events read, then pass again.
+    Retry,
+}
+
 /// Where every page of one process is.
 #[derive(Debug)]
 pub struct Engine {
@@ -465,6 +475,28 @@ impl Engine {
             self.make_resident(pn, true);
         }
         outcome
+    }
+
+    /// Brings every page that is away back into the program, as a `fork`
+    /// needs (its child is not managed: a page away there reads as zeros).
+    ///
+    /// A pass that meets a changing map ends at once with
+    /// [`BroughtBack::Retry`]: the caller drops the engine for the events
+    /// to be read, applies them, and passes again. Each pass starts from
+    /// what is away then, never from an earlier pass's list: an `mremap`
+    /// applied between two passes moves pages to addresses that list never
+    /// had, and a fork made after such a pass left them away in the child.
+    pub fn bring_back(&mut self, mem: &impl Mem, backing: &impl Backing, buf: &mut [u8; PAGE]) -> BroughtBack {
+        let mut lost = 0;
+        for pn in self.away() {
+            match self.serve(mem, backing, pn, buf) {
+                // Gone: no longer mapped; its unmap event is on its way.
+                Served::Done | Served::Gone => {}
+                Served::Lost => lost += 1,
+                Served::Retry => return BroughtBack::Retry,
+            }
+        }
+        BroughtBack::Done { lost }
     }
 
     /// Every page that is away (stored or in flight): what a `fork` brings back.

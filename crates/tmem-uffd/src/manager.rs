@@ -55,7 +55,7 @@ use tmem_core::{GetOutcome, Key, Pool, PoolConfig, PutOutcome, RecompressConfig,
 use tmem_counters::Counters;
 use tmem_lock::{Condvar, Mutex, MutexGuard, Rank};
 
-use crate::engine::{Ahead, Backing, Batch, Engine, FaultPlan, Mem, Pn, Served};
+use crate::engine::{Ahead, Backing, Batch, BroughtBack, Engine, FaultPlan, Mem, Pn, Served};
 use crate::maps::{self, PageMap, Range, Statm};
 use crate::proto::{self, Hello};
 use crate::stats::{EngineStats, RunStats};
@@ -1136,30 +1136,25 @@ fn fill_all(shared: &Shared, p: &Process) -> bool {
     let mut buf = Box::new([0u8; PAGE]);
     let mut engine = p.engine_applied(shared);
     engine.pause();
-    let mut ok = true;
-    for pn in engine.away() {
-        loop {
-            match engine.serve(&p.real(), &backing, pn, &mut buf) {
-                Served::Done | Served::Gone => break,
-                Served::Lost => {
-                    shared.lost.fetch_add(1, Ordering::SeqCst);
-                    ok = false;
-                    break;
+    let ok = loop {
+        match engine.bring_back(&p.real(), &backing, &mut buf) {
+            BroughtBack::Done { lost } => {
+                shared.lost.fetch_add(lost, Ordering::SeqCst);
+                break lost == 0;
+            }
+            // The map is changing: once its events are read and applied,
+            // pass again over what is away then. Never given up on: the
+            // fork must not go on without its pages.
+            BroughtBack::Retry if p.gone.load(Ordering::SeqCst) => return false,
+            BroughtBack::Retry => {
+                drop(engine);
+                if !p.events_pending() {
+                    std::thread::sleep(Duration::from_micros(100));
                 }
-                // The map is changing: once its event is read and applied,
-                // the page is filled or no longer away. Never given up on:
-                // the fork must not go on without it.
-                Served::Retry if p.gone.load(Ordering::SeqCst) => return false,
-                Served::Retry => {
-                    drop(engine);
-                    if !p.events_pending() {
-                        std::thread::sleep(Duration::from_micros(100));
-                    }
-                    engine = p.engine_applied(shared);
-                }
+                engine = p.engine_applied(shared);
             }
         }
-    }
+    };
     shared.sync_resident(p, &engine);
     ok
 }

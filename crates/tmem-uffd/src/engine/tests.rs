@@ -29,9 +29,21 @@ struct Sim {
     ptes: RefCell<HashMap<Pn, u64>>,
     staging: RefCell<HashMap<u32, u64>>,
     changing: Cell<bool>,
+    /// Fills that succeed before the map starts changing (`None`: no limit).
+    fills_left: Cell<Option<u32>>,
 }
 
 impl Sim {
+    /// Whether the next fill finds the map changing, counting it.
+    fn fill_changing(&self) -> bool {
+        match self.fills_left.get() {
+            Some(0) => return true,
+            Some(k) => self.fills_left.set(Some(k - 1)),
+            None => {}
+        }
+        self.changing.get()
+    }
+
     fn move_one(&self, pn: Pn, slot: u32) -> Outcome {
         if self.changing.get() {
             return Outcome::Retry;
@@ -47,7 +59,7 @@ impl Sim {
 
 impl Mem for Sim {
     fn fill(&self, pn: Pn, page: &[u8; PAGE]) -> Outcome {
-        if self.changing.get() {
+        if self.fill_changing() {
             return Outcome::Retry;
         }
         if !self.mapped.borrow().contains(&pn) || self.ptes.borrow().contains_key(&pn) {
@@ -66,7 +78,7 @@ impl Mem for Sim {
     }
 
     fn move_back(&self, slot: u32, pn: Pn) -> Outcome {
-        if self.changing.get() {
+        if self.fill_changing() {
             return Outcome::Retry;
         }
         if !self.mapped.borrow().contains(&pn) || self.ptes.borrow().contains_key(&pn) {
@@ -134,8 +146,11 @@ enum Op {
     Remap(Pn, Pn, u64),
     /// The memory map starts changing (ioctls answer EAGAIN) until the next op.
     Changing,
-    /// `fork`: everything away comes back.
-    ForkFill,
+    /// `fork`: everything away comes back, as the manager's `fill_all`
+    /// brings it. With `Some((k, from, to, n))`, the map starts changing
+    /// after `k` fills, and what it waited for is an `mremap` of `n` pages
+    /// from `from` to `to`, applied before the next pass.
+    ForkFill(Option<(u32, Pn, Pn, u64)>),
     /// The program drops a mapped page and no event says so yet (an
     /// `madvise` racing a scan's adoption).
     DropUnseen(Pn),
@@ -159,7 +174,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::Map(p, n)),
         1 => (0..SPACE, 0..SPACE, 1..6u64).prop_map(|(a, b, n)| Op::Remap(a, b, n)),
         1 => Just(Op::Changing),
-        1 => Just(Op::ForkFill),
+        1 => Just(Op::ForkFill(None)),
+        1 => (0..4u32, 0..SPACE, 0..SPACE, 1..6u64).prop_map(|(k, a, b, n)| Op::ForkFill(Some((k, a, b, n)))),
         1 => (0..SPACE).prop_map(Op::DropUnseen),
         1 => (0..SPACE).prop_map(Op::AheadRead),
         1 => Just(Op::AheadMap),
@@ -363,11 +379,35 @@ impl World {
                     }
                 }
             }
-            Op::ForkFill => {
-                for pn in self.engine.away() {
-                    self.touch(pn);
+            Op::ForkFill(mut change) => {
+                let mut buf = [0u8; PAGE];
+                self.sim.fills_left.set(change.map(|(k, ..)| k));
+                loop {
+                    match self.engine.bring_back(&self.sim, &self.store, &mut buf) {
+                        BroughtBack::Done { lost } => {
+                            assert_eq!(lost, 0);
+                            // Fewer fills than `k` were needed: nothing changed.
+                            self.sim.fills_left.set(None);
+                            break;
+                        }
+                        BroughtBack::Retry => {
+                            // The filler drops the engine; the events come
+                            // and are applied; it passes again.
+                            self.sim.fills_left.set(None);
+                            self.sim.changing.set(false);
+                            if let Some((_, from, to, n)) = change.take() {
+                                self.apply(Op::Remap(from, to, n));
+                            }
+                        }
+                    }
                 }
-                assert!(self.engine.away().is_empty());
+                for pn in self.engine.away() {
+                    assert!(!self.mapped(pn), "page {pn} is still away when the fork goes on");
+                }
+                let present: Vec<Pn> = self.sim.ptes.borrow().keys().copied().collect();
+                for pn in present {
+                    self.check_mapped(pn);
+                }
             }
             _ => {}
         }
@@ -424,6 +464,30 @@ fn the_hand_spares_a_page_faulted_back_since_its_last_pass() {
     assert_eq!((w.engine.in_slot(0), w.engine.in_slot(1)), (Some(2), Some(3)), "the page faulted back is spared");
     w.apply(Op::EvictRead);
     w.apply(Op::EvictCommit { refuse: false });
+    w.check_all();
+}
+
+#[test]
+fn a_fork_whose_fill_meets_an_mremap_brings_back_the_pages_it_moved() {
+    let mut w = World::new();
+    for pn in 0..4 {
+        w.apply(Op::Write(pn, pn + 1));
+    }
+    // Two passes of the hand: the first clears the bits the writes set.
+    w.apply(Op::EvictStart(4));
+    w.apply(Op::EvictRead);
+    w.apply(Op::EvictCommit { refuse: false });
+    w.apply(Op::EvictStart(4));
+    w.apply(Op::EvictRead);
+    w.apply(Op::EvictCommit { refuse: false });
+    assert_eq!(w.engine.away().len(), 4);
+    // Page 0 comes back, then the map changes: pages 0..4 move to 20..24,
+    // where the first pass's list never looked.
+    w.apply(Op::ForkFill(Some((1, 0, 20, 4))));
+    assert!(w.engine.away().is_empty(), "away at the fork: {:?}", w.engine.away());
+    for pn in 20..24 {
+        assert_eq!(w.sim.ptes.borrow().get(&pn).copied(), Some(pn - 19), "page {pn}");
+    }
     w.check_all();
 }
 
