@@ -474,12 +474,11 @@ fn a_fork_whose_fill_meets_an_mremap_brings_back_the_pages_it_moved() {
         w.apply(Op::Write(pn, pn + 1));
     }
     // Two passes of the hand: the first clears the bits the writes set.
-    w.apply(Op::EvictStart(4));
-    w.apply(Op::EvictRead);
-    w.apply(Op::EvictCommit { refuse: false });
-    w.apply(Op::EvictStart(4));
-    w.apply(Op::EvictRead);
-    w.apply(Op::EvictCommit { refuse: false });
+    for _ in 0..2 {
+        for op in [Op::EvictStart(4), Op::EvictRead, Op::EvictCommit { refuse: false }] {
+            w.apply(op);
+        }
+    }
     assert_eq!(w.engine.away().len(), 4);
     // Page 0 comes back, then the map changes: pages 0..4 move to 20..24,
     // where the first pass's list never looked.
