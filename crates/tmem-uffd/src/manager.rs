@@ -336,7 +336,8 @@ impl Process {
         shared.map_scans.fetch_add(1, Ordering::Relaxed);
         let mut ranges = maps::anonymous_ranges(self.pid, &[self.stack])?;
         let again = force || moved || ranges != *registered;
-        for pass in (0..2).take_while(|_| again) {
+        let passes = if again { 2 } else { 0 };
+        for pass in 0..passes {
             if pass > 0 {
                 shared.map_scans.fetch_add(1, Ordering::Relaxed);
                 ranges = maps::anonymous_ranges(self.pid, &[self.stack])?;

@@ -291,7 +291,7 @@ fn a_run_is_seen_by_tmem_stat_and_its_metrics_while_it_lasts() {
 fn an_idle_program_has_its_maps_read_a_few_times_a_second() {
     let Some(held) = Held::start(&["--memory", "16M"], PY_HOLD) else { return };
     held.stat_until("the store never held 32 MiB", |dev| dev["run"]["stored_pages"].as_u64().unwrap() >= 32 * 256);
-    let scans = || held.stat_until("", |_| true)["run"]["map_scans"].as_u64().unwrap();
+    let scans = || held.stat_until("one look at the run", |_| true)["run"]["map_scans"].as_u64().unwrap();
     // The wait between scans doubles from 20 ms to 320 ms in 1.2 s.
     std::thread::sleep(std::time::Duration::from_secs(2));
     let (before, t) = (scans(), std::time::Instant::now());
