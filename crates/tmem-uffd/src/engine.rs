@@ -419,6 +419,7 @@ impl Engine {
         debug_assert!(matches!(self.pages.get(pn), Some(Page::Resident { .. })), "victims are resident");
         match outcome {
             Outcome::Done => {
+                debug_assert_eq!(self.slots[slot as usize], None, "slot {slot} still names a page of an earlier batch");
                 self.pages.insert(pn, Page::InFlight { slot });
                 self.resident -= 1;
                 self.slots[slot as usize] = Some(pn);
@@ -466,13 +467,29 @@ impl Engine {
     }
 
     /// The store refused the page in `slot`: it goes back to the program.
+    ///
+    /// Only [`Outcome::Retry`] leaves the slot as it was, for the caller to
+    /// try again once the events are applied. Where the page cannot go back
+    /// (its address is no longer mapped, and its unmap event is on its way),
+    /// it is dropped here, as that event would drop it: the staging area is
+    /// emptied after the batch, and a slot still naming this page then
+    /// would be taken by the next batch's page, whose own bookkeeping this
+    /// page's unmap would wipe (that page would then read as zeros).
     pub fn refused_slot(&mut self, mem: &impl Mem, slot: u32) -> Outcome {
         let Some(pn) = self.slots[slot as usize] else { return Outcome::Done };
         let outcome = mem.move_back(slot, pn);
-        if outcome == Outcome::Done {
-            self.slots[slot as usize] = None;
-            self.stats.put_refused += 1;
-            self.make_resident(pn, true);
+        match outcome {
+            Outcome::Done => {
+                self.slots[slot as usize] = None;
+                self.stats.put_refused += 1;
+                self.make_resident(pn, true);
+            }
+            Outcome::Gone | Outcome::Busy => {
+                self.slots[slot as usize] = None;
+                self.pages.remove(pn);
+                self.stats.dropped_away += 1;
+            }
+            Outcome::Retry => {}
         }
         outcome
     }

@@ -142,6 +142,13 @@ enum Op {
     },
     Remove(Pn, u64),
     Unmap(Pn, u64),
+    /// `munmap` whose event the engine has not had yet: the pages leave the
+    /// program at once, the engine forgets them at the next
+    /// [`Op::Events`] (or any op that changes the map, as the kernel's
+    /// event must be read before the `munmap` returns).
+    UnmapLate(Pn, u64),
+    /// The events read so far are applied.
+    Events,
     Map(Pn, u64),
     Remap(Pn, Pn, u64),
     /// The memory map starts changing (ioctls answer EAGAIN) until the next op.
@@ -171,6 +178,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::EvictCommit { refuse: true }),
         1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::Remove(p, n)),
         1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::Unmap(p, n)),
+        1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::UnmapLate(p, n)),
+        1 => Just(Op::Events),
         1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::Map(p, n)),
         1 => (0..SPACE, 0..SPACE, 1..6u64).prop_map(|(a, b, n)| Op::Remap(a, b, n)),
         1 => Just(Op::Changing),
@@ -193,6 +202,8 @@ struct World {
     unseen: usize,
     /// A read-ahead between its plan (and its read of the store) and its mapping.
     ahead: Option<(Pn, Ahead, Box<[u8; PAGE]>)>,
+    /// Unmaps the engine has not applied yet ([`Op::UnmapLate`]).
+    late: Vec<(Pn, Pn)>,
 }
 
 impl World {
@@ -207,6 +218,7 @@ impl World {
             batch: None,
             unseen: 0,
             ahead: None,
+            late: Vec::new(),
         }
     }
 
@@ -259,8 +271,28 @@ impl World {
         }
     }
 
+    /// Applies the unmaps whose events were pending.
+    fn events(&mut self) {
+        for (start, end) in std::mem::take(&mut self.late) {
+            self.engine.forget(&self.store, start, end);
+        }
+    }
+
     fn apply(&mut self, op: Op) {
         let changing = matches!(op, Op::Changing);
+        // Only the program's touches and the evictor's phases run while an
+        // event is pending; whatever changes the map waits for it.
+        if !matches!(
+            op,
+            Op::Write(..)
+                | Op::Read(_)
+                | Op::EvictStart(_)
+                | Op::EvictRead
+                | Op::EvictCommit { .. }
+                | Op::UnmapLate(..)
+        ) {
+            self.events();
+        }
         match op {
             Op::Write(pn, v) if self.mapped(pn) => {
                 self.touch(pn);
@@ -288,15 +320,20 @@ impl World {
                         // What the manager does under the engine's lock after
                         // reading the slots without it.
                         let Some(v) = snap.get(&slot) else { continue };
-                        if self.engine.in_slot(slot).is_none() {
-                            continue;
-                        }
+                        let Some(pn) = self.engine.in_slot(slot) else { continue };
                         let key = self.engine.new_key();
                         if self.store.put(key, &page_of(*v)) {
                             assert!(self.engine.stored_slot(slot, key));
                         } else {
                             self.sim.changing.set(false);
-                            assert_eq!(self.engine.refused_slot(&self.sim, slot), Outcome::Done);
+                            let outcome = self.engine.refused_slot(&self.sim, slot);
+                            // Gone: unmapped, its event still pending.
+                            assert!(
+                                outcome == Outcome::Done
+                                    || (outcome == Outcome::Gone
+                                        && self.late.iter().any(|&(s, e)| (s..e).contains(&pn))),
+                                "slot {slot}: {outcome:?}"
+                            );
                         }
                     }
                     self.store.refuse.set(false);
@@ -323,6 +360,15 @@ impl World {
                     self.truth.remove(&pn);
                     self.sim.mapped.borrow_mut().remove(&pn);
                 }
+            }
+            Op::UnmapLate(start, n) => {
+                let end = (start + n).min(SPACE);
+                self.zap(start, end - start);
+                for pn in start..end {
+                    self.truth.remove(&pn);
+                    self.sim.mapped.borrow_mut().remove(&pn);
+                }
+                self.late.push((start, end));
             }
             Op::Map(start, n) => {
                 let end = (start + n).min(SPACE);
@@ -418,11 +464,17 @@ impl World {
     fn check_counts(&self) {
         let resident = usize::try_from(self.engine.resident()).unwrap();
         let ptes = self.sim.ptes.borrow().len();
-        assert!(resident >= ptes && resident <= ptes + self.unseen, "resident pages: engine {resident}, mapped {ptes}");
+        // Resident pages of a pending unmap are still counted by the engine.
+        let late: usize = self.late.iter().map(|&(s, e)| usize::try_from(e - s).unwrap()).sum();
+        assert!(
+            resident >= ptes && resident <= ptes + self.unseen + late,
+            "resident pages: engine {resident}, mapped {ptes}"
+        );
         assert_eq!(usize::try_from(self.engine.stored()).unwrap(), self.store.pages.borrow().len(), "stored pages");
     }
 
     fn check_all(&mut self) {
+        self.events();
         self.sim.changing.set(false);
         let mapped: Vec<Pn> = self.sim.mapped.borrow().iter().copied().collect();
         for pn in mapped {
@@ -606,5 +658,33 @@ fn zeros_ahead_never_cover_a_page_the_program_has_or_the_store_holds() {
     }
     let s = w.engine.stats();
     assert_eq!(s.read_ahead, 1, "3 came back ahead of its fault");
+    w.check_all();
+}
+
+#[test]
+fn a_refused_page_whose_address_is_gone_leaves_its_slot_to_the_next_batch() {
+    let mut w = World::new();
+    for pn in 0..2 {
+        w.apply(Op::Write(pn, pn + 1));
+    }
+    // The first pass of the hand clears the bits the writes set.
+    for op in [Op::EvictStart(2), Op::EvictRead, Op::EvictCommit { refuse: false }, Op::Read(0), Op::Read(1)] {
+        w.apply(op);
+    }
+    w.apply(Op::EvictStart(1));
+    let first = w.engine.in_slot(0).expect("a page in slot 0");
+    // The program unmaps it; the store refuses it before the event is applied.
+    w.apply(Op::UnmapLate(first, 1));
+    w.apply(Op::EvictRead);
+    w.apply(Op::EvictCommit { refuse: true });
+    assert_eq!(w.engine.in_slot(0), None, "the page that could not go back still names slot 0");
+    // The next batch's page takes slot 0; then the unmap event is applied.
+    w.apply(Op::EvictStart(1));
+    let second = w.engine.in_slot(0).expect("the other page in slot 0");
+    assert_ne!(first, second);
+    w.apply(Op::Events);
+    assert_eq!(w.engine.in_slot(0), Some(second), "the unmap of the first page cleared the second's slot");
+    w.apply(Op::EvictRead);
+    w.apply(Op::EvictCommit { refuse: false });
     w.check_all();
 }
