@@ -199,7 +199,8 @@ fn summary(cfg: &RunConfig, r: &RunReport) -> String {
     format!(
         "tmem run: {} {}; resident at most {:.1} MiB of --memory {:.1} MiB ({:.1} MiB over it at most; faults wait past {:.1} MiB over, \
          and pages the program touched before a scan registered them come on top); pool at most {:.1} MiB for {:.1} MiB of pages ({ratio:.2}x, {}); \
-         faults: {} first touches, {} from the pool, {} caught in flight; {} stored pages read ahead of them and {} fresh ones filled with zeros ahead; {} pages evicted, {} adopted by scans, {} busy, {} lost; \
+         faults: {} first touches, {} from the pool, {} caught in flight; {} stored pages read ahead of them and {} fresh ones filled with zeros ahead; {} pages evicted, {} adopted by scans, {} busy, {} lost, {} refused by the pool; \
+         {} faults on pages held as resident, filled with zeros (dropped by the program before its event came); \
          faults waited for room {} times, {:.1} s in all; the evictor worked {:.1} s; {} process(es)",
         cfg.program.to_string_lossy(),
         r.status.map_or_else(|| "did not start".into(), |s| s.to_string()),
@@ -219,6 +220,8 @@ fn summary(cfg: &RunConfig, r: &RunReport) -> String {
         e.adopted,
         e.move_busy,
         s.lost_pages,
+        e.put_refused,
+        e.dropped_unseen,
         s.room_waits,
         s.room_wait_us as f64 / 1e6,
         s.evict_us as f64 / 1e6,
