@@ -141,6 +141,12 @@ pub struct Engine {
     pauses: u32,
     /// The program's sequential streams, for read-ahead.
     ahead: ReadAhead,
+    /// Ranges the program dropped with `madvise` whose pages may still be
+    /// there: the kernel reports the drop before it zaps the pages, so a
+    /// page present in such a range may be doomed. A scan must not adopt
+    /// it: evicted before its zap, it would come back with its old data
+    /// where the program now reads zeros ([`Engine::settle_doomed`]).
+    doomed: Vec<(Pn, Pn)>,
     stats: EngineStats,
 }
 
@@ -159,6 +165,7 @@ impl Engine {
             next_key: 0,
             pauses: 0,
             ahead: ReadAhead::new(read_ahead),
+            doomed: Vec::new(),
             stats: EngineStats::default(),
         }
     }
@@ -335,8 +342,13 @@ impl Engine {
         self.clock.push_back(pn);
     }
 
-    /// Takes in a page that a scan found present; false if the engine knew it.
+    /// Takes in a page that a scan found present; false if the engine knew
+    /// it, or if the program dropped it and its zap may be still to come.
     pub fn adopt(&mut self, pn: Pn) -> bool {
+        if self.doomed.iter().any(|&(start, end)| (start..end).contains(&pn)) {
+            self.stats.adopt_doomed += 1;
+            return false;
+        }
         match self.pages.get(pn) {
             Some(Page::Pinned) => {}
             Some(_) => return false,
@@ -350,6 +362,7 @@ impl Engine {
     /// dropped its contents. Stored keys are removed from `backing`;
     /// in-flight pages are cancelled (their batch skips them).
     pub fn forget(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
+        self.undoom(start, end);
         for (pn, state) in self.pages.range(start, end) {
             self.pages.remove(pn);
             match state {
@@ -368,9 +381,57 @@ impl Engine {
         }
     }
 
+    /// The program dropped `[start, end)` with `madvise`: as
+    /// [`Engine::forget`], and until [`Engine::settle_doomed`] sees the
+    /// kernel's zap done, no page there is adopted.
+    pub fn forget_removed(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
+        self.forget(backing, start, end);
+        self.doomed.push((start, end));
+    }
+
+    /// Takes `[start, end)` out of the doomed ranges: it was unmapped (the
+    /// kernel zaps an unmapped range before it reports it), or an `mremap`
+    /// moved it (the pages left with it), or it is doomed again.
+    fn undoom(&mut self, start: Pn, end: Pn) {
+        if self.doomed.is_empty() {
+            return;
+        }
+        let mut kept = Vec::with_capacity(self.doomed.len() + 1);
+        for &(s, e) in &self.doomed {
+            if e <= start || end <= s {
+                kept.push((s, e));
+                continue;
+            }
+            if s < start {
+                kept.push((s, start));
+            }
+            if end < e {
+                kept.push((end, e));
+            }
+        }
+        self.doomed = kept;
+    }
+
+    /// Ends the doomed ranges whose zap is done. `present(start, end)` lists
+    /// the pages present there now (`None`: unknown, the range stays).
+    ///
+    /// A range is done once every page present in it is one the engine
+    /// knows: the range stays registered, so a page the program touches
+    /// after the zap faults and is mapped through the engine, and only a
+    /// page the zap has still to remove is present and unknown. The caller
+    /// holds the engine from this call through its adoptions, so no fault
+    /// or event changes what the pages read as between the two.
+    pub fn settle_doomed(&mut self, mut present: impl FnMut(Pn, Pn) -> Option<Vec<Pn>>) {
+        let pages = &self.pages;
+        self.doomed.retain(|&(start, end)| {
+            present(start, end).is_none_or(|found| found.iter().any(|&pn| pages.get(pn).is_none()))
+        });
+    }
+
     /// `mremap` moved `n` pages from `from` to `to`: whatever was at the
     /// destination is gone, and the pages keep their state at their new place.
     pub fn remap(&mut self, backing: &impl Backing, from: Pn, to: Pn, n: u64) {
+        self.undoom(from, from + n);
         let moved = self.pages.range(from, from + n);
         for (pn, _) in &moved {
             self.pages.remove(*pn);

@@ -360,7 +360,12 @@ impl Process {
             *registered = std::mem::take(&mut ranges);
         }
         drop(registered);
-        let mut engine = self.engine.lock();
+        let mut engine = self.engine_applied(shared);
+        engine.settle_doomed(|start, end| {
+            let mut present = Vec::new();
+            let range = maps::Range { start: start * P, end: end * P };
+            self.pagemap.present(range, |addr| present.push(addr / P)).ok().map(|()| present)
+        });
         for pn in found {
             engine.adopt(pn);
         }
@@ -1074,9 +1079,10 @@ impl Process {
         let backing = PoolBacking(&self.pool);
         for event in events {
             match event {
-                Event::Remove { start, end } | Event::Unmap { start, end } => {
-                    engine.forget(&backing, start / P, end.div_ceil(P));
-                }
+                // The kernel zaps a removed range after its event is read,
+                // an unmapped one before.
+                Event::Remove { start, end } => engine.forget_removed(&backing, start / P, end.div_ceil(P)),
+                Event::Unmap { start, end } => engine.forget(&backing, start / P, end.div_ceil(P)),
                 Event::Remap { from, to, len } => engine.remap(&backing, from / P, to / P, len / P),
                 Event::Fault { .. } | Event::Other(_) => {}
             }

@@ -27,6 +27,8 @@ tmem_counters::counters! {
         adopted: Counter(Pages),
         /// Faults on pages the engine held as mapped, dropped by the program before the engine heard of it (zeros were served, as the kernel would).
         dropped_unseen: Counter(Pages),
+        /// Present pages a scan found where the program had just dropped its memory, its zap still to come: not adopted.
+        adopt_doomed: Counter(Pages),
     }
 }
 

@@ -149,6 +149,15 @@ enum Op {
     UnmapLate(Pn, u64),
     /// The events read so far are applied.
     Events,
+    /// `madvise(MADV_DONTNEED)` as the kernel runs it: its event is read
+    /// and applied first, and the pages are zapped later, at [`Op::Zap`].
+    RemoveLate(Pn, u64),
+    /// The zaps of the removes so far happen.
+    Zap,
+    /// A scan reads which pages of a range are present (`pagemap`)...
+    ScanRead(Pn, u64),
+    /// ...and adopts them, maybe after other ops ran meanwhile.
+    ScanAdopt,
     Map(Pn, u64),
     Remap(Pn, Pn, u64),
     /// The memory map starts changing (ioctls answer EAGAIN) until the next op.
@@ -180,6 +189,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::Unmap(p, n)),
         1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::UnmapLate(p, n)),
         1 => Just(Op::Events),
+        1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::RemoveLate(p, n)),
+        1 => Just(Op::Zap),
+        1 => (0..SPACE, 1..24u64).prop_map(|(p, n)| Op::ScanRead(p, n)),
+        1 => Just(Op::ScanAdopt),
         1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::Map(p, n)),
         1 => (0..SPACE, 0..SPACE, 1..6u64).prop_map(|(a, b, n)| Op::Remap(a, b, n)),
         1 => Just(Op::Changing),
@@ -204,6 +217,12 @@ struct World {
     ahead: Option<(Pn, Ahead, Box<[u8; PAGE]>)>,
     /// Unmaps the engine has not applied yet ([`Op::UnmapLate`]).
     late: Vec<(Pn, Pn)>,
+    /// Removes applied whose pages are not zapped yet ([`Op::RemoveLate`]).
+    zaps: Vec<(Pn, Pn)>,
+    /// Pages a scan read as present, not adopted yet ([`Op::ScanRead`]).
+    scan: Option<Vec<Pn>>,
+    /// Pages put in memory outside the engine (unit tests).
+    outside: BTreeSet<Pn>,
 }
 
 impl World {
@@ -219,6 +238,9 @@ impl World {
             unseen: 0,
             ahead: None,
             late: Vec::new(),
+            zaps: Vec::new(),
+            scan: None,
+            outside: BTreeSet::new(),
         }
     }
 
@@ -278,8 +300,40 @@ impl World {
         }
     }
 
+    /// `pn` was put in memory outside the engine (before a scan registered
+    /// its range): the engine's count is short of it until it is adopted.
+    fn unseen_present(&mut self, pn: Pn) {
+        assert!(self.sim.ptes.borrow().contains_key(&pn));
+        self.outside.insert(pn);
+    }
+
+    /// Whether `pn` is in a remove whose zap is still to come: the program's
+    /// thread is inside that `madvise`, and the page is not read meanwhile.
+    fn zapping(&self, pn: Pn) -> bool {
+        self.zaps.iter().any(|&(s, e)| (s..e).contains(&pn))
+    }
+
+    fn zap_now(&mut self) {
+        for (start, end) in std::mem::take(&mut self.zaps) {
+            for pn in start..end {
+                // A page mapped through the engine since the remove's event
+                // (read ahead with zeros) goes, unseen by the engine.
+                if self.sim.ptes.borrow_mut().remove(&pn).is_some() && self.engine.plan(pn) == FaultPlan::Present {
+                    self.unseen += 1;
+                }
+            }
+        }
+    }
+
     fn apply(&mut self, op: Op) {
         let changing = matches!(op, Op::Changing);
+        // A `madvise` returns before its thread changes the map again.
+        if matches!(
+            op,
+            Op::Map(..) | Op::Unmap(..) | Op::UnmapLate(..) | Op::Remap(..) | Op::Remove(..) | Op::ForkFill(_)
+        ) {
+            self.zap_now();
+        }
         // Only the program's touches and the evictor's phases run while an
         // event is pending; whatever changes the map waits for it.
         if !matches!(
@@ -294,12 +348,12 @@ impl World {
             self.events();
         }
         match op {
-            Op::Write(pn, v) if self.mapped(pn) => {
+            Op::Write(pn, v) if self.mapped(pn) && !self.zapping(pn) => {
                 self.touch(pn);
                 self.sim.ptes.borrow_mut().insert(pn, v);
                 self.truth.insert(pn, v);
             }
-            Op::Read(pn) if self.mapped(pn) => {
+            Op::Read(pn) if self.mapped(pn) && !self.zapping(pn) => {
                 self.touch(pn);
                 self.check_mapped(pn);
             }
@@ -359,6 +413,33 @@ impl World {
                 for pn in start..end {
                     self.truth.remove(&pn);
                     self.sim.mapped.borrow_mut().remove(&pn);
+                }
+            }
+            Op::RemoveLate(start, n) => {
+                let end = (start + n).min(SPACE);
+                self.engine.forget_removed(&self.store, start, end);
+                for pn in start..end {
+                    self.truth.remove(&pn);
+                }
+                self.zaps.push((start, end));
+            }
+            Op::Zap => self.zap_now(),
+            Op::ScanRead(start, n) if self.scan.is_none() => {
+                let end = (start + n).min(SPACE);
+                let ptes = self.sim.ptes.borrow();
+                self.scan = Some((start..end).filter(|pn| ptes.contains_key(pn)).collect());
+            }
+            Op::ScanAdopt => {
+                if let Some(found) = self.scan.take() {
+                    let ptes = self.sim.ptes.borrow().clone();
+                    self.engine.settle_doomed(|s, e| Some((s..e).filter(|pn| ptes.contains_key(pn)).collect()));
+                    for pn in found {
+                        // A page dropped since the read comes in as resident
+                        // while it is not there, as `DropUnseen`'s.
+                        if self.engine.adopt(pn) && !ptes.contains_key(&pn) {
+                            self.unseen += 1;
+                        }
+                    }
                 }
             }
             Op::UnmapLate(start, n) => {
@@ -463,7 +544,17 @@ impl World {
 
     fn check_counts(&self) {
         let resident = usize::try_from(self.engine.resident()).unwrap();
-        let ptes = self.sim.ptes.borrow().len();
+        // Pages still there for a zap to come are no longer the engine's,
+        // unless it mapped them again since; nor are those put there outside it.
+        let ptes = self
+            .sim
+            .ptes
+            .borrow()
+            .keys()
+            .filter(|&&pn| {
+                (!self.zapping(pn) && !self.outside.contains(&pn)) || self.engine.plan(pn) == FaultPlan::Present
+            })
+            .count();
         // Resident pages of a pending unmap are still counted by the engine.
         let late: usize = self.late.iter().map(|&(s, e)| usize::try_from(e - s).unwrap()).sum();
         assert!(
@@ -475,6 +566,7 @@ impl World {
 
     fn check_all(&mut self) {
         self.events();
+        self.zap_now();
         self.sim.changing.set(false);
         let mapped: Vec<Pn> = self.sim.mapped.borrow().iter().copied().collect();
         for pn in mapped {
@@ -686,5 +778,33 @@ fn a_refused_page_whose_address_is_gone_leaves_its_slot_to_the_next_batch() {
     assert_eq!(w.engine.in_slot(0), Some(second), "the unmap of the first page cleared the second's slot");
     w.apply(Op::EvictRead);
     w.apply(Op::EvictCommit { refuse: false });
+    w.check_all();
+}
+
+#[test]
+fn a_page_dropped_with_its_zap_still_to_come_is_not_adopted_nor_evicted() {
+    let mut w = World::new();
+    // A page the engine never saw (touched before its range was registered).
+    w.sim.ptes.borrow_mut().insert(5, 9);
+    w.truth.insert(5, 9);
+    w.unseen_present(5);
+    // A scan reads it present; the program drops it: the event is applied,
+    // the zap is still to come; then the scan adopts what it read.
+    w.apply(Op::ScanRead(5, 1));
+    w.apply(Op::RemoveLate(5, 1));
+    w.apply(Op::ScanAdopt);
+    assert_eq!(w.engine.plan(5), FaultPlan::Zero, "a doomed page was adopted");
+    assert_eq!(w.engine.stats().adopt_doomed, 1);
+    // Nothing to evict; the zap comes, and the page reads as zeros.
+    w.apply(Op::EvictStart(4));
+    assert_eq!(w.engine.in_slot(0), None);
+    w.apply(Op::Zap);
+    w.apply(Op::Read(5));
+    // Once the zap is seen done, the range is no longer doomed.
+    w.engine.settle_doomed(|_, _| Some(Vec::new()));
+    w.sim.ptes.borrow_mut().insert(7, 3);
+    w.truth.insert(7, 3);
+    w.unseen_present(7);
+    assert!(w.engine.adopt(7));
     w.check_all();
 }
