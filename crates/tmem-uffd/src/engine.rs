@@ -83,7 +83,8 @@ pub trait Mem {
     /// Moves page `pages[i]` into staging slot `i`, for each `i`, and says
     /// how each went in `out[i]`.
     fn move_out(&self, pages: &[Pn], out: &mut [Outcome]);
-    /// Puts the page in staging slot `slot` back at `pn` and wakes its waiters.
+    /// Puts the page in staging slot `slot` back at `pn` and wakes its
+    /// waiters; `Busy` when the slot cannot be read.
     fn move_back(&self, slot: u32, pn: Pn) -> Outcome;
     /// Wakes threads waiting at `pn` (its page is already there).
     fn wake(&self, pn: Pn);
@@ -529,8 +530,9 @@ impl Engine {
 
     /// The store refused the page in `slot`: it goes back to the program.
     ///
-    /// Only [`Outcome::Retry`] leaves the slot as it was, for the caller to
-    /// try again once the events are applied. Where the page cannot go back
+    /// [`Outcome::Retry`] leaves the slot as it was, for the caller to try
+    /// again once the events are applied, and so does [`Outcome::Busy`] (the
+    /// slot could not be read: the process is ending). Where the page cannot go back
     /// (its address is no longer mapped, and its unmap event is on its way),
     /// it is dropped here, as that event would drop it: the staging area is
     /// emptied after the batch, and a slot still naming this page then
@@ -545,12 +547,13 @@ impl Engine {
                 self.stats.put_refused += 1;
                 self.make_resident(pn, true);
             }
-            Outcome::Gone | Outcome::Busy => {
+            Outcome::Gone => {
                 self.slots[slot as usize] = None;
                 self.pages.remove(pn);
                 self.stats.dropped_away += 1;
             }
-            Outcome::Retry => {}
+            // Busy: the slot could not be read; the page stays in it.
+            Outcome::Retry | Outcome::Busy => {}
         }
         outcome
     }

@@ -241,7 +241,9 @@ impl Mem for Real<'_> {
     fn move_back(&self, slot: u32, pn: Pn) -> Outcome {
         let mut page = [[0u8; PAGE]; 1];
         if read_slots(self.p, &[slot], &mut page).is_err() {
-            return Outcome::Gone;
+            // The slot is unreadable (the process is ending), not the
+            // address gone: the page stays in its slot.
+            return Outcome::Busy;
         }
         self.p.fill(pn, &page[0])
     }
