@@ -125,6 +125,24 @@ pub enum BroughtBack {
     Retry,
 }
 
+/// Settles a doomed range may wait before it ends anyway
+/// ([`Engine::settle_doomed`]): 16 scans, 320 ms at the scans' fastest
+/// regular pace (a slack of unseen pages brings one sooner), where a
+/// `madvise` goes from its event to its zap in microseconds unless its
+/// thread is preempted in between.
+pub const DOOMED_SCANS: u32 = 16;
+/// Most doomed ranges kept; a new one pushes out the oldest.
+const MAX_DOOMED: usize = 1024;
+
+/// A range the program dropped with `madvise`, its zap maybe still to come.
+#[derive(Clone, Copy, Debug)]
+struct Doomed {
+    start: Pn,
+    end: Pn,
+    /// Settles it has waited through.
+    scans: u32,
+}
+
 /// Where every page of one process is.
 #[derive(Debug)]
 pub struct Engine {
@@ -147,7 +165,8 @@ pub struct Engine {
     /// page present in such a range may be doomed. A scan must not adopt
     /// it: evicted before its zap, it would come back with its old data
     /// where the program now reads zeros ([`Engine::settle_doomed`]).
-    doomed: Vec<(Pn, Pn)>,
+    /// Oldest first.
+    doomed: Vec<Doomed>,
     stats: EngineStats,
 }
 
@@ -346,7 +365,7 @@ impl Engine {
     /// Takes in a page that a scan found present; false if the engine knew
     /// it, or if the program dropped it and its zap may be still to come.
     pub fn adopt(&mut self, pn: Pn) -> bool {
-        if self.doomed.iter().any(|&(start, end)| (start..end).contains(&pn)) {
+        if self.doomed.iter().any(|d| (d.start..d.end).contains(&pn)) {
             self.stats.adopt_doomed += 1;
             return false;
         }
@@ -387,7 +406,10 @@ impl Engine {
     /// kernel's zap done, no page there is adopted.
     pub fn forget_removed(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
         self.forget(backing, start, end);
-        self.doomed.push((start, end));
+        if self.doomed.len() == MAX_DOOMED {
+            self.doomed.remove(0);
+        }
+        self.doomed.push(Doomed { start, end, scans: 0 });
     }
 
     /// Takes `[start, end)` out of the doomed ranges: it was unmapped (the
@@ -398,23 +420,26 @@ impl Engine {
             return;
         }
         let mut kept = Vec::with_capacity(self.doomed.len() + 1);
-        for &(s, e) in &self.doomed {
-            if e <= start || end <= s {
-                kept.push((s, e));
+        for &d in &self.doomed {
+            if d.end <= start || end <= d.start {
+                kept.push(d);
                 continue;
             }
-            if s < start {
-                kept.push((s, start));
+            if d.start < start {
+                kept.push(Doomed { end: start, ..d });
             }
-            if end < e {
-                kept.push((end, e));
+            if end < d.end {
+                kept.push(Doomed { start: end, ..d });
             }
         }
         self.doomed = kept;
     }
 
     /// Ends the doomed ranges whose zap is done. `present(start, end)` lists
-    /// the pages present there now (`None`: unknown, the range stays).
+    /// the pages present there now (`None`: unknown, the range stays). A
+    /// range also ends after [`DOOMED_SCANS`] calls: `MADV_FREE` reports
+    /// the same event as `MADV_DONTNEED` and never zaps (its pages stay
+    /// until reclaim takes them), so its range would never settle.
     ///
     /// A range is done once every page present in it is one the engine
     /// knows: the range stays registered, so a page the program touches
@@ -424,8 +449,10 @@ impl Engine {
     /// or event changes what the pages read as between the two.
     pub fn settle_doomed(&mut self, mut present: impl FnMut(Pn, Pn) -> Option<Vec<Pn>>) {
         let pages = &self.pages;
-        self.doomed.retain(|&(start, end)| {
-            present(start, end).is_none_or(|found| found.iter().any(|&pn| pages.get(pn).is_none()))
+        self.doomed.retain_mut(|d| {
+            d.scans += 1;
+            d.scans <= DOOMED_SCANS
+                && present(d.start, d.end).is_none_or(|found| found.iter().any(|&pn| pages.get(pn).is_none()))
         });
     }
 

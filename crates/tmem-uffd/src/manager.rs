@@ -229,7 +229,15 @@ impl Mem for Real<'_> {
             return;
         }
         let mut reply = [0u8; 2 + proto::MAX_EVICT];
-        let Ok((got, _)) = rustix::net::recv(&self.p.sock, &mut reply, rustix::net::RecvFlags::empty()) else { return };
+        // The agent has the request: a reply given up on here would leave
+        // its pages moved out while the engine holds them as resident.
+        let got = loop {
+            match rustix::net::recv(&self.p.sock, &mut reply, rustix::net::RecvFlags::empty()) {
+                Ok((got, _)) => break got,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(_) => return,
+            }
+        };
         if got < 2 + n || reply[0] != proto::EVICTED {
             return;
         }

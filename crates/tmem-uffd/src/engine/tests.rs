@@ -808,3 +808,16 @@ fn a_page_dropped_with_its_zap_still_to_come_is_not_adopted_nor_evicted() {
     assert!(w.engine.adopt(7));
     w.check_all();
 }
+
+#[test]
+fn a_doomed_range_that_is_never_zapped_ends_after_its_scans() {
+    // MADV_FREE: the same event as MADV_DONTNEED, and its pages stay.
+    let mut w = World::new();
+    w.engine.forget_removed(&w.store, 10, 12);
+    for _ in 0..DOOMED_SCANS {
+        w.engine.settle_doomed(|s, e| Some((s..e).collect()));
+    }
+    assert!(!w.engine.adopt(10), "still doomed after {DOOMED_SCANS} settles");
+    w.engine.settle_doomed(|s, e| Some((s..e).collect()));
+    assert!(w.engine.adopt(11), "the range ended after its scans");
+}
