@@ -125,8 +125,8 @@ pub enum BroughtBack {
     Retry,
 }
 
-/// Settles a doomed range may wait before it ends anyway
-/// ([`Engine::settle_doomed`]): 16 scans, 320 ms at the scans' fastest
+/// Settles a doomed range waits through before its pages are taken as
+/// never zapped ([`Engine::settle_doomed`]): 16 scans, 320 ms at the scans' fastest
 /// regular pace (a slack of unseen pages brings one sooner), where a
 /// `madvise` goes from its event to its zap in microseconds unless its
 /// thread is preempted in between.
@@ -436,10 +436,7 @@ impl Engine {
     }
 
     /// Ends the doomed ranges whose zap is done. `present(start, end)` lists
-    /// the pages present there now (`None`: unknown, the range stays). A
-    /// range also ends after [`DOOMED_SCANS`] calls: `MADV_FREE` reports
-    /// the same event as `MADV_DONTNEED` and never zaps (its pages stay
-    /// until reclaim takes them), so its range would never settle.
+    /// the pages present there now (`None`: unknown, the range stays).
     ///
     /// A range is done once every page present in it is one the engine
     /// knows: the range stays registered, so a page the program touches
@@ -447,13 +444,38 @@ impl Engine {
     /// page the zap has still to remove is present and unknown. The caller
     /// holds the engine from this call through its adoptions, so no fault
     /// or event changes what the pages read as between the two.
+    ///
+    /// A range still holding unknown pages after [`DOOMED_SCANS`] calls
+    /// was never zapped: `MADV_FREE` sends the same event as
+    /// `MADV_DONTNEED` and leaves the pages until reclaim takes them, and
+    /// the program may write them again without a fault. Those pages are
+    /// adopted then, as a scan adopts the pages of a new mapping (a page
+    /// freed and not written again reads as its old data or as zeros
+    /// either way).
     pub fn settle_doomed(&mut self, mut present: impl FnMut(Pn, Pn) -> Option<Vec<Pn>>) {
-        let pages = &self.pages;
-        self.doomed.retain_mut(|d| {
+        let mut kept = Vec::with_capacity(self.doomed.len());
+        let mut never_zapped = Vec::new();
+        for mut d in std::mem::take(&mut self.doomed) {
             d.scans += 1;
-            d.scans <= DOOMED_SCANS
-                && present(d.start, d.end).is_none_or(|found| found.iter().any(|&pn| pages.get(pn).is_none()))
-        });
+            let Some(found) = present(d.start, d.end) else {
+                if d.scans <= DOOMED_SCANS {
+                    kept.push(d);
+                }
+                continue;
+            };
+            let unknown = found.into_iter().filter(|&pn| self.pages.get(pn).is_none());
+            if d.scans <= DOOMED_SCANS {
+                if unknown.clone().next().is_some() {
+                    kept.push(d);
+                }
+            } else {
+                never_zapped.extend(unknown);
+            }
+        }
+        self.doomed = kept;
+        for pn in never_zapped {
+            self.adopt(pn);
+        }
     }
 
     /// `mremap` moved `n` pages from `from` to `to`: whatever was at the
