@@ -125,12 +125,12 @@ pub enum BroughtBack {
     Retry,
 }
 
-/// Settles a doomed range waits through before its pages are taken as
-/// never zapped ([`Engine::settle_doomed`]): 16 scans, 320 ms at the scans' fastest
-/// regular pace (a slack of unseen pages brings one sooner), where a
-/// `madvise` goes from its event to its zap in microseconds unless its
-/// thread is preempted in between.
-pub const DOOMED_SCANS: u32 = 16;
+/// How long a doomed range waits for its zap before its pages are taken
+/// as never zapped ([`Engine::settle_doomed`]). A `madvise` goes from its
+/// event to its zap in microseconds unless its thread is preempted in
+/// between; scans can come every few milliseconds when the program
+/// touches memory fast, so the wait is a time, not a count of scans.
+pub const DOOMED_FOR: std::time::Duration = std::time::Duration::from_secs(1);
 /// Most doomed ranges kept; a new one pushes out the oldest.
 const MAX_DOOMED: usize = 1024;
 
@@ -139,8 +139,8 @@ const MAX_DOOMED: usize = 1024;
 struct Doomed {
     start: Pn,
     end: Pn,
-    /// Settles it has waited through.
-    scans: u32,
+    /// When its event was applied.
+    since: std::time::Instant,
 }
 
 /// Where every page of one process is.
@@ -404,12 +404,12 @@ impl Engine {
     /// The program dropped `[start, end)` with `madvise`: as
     /// [`Engine::forget`], and until [`Engine::settle_doomed`] sees the
     /// kernel's zap done, no page there is adopted.
-    pub fn forget_removed(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
+    pub fn forget_removed(&mut self, backing: &impl Backing, start: Pn, end: Pn, now: std::time::Instant) {
         self.forget(backing, start, end);
         if self.doomed.len() == MAX_DOOMED {
             self.doomed.remove(0);
         }
-        self.doomed.push(Doomed { start, end, scans: 0 });
+        self.doomed.push(Doomed { start, end, since: now });
     }
 
     /// Takes `[start, end)` out of the doomed ranges: it was unmapped (the
@@ -445,26 +445,26 @@ impl Engine {
     /// holds the engine from this call through its adoptions, so no fault
     /// or event changes what the pages read as between the two.
     ///
-    /// A range still holding unknown pages after [`DOOMED_SCANS`] calls
+    /// A range still holding unknown pages [`DOOMED_FOR`] after its event
     /// was never zapped: `MADV_FREE` sends the same event as
     /// `MADV_DONTNEED` and leaves the pages until reclaim takes them, and
     /// the program may write them again without a fault. Those pages are
     /// adopted then, as a scan adopts the pages of a new mapping (a page
     /// freed and not written again reads as its old data or as zeros
     /// either way).
-    pub fn settle_doomed(&mut self, mut present: impl FnMut(Pn, Pn) -> Option<Vec<Pn>>) {
+    pub fn settle_doomed(&mut self, now: std::time::Instant, mut present: impl FnMut(Pn, Pn) -> Option<Vec<Pn>>) {
         let mut kept = Vec::with_capacity(self.doomed.len());
         let mut never_zapped = Vec::new();
-        for mut d in std::mem::take(&mut self.doomed) {
-            d.scans += 1;
+        for d in std::mem::take(&mut self.doomed) {
+            let waiting = now.saturating_duration_since(d.since) < DOOMED_FOR;
             let Some(found) = present(d.start, d.end) else {
-                if d.scans <= DOOMED_SCANS {
+                if waiting {
                     kept.push(d);
                 }
                 continue;
             };
             let unknown = found.into_iter().filter(|&pn| self.pages.get(pn).is_none());
-            if d.scans <= DOOMED_SCANS {
+            if waiting {
                 if unknown.clone().next().is_some() {
                     kept.push(d);
                 }

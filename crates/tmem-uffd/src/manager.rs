@@ -371,7 +371,7 @@ impl Process {
         }
         drop(registered);
         let mut engine = self.engine_applied(shared);
-        engine.settle_doomed(|start, end| {
+        engine.settle_doomed(Instant::now(), |start, end| {
             let mut present = Vec::new();
             let range = maps::Range { start: start * P, end: end * P };
             self.pagemap.present(range, |addr| present.push(addr / P)).ok().map(|()| present)
@@ -1091,7 +1091,9 @@ impl Process {
             match event {
                 // The kernel zaps a removed range after its event is read,
                 // an unmapped one before.
-                Event::Remove { start, end } => engine.forget_removed(&backing, start / P, end.div_ceil(P)),
+                Event::Remove { start, end } => {
+                    engine.forget_removed(&backing, start / P, end.div_ceil(P), Instant::now());
+                }
                 Event::Unmap { start, end } => engine.forget(&backing, start / P, end.div_ceil(P)),
                 Event::Remap { from, to, len } => engine.remap(&backing, from / P, to / P, len / P),
                 Event::Fault { .. } | Event::Other(_) => {}

@@ -224,6 +224,8 @@ struct World {
     scan: Option<Vec<Pn>>,
     /// Pages put in memory outside the engine (unit tests).
     outside: BTreeSet<Pn>,
+    /// The time: each scan takes a sixteenth of [`DOOMED_FOR`].
+    now: std::time::Instant,
 }
 
 impl World {
@@ -242,6 +244,7 @@ impl World {
             zaps: Vec::new(),
             scan: None,
             outside: BTreeSet::new(),
+            now: std::time::Instant::now(),
         }
     }
 
@@ -423,7 +426,7 @@ impl World {
             }
             Op::RemoveLate(start, n) => {
                 let end = (start + n).min(SPACE);
-                self.engine.forget_removed(&self.store, start, end);
+                self.engine.forget_removed(&self.store, start, end, self.now);
                 for pn in start..end {
                     self.truth.remove(&pn);
                 }
@@ -438,15 +441,17 @@ impl World {
             Op::ScanAdopt => {
                 if let Some(found) = self.scan.take() {
                     // What the engine assumes: a `madvise` zaps within
-                    // `DOOMED_SCANS` scans of its event.
+                    // `DOOMED_FOR` of its event.
+                    self.now += DOOMED_FOR / 16;
                     for z in &mut self.zaps {
                         z.2 += 1;
                     }
-                    let (due, waiting) = std::mem::take(&mut self.zaps).into_iter().partition(|z| z.2 >= DOOMED_SCANS);
+                    let (due, waiting) = std::mem::take(&mut self.zaps).into_iter().partition(|z| z.2 >= 16);
                     self.zaps = waiting;
                     self.zap_ranges(due);
                     let ptes = self.sim.ptes.borrow().clone();
-                    self.engine.settle_doomed(|s, e| Some((s..e).filter(|pn| ptes.contains_key(pn)).collect()));
+                    self.engine
+                        .settle_doomed(self.now, |s, e| Some((s..e).filter(|pn| ptes.contains_key(pn)).collect()));
                     for pn in found {
                         // A page dropped since the read comes in as resident
                         // while it is not there, as `DropUnseen`'s.
@@ -815,7 +820,7 @@ fn a_page_dropped_with_its_zap_still_to_come_is_not_adopted_nor_evicted() {
     w.apply(Op::Zap);
     w.apply(Op::Read(5));
     // Once the zap is seen done, the range is no longer doomed.
-    w.engine.settle_doomed(|_, _| Some(Vec::new()));
+    w.engine.settle_doomed(w.now, |_, _| Some(Vec::new()));
     w.sim.ptes.borrow_mut().insert(7, 3);
     w.truth.insert(7, 3);
     w.unseen_present(7);
@@ -824,17 +829,17 @@ fn a_page_dropped_with_its_zap_still_to_come_is_not_adopted_nor_evicted() {
 }
 
 #[test]
-fn a_doomed_range_that_is_never_zapped_ends_after_its_scans() {
+fn a_doomed_range_that_is_never_zapped_ends_after_its_time() {
     // MADV_FREE: the same event as MADV_DONTNEED, and its pages stay.
     let mut w = World::new();
-    w.engine.forget_removed(&w.store, 10, 12);
-    for _ in 0..DOOMED_SCANS {
-        w.engine.settle_doomed(|s, e| Some((s..e).collect()));
+    w.engine.forget_removed(&w.store, 10, 12, w.now);
+    for i in 1..16 {
+        w.engine.settle_doomed(w.now + DOOMED_FOR * i / 16, |s, e| Some((s..e).collect()));
     }
-    assert!(!w.engine.adopt(10), "still doomed after {DOOMED_SCANS} settles");
+    assert!(!w.engine.adopt(10), "still doomed before DOOMED_FOR");
     assert_eq!(w.engine.plan(10), FaultPlan::Zero);
-    // The next settle takes its pages as the program's again.
-    w.engine.settle_doomed(|s, e| Some((s..e).collect()));
+    // The first settle after it takes its pages as the program's again.
+    w.engine.settle_doomed(w.now + DOOMED_FOR, |s, e| Some((s..e).collect()));
     assert_eq!((w.engine.plan(10), w.engine.plan(11)), (FaultPlan::Present, FaultPlan::Present));
     assert_eq!(w.engine.resident(), 2);
 }
