@@ -326,12 +326,8 @@ fn store_policy() -> PolicyConfig {
 /// A store as the daemon builds one: its pages in a memfd (`shared_memory`,
 /// which a restart hands over), putting with `codec`.
 fn build_store(codec: &CodecConfig) -> anyhow::Result<Store> {
-    let cfg = StoreConfig {
-        policy: store_policy(),
-        codec: Some(codec.clone()),
-        shared_memory: std::env::var_os("XPRIV").is_none(),
-        ..Default::default()
-    };
+    let cfg =
+        StoreConfig { policy: store_policy(), codec: Some(codec.clone()), shared_memory: true, ..Default::default() };
     Ok(cfg.build()?)
 }
 
