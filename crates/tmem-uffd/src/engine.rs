@@ -463,13 +463,11 @@ impl Engine {
                 }
                 continue;
             };
-            let unknown = found.into_iter().filter(|&pn| self.pages.get(pn).is_none());
-            if waiting {
-                if unknown.clone().next().is_some() {
-                    kept.push(d);
-                }
-            } else {
+            let mut unknown = found.into_iter().filter(|&pn| self.pages.get(pn).is_none()).peekable();
+            if !waiting {
                 never_zapped.extend(unknown);
+            } else if unknown.peek().is_some() {
+                kept.push(d);
             }
         }
         self.doomed = kept;
@@ -580,13 +578,14 @@ impl Engine {
     /// The store refused the page in `slot`: it goes back to the program.
     ///
     /// [`Outcome::Retry`] leaves the slot as it was, for the caller to try
-    /// again once the events are applied, and so does [`Outcome::Busy`] (the
-    /// slot could not be read: the process is ending). Where the page cannot go back
-    /// (its address is no longer mapped, and its unmap event is on its way),
-    /// it is dropped here, as that event would drop it: the staging area is
-    /// emptied after the batch, and a slot still naming this page then
-    /// would be taken by the next batch's page, whose own bookkeeping this
-    /// page's unmap would wipe (that page would then read as zeros).
+    /// again once the events are applied, and so does [`Outcome::Busy`]
+    /// (the slot could not be read: the process is ending). Where the page
+    /// cannot go back (its address is no longer mapped, and its unmap event
+    /// is on its way), it is dropped here, as that event would drop it: the
+    /// staging area is emptied after the batch, and a slot still naming
+    /// this page then would be taken by the next batch's page, whose own
+    /// bookkeeping this page's unmap would wipe (that page would then read
+    /// as zeros).
     pub fn refused_slot(&mut self, mem: &impl Mem, slot: u32) -> Outcome {
         let Some(pn) = self.slots[slot as usize] else { return Outcome::Done };
         let outcome = mem.move_back(slot, pn);

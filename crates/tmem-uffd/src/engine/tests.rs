@@ -218,8 +218,8 @@ struct World {
     /// Unmaps the engine has not applied yet ([`Op::UnmapLate`]).
     late: Vec<(Pn, Pn)>,
     /// Removes applied whose pages are not zapped yet ([`Op::RemoveLate`]),
-    /// with the scans each has waited through.
-    zaps: Vec<(Pn, Pn, u32)>,
+    /// with when each was applied.
+    zaps: Vec<(Pn, Pn, std::time::Instant)>,
     /// Pages a scan read as present, not adopted yet ([`Op::ScanRead`]).
     scan: Option<Vec<Pn>>,
     /// Pages put in memory outside the engine (unit tests).
@@ -322,7 +322,7 @@ impl World {
         self.zap_ranges(zaps);
     }
 
-    fn zap_ranges(&mut self, zaps: Vec<(Pn, Pn, u32)>) {
+    fn zap_ranges(&mut self, zaps: Vec<(Pn, Pn, std::time::Instant)>) {
         for (start, end, _) in zaps {
             for pn in start..end {
                 // A page mapped through the engine since the remove's event
@@ -430,7 +430,7 @@ impl World {
                 for pn in start..end {
                     self.truth.remove(&pn);
                 }
-                self.zaps.push((start, end, 0));
+                self.zaps.push((start, end, self.now));
             }
             Op::Zap => self.zap_now(),
             Op::ScanRead(start, n) if self.scan.is_none() => {
@@ -443,10 +443,9 @@ impl World {
                     // What the engine assumes: a `madvise` zaps within
                     // `DOOMED_FOR` of its event.
                     self.now += DOOMED_FOR / 16;
-                    for z in &mut self.zaps {
-                        z.2 += 1;
-                    }
-                    let (due, waiting) = std::mem::take(&mut self.zaps).into_iter().partition(|z| z.2 >= 16);
+                    let now = self.now;
+                    let (due, waiting) =
+                        std::mem::take(&mut self.zaps).into_iter().partition(|z| now - z.2 >= DOOMED_FOR);
                     self.zaps = waiting;
                     self.zap_ranges(due);
                     let ptes = self.sim.ptes.borrow().clone();
