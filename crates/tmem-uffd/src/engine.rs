@@ -134,6 +134,10 @@ pub const DOOMED_FOR: std::time::Duration = std::time::Duration::from_secs(1);
 /// Most doomed ranges kept; a new one pushes out the oldest.
 const MAX_DOOMED: usize = 1024;
 
+/// Most ranges kept in [`Engine::unmapped`]; a scan that began before the
+/// oldest kept adopts nothing.
+const MAX_UNMAPPED: usize = 1024;
+
 /// A range the program dropped with `madvise`, its zap maybe still to come.
 #[derive(Clone, Copy, Debug)]
 struct Doomed {
@@ -167,6 +171,12 @@ pub struct Engine {
     /// where the program now reads zeros ([`Engine::settle_doomed`]).
     /// Oldest first.
     doomed: Vec<Doomed>,
+    /// The ranges dropped or moved away (`forget`, `remap`'s source), each
+    /// with its number in `map_epoch`'s count, oldest first: a scan adopts
+    /// no page in one dropped after it began ([`Engine::adopt_since`]).
+    unmapped: VecDeque<(u64, Pn, Pn)>,
+    /// How many ranges were dropped or moved away so far.
+    map_epoch: u64,
     stats: EngineStats,
 }
 
@@ -186,6 +196,8 @@ impl Engine {
             pauses: 0,
             ahead: ReadAhead::new(read_ahead),
             doomed: Vec::new(),
+            unmapped: VecDeque::new(),
+            map_epoch: 0,
             stats: EngineStats::default(),
         }
     }
@@ -378,10 +390,55 @@ impl Engine {
         true
     }
 
+    /// How many ranges have been dropped or moved away: a scan takes it
+    /// before it reads the maps, for [`Engine::adopt_since`].
+    #[must_use]
+    pub fn map_epoch(&self) -> u64 {
+        self.map_epoch
+    }
+
+    /// As [`Engine::adopt`], for a page that a scan which began at `epoch`
+    /// ([`Engine::map_epoch`]) found present; false, and not adopted, when
+    /// its range was dropped or moved away since.
+    ///
+    /// Such a page may no longer be the page the scan saw: the program
+    /// unmapped the range, and a new mapping at the same place (not yet
+    /// registered) holds a page there that the program wrote without a
+    /// fault. Adopted, it would be evicted out of a range that faults
+    /// nothing: the program would read the kernel's zeros where it wrote,
+    /// and, once it unmapped that range (no event: not registered), a
+    /// later mapping there would fault the stored page back where it
+    /// expects zeros. A page left out stays present and unmanaged.
+    pub fn adopt_since(&mut self, epoch: u64, pn: Pn) -> bool {
+        let forgotten = self.unmapped.front().is_some_and(|&(n, ..)| n > epoch + 1);
+        if forgotten
+            || self.unmapped.iter().rev().take_while(|&&(n, ..)| n > epoch).any(|&(_, s, e)| (s..e).contains(&pn))
+        {
+            self.stats.adopt_unmapped += 1;
+            return false;
+        }
+        self.adopt(pn)
+    }
+
+    /// Counts `[start, end)` as dropped or moved away, for [`Engine::adopt_since`].
+    fn unmapped(&mut self, start: Pn, end: Pn) {
+        self.map_epoch += 1;
+        if self.unmapped.len() == MAX_UNMAPPED {
+            self.unmapped.pop_front();
+        }
+        self.unmapped.push_back((self.map_epoch, start, end));
+    }
+
     /// Drops every page in `[start, end)`: the program unmapped it or
     /// dropped its contents. Stored keys are removed from `backing`;
     /// in-flight pages are cancelled (their batch skips them).
     pub fn forget(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
+        self.unmapped(start, end);
+        self.drop_pages(backing, start, end);
+    }
+
+    /// [`Engine::forget`]'s drop, for a range that stays mapped or not.
+    fn drop_pages(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
         self.undoom(start, end);
         for (pn, state) in self.pages.range(start, end) {
             self.pages.remove(pn);
@@ -405,7 +462,7 @@ impl Engine {
     /// [`Engine::forget`], and until [`Engine::settle_doomed`] sees the
     /// kernel's zap done, no page there is adopted.
     pub fn forget_removed(&mut self, backing: &impl Backing, start: Pn, end: Pn, now: std::time::Instant) {
-        self.forget(backing, start, end);
+        self.drop_pages(backing, start, end);
         if self.doomed.len() == MAX_DOOMED {
             self.doomed.remove(0);
         }
@@ -479,6 +536,7 @@ impl Engine {
     /// `mremap` moved `n` pages from `from` to `to`: whatever was at the
     /// destination is gone, and the pages keep their state at their new place.
     pub fn remap(&mut self, backing: &impl Backing, from: Pn, to: Pn, n: u64) {
+        self.unmapped(from, from + n);
         self.undoom(from, from + n);
         let moved = self.pages.range(from, from + n);
         for (pn, _) in &moved {

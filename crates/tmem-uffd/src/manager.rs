@@ -340,6 +340,9 @@ impl Process {
     /// again either way. Returns whether the maps were registered again.
     fn rescan(&self, shared: &Shared, force: bool) -> std::io::Result<bool> {
         let mut found = Vec::new();
+        // Taken before the maps are read: a page found in a range dropped
+        // or moved after this is not adopted (`Engine::adopt_since`).
+        let epoch = self.engine_applied(shared).map_epoch();
         let mut registered = self.registered.lock();
         // Taken before the read: an unmap read after it counts for the next scan.
         let moved = self.maps_moved.swap(false, Ordering::SeqCst);
@@ -377,7 +380,7 @@ impl Process {
             self.pagemap.present(range, |addr| present.push(addr / P)).ok().map(|()| present)
         });
         for pn in found {
-            engine.adopt(pn);
+            engine.adopt_since(epoch, pn);
         }
         shared.sync_resident(self, &engine);
         // Read under the engine's lock, so no fault or eviction moves the

@@ -29,6 +29,8 @@ tmem_counters::counters! {
         dropped_unseen: Counter(Pages),
         /// Present pages a scan found where the program had just dropped its memory, its zap still to come: not adopted.
         adopt_doomed: Counter(Pages),
+        /// Present pages a scan found in a range the program unmapped or moved after the scan began (a new mapping there may not be registered yet): not adopted.
+        adopt_unmapped: Counter(Pages),
     }
 }
 

@@ -199,7 +199,7 @@ fn summary(cfg: &RunConfig, r: &RunReport) -> String {
     format!(
         "tmem run: {} {}; resident at most {:.1} MiB of --memory {:.1} MiB ({:.1} MiB over it at most; faults wait past {:.1} MiB over, \
          and pages the program touched before a scan registered them come on top); pool at most {:.1} MiB for {:.1} MiB of pages ({ratio:.2}x, {}); \
-         faults: {} first touches, {} from the pool, {} caught in flight; {} stored pages read ahead of them and {} fresh ones filled with zeros ahead; {} pages evicted, {} adopted by scans ({} left out, dropped by the program before its zap), {} busy, {} lost, {} refused by the pool; \
+         faults: {} first touches, {} from the pool, {} caught in flight; {} stored pages read ahead of them and {} fresh ones filled with zeros ahead; {} pages evicted, {} adopted by scans ({} left out, dropped by the program before its zap, and {} in ranges unmapped or moved during the scan), {} busy, {} lost, {} refused by the pool; \
          {} faults on pages held as resident, filled with zeros (dropped by the program before its event came); \
          faults waited for room {} times, {:.1} s in all; the evictor worked {:.1} s; {} process(es)",
         cfg.program.to_string_lossy(),
@@ -219,6 +219,7 @@ fn summary(cfg: &RunConfig, r: &RunReport) -> String {
         e.evicted,
         e.adopted,
         e.adopt_doomed,
+        e.adopt_unmapped,
         e.move_busy,
         s.lost_pages,
         e.put_refused,

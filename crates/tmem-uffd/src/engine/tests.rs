@@ -221,7 +221,7 @@ struct World {
     /// with when each was applied.
     zaps: Vec<(Pn, Pn, std::time::Instant)>,
     /// Pages a scan read as present, not adopted yet ([`Op::ScanRead`]).
-    scan: Option<Vec<Pn>>,
+    scan: Option<(u64, Vec<Pn>)>,
     /// Pages put in memory outside the engine (unit tests).
     outside: BTreeSet<Pn>,
     /// The time: each scan takes a sixteenth of [`DOOMED_FOR`].
@@ -436,10 +436,10 @@ impl World {
             Op::ScanRead(start, n) if self.scan.is_none() => {
                 let end = (start + n).min(SPACE);
                 let ptes = self.sim.ptes.borrow();
-                self.scan = Some((start..end).filter(|pn| ptes.contains_key(pn)).collect());
+                self.scan = Some((self.engine.map_epoch(), (start..end).filter(|pn| ptes.contains_key(pn)).collect()));
             }
             Op::ScanAdopt => {
-                if let Some(found) = self.scan.take() {
+                if let Some((epoch, found)) = self.scan.take() {
                     // What the engine assumes: a `madvise` zaps within
                     // `DOOMED_FOR` of its event.
                     self.now += DOOMED_FOR / 16;
@@ -454,7 +454,7 @@ impl World {
                     for pn in found {
                         // A page dropped since the read comes in as resident
                         // while it is not there, as `DropUnseen`'s.
-                        if self.engine.adopt(pn) && !ptes.contains_key(&pn) {
+                        if self.engine.adopt_since(epoch, pn) && !ptes.contains_key(&pn) {
                             self.unseen += 1;
                         }
                     }
@@ -841,4 +841,36 @@ fn a_doomed_range_that_is_never_zapped_ends_after_its_time() {
     w.engine.settle_doomed(w.now + DOOMED_FOR, |s, e| Some((s..e).collect()));
     assert_eq!((w.engine.plan(10), w.engine.plan(11)), (FaultPlan::Present, FaultPlan::Present));
     assert_eq!(w.engine.resident(), 2);
+}
+
+#[test]
+fn a_page_found_before_its_range_was_unmapped_is_not_adopted() {
+    let mut e = Engine::new(8, 0);
+    let store = Store::default();
+    let epoch = e.map_epoch();
+    // The scan read pages 5 and 20 present; then the program unmapped 4..8
+    // (and may have mapped it anew, unregistered) before the scan adopted.
+    e.forget(&store, 4, 8);
+    assert!(!e.adopt_since(epoch, 5), "a page of a range unmapped since the scan began");
+    assert!(e.adopt_since(epoch, 20), "a page elsewhere");
+    // An mremap's source counts as well.
+    let epoch = e.map_epoch();
+    e.remap(&store, 30, 40, 4);
+    assert!(!e.adopt_since(epoch, 31));
+    // A scan that began after the unmap adopts there.
+    assert!(e.adopt_since(e.map_epoch(), 5));
+    assert_eq!(e.stats().adopt_unmapped, 2);
+    assert_eq!(e.stats().adopted, 2);
+}
+
+#[test]
+fn a_scan_older_than_every_kept_unmap_adopts_nothing() {
+    let mut e = Engine::new(8, 0);
+    let store = Store::default();
+    let epoch = e.map_epoch();
+    for i in 0..=MAX_UNMAPPED as u64 {
+        e.forget(&store, 1000 + i, 1001 + i);
+    }
+    assert!(!e.adopt_since(epoch, 5), "the unmaps since the scan began are no longer all known");
+    assert!(e.adopt_since(e.map_epoch() - 1, 5));
 }
