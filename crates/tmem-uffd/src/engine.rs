@@ -172,11 +172,9 @@ pub struct Engine {
     /// Oldest first.
     doomed: Vec<Doomed>,
     /// The ranges dropped or moved away (`forget`, `remap`'s source), each
-    /// with its number in `map_epoch`'s count, oldest first: a scan adopts
+    /// numbered from 1, oldest first: a scan adopts
     /// no page in one dropped after it began ([`Engine::adopt_since`]).
     unmapped: VecDeque<(u64, Pn, Pn)>,
-    /// How many ranges were dropped or moved away so far.
-    map_epoch: u64,
     stats: EngineStats,
 }
 
@@ -197,7 +195,6 @@ impl Engine {
             ahead: ReadAhead::new(read_ahead),
             doomed: Vec::new(),
             unmapped: VecDeque::new(),
-            map_epoch: 0,
             stats: EngineStats::default(),
         }
     }
@@ -394,7 +391,7 @@ impl Engine {
     /// before it reads the maps, for [`Engine::adopt_since`].
     #[must_use]
     pub fn map_epoch(&self) -> u64 {
-        self.map_epoch
+        self.unmapped.back().map_or(0, |&(n, ..)| n)
     }
 
     /// As [`Engine::adopt`], for a page that a scan which began at `epoch`
@@ -422,22 +419,23 @@ impl Engine {
 
     /// Counts `[start, end)` as dropped or moved away, for [`Engine::adopt_since`].
     fn unmapped(&mut self, start: Pn, end: Pn) {
-        self.map_epoch += 1;
+        let n = self.map_epoch() + 1;
         if self.unmapped.len() == MAX_UNMAPPED {
             self.unmapped.pop_front();
         }
-        self.unmapped.push_back((self.map_epoch, start, end));
+        self.unmapped.push_back((n, start, end));
     }
 
-    /// Drops every page in `[start, end)`: the program unmapped it or
-    /// dropped its contents. Stored keys are removed from `backing`;
+    /// Drops every page in `[start, end)`: the program unmapped it (or an
+    /// `mremap` moved pages over it). Stored keys are removed from `backing`;
     /// in-flight pages are cancelled (their batch skips them).
     pub fn forget(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
         self.unmapped(start, end);
         self.drop_pages(backing, start, end);
     }
 
-    /// [`Engine::forget`]'s drop, for a range that stays mapped or not.
+    /// Drops the pages of `[start, end)`, as [`Engine::forget`] and
+    /// [`Engine::forget_removed`] both do.
     fn drop_pages(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
         self.undoom(start, end);
         for (pn, state) in self.pages.range(start, end) {
