@@ -210,8 +210,7 @@ fn close(slot: &AtomicI32) {
 }
 
 /// Moves the pages an evict message names into the staging slots.
-fn evict(sock: BorrowedFd<'_>, msg: &[u8]) {
-    let staging = STAGING.load(Ordering::SeqCst);
+fn evict(sock: BorrowedFd<'_>, uffd: BorrowedFd<'_>, staging: u64, msg: &[u8]) {
     let n = usize::from(msg.get(1).copied().unwrap_or(0)).min(proto::MAX_EVICT);
     let mut reply = [0u8; 2 + proto::MAX_EVICT];
     reply[0] = proto::EVICTED;
@@ -221,7 +220,7 @@ fn evict(sock: BorrowedFd<'_>, msg: &[u8]) {
         let Some(addr) = msg.get(at..at + 8) else { break };
         let addr = u64::from_le_bytes(addr.try_into().expect("8 bytes"));
         let dst = staging + (i * PAGE) as u64;
-        let outcome = Uffd::move_page(fd(&UFFD), dst, addr);
+        let outcome = Uffd::move_page(uffd, dst, addr);
         reply[2 + i] = proto::outcome_code(outcome);
     }
     if rustix::net::send(sock, &reply[..2 + n], rustix::net::SendFlags::NOSIGNAL).is_err() {
@@ -231,6 +230,11 @@ fn evict(sock: BorrowedFd<'_>, msg: &[u8]) {
 
 /// The agent thread: moves pages out and empties the staging area when
 /// asked. Allocation-free, on a stack the helper never registers.
+///
+/// What it needs for that is read from the statics once, onto that stack:
+/// this library's `.bss` can be an anonymous mapping the helper registers
+/// and evicts, and the evictor waits on a move with the program's events
+/// held (`manager::Real::move_out`), so a fault here would never be read.
 extern "C" fn agent_thread(_: *mut c_void) -> *mut c_void {
     let outcome = hello();
     if let Err(why) = &outcome {
@@ -241,6 +245,8 @@ extern "C" fn agent_thread(_: *mut c_void) -> *mut c_void {
         return std::ptr::null_mut();
     }
     let sock = fd(&SOCK);
+    let uffd = fd(&UFFD);
+    let staging = STAGING.load(Ordering::SeqCst);
     let mut msg = [0u8; 2 + 8 * proto::MAX_EVICT];
     loop {
         let got = rustix::net::recv(sock, &mut msg, rustix::net::RecvFlags::empty()).map(|(n, _)| n);
@@ -253,10 +259,9 @@ extern "C" fn agent_thread(_: *mut c_void) -> *mut c_void {
         match first {
             Some(proto::EVICT) => {
                 let n = got.unwrap_or(0);
-                evict(sock, &msg[..n]);
+                evict(sock, uffd, staging, &msg[..n]);
             }
             Some(proto::DROP_STAGING) => {
-                let staging = STAGING.load(Ordering::SeqCst);
                 // SAFETY: the staging area is this library's own mapping; its
                 // pages hold only copies the helper has already stored.
                 unsafe { libc::madvise(staging as *mut c_void, SLOTS as usize * PAGE, libc::MADV_DONTNEED) };
@@ -324,25 +329,37 @@ extern "C" fn after_fork_child() {
 /// The mappings that cover `[start, end)` without a hole, from this
 /// process's maps; `None` if any byte of it is unmapped.
 fn covering(start: u64, end: u64) -> Option<Vec<(u64, u64)>> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     let mut parts = Vec::new();
     let mut at = start;
-    for line in maps.lines() {
-        let (s, e) = line.split_whitespace().next()?.split_once('-')?;
-        let (s, e) = (u64::from_str_radix(s, 16).ok()?, u64::from_str_radix(e, 16).ok()?);
-        if e <= at || s >= end {
-            continue;
-        }
+    for (s, e) in mapped_in(start, end)? {
         if s > at {
             return None;
         }
         parts.push((at, e.min(end)));
         at = e.min(end);
-        if at == end {
-            return Some(parts);
+    }
+    (at == end).then_some(parts)
+}
+
+/// Whether nothing is mapped in `[start, end)` (false if the maps cannot
+/// be read).
+fn nothing_mapped(start: u64, end: u64) -> bool {
+    mapped_in(start, end).is_some_and(|m| m.is_empty())
+}
+
+/// The mappings of this process's maps that reach into `[start, end)`, in
+/// order; `None` if the maps cannot be read.
+fn mapped_in(start: u64, end: u64) -> Option<Vec<(u64, u64)>> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let mut found = Vec::new();
+    for line in maps.lines() {
+        let (s, e) = line.split_whitespace().next()?.split_once('-')?;
+        let (s, e) = (u64::from_str_radix(s, 16).ok()?, u64::from_str_radix(e, 16).ok()?);
+        if e > start && s < end {
+            found.push((s, e));
         }
     }
-    None
+    Some(found)
 }
 
 /// `mremap(2)` for the program.
@@ -387,7 +404,9 @@ pub unsafe extern "C" fn mremap(
         return libc::MAP_FAILED;
     }
     let (start, end) = (old as u64, old as u64 + old_size as u64);
-    let Some(parts) = covering(start, end) else { return libc::MAP_FAILED };
+    if covering(start, end).is_none() {
+        return libc::MAP_FAILED;
+    }
     let map_flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if fixed { libc::MAP_FIXED } else { 0 };
     // SAFETY: a new private anonymous range for the result (at the caller's
     // address with MREMAP_FIXED, which mremap too would have replaced).
@@ -395,17 +414,51 @@ pub unsafe extern "C" fn mremap(
     if base == libc::MAP_FAILED {
         return libc::MAP_FAILED;
     }
-    for (s, e) in parts {
-        let to = base as u64 + (s - start);
-        let Ok(len) = libc::size_t::try_from(e - s) else { return libc::MAP_FAILED };
-        let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
-        // SAFETY: moves one whole part of the caller's range into the new range.
-        let r = unsafe { libc::syscall(libc::SYS_mremap, s, len, len, fixed_move, to) };
-        if r == -1 {
-            // SAFETY: errno is this thread's; the failure is reported as mremap's own.
-            unsafe { *libc::__errno_location() = libc::ENOMEM };
-            return libc::MAP_FAILED;
+    if let Err(moved) = move_parts(start, end, base as u64) {
+        // A failed mremap leaves the caller's range as it was: what moved
+        // goes back to the hole it left, unless something else was mapped
+        // there meanwhile (MREMAP_FIXED would replace it).
+        if moved > start && nothing_mapped(start, moved) {
+            let _ = move_parts(base as u64, base as u64 + (moved - start), start);
         }
+        // SAFETY: the range this call mapped; nothing of the caller's is left in it.
+        unsafe { libc::munmap(base, new_size) };
+        // SAFETY: errno is this thread's; the failure is reported as mremap's own.
+        unsafe { *libc::__errno_location() = libc::ENOMEM };
+        return libc::MAP_FAILED;
     }
     base
+}
+
+/// How often [`move_parts`] reads the maps again when a move finds the
+/// mappings cut differently than it read them: the helper registers and
+/// splits ranges while it runs.
+const MOVE_TRIES: u32 = 8;
+
+/// Moves each mapping over `[start, end)` to the same offset from `to`
+/// with `MREMAP_FIXED`; on failure, `Err(at)`: `[start, at)` has moved.
+fn move_parts(start: u64, end: u64, to: u64) -> Result<(), u64> {
+    let mut at = start;
+    for _ in 0..MOVE_TRIES {
+        let Some(parts) = covering(at, end) else { return Err(at) };
+        for (s, e) in parts {
+            let Ok(len) = libc::size_t::try_from(e - s) else { return Err(at) };
+            let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
+            // SAFETY: moves one whole part of the caller's range into the new range.
+            let r = unsafe { libc::syscall(libc::SYS_mremap, s, len, len, fixed_move, to + (s - start)) };
+            if r == -1 {
+                // SAFETY: reads this thread's errno.
+                if unsafe { *libc::__errno_location() } != libc::EFAULT {
+                    return Err(at);
+                }
+                // The part spans mappings now: read them again.
+                break;
+            }
+            at = e;
+        }
+        if at == end {
+            return Ok(());
+        }
+    }
+    Err(at)
 }

@@ -214,7 +214,19 @@ impl Mem for Real<'_> {
         self.p.fill(pn, page)
     }
 
+    /// Under the events lock with none unapplied, as a fill: the kernel
+    /// refuses the move (EAGAIN) while an unmap's event is unread, but once
+    /// it is read the `munmap` returns, and another thread can map the same
+    /// address and write a page there without a fault (not registered yet).
+    /// A move then, with the unmap not yet applied, would take that page
+    /// for the old mapping's, and the unmap would drop it.
     fn move_out(&self, pages: &[Pn], out: &mut [Outcome]) {
+        // Held until the agent's reply: no read of the userfaultfd meanwhile.
+        let pending = self.p.events.lock();
+        if !pending.is_empty() {
+            out.fill(Outcome::Retry);
+            return;
+        }
         out.fill(Outcome::Gone);
         let n = pages.len().min(proto::MAX_EVICT);
         let mut msg = [0u8; 2 + 8 * proto::MAX_EVICT];
@@ -304,7 +316,8 @@ struct Process {
     /// the program now has zeros. So each read of the userfaultfd pushes its
     /// events here under this lock, and each fill happens under it with
     /// nothing here: a fill either comes before the read (and the program's
-    /// own zap after it), or finds the event and has it applied first.
+    /// own zap after it), or finds the event and has it applied first. An
+    /// eviction batch's moves happen under it the same way (`Real::move_out`).
     events: Mutex<Vec<Event>>,
     /// Faults read and not yet served, oldest first.
     faults: Mutex<VecDeque<u64>>,
@@ -959,9 +972,11 @@ fn read_faults(shared: &Shared, p: &Process, events: &mut [Event; 64], buf: &mut
         let mut faults = p.faults.lock();
         for ev in &events[..n] {
             match *ev {
-                // The helper reading a staging slot whose page went back, or
-                // the agent touching a victim the program just dropped:
-                // zeros, at once, since the evictor may be waiting on it.
+                // The helper reading a staging slot whose page went back:
+                // zeros, at once, since the evictor may be waiting on it. The
+                // agent's thread touches no registered memory while it moves
+                // pages (the evictor holds the events then, so its fault
+                // would never be read); any other fault of it is served so.
                 Event::Fault { addr, tid, .. } if p.in_staging(addr) || tid == p.agent_tid => {
                     buf.fill(0);
                     let _ = p.uffd.copy(addr, buf);
@@ -1321,7 +1336,7 @@ fn evict_batch(shared: &Shared, p: &Process, batch: &mut Batch, bufs: &mut [[u8;
     let _chan = p.chan.lock();
     let max = bufs.len().min(p.slots as usize).min(proto::MAX_EVICT);
     let (moved, retry) = {
-        let mut engine = p.engine.lock();
+        let mut engine = p.engine_applied(shared);
         let outcome = batch.move_out(&mut engine, &p.real(), max);
         shared.sync_resident(p, &engine);
         outcome

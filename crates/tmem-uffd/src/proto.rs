@@ -57,8 +57,8 @@ pub struct Hello {
     pub slots: u32,
     /// The agent thread's own stack, which must never be registered.
     pub stack: (u64, u64),
-    /// The agent thread's id: its faults are served at once (it only ever
-    /// touches a victim page, while the evictor waits on it).
+    /// The agent thread's id: its faults are served at once, without the
+    /// engine (it touches no registered memory while it moves pages).
     pub tid: u32,
 }
 

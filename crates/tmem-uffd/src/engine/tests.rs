@@ -2,7 +2,8 @@
 //! area that act as the kernel's ioctls do, random program operations
 //! interleaved with the phases of eviction batches, and the oracle: every
 //! read returns the last value written, or zero after `munmap`, `madvise`
-//! or never writing.
+//! or never writing. Mappings a scan has not registered yet take writes
+//! without faults and send no events, as the kernel's do.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap};
@@ -21,11 +22,13 @@ fn page_of(v: u64) -> [u8; PAGE] {
     p
 }
 
-/// The kernel side: mapped page numbers, present pages (their value), the
-/// staging slots, and an injected "memory map is changing" state.
+/// The kernel side: mapped page numbers, those registered with the
+/// userfaultfd, present pages (their value), the staging slots, and an
+/// injected "memory map is changing" state.
 #[derive(Default)]
 struct Sim {
     mapped: RefCell<BTreeSet<Pn>>,
+    registered: RefCell<BTreeSet<Pn>>,
     ptes: RefCell<HashMap<Pn, u64>>,
     staging: RefCell<HashMap<u32, u64>>,
     changing: Cell<bool>,
@@ -62,7 +65,7 @@ impl Mem for Sim {
         if self.fill_changing() {
             return Outcome::Retry;
         }
-        if !self.mapped.borrow().contains(&pn) || self.ptes.borrow().contains_key(&pn) {
+        if !self.registered.borrow().contains(&pn) || self.ptes.borrow().contains_key(&pn) {
             return Outcome::Gone;
         }
         self.ptes.borrow_mut().insert(pn, value(page));
@@ -81,7 +84,7 @@ impl Mem for Sim {
         if self.fill_changing() {
             return Outcome::Retry;
         }
-        if !self.mapped.borrow().contains(&pn) || self.ptes.borrow().contains_key(&pn) {
+        if !self.registered.borrow().contains(&pn) || self.ptes.borrow().contains_key(&pn) {
             return Outcome::Gone;
         }
         let Some(v) = self.staging.borrow_mut().remove(&slot) else { return Outcome::Gone };
@@ -158,7 +161,12 @@ enum Op {
     ScanRead(Pn, u64),
     /// ...and adopts them, maybe after other ops ran meanwhile.
     ScanAdopt,
+    /// A mapping registered at once.
     Map(Pn, u64),
+    /// A mapping no scan has registered yet, where the holes are: its
+    /// pages are written without faults, and dropping or moving them sends
+    /// no event. A scan whose range covers it registers it.
+    MapUnseen(Pn, u64),
     Remap(Pn, Pn, u64),
     /// The memory map starts changing (ioctls answer EAGAIN) until the next op.
     Changing,
@@ -194,6 +202,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..SPACE, 1..24u64).prop_map(|(p, n)| Op::ScanRead(p, n)),
         2 => Just(Op::ScanAdopt),
         1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::Map(p, n)),
+        1 => (0..SPACE, 1..6u64).prop_map(|(p, n)| Op::MapUnseen(p, n)),
         1 => (0..SPACE, 0..SPACE, 1..6u64).prop_map(|(a, b, n)| Op::Remap(a, b, n)),
         1 => Just(Op::Changing),
         1 => Just(Op::ForkFill(None)),
@@ -232,6 +241,7 @@ impl World {
     fn new() -> Self {
         let sim = Sim::default();
         sim.mapped.borrow_mut().extend(0..SPACE);
+        sim.registered.borrow_mut().extend(0..SPACE);
         Self {
             sim,
             store: Store::default(),
@@ -288,6 +298,42 @@ impl World {
 
     fn mapped(&self, pn: Pn) -> bool {
         self.sim.mapped.borrow().contains(&pn)
+    }
+
+    fn registered(&self, pn: Pn) -> bool {
+        self.sim.registered.borrow().contains(&pn)
+    }
+
+    /// The runs of registered pages in `[start, end)`: the parts of a
+    /// change to the map that the engine hears of.
+    fn registered_runs(&self, start: Pn, end: Pn) -> Vec<(Pn, Pn)> {
+        let mut runs: Vec<(Pn, Pn)> = Vec::new();
+        for pn in (start..end).filter(|&pn| self.registered(pn)) {
+            match runs.last_mut() {
+                Some((_, e)) if *e == pn => *e += 1,
+                _ => runs.push((pn, pn + 1)),
+            }
+        }
+        runs
+    }
+
+    /// `[start, end)` leaves the map: the engine forgets its registered
+    /// runs now, or at the next [`Op::Events`] when `late`.
+    fn unmap(&mut self, start: Pn, end: Pn, late: bool) {
+        for (s, e) in self.registered_runs(start, end) {
+            if late {
+                self.late.push((s, e));
+            } else {
+                self.engine.forget(&self.store, s, e);
+            }
+        }
+        self.zap(start, end - start);
+        for pn in start..end {
+            self.truth.remove(&pn);
+            self.outside.remove(&pn);
+            self.sim.mapped.borrow_mut().remove(&pn);
+            self.sim.registered.borrow_mut().remove(&pn);
+        }
     }
 
     fn zap(&self, start: Pn, n: u64) {
@@ -358,13 +404,24 @@ impl World {
         }
         match op {
             Op::Write(pn, v) if self.mapped(pn) && !self.zapping(pn) => {
-                self.touch(pn);
+                if self.registered(pn) {
+                    self.touch(pn);
+                } else if !self.sim.ptes.borrow().contains_key(&pn) {
+                    // The kernel gives the page; no fault comes.
+                    self.outside.insert(pn);
+                }
                 self.sim.ptes.borrow_mut().insert(pn, v);
                 self.truth.insert(pn, v);
             }
             Op::Read(pn) if self.mapped(pn) && !self.zapping(pn) => {
-                self.touch(pn);
-                self.check_mapped(pn);
+                if self.registered(pn) {
+                    self.touch(pn);
+                    self.check_mapped(pn);
+                } else {
+                    // The kernel's zero page where none is present.
+                    let got = self.sim.ptes.borrow().get(&pn).copied().unwrap_or(0);
+                    assert_eq!(got, self.truth.get(&pn).copied().unwrap_or(0), "unregistered page {pn}");
+                }
             }
             Op::EvictStart(n) if self.batch.is_none() => {
                 let mut b = Batch::default();
@@ -409,34 +466,44 @@ impl World {
             }
             Op::Remove(start, n) => {
                 let end = (start + n).min(SPACE);
-                self.engine.forget(&self.store, start, end);
+                for (s, e) in self.registered_runs(start, end) {
+                    self.engine.forget(&self.store, s, e);
+                }
                 self.zap(start, end - start);
                 for pn in start..end {
                     self.truth.remove(&pn);
+                    self.outside.remove(&pn);
                 }
             }
-            Op::Unmap(start, n) => {
-                let end = (start + n).min(SPACE);
-                self.engine.forget(&self.store, start, end);
-                self.zap(start, end - start);
-                for pn in start..end {
-                    self.truth.remove(&pn);
-                    self.sim.mapped.borrow_mut().remove(&pn);
-                }
-            }
+            Op::Unmap(start, n) => self.unmap(start, (start + n).min(SPACE), false),
             Op::RemoveLate(start, n) => {
                 let end = (start + n).min(SPACE);
-                self.engine.forget_removed(&self.store, start, end, self.now);
+                // Where no event is sent, nothing lets the map lock go
+                // between the `madvise`'s start and its zap, so no scan
+                // registers the range in between.
+                for pn in start..end {
+                    if !self.registered(pn) {
+                        self.zap(pn, 1);
+                        self.outside.remove(&pn);
+                    }
+                }
+                for (s, e) in self.registered_runs(start, end) {
+                    self.engine.forget_removed(&self.store, s, e, self.now);
+                    self.zaps.push((s, e, self.now));
+                }
                 for pn in start..end {
                     self.truth.remove(&pn);
                 }
-                self.zaps.push((start, end, self.now));
             }
             Op::Zap => self.zap_now(),
             Op::ScanRead(start, n) if self.scan.is_none() => {
                 let end = (start + n).min(SPACE);
+                let epoch = self.engine.map_epoch();
+                // The scan registers what it finds mapped, then reads `pagemap`.
+                let mapped: Vec<Pn> = (start..end).filter(|&pn| self.mapped(pn)).collect();
+                self.sim.registered.borrow_mut().extend(mapped);
                 let ptes = self.sim.ptes.borrow();
-                self.scan = Some((self.engine.map_epoch(), (start..end).filter(|pn| ptes.contains_key(pn)).collect()));
+                self.scan = Some((epoch, (start..end).filter(|pn| ptes.contains_key(pn)).collect()));
             }
             Op::ScanAdopt => {
                 if let Some((epoch, found)) = self.scan.take() {
@@ -454,25 +521,28 @@ impl World {
                     for pn in found {
                         // A page dropped since the read comes in as resident
                         // while it is not there, as `DropUnseen`'s.
-                        if self.engine.adopt_since(epoch, pn) && !ptes.contains_key(&pn) {
-                            self.unseen += 1;
+                        if self.engine.adopt_since(epoch, pn) {
+                            self.outside.remove(&pn);
+                            if !ptes.contains_key(&pn) {
+                                self.unseen += 1;
+                            }
                         }
                     }
                 }
             }
-            Op::UnmapLate(start, n) => {
-                let end = (start + n).min(SPACE);
-                self.zap(start, end - start);
-                for pn in start..end {
-                    self.truth.remove(&pn);
-                    self.sim.mapped.borrow_mut().remove(&pn);
-                }
-                self.late.push((start, end));
-            }
+            Op::UnmapLate(start, n) => self.unmap(start, (start + n).min(SPACE), true),
             Op::Map(start, n) => {
                 let end = (start + n).min(SPACE);
                 for pn in start..end {
                     self.sim.mapped.borrow_mut().insert(pn);
+                    self.sim.registered.borrow_mut().insert(pn);
+                }
+            }
+            Op::MapUnseen(start, n) => {
+                for pn in start..(start + n).min(SPACE) {
+                    if !self.mapped(pn) {
+                        self.sim.mapped.borrow_mut().insert(pn);
+                    }
                 }
             }
             Op::Remap(from, to, n) => {
@@ -481,30 +551,58 @@ impl World {
                 if n == 0 || overlap || !(from..from + n).all(|p| self.mapped(p)) {
                     return;
                 }
-                let ptes: Vec<(Pn, Option<u64>, Option<u64>)> = (from..from + n)
-                    .map(|p| (p, self.sim.ptes.borrow_mut().remove(&p), self.truth.remove(&p)))
+                // One mapping moves, registered or not as a whole.
+                let registered = self.registered(from);
+                if (from..from + n).any(|p| self.registered(p) != registered) {
+                    return;
+                }
+                let ptes: Vec<(Pn, Option<u64>, Option<u64>, bool)> = (from..from + n)
+                    .map(|p| {
+                        let pte = self.sim.ptes.borrow_mut().remove(&p);
+                        self.sim.mapped.borrow_mut().remove(&p);
+                        self.sim.registered.borrow_mut().remove(&p);
+                        (p, pte, self.truth.remove(&p), self.outside.remove(&p))
+                    })
                     .collect();
+                // What was at the destination is unmapped: an event for its
+                // registered part, within the move's own when it is registered.
+                if !registered {
+                    for (s, e) in self.registered_runs(to, to + n) {
+                        self.engine.forget(&self.store, s, e);
+                    }
+                }
                 self.zap(to, n);
                 for p in to..to + n {
                     self.truth.remove(&p);
+                    self.outside.remove(&p);
+                    self.sim.registered.borrow_mut().remove(&p);
                 }
-                for (p, pte, t) in ptes {
+                for (p, pte, t, outside) in ptes {
                     let new = p - from + to;
-                    self.sim.mapped.borrow_mut().remove(&p);
                     self.sim.mapped.borrow_mut().insert(new);
+                    if registered {
+                        self.sim.registered.borrow_mut().insert(new);
+                    }
                     if let Some(v) = pte {
                         self.sim.ptes.borrow_mut().insert(new, v);
                     }
                     if let Some(v) = t {
                         self.truth.insert(new, v);
                     }
+                    if outside {
+                        self.outside.insert(new);
+                    }
                 }
-                self.engine.remap(&self.store, from, to, n);
+                if registered {
+                    self.engine.remap(&self.store, from, to, n);
+                }
             }
             Op::DropUnseen(pn) if self.sim.ptes.borrow().contains_key(&pn) => {
                 self.sim.ptes.borrow_mut().remove(&pn);
                 self.truth.remove(&pn);
-                self.unseen += 1;
+                if !self.outside.remove(&pn) {
+                    self.unseen += 1;
+                }
             }
             Op::AheadRead(pn) if self.ahead.is_none() => {
                 let mut buf = Box::new([0u8; PAGE]);
@@ -873,4 +971,31 @@ fn a_scan_older_than_every_kept_unmap_adopts_nothing() {
     }
     assert!(!e.adopt_since(epoch, 5), "the unmaps since the scan began are no longer all known");
     assert!(e.adopt_since(e.map_epoch() - 1, 5));
+}
+
+#[test]
+fn a_page_written_in_a_mapping_no_scan_registered_yet_is_left_to_the_next_scan() {
+    let mut w = World::new();
+    w.apply(Op::Write(30, 1));
+    // A scan reads 30 present; meanwhile the program unmaps its range, maps
+    // a new one there and writes it without a fault.
+    w.apply(Op::ScanRead(28, 4));
+    w.apply(Op::Unmap(28, 4));
+    w.apply(Op::MapUnseen(28, 4));
+    w.apply(Op::Write(30, 2));
+    w.apply(Op::ScanAdopt);
+    assert_eq!(w.engine.plan(30), FaultPlan::Zero, "adopted from a range unmapped during the scan");
+    assert_eq!(w.engine.stats().adopt_unmapped, 1);
+    for _ in 0..2 {
+        for op in [Op::EvictStart(4), Op::EvictRead, Op::EvictCommit { refuse: false }] {
+            w.apply(op);
+        }
+    }
+    assert_eq!(w.engine.stored(), 0, "a page of a range that faults nothing was evicted");
+    w.apply(Op::Read(30));
+    // The next scan registers the new mapping and adopts the page.
+    w.apply(Op::ScanRead(28, 4));
+    w.apply(Op::ScanAdopt);
+    assert_eq!(w.engine.plan(30), FaultPlan::Present);
+    w.check_all();
 }
