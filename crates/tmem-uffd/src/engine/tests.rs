@@ -34,11 +34,17 @@ struct Sim {
     changing: Cell<bool>,
     /// Fills that succeed before the map starts changing (`None`: no limit).
     fills_left: Cell<Option<u32>>,
+    /// Unmaps the kernel has prepared and not yet had read: every fill and
+    /// move fails with EAGAIN meanwhile (`mmap_changing`).
+    unread_unmaps: Cell<usize>,
 }
 
 impl Sim {
     /// Whether the next fill finds the map changing, counting it.
     fn fill_changing(&self) -> bool {
+        if self.unread_unmaps.get() > 0 {
+            return true;
+        }
         match self.fills_left.get() {
             Some(0) => return true,
             Some(k) => self.fills_left.set(Some(k - 1)),
@@ -48,7 +54,7 @@ impl Sim {
     }
 
     fn move_one(&self, pn: Pn, slot: u32) -> Outcome {
-        if self.changing.get() {
+        if self.changing.get() || self.unread_unmaps.get() > 0 {
             return Outcome::Retry;
         }
         if self.staging.borrow().contains_key(&slot) {
@@ -150,7 +156,8 @@ enum Op {
     /// [`Op::Events`] (or any op that changes the map, as the kernel's
     /// event must be read before the `munmap` returns).
     UnmapLate(Pn, u64),
-    /// The events read so far are applied.
+    /// The events read so far are applied, and the unmaps of moves'
+    /// sources that the kernel sends after each move.
     Events,
     /// `madvise(MADV_DONTNEED)` as the kernel runs it: its event is read
     /// and applied first, and the pages are zapped later, at [`Op::Zap`].
@@ -226,6 +233,11 @@ struct World {
     ahead: Option<(Pn, Ahead, Box<[u8; PAGE]>)>,
     /// Unmaps the engine has not applied yet ([`Op::UnmapLate`]).
     late: Vec<(Pn, Pn)>,
+    /// The unmaps of moves' sources, still to come ([`Op::Events`]): the
+    /// kernel unmaps the source before the move's event, and sends this
+    /// after it, so other changes to the map may come between; no fill or
+    /// move succeeds until it is read ([`Sim::unread_unmaps`]).
+    trailing: Vec<(Pn, Pn)>,
     /// Removes applied whose pages are not zapped yet ([`Op::RemoveLate`]),
     /// with when each was applied.
     zaps: Vec<(Pn, Pn, std::time::Instant)>,
@@ -251,6 +263,7 @@ impl World {
             unseen: 0,
             ahead: None,
             late: Vec::new(),
+            trailing: Vec::new(),
             zaps: Vec::new(),
             scan: None,
             outside: BTreeSet::new(),
@@ -269,6 +282,7 @@ impl World {
         let mut served = self.engine.serve(&self.sim, &self.store, pn, &mut buf);
         if served == Served::Retry {
             self.sim.changing.set(false);
+            self.flush_trailing();
             plan = self.engine.plan(pn);
             served = self.engine.serve(&self.sim, &self.store, pn, &mut buf);
         }
@@ -350,6 +364,25 @@ impl World {
         }
     }
 
+    /// The unmaps of moves' sources still to come are read and applied.
+    fn flush_trailing(&mut self) {
+        for (start, end) in std::mem::take(&mut self.trailing) {
+            self.trailing_unmap(start, end);
+        }
+        self.sim.unread_unmaps.set(0);
+    }
+
+    /// The unmap of a move's source comes. A mapping made there since keeps
+    /// its present pages, which the engine may no longer count.
+    fn trailing_unmap(&mut self, start: Pn, end: Pn) {
+        self.engine.forget(&self.store, start, end);
+        for pn in start..end {
+            if self.sim.ptes.borrow().contains_key(&pn) && self.engine.plan(pn) == FaultPlan::Zero {
+                self.outside.insert(pn);
+            }
+        }
+    }
+
     /// `pn` was put in memory outside the engine (before a scan registered
     /// its range): the engine's count is short of it until it is adopted.
     fn unseen_present(&mut self, pn: Pn) {
@@ -402,6 +435,17 @@ impl World {
         ) {
             self.events();
         }
+        // The unmap of a move's source comes before the program's own drop
+        // of that place (it is queued as soon as the move's event is read).
+        if let Op::Unmap(start, n) | Op::UnmapLate(start, n) | Op::Remove(start, n) | Op::RemoveLate(start, n) = op {
+            let end = (start + n).min(SPACE);
+            let (due, kept) = std::mem::take(&mut self.trailing).into_iter().partition(|&(s, e)| s < end && start < e);
+            self.trailing = kept;
+            for (s, e) in due {
+                self.trailing_unmap(s, e);
+            }
+            self.sim.unread_unmaps.set(self.trailing.len());
+        }
         match op {
             Op::Write(pn, v) if self.mapped(pn) && !self.zapping(pn) => {
                 if self.registered(pn) {
@@ -446,6 +490,7 @@ impl World {
                             assert!(self.engine.stored_slot(slot, key));
                         } else {
                             self.sim.changing.set(false);
+                            self.flush_trailing();
                             let outcome = self.engine.refused_slot(&self.sim, slot);
                             // Gone: unmapped, its event still pending.
                             assert!(
@@ -496,6 +541,7 @@ impl World {
                 }
             }
             Op::Zap => self.zap_now(),
+            Op::Events => self.flush_trailing(),
             Op::ScanRead(start, n) if self.scan.is_none() => {
                 let end = (start + n).min(SPACE);
                 let epoch = self.engine.map_epoch();
@@ -595,6 +641,8 @@ impl World {
                 }
                 if registered {
                     self.engine.remap(&self.store, from, to, n);
+                    self.trailing.push((from, from + n));
+                    self.sim.unread_unmaps.set(self.trailing.len());
                 }
             }
             Op::DropUnseen(pn) if self.sim.ptes.borrow().contains_key(&pn) => {
@@ -638,6 +686,7 @@ impl World {
                             // and are applied; it passes again.
                             self.sim.fills_left.set(None);
                             self.sim.changing.set(false);
+                            self.flush_trailing();
                             if let Some((_, from, to, n)) = change.take() {
                                 self.apply(Op::Remap(from, to, n));
                             }
@@ -681,7 +730,7 @@ impl World {
     }
 
     fn check_all(&mut self) {
-        self.events();
+        self.apply(Op::Events);
         self.zap_now();
         self.sim.changing.set(false);
         let mapped: Vec<Pn> = self.sim.mapped.borrow().iter().copied().collect();
@@ -997,5 +1046,53 @@ fn a_page_written_in_a_mapping_no_scan_registered_yet_is_left_to_the_next_scan()
     w.apply(Op::ScanRead(28, 4));
     w.apply(Op::ScanAdopt);
     assert_eq!(w.engine.plan(30), FaultPlan::Present);
+    w.check_all();
+}
+
+#[test]
+fn the_unmap_a_move_sends_for_its_source_spares_what_moved_there_since() {
+    let mut w = World::new();
+    for pn in (0..4).chain(30..34) {
+        w.apply(Op::Write(pn, pn + 1));
+    }
+    // Two passes of the hand: the first clears the bits the writes set.
+    for _ in 0..2 {
+        for op in [Op::EvictStart(8), Op::EvictRead, Op::EvictCommit { refuse: false }] {
+            w.apply(op);
+        }
+    }
+    assert_eq!(w.engine.stored(), 8);
+    // One thread moves 0..4 away; another moves 30..34 into the place it
+    // left; then the kernel's unmap of the first move's source comes.
+    w.apply(Op::Remap(0, 20, 4));
+    w.apply(Op::Remap(30, 0, 4));
+    w.apply(Op::Events);
+    assert_eq!(w.engine.stats().unmap_after_move, 2);
+    assert_eq!(w.engine.stored(), 8, "the unmap of a move's source dropped the pages moved there since");
+    w.check_all();
+}
+
+#[test]
+fn a_source_left_mapped_by_a_move_drops_what_the_program_put_there_at_its_unmap() {
+    let mut w = World::new();
+    w.apply(Op::Write(2, 3));
+    // MREMAP_DONTUNMAP: the source stays mapped and no unmap follows the
+    // move; the program writes there, and that page goes to the store.
+    w.apply(Op::Remap(0, 20, 4));
+    w.trailing.clear();
+    w.sim.unread_unmaps.set(0);
+    w.apply(Op::Map(0, 4));
+    w.apply(Op::Write(1, 5));
+    for _ in 0..2 {
+        for op in [Op::EvictStart(8), Op::EvictRead, Op::EvictCommit { refuse: false }] {
+            w.apply(op);
+        }
+    }
+    assert!(matches!(w.engine.plan(1), FaultPlan::FromStore(_)));
+    // Its unmap, taken for the move's, drops that page all the same.
+    w.apply(Op::Unmap(0, 4));
+    assert_eq!(w.engine.stats().unmap_after_move, 1);
+    assert_eq!(w.engine.plan(1), FaultPlan::Zero);
+    w.apply(Op::Map(0, 4));
     w.check_all();
 }

@@ -36,8 +36,18 @@ struct region {
 	uint64_t *model; /* per page: 0 = zeros, else the value it was filled with */
 };
 
+/* The thread's last operations, printed on a mismatch: those that touched
+ * the page's address. */
+#define LOG 8192
+struct logent {
+	char op;
+	uint64_t a, alen, b, blen, v;
+};
+
 struct worker {
 	int id;
+	unsigned long nlog;
+	struct logent log[LOG];
 	uint64_t rng;
 	size_t max_pages;
 	long ops;
@@ -69,10 +79,30 @@ static void fill(uint64_t *page, uint64_t v)
 		page[i] = word(v, i);
 }
 
+static void note(struct worker *w, char op, const void *a, size_t alen, const void *b, size_t blen, uint64_t v)
+{
+	struct logent *e = &w->log[w->nlog++ % LOG];
+	e->op = op;
+	e->a = (uint64_t)a;
+	e->alen = alen;
+	e->b = (uint64_t)b;
+	e->blen = blen;
+	e->v = v;
+}
+
 static void fail(struct worker *w, int r, size_t p, uint64_t want, uint64_t got, size_t i, const char *where)
 {
-	fprintf(stderr, "MISMATCH (%s) thread %d region %d page %zu word %zu: want %#lx got %#lx\n", where, w->id, r,
-		p, i, (unsigned long)want, (unsigned long)got);
+	fprintf(stderr, "MISMATCH (%s) thread %d region %d page %zu (at %p) word %zu: want %#lx got %#lx\n", where,
+		w->id, r, p, (void *)(w->r[r].mem + p * WORDS), i, (unsigned long)want, (unsigned long)got);
+	uint64_t at = (uint64_t)(w->r[r].mem + p * WORDS);
+	unsigned long from = w->nlog > LOG ? w->nlog - LOG : 0;
+	for (unsigned long k = from; k < w->nlog; k++) {
+		struct logent *e = &w->log[k % LOG];
+		if ((at >= e->a && at < e->a + e->alen) || (at >= e->b && at < e->b + e->blen))
+			fprintf(stderr, "  op %lu/%lu %c %#lx+%#lx %#lx+%#lx v %#lx\n", k, w->nlog, e->op,
+				(unsigned long)e->a, (unsigned long)e->alen, (unsigned long)e->b, (unsigned long)e->blen,
+				(unsigned long)e->v);
+	}
 	fflush(stderr);
 	_exit(1);
 }
@@ -107,6 +137,7 @@ static void map_region(struct worker *w, int r)
 	w->r[r].mem = m;
 	w->r[r].pages = pages;
 	w->r[r].model = calloc(pages, sizeof(uint64_t));
+	note(w, 'm', m, pages * PAGE, 0, 0, r);
 }
 
 static void op(struct worker *w)
@@ -120,6 +151,7 @@ static void op(struct worker *w)
 		uint64_t v = next(&w->rng) | 2;
 		fill(g->mem + p * WORDS, v);
 		g->model[p] = v;
+		note(w, 'w', g->mem + p * WORDS, PAGE, 0, 0, v);
 	} else if (dice < 900) {
 		check_page(w, r, p, "read");
 	} else if (dice < 940) {
@@ -132,9 +164,11 @@ static void op(struct worker *w)
 			_exit(2);
 		}
 		memset(g->model + p, 0, n * sizeof(uint64_t));
+		note(w, 'd', g->mem + p * WORDS, n * PAGE, 0, 0, 0);
 	} else if (dice < 960) {
 		/* munmap the region, map a fresh one */
 		munmap(g->mem, g->pages * PAGE);
+		note(w, 'u', g->mem, g->pages * PAGE, 0, 0, 0);
 		free(g->model);
 		map_region(w, r);
 	} else if (dice < 975) {
@@ -142,6 +176,7 @@ static void op(struct worker *w)
 		size_t keep = 1 + p;
 		if (keep < g->pages) {
 			munmap(g->mem + keep * WORDS, (g->pages - keep) * PAGE);
+			note(w, 't', g->mem + keep * WORDS, (g->pages - keep) * PAGE, 0, 0, 0);
 			g->pages = keep;
 		}
 	} else if (dice < 999) {
@@ -166,6 +201,7 @@ static void op(struct worker *w)
 			}
 			_exit(2);
 		}
+		note(w, 'r', g->mem, g->pages * PAGE, m, pages * PAGE, 0);
 		uint64_t *model = calloc(pages, sizeof(uint64_t));
 		memcpy(model, g->model, (pages < g->pages ? pages : g->pages) * sizeof(uint64_t));
 		free(g->model);
@@ -179,6 +215,7 @@ static void op(struct worker *w)
 			perror("fork");
 			_exit(2);
 		}
+		note(w, 'f', 0, 0, 0, 0, 0);
 		if (child == 0) {
 			check_all(w, "fork child");
 			_exit(0);
