@@ -31,7 +31,7 @@ tmem_counters::counters! {
         adopt_doomed: Counter(Pages),
         /// Present pages a scan found in a range the program unmapped or moved after the scan began (a new mapping there may not be registered yet): not adopted.
         adopt_unmapped: Counter(Pages),
-        /// Unmaps of an mremap's source, which the kernel sends after the move: they dropped nothing, as the move had taken the source's pages and another mapping may hold the place since.
+        /// Unmaps of an mremap's source, which the kernel sends after the move: they kept the pages that later moves took to that place, and dropped the rest.
         unmap_after_move: Counter(Events),
     }
 }

@@ -3,7 +3,8 @@
  * against a model, and fork children that check their copies.
  *
  * usage: stress SEED TOTAL_MIB OPS_PER_THREAD
- * Prints "ok CHECKS" and exits 0, or names the first wrong page and exits 1.
+ * Prints "ok CHECKS" and exits 0, or names the first wrong page, with the
+ * thread's last operations at its address, and exits 1.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
