@@ -25,11 +25,13 @@
 use std::collections::VecDeque;
 
 mod pages;
+mod recent;
 
 use crate::readahead::ReadAhead;
 pub use crate::stats::EngineStats;
 use crate::sys::{Outcome, PAGE};
 use pages::Pages;
+use recent::Recent;
 
 /// A page number: an address divided by the page size.
 pub type Pn = u64;
@@ -138,13 +140,18 @@ const MAX_DOOMED: usize = 1024;
 /// oldest kept adopts nothing.
 const MAX_UNMAPPED: usize = 1024;
 
+/// Most moves' sources kept waiting for their unmap. A move counts two
+/// ranges in [`Engine::map_epoch`], so at most half this many are ever
+/// within [`TRAILING_WITHIN`]; `remap` drops the older ones.
+const MAX_MOVED_FROM: usize = 256;
+
 /// How many ranges may be dropped or moved away ([`Engine::map_epoch`])
 /// between an `mremap`'s move and the unmap of its source that the kernel
 /// sends after it, for that unmap to be taken as the move's
 /// ([`Engine::forget`]). The kernel queues it as soon as the move's event
 /// is read; in the stress job (8 threads) it came at most 5 events later,
 /// 982 times of 982.
-const TRAILING_WITHIN: u64 = 256;
+const TRAILING_WITHIN: u64 = MAX_MOVED_FROM as u64;
 
 /// The source of a move (`remap`) whose unmap is still to come.
 #[derive(Clone, Debug)]
@@ -189,13 +196,14 @@ pub struct Engine {
     /// it: evicted before its zap, it would come back with its old data
     /// where the program now reads zeros ([`Engine::settle_doomed`]).
     /// Oldest first.
-    doomed: Vec<Doomed>,
+    doomed: Recent<Doomed>,
     /// The ranges dropped or moved away (`forget`, `remap`'s source), each
     /// numbered from 1, oldest first: a scan adopts
     /// no page in one dropped after it began ([`Engine::adopt_since`]).
-    unmapped: VecDeque<(u64, Pn, Pn)>,
-    /// Sources of moves (`remap`) whose unmap is still to come, oldest first.
-    moved_from: VecDeque<MovedFrom>,
+    unmapped: Recent<(u64, Pn, Pn)>,
+    /// Sources of moves (`remap`) whose unmap is still to come, oldest
+    /// first, none older than [`TRAILING_WITHIN`].
+    moved_from: Recent<MovedFrom>,
     stats: EngineStats,
 }
 
@@ -214,9 +222,9 @@ impl Engine {
             next_key: 0,
             pauses: 0,
             ahead: ReadAhead::new(read_ahead),
-            doomed: Vec::new(),
-            unmapped: VecDeque::new(),
-            moved_from: VecDeque::new(),
+            doomed: Recent::new(MAX_DOOMED),
+            unmapped: Recent::new(MAX_UNMAPPED),
+            moved_from: Recent::new(MAX_MOVED_FROM),
             stats: EngineStats::default(),
         }
     }
@@ -413,7 +421,7 @@ impl Engine {
     /// before it reads the maps, for [`Engine::adopt_since`].
     #[must_use]
     pub fn map_epoch(&self) -> u64 {
-        self.unmapped.back().map_or(0, |&(n, ..)| n)
+        self.unmapped.newest().map_or(0, |&(n, ..)| n)
     }
 
     /// As [`Engine::adopt`], for a page that a scan which began at `epoch`
@@ -429,7 +437,7 @@ impl Engine {
     /// later mapping there would fault the stored page back where it
     /// expects zeros. A page left out stays present and unmanaged.
     pub fn adopt_since(&mut self, epoch: u64, pn: Pn) -> bool {
-        let forgotten = self.unmapped.front().is_some_and(|&(n, ..)| n > epoch + 1);
+        let forgotten = self.unmapped.oldest().is_some_and(|&(n, ..)| n > epoch + 1);
         if forgotten
             || self.unmapped.iter().rev().take_while(|&&(n, ..)| n > epoch).any(|&(_, s, e)| (s..e).contains(&pn))
         {
@@ -442,10 +450,7 @@ impl Engine {
     /// Counts `[start, end)` as dropped or moved away, for [`Engine::adopt_since`].
     fn unmapped(&mut self, start: Pn, end: Pn) {
         let n = self.map_epoch() + 1;
-        if self.unmapped.len() == MAX_UNMAPPED {
-            self.unmapped.pop_front();
-        }
-        self.unmapped.push_back((n, start, end));
+        self.unmapped.push((n, start, end));
     }
 
     /// Drops every page in `[start, end)`: the program unmapped it (or an
@@ -467,8 +472,8 @@ impl Engine {
     /// is taken for it: what the program put there since is dropped then.
     pub fn forget(&mut self, backing: &impl Backing, start: Pn, end: Pn) {
         let epoch = self.map_epoch();
-        self.moved_from.retain(|m| epoch - m.epoch <= TRAILING_WITHIN);
-        let trailing = self.moved_from.iter().position(|m| (m.start, m.end) == (start, end));
+        let trailing =
+            self.moved_from.iter().position(|m| (m.start, m.end) == (start, end) && epoch - m.epoch <= TRAILING_WITHIN);
         self.unmapped(start, end);
         let Some(i) = trailing else {
             self.drop_pages(backing, start, end);
@@ -517,9 +522,6 @@ impl Engine {
     /// kernel's zap done, no page there is adopted.
     pub fn forget_removed(&mut self, backing: &impl Backing, start: Pn, end: Pn, now: std::time::Instant) {
         self.drop_pages(backing, start, end);
-        if self.doomed.len() == MAX_DOOMED {
-            self.doomed.remove(0);
-        }
         self.doomed.push(Doomed { start, end, since: now });
     }
 
@@ -530,20 +532,18 @@ impl Engine {
         if self.doomed.is_empty() {
             return;
         }
-        let mut kept = Vec::with_capacity(self.doomed.len() + 1);
-        for &d in &self.doomed {
+        for d in self.doomed.take() {
             if d.end <= start || end <= d.start {
-                kept.push(d);
+                self.doomed.push(d);
                 continue;
             }
             if d.start < start {
-                kept.push(Doomed { end: start, ..d });
+                self.doomed.push(Doomed { end: start, ..d });
             }
             if end < d.end {
-                kept.push(Doomed { start: end, ..d });
+                self.doomed.push(Doomed { start: end, ..d });
             }
         }
-        self.doomed = kept;
     }
 
     /// Ends the doomed ranges whose zap is done. `present(start, end)` lists
@@ -564,13 +564,12 @@ impl Engine {
     /// freed and not written again reads as its old data or as zeros
     /// either way).
     pub fn settle_doomed(&mut self, now: std::time::Instant, mut present: impl FnMut(Pn, Pn) -> Option<Vec<Pn>>) {
-        let mut kept = Vec::with_capacity(self.doomed.len());
         let mut never_zapped = Vec::new();
-        for d in std::mem::take(&mut self.doomed) {
+        for d in self.doomed.take() {
             let waiting = now.saturating_duration_since(d.since) < DOOMED_FOR;
             let Some(found) = present(d.start, d.end) else {
                 if waiting {
-                    kept.push(d);
+                    self.doomed.push(d);
                 }
                 continue;
             };
@@ -578,10 +577,12 @@ impl Engine {
             if !waiting {
                 never_zapped.extend(unknown);
             } else if unknown.peek().is_some() {
-                kept.push(d);
+                self.doomed.push(d);
             }
         }
-        self.doomed = kept;
+        // `adopt`, not `adopt_since`: `present` reads the pages now, under
+        // the caller's hold of the engine with every event read applied, so
+        // no range can have been dropped between the read and the adoption.
         for pn in never_zapped {
             self.adopt(pn);
         }
@@ -591,21 +592,15 @@ impl Engine {
     /// destination is gone, and the pages keep their state at their new place.
     pub fn remap(&mut self, backing: &impl Backing, from: Pn, to: Pn, n: u64) {
         self.unmapped(from, from + n);
-        for m in &mut self.moved_from {
+        let epoch = self.map_epoch();
+        self.moved_from.drop_oldest_while(|m| epoch - m.epoch > TRAILING_WITHIN);
+        for m in self.moved_from.iter_mut() {
             let (s, e) = (m.start.max(to), m.end.min(to + n));
             if s < e {
                 m.moved_in.push((s, e));
             }
         }
-        if self.moved_from.len() == MAX_UNMAPPED {
-            self.moved_from.pop_front();
-        }
-        self.moved_from.push_back(MovedFrom {
-            epoch: self.map_epoch(),
-            start: from,
-            end: from + n,
-            moved_in: Vec::new(),
-        });
+        self.moved_from.push(MovedFrom { epoch: self.map_epoch(), start: from, end: from + n, moved_in: Vec::new() });
         self.undoom(from, from + n);
         let moved = self.pages.range(from, from + n);
         for (pn, _) in &moved {

@@ -1096,3 +1096,21 @@ fn a_source_left_mapped_by_a_move_drops_what_the_program_put_there_at_its_unmap(
     w.apply(Op::Map(0, 4));
     w.check_all();
 }
+
+#[test]
+fn the_unmap_of_a_source_long_after_its_move_drops_everything_there() {
+    for (others, kept) in [(0, 1), (TRAILING_WITHIN, 0)] {
+        let mut e = Engine::new(8, 0);
+        let store = Store::default();
+        assert!(e.adopt(30));
+        // 0..4 moves away, then 30..34 (one page) moves into its place.
+        e.remap(&store, 0, 20, 4);
+        e.remap(&store, 30, 0, 4);
+        for i in 0..others {
+            e.forget(&store, 1000 + i, 1001 + i);
+        }
+        e.forget(&store, 0, 4);
+        assert_eq!(e.stats().unmap_after_move, kept, "{others} unmaps between");
+        assert_eq!(e.resident(), kept, "{others} unmaps between");
+    }
+}
