@@ -414,20 +414,73 @@ pub unsafe extern "C" fn mremap(
     if base == libc::MAP_FAILED {
         return libc::MAP_FAILED;
     }
-    if let Err(moved) = move_parts(start, end, base as u64) {
+    if let Err(failed) = move_parts(start, end, base as u64) {
+        let base = base as u64;
+        let moved = failed.at;
         // A failed mremap leaves the caller's range as it was: what moved
         // goes back to the hole it left, unless something else was mapped
-        // there meanwhile (MREMAP_FIXED would replace it).
-        if moved > start && nothing_mapped(start, moved) {
-            let _ = move_parts(base as u64, base as u64 + (moved - start), start);
+        // there meanwhile (MREMAP_FIXED would replace it). `[kept, moved_to)`
+        // of the new range is what still holds the caller's pages.
+        let moved_to = base + (moved - start);
+        let (kept, back) = if moved == start {
+            (base, Ok(()))
+        } else if !nothing_mapped(start, moved) {
+            (base, Err(format!("{start:#x}-{moved:#x} was mapped again meanwhile")))
+        } else {
+            match move_parts(base, moved_to, start) {
+                Ok(()) => (moved_to, Ok(())),
+                Err(f) => (f.at, Err(f.to_string())),
+            }
+        };
+        // The parts of the range this call mapped that hold nothing of the
+        // caller's: below `kept` (moved back) and from `moved_to` on.
+        for (from, to) in [(base, kept), (moved_to, base + new_size as u64)] {
+            if let Ok(len @ 1..) = libc::size_t::try_from(to - from) {
+                // SAFETY: a part of the range this call mapped, empty of the caller's pages.
+                unsafe { libc::munmap(from as *mut c_void, len) };
+            }
         }
-        // SAFETY: the range this call mapped; nothing of the caller's is left in it.
-        unsafe { libc::munmap(base, new_size) };
+        let back = match back {
+            Ok(()) => "the range is as it was".to_owned(),
+            Err(why) => format!(
+                "it could not be put back ({why}): the pages of {:#x}-{moved:#x} are at {kept:#x}-{moved_to:#x}",
+                start + (kept - base)
+            ),
+        };
+        let msg = format!(
+            "tmem run: mremap of {start:#x}-{end:#x} to {new_size} bytes, moved in parts as the helper's registration split it: {failed}; {back}\n"
+        );
+        // SAFETY: write(2) of a valid buffer to stderr.
+        unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
         // SAFETY: errno is this thread's; the failure is reported as mremap's own.
         unsafe { *libc::__errno_location() = libc::ENOMEM };
         return libc::MAP_FAILED;
     }
     base
+}
+
+/// Why [`move_parts`] stopped.
+#[derive(Debug)]
+struct MoveFailed {
+    /// `[start, at)` has moved.
+    at: u64,
+    /// The part it could not move (or, for a hole, the range that has one).
+    part: (u64, u64),
+    /// The move's errno; 0 where the maps showed a hole or could not be read.
+    errno: i32,
+    /// How often it read the maps.
+    reads: u32,
+}
+
+impl std::fmt::Display for MoveFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (s, e) = self.part;
+        match self.errno {
+            0 => write!(f, "{s:#x}-{e:#x} has a hole or its maps could not be read")?,
+            n => write!(f, "moving {s:#x}-{e:#x} failed: {}", std::io::Error::from_raw_os_error(n))?,
+        }
+        write!(f, " ({} read(s) of the maps)", self.reads)
+    }
 }
 
 /// How often [`move_parts`] reads the maps again when a move finds the
@@ -436,22 +489,29 @@ pub unsafe extern "C" fn mremap(
 const MOVE_TRIES: u32 = 8;
 
 /// Moves each mapping over `[start, end)` to the same offset from `to`
-/// with `MREMAP_FIXED`; on failure, `Err(at)`: `[start, at)` has moved.
-fn move_parts(start: u64, end: u64, to: u64) -> Result<(), u64> {
+/// with `MREMAP_FIXED`; on failure, what has moved and why it stopped.
+fn move_parts(start: u64, end: u64, to: u64) -> Result<(), MoveFailed> {
     let mut at = start;
-    for _ in 0..MOVE_TRIES {
-        let Some(parts) = covering(at, end) else { return Err(at) };
+    let mut last = (start, end, 0);
+    for reads in 1..=MOVE_TRIES {
+        let Some(parts) = covering(at, end) else {
+            return Err(MoveFailed { at, part: (at, end), errno: 0, reads });
+        };
         for (s, e) in parts {
-            let Ok(len) = libc::size_t::try_from(e - s) else { return Err(at) };
+            let Ok(len) = libc::size_t::try_from(e - s) else {
+                return Err(MoveFailed { at, part: (s, e), errno: libc::EOVERFLOW, reads });
+            };
             let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
             // SAFETY: moves one whole part of the caller's range into the new range.
             let r = unsafe { libc::syscall(libc::SYS_mremap, s, len, len, fixed_move, to + (s - start)) };
             if r == -1 {
                 // SAFETY: reads this thread's errno.
-                if unsafe { *libc::__errno_location() } != libc::EFAULT {
-                    return Err(at);
+                let errno = unsafe { *libc::__errno_location() };
+                if errno != libc::EFAULT {
+                    return Err(MoveFailed { at, part: (s, e), errno, reads });
                 }
                 // The part spans mappings now: read them again.
+                last = (s, e, errno);
                 break;
             }
             at = e;
@@ -460,5 +520,63 @@ fn move_parts(start: u64, end: u64, to: u64) -> Result<(), u64> {
             return Ok(());
         }
     }
-    Err(at)
+    Err(MoveFailed { at, part: (last.0, last.1), errno: last.2, reads: MOVE_TRIES })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: u64 = PAGE as u64;
+
+    /// A private anonymous range of `pages` pages, page `i` filled with `i + 1`.
+    fn filled(pages: u64) -> u64 {
+        let at = map(usize::try_from(pages * P).unwrap(), 0).unwrap();
+        for i in 0..pages {
+            // SAFETY: page `i` of the range just mapped, readable and writable.
+            unsafe { std::ptr::write_bytes((at + i * P) as *mut u8, u8::try_from(i + 1).unwrap(), PAGE) };
+        }
+        at
+    }
+
+    fn byte(addr: u64) -> u8 {
+        // SAFETY: the tests read only addresses they mapped.
+        unsafe { *(addr as *const u8) }
+    }
+
+    fn unmap(at: u64, pages: u64) {
+        // SAFETY: a range a test mapped.
+        unsafe { libc::munmap(at as *mut c_void, usize::try_from(pages * P).unwrap()) };
+    }
+
+    #[test]
+    fn a_range_of_several_mappings_moves_part_by_part_with_its_pages() {
+        let src = filled(8);
+        // A read-only page in the middle: three mappings, which one
+        // `mremap` that grows the whole refuses with EFAULT.
+        // SAFETY: page 3 of the test's range.
+        assert_eq!(unsafe { libc::mprotect((src + 3 * P) as *mut c_void, PAGE, libc::PROT_READ) }, 0);
+        assert_eq!(covering(src, src + 8 * P).map(|parts| parts.len()), Some(3));
+        let dst = map(12 * PAGE, 0).unwrap();
+        move_parts(src, src + 8 * P, dst).unwrap();
+        assert!(nothing_mapped(src, src + 8 * P), "the source is left empty");
+        for i in 0..8 {
+            assert_eq!(byte(dst + i * P), u8::try_from(i + 1).unwrap(), "page {i}");
+        }
+        assert_eq!(byte(dst + 10 * P), 0, "the new tail is fresh memory");
+        unmap(dst, 12);
+    }
+
+    #[test]
+    fn a_range_with_a_hole_is_not_moved_and_says_so() {
+        let src = filled(4);
+        unmap(src + P, 1);
+        let dst = map(4 * PAGE, 0).unwrap();
+        let failed = move_parts(src, src + 4 * P, dst).unwrap_err();
+        assert_eq!((failed.at, failed.errno), (src, 0));
+        assert!(failed.to_string().contains("has a hole"), "{failed}");
+        assert_eq!(byte(src), 1, "nothing moved");
+        unmap(src, 4);
+        unmap(dst, 4);
+    }
 }
