@@ -341,6 +341,12 @@ fn covering(start: u64, end: u64) -> Option<Vec<(u64, u64)>> {
     (at == end).then_some(parts)
 }
 
+/// The first address of `[start, end)` that is mapped (`end` if none is);
+/// `None` if the maps cannot be read.
+fn first_mapped(start: u64, end: u64) -> Option<u64> {
+    mapped_in(start, end).map(|m| m.first().map_or(end, |&(s, _)| s.max(start)))
+}
+
 /// Whether nothing is mapped in `[start, end)` (false if the maps cannot
 /// be read).
 fn nothing_mapped(start: u64, end: u64) -> bool {
@@ -510,7 +516,14 @@ fn move_parts(start: u64, end: u64, to: u64) -> Result<(), MoveFailed> {
                 if errno != libc::EFAULT {
                     return Err(MoveFailed { at, part: (s, e), errno, reads });
                 }
-                // The part spans mappings now: read them again.
+                // The part spans mappings now (the helper registered some
+                // of it meanwhile): read them again. The kernel moves such
+                // a range a mapping at a time and stops with EFAULT at the
+                // first uffd-armed one after another (`remap_move`,
+                // mm/mremap.c since 6.17), so the mappings before it have
+                // moved: what of the part is no longer mapped went (the
+                // program's other threads keep off a range it moves).
+                at = first_mapped(s, e).unwrap_or(s);
                 last = (s, e, errno);
                 break;
             }
