@@ -498,7 +498,8 @@ const MOVE_TRIES: u32 = 8;
 /// with `MREMAP_FIXED`; on failure, what has moved and why it stopped.
 fn move_parts(start: u64, end: u64, to: u64) -> Result<(), MoveFailed> {
     let mut at = start;
-    let mut last = (start, end, 0);
+    // The last part that met EFAULT, for the failure after MOVE_TRIES reads.
+    let mut last = (start, end);
     for reads in 1..=MOVE_TRIES {
         let Some(parts) = covering(at, end) else {
             return Err(MoveFailed { at, part: (at, end), errno: 0, reads });
@@ -524,7 +525,7 @@ fn move_parts(start: u64, end: u64, to: u64) -> Result<(), MoveFailed> {
                 // moved: what of the part is no longer mapped went (the
                 // program's other threads keep off a range it moves).
                 at = first_mapped(s, e).unwrap_or(s);
-                last = (s, e, errno);
+                last = (s, e);
                 break;
             }
             at = e;
@@ -533,7 +534,7 @@ fn move_parts(start: u64, end: u64, to: u64) -> Result<(), MoveFailed> {
             return Ok(());
         }
     }
-    Err(MoveFailed { at, part: (last.0, last.1), errno: last.2, reads: MOVE_TRIES })
+    Err(MoveFailed { at, part: last, errno: libc::EFAULT, reads: MOVE_TRIES })
 }
 
 #[cfg(test)]
