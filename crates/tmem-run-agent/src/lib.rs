@@ -382,6 +382,12 @@ fn mapped_in(start: u64, end: u64) -> Option<Vec<(u64, u64)>> {
 /// `mremap`, which this cannot see; on that EFAULT it allocates, copies and
 /// frees, which is also correct.
 ///
+/// A pure move (`MREMAP_FIXED`, same size) over several mappings is moved by
+/// the kernel itself a mapping at a time since 6.17, up to the first
+/// uffd-armed one after the first; the fallback goes on from there. For it,
+/// this reads the maps once before the call, to tell a head the kernel moved
+/// from a range that began with a hole.
+///
 /// C declares it variadic (`new_address` only with `MREMAP_FIXED`); on the
 /// x86_64 and aarch64 Linux ABIs the fifth integer argument is passed in the
 /// same register either way, and it is only read when the flag says so.
@@ -398,6 +404,14 @@ pub unsafe extern "C" fn mremap(
 ) -> *mut c_void {
     let fixed = flags & libc::MREMAP_FIXED != 0;
     let target = if fixed { new_address } else { std::ptr::null_mut() };
+    let (start, end) = (old as u64, old as u64 + old_size as u64);
+    // A pure move (fixed, same size) of several mappings is done a mapping
+    // at a time since 6.17 (`remap_move`, mm/mremap.c), and stops with
+    // EFAULT at a uffd-armed one after the first: what moved before it stays
+    // at the target. Whether the range began with a mapping tells that head
+    // from a range that never had one.
+    let pure_move = fixed && old_size == new_size && SOCK.load(Ordering::SeqCst) >= 0;
+    let head_was_mapped = pure_move && first_mapped(start, end) == Some(start);
     // SAFETY: the arguments are the caller's, passed through to the syscall.
     let r = unsafe { libc::syscall(libc::SYS_mremap, old, old_size, new_size, flags, target) };
     if r != -1 {
@@ -409,19 +423,39 @@ pub unsafe extern "C" fn mremap(
     if errno != libc::EFAULT || !movable || SOCK.load(Ordering::SeqCst) < 0 || new_size < old_size {
         return libc::MAP_FAILED;
     }
-    let (start, end) = (old as u64, old as u64 + old_size as u64);
-    if covering(start, end).is_none() {
+    // `[start, head)` is what the kernel itself moved to the target.
+    let head = if head_was_mapped { first_mapped(start, end).unwrap_or(start) } else { start };
+    if head == start && covering(start, end).is_none() {
         return libc::MAP_FAILED;
     }
     let map_flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if fixed { libc::MAP_FIXED } else { 0 };
-    // SAFETY: a new private anonymous range for the result (at the caller's
-    // address with MREMAP_FIXED, which mremap too would have replaced).
-    let base = unsafe { libc::mmap(target, new_size, libc::PROT_READ | libc::PROT_WRITE, map_flags, -1, 0) };
-    if base == libc::MAP_FAILED {
-        return libc::MAP_FAILED;
-    }
-    if let Err(failed) = move_parts(start, end, base as u64) {
-        let base = base as u64;
+    // The result's range: the caller's target (which mremap too would have
+    // replaced) past the head the kernel moved there, or a new place.
+    let (map_at, map_len) = if fixed {
+        (target as u64 + (head - start), new_size - usize::try_from(head - start).unwrap_or(new_size))
+    } else {
+        (0, new_size)
+    };
+    let mapped = if map_len == 0 {
+        target
+    } else {
+        // SAFETY: a new private anonymous range for (the rest of) the result.
+        let at =
+            unsafe { libc::mmap(map_at as *mut c_void, map_len, libc::PROT_READ | libc::PROT_WRITE, map_flags, -1, 0) };
+        if at == libc::MAP_FAILED && head == start {
+            return libc::MAP_FAILED;
+        }
+        at
+    };
+    let base = if fixed { target as u64 } else { mapped as u64 };
+    let result = if mapped == libc::MAP_FAILED {
+        // SAFETY: reads this thread's errno.
+        let errno = unsafe { *libc::__errno_location() };
+        Err(MoveFailed { at: head, part: (head, end), errno, reads: 0 })
+    } else {
+        move_parts(head, end, base + (head - start))
+    };
+    if let Err(failed) = result {
         let moved = failed.at;
         // A failed mremap leaves the caller's range as it was: what moved
         // goes back to the hole it left, unless something else was mapped
@@ -438,11 +472,11 @@ pub unsafe extern "C" fn mremap(
                 Err(f) => (f.at, Err(f.to_string())),
             }
         };
-        // The parts of the range this call mapped that hold nothing of the
-        // caller's: below `kept` (moved back) and from `moved_to` on.
+        // The parts of the result's range that hold nothing of the caller's:
+        // below `kept` (moved back) and from `moved_to` on.
         for (from, to) in [(base, kept), (moved_to, base + new_size as u64)] {
             if let Ok(len @ 1..) = libc::size_t::try_from(to - from) {
-                // SAFETY: a part of the range this call mapped, empty of the caller's pages.
+                // SAFETY: a part of the result's range, empty of the caller's pages.
                 unsafe { libc::munmap(from as *mut c_void, len) };
             }
         }
@@ -458,11 +492,13 @@ pub unsafe extern "C" fn mremap(
         );
         // SAFETY: write(2) of a valid buffer to stderr.
         unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+        // A hole is EFAULT, as mremap itself says for one; the rest ENOMEM.
+        let errno = if failed.errno == 0 { libc::EFAULT } else { libc::ENOMEM };
         // SAFETY: errno is this thread's; the failure is reported as mremap's own.
-        unsafe { *libc::__errno_location() = libc::ENOMEM };
+        unsafe { *libc::__errno_location() = errno };
         return libc::MAP_FAILED;
     }
-    base
+    base as *mut c_void
 }
 
 /// Why [`move_parts`] stopped.
@@ -504,6 +540,8 @@ fn move_parts(start: u64, end: u64, to: u64) -> Result<(), MoveFailed> {
         let Some(parts) = covering(at, end) else {
             return Err(MoveFailed { at, part: (at, end), errno: 0, reads });
         };
+        #[cfg(test)]
+        tests::after_maps_read();
         for (s, e) in parts {
             let Ok(len) = libc::size_t::try_from(e - s) else {
                 return Err(MoveFailed { at, part: (s, e), errno: libc::EOVERFLOW, reads });
@@ -541,7 +579,77 @@ fn move_parts(start: u64, end: u64, to: u64) -> Result<(), MoveFailed> {
 mod tests {
     use super::*;
 
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    use tmem_testkit::{skip, Feature};
+
     const P: u64 = PAGE as u64;
+
+    /// The tests make holes in their ranges and move ranges over others'
+    /// places: a mapping another test made meanwhile could land in such a
+    /// hole and be moved with the range. So they take turns.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+        ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    thread_local! {
+        /// Run once by `move_parts` after its next read of the maps: a
+        /// test's way to split a mapping between that read and the moves,
+        /// as the helper's registration does.
+        static AFTER_MAPS_READ: RefCell<Option<Box<dyn FnOnce()>>> = RefCell::new(None);
+    }
+
+    pub(super) fn after_maps_read() {
+        if let Some(hook) = AFTER_MAPS_READ.with(|h| h.borrow_mut().take()) {
+            hook();
+        }
+    }
+
+    /// A userfaultfd that asked for no events, so that a test reads none:
+    /// registering a range with it arms its mapping as the helper's does.
+    /// `None` (after [`skip`]) where there is no userfaultfd.
+    fn uffd() -> Option<Uffd> {
+        let uffd = match Uffd::create() {
+            Ok(uffd) => uffd,
+            Err(e) => {
+                skip(Feature::Userfaultfd, &format!("no userfaultfd: {e}"));
+                return None;
+            }
+        };
+        let mut api =
+            linux_raw_sys::general::uffdio_api { api: linux_raw_sys::general::UFFD_API.into(), features: 0, ioctls: 0 };
+        // SAFETY: UFFDIO_API reads and writes the uffdio_api passed.
+        let rc = unsafe { libc::ioctl(uffd.raw(), linux_raw_sys::ioctl::UFFDIO_API.into(), &raw mut api) };
+        assert_eq!(rc, 0, "UFFDIO_API: {}", std::io::Error::last_os_error());
+        Some(uffd)
+    }
+
+    /// The interposed `mremap` as the program calls it, with the agent
+    /// serving a helper (its fallback runs only then: `SOCK` says so).
+    fn program_mremap(src: u64, pages: u64, flags: libc::c_int, to: u64, sock: RawFd) -> Result<u64, i32> {
+        SOCK.store(sock, Ordering::SeqCst);
+        let len = usize::try_from(pages * P).unwrap();
+        // SAFETY: the test's own ranges; the contract is mremap(2)'s.
+        let r = unsafe { mremap(src as *mut c_void, len, len, flags, to as *mut c_void) };
+        // SAFETY: reads this thread's errno.
+        let errno = unsafe { *libc::__errno_location() };
+        SOCK.store(-1, Ordering::SeqCst);
+        if r == libc::MAP_FAILED {
+            Err(errno)
+        } else {
+            Ok(r as u64)
+        }
+    }
+
+    fn assert_filled(at: u64, pages: u64) {
+        assert!(covering(at, at + pages * P).is_some(), "{at:#x} and {pages} pages on are mapped");
+        for i in 0..pages {
+            assert_eq!(byte(at + i * P), u8::try_from(i + 1).unwrap(), "page {i}");
+        }
+    }
 
     /// A private anonymous range of `pages` pages, page `i` filled with `i + 1`.
     fn filled(pages: u64) -> u64 {
@@ -565,6 +673,7 @@ mod tests {
 
     #[test]
     fn a_range_of_several_mappings_moves_part_by_part_with_its_pages() {
+        let _turn = one_at_a_time();
         let src = filled(8);
         // A read-only page in the middle: three mappings, which one
         // `mremap` that grows the whole refuses with EFAULT.
@@ -583,14 +692,83 @@ mod tests {
 
     #[test]
     fn a_range_with_a_hole_is_not_moved_and_says_so() {
+        let _turn = one_at_a_time();
         let src = filled(4);
-        unmap(src + P, 1);
         let dst = map(4 * PAGE, 0).unwrap();
+        unmap(src + P, 1);
         let failed = move_parts(src, src + 4 * P, dst).unwrap_err();
         assert_eq!((failed.at, failed.errno), (src, 0));
         assert!(failed.to_string().contains("has a hole"), "{failed}");
         assert_eq!(byte(src), 1, "nothing moved");
         unmap(src, 4);
+        unmap(dst, 4);
+    }
+
+    #[test]
+    fn a_part_split_while_it_moves_goes_on_from_what_the_kernel_moved() {
+        let _turn = one_at_a_time();
+        let Some(uffd) = uffd() else { return };
+        let uffd = Rc::new(uffd);
+        let src = filled(8);
+        let dst = map(8 * PAGE, 0).unwrap();
+        // After `move_parts` read one mapping, its tail is armed: the
+        // kernel (6.17+) moves the head and stops at the tail with EFAULT;
+        // older kernels move nothing.
+        let arm = Rc::clone(&uffd);
+        AFTER_MAPS_READ.with(|h| *h.borrow_mut() = Some(Box::new(move || arm.register(src + 4 * P, 4 * P).unwrap())));
+        move_parts(src, src + 8 * P, dst).unwrap();
+        assert!(nothing_mapped(src, src + 8 * P), "the source is left empty");
+        assert_filled(dst, 8);
+        unmap(dst, 8);
+    }
+
+    #[test]
+    fn the_programs_own_move_of_a_split_range_goes_on_from_what_the_kernel_moved() {
+        let _turn = one_at_a_time();
+        let Some(uffd) = uffd() else { return };
+        let src = filled(8);
+        uffd.register(src + 4 * P, 4 * P).unwrap();
+        let dst = map(8 * PAGE, 0).unwrap();
+        let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
+        assert_eq!(program_mremap(src, 8, fixed_move, dst, uffd.raw()), Ok(dst));
+        assert!(nothing_mapped(src, src + 8 * P), "the source is left empty");
+        assert_filled(dst, 8);
+        unmap(dst, 8);
+    }
+
+    #[test]
+    fn a_move_that_meets_a_hole_after_the_kernels_head_puts_the_head_back() {
+        let _turn = one_at_a_time();
+        let Some(uffd) = uffd() else { return };
+        let src = filled(8);
+        uffd.register(src + 4 * P, 4 * P).unwrap();
+        let dst = map(8 * PAGE, 0).unwrap();
+        unmap(src + 6 * P, 1);
+        let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
+        assert_eq!(program_mremap(src, 8, fixed_move, dst, uffd.raw()), Err(libc::EFAULT));
+        assert_filled(src, 6);
+        assert_eq!(byte(src + 7 * P), 8);
+        assert!(nothing_mapped(dst, dst + 8 * P), "nothing is left at the target");
+        unmap(src, 8);
+    }
+
+    #[test]
+    fn a_move_of_a_range_that_begins_with_a_hole_fails_and_moves_nothing() {
+        let _turn = one_at_a_time();
+        let Some(uffd) = uffd() else { return };
+        // The range is pages 1-4 of 5, so that its hole (page 1) lies
+        // between mappings, where a new mapping of this process's other
+        // threads does not land; and the target is mapped before it.
+        let below = filled(5);
+        let src = below + P;
+        let dst = map(4 * PAGE, 0).unwrap();
+        unmap(src, 1);
+        let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
+        assert_eq!(program_mremap(src, 4, fixed_move, dst, uffd.raw()), Err(libc::EFAULT));
+        for i in 2..5 {
+            assert_eq!(byte(below + i * P), u8::try_from(i + 1).unwrap(), "page {i} stayed");
+        }
+        unmap(below, 5);
         unmap(dst, 4);
     }
 }

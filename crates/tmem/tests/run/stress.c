@@ -2,7 +2,9 @@
  * and MADV_DONTNEED their own regions in a seeded pattern, check every byte
  * against a model, and fork children that check their copies.
  *
- * usage: stress SEED TOTAL_MIB OPS_PER_THREAD
+ * usage: stress SEED TOTAL_MIB OPS_PER_THREAD [MIX]
+ * MIX is `default`, or `remap`: a quarter of the operations move or resize
+ * regions, a third of those as the program's own MREMAP_FIXED moves.
  * Prints "ok CHECKS" and exits 0, or names the first wrong page, with the
  * thread's last operations at its address, and exits 1.
  */
@@ -57,6 +59,18 @@ struct worker {
 };
 
 static struct worker workers[THREADS];
+
+/* Where each operation's share of 1000 ends; the last one forks. */
+struct mix {
+	const char *name;
+	int write, read, dontneed, unmap, tail, remap;
+	int fixed; /* 1 in `fixed` of the mremaps is a MREMAP_FIXED move (0: none) */
+};
+static const struct mix mixes[] = {
+	{ "default", 550, 900, 940, 960, 975, 999, 0 },
+	{ "remap", 400, 650, 690, 710, 725, 999, 3 },
+};
+static const struct mix *mix = &mixes[0];
 
 static uint64_t next(uint64_t *s)
 {
@@ -147,15 +161,15 @@ static void op(struct worker *w)
 	struct region *g = &w->r[r];
 	uint64_t dice = next(&w->rng) % 1000;
 	size_t p = next(&w->rng) % g->pages;
-	if (dice < 550) {
+	if (dice < mix->write) {
 		/* write: a whole page, a new value */
 		uint64_t v = next(&w->rng) | 2;
 		fill(g->mem + p * WORDS, v);
 		g->model[p] = v;
 		note(w, 'w', g->mem + p * WORDS, PAGE, 0, 0, v);
-	} else if (dice < 900) {
+	} else if (dice < mix->read) {
 		check_page(w, r, p, "read");
-	} else if (dice < 940) {
+	} else if (dice < mix->dontneed) {
 		/* MADV_DONTNEED over a few pages: they read as zeros */
 		size_t n = 1 + next(&w->rng) % 16;
 		if (p + n > g->pages)
@@ -166,13 +180,13 @@ static void op(struct worker *w)
 		}
 		memset(g->model + p, 0, n * sizeof(uint64_t));
 		note(w, 'd', g->mem + p * WORDS, n * PAGE, 0, 0, 0);
-	} else if (dice < 960) {
+	} else if (dice < mix->unmap) {
 		/* munmap the region, map a fresh one */
 		munmap(g->mem, g->pages * PAGE);
 		note(w, 'u', g->mem, g->pages * PAGE, 0, 0, 0);
 		free(g->model);
 		map_region(w, r);
-	} else if (dice < 975) {
+	} else if (dice < mix->tail) {
 		/* munmap the tail */
 		size_t keep = 1 + p;
 		if (keep < g->pages) {
@@ -180,10 +194,22 @@ static void op(struct worker *w)
 			note(w, 't', g->mem + keep * WORDS, (g->pages - keep) * PAGE, 0, 0, 0);
 			g->pages = keep;
 		}
-	} else if (dice < 999) {
-		/* mremap: grow (maybe moving) or shrink */
+	} else if (dice < mix->remap) {
+		/* mremap: grow (maybe moving) or shrink, or move to a place of
+		 * the program's own choosing */
 		size_t pages = 8 + next(&w->rng) % (w->max_pages - 8);
-		void *m = mremap(g->mem, g->pages * PAGE, pages * PAGE, MREMAP_MAYMOVE);
+		void *m;
+		if (mix->fixed && next(&w->rng) % mix->fixed == 0) {
+			pages = g->pages;
+			void *to = mmap(NULL, pages * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+			if (to == MAP_FAILED) {
+				perror("mmap");
+				_exit(2);
+			}
+			m = mremap(g->mem, pages * PAGE, pages * PAGE, MREMAP_MAYMOVE | MREMAP_FIXED, to);
+		} else {
+			m = mremap(g->mem, g->pages * PAGE, pages * PAGE, MREMAP_MAYMOVE);
+		}
 		if (m == MAP_FAILED) {
 			perror("mremap");
 			fprintf(stderr, "region %p-%p\n", (void *)g->mem, (void *)(g->mem + g->pages * WORDS));
@@ -242,9 +268,19 @@ static void *run(void *arg)
 
 int main(int argc, char **argv)
 {
-	if (argc != 4) {
-		fprintf(stderr, "usage: %s SEED TOTAL_MIB OPS_PER_THREAD\n", argv[0]);
+	if (argc != 4 && argc != 5) {
+		fprintf(stderr, "usage: %s SEED TOTAL_MIB OPS_PER_THREAD [default|remap]\n", argv[0]);
 		return 2;
+	}
+	if (argc == 5) {
+		mix = NULL;
+		for (size_t i = 0; i < sizeof mixes / sizeof mixes[0]; i++)
+			if (!strcmp(argv[4], mixes[i].name))
+				mix = &mixes[i];
+		if (!mix) {
+			fprintf(stderr, "%s: no mix %s: it is default or remap\n", argv[0], argv[4]);
+			return 2;
+		}
 	}
 	uint64_t seed = strtoull(argv[1], NULL, 0);
 	size_t total_pages = strtoull(argv[2], NULL, 0) * 256;
