@@ -560,8 +560,10 @@ fn move_parts(start: u64, end: u64, to: u64) -> Result<(), MoveFailed> {
                 // a range a mapping at a time and stops with EFAULT at the
                 // first uffd-armed one after another (`remap_move`,
                 // mm/mremap.c since 6.17), so the mappings before it have
-                // moved: what of the part is no longer mapped went (the
-                // program's other threads keep off a range it moves).
+                // moved: what of the part is no longer mapped went. (This
+                // reads it from the source's maps, where another thread's
+                // new mapping could already have taken the freed head: then
+                // a foreign mapping is moved too. Open; see the README.)
                 at = first_mapped(s, e).unwrap_or(s);
                 last = (s, e);
                 break;
