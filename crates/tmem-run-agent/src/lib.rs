@@ -646,6 +646,24 @@ mod tests {
         }
     }
 
+    /// `mremap`'s flags for a pure move.
+    const FIXED_MOVE: libc::c_int = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
+
+    /// Eight filled pages whose last four `uffd` arms (so they are two
+    /// mappings, the second armed), and a target for them, mapped first.
+    fn split_range_and_target(uffd: &Uffd) -> (u64, u64) {
+        let src = filled(8);
+        uffd.register(src + 4 * P, 4 * P).unwrap();
+        (src, map(8 * PAGE, 0).unwrap())
+    }
+
+    /// `pages` filled pages went from `src` to `dst`, whole; then unmaps them.
+    fn assert_moved_whole(src: u64, dst: u64, pages: u64) {
+        assert!(nothing_mapped(src, src + pages * P), "the source is left empty");
+        assert_filled(dst, pages);
+        unmap(dst, pages);
+    }
+
     fn assert_filled(at: u64, pages: u64) {
         assert!(covering(at, at + pages * P).is_some(), "{at:#x} and {pages} pages on are mapped");
         for i in 0..pages {
@@ -719,35 +737,25 @@ mod tests {
         let arm = Rc::clone(&uffd);
         AFTER_MAPS_READ.with(|h| *h.borrow_mut() = Some(Box::new(move || arm.register(src + 4 * P, 4 * P).unwrap())));
         move_parts(src, src + 8 * P, dst).unwrap();
-        assert!(nothing_mapped(src, src + 8 * P), "the source is left empty");
-        assert_filled(dst, 8);
-        unmap(dst, 8);
+        assert_moved_whole(src, dst, 8);
     }
 
     #[test]
     fn the_programs_own_move_of_a_split_range_goes_on_from_what_the_kernel_moved() {
         let _turn = one_at_a_time();
         let Some(uffd) = uffd() else { return };
-        let src = filled(8);
-        uffd.register(src + 4 * P, 4 * P).unwrap();
-        let dst = map(8 * PAGE, 0).unwrap();
-        let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
-        assert_eq!(program_mremap(src, 8, fixed_move, dst, uffd.raw()), Ok(dst));
-        assert!(nothing_mapped(src, src + 8 * P), "the source is left empty");
-        assert_filled(dst, 8);
-        unmap(dst, 8);
+        let (src, dst) = split_range_and_target(&uffd);
+        assert_eq!(program_mremap(src, 8, FIXED_MOVE, dst, uffd.raw()), Ok(dst));
+        assert_moved_whole(src, dst, 8);
     }
 
     #[test]
     fn a_move_that_meets_a_hole_after_the_kernels_head_puts_the_head_back() {
         let _turn = one_at_a_time();
         let Some(uffd) = uffd() else { return };
-        let src = filled(8);
-        uffd.register(src + 4 * P, 4 * P).unwrap();
-        let dst = map(8 * PAGE, 0).unwrap();
+        let (src, dst) = split_range_and_target(&uffd);
         unmap(src + 6 * P, 1);
-        let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
-        assert_eq!(program_mremap(src, 8, fixed_move, dst, uffd.raw()), Err(libc::EFAULT));
+        assert_eq!(program_mremap(src, 8, FIXED_MOVE, dst, uffd.raw()), Err(libc::EFAULT));
         assert_filled(src, 6);
         assert_eq!(byte(src + 7 * P), 8);
         assert!(nothing_mapped(dst, dst + 8 * P), "nothing is left at the target");
@@ -765,8 +773,7 @@ mod tests {
         let src = below + P;
         let dst = map(4 * PAGE, 0).unwrap();
         unmap(src, 1);
-        let fixed_move = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
-        assert_eq!(program_mremap(src, 4, fixed_move, dst, uffd.raw()), Err(libc::EFAULT));
+        assert_eq!(program_mremap(src, 4, FIXED_MOVE, dst, uffd.raw()), Err(libc::EFAULT));
         for i in 2..5 {
             assert_eq!(byte(below + i * P), u8::try_from(i + 1).unwrap(), "page {i} stayed");
         }
