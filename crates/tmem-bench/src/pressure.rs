@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use crate::zram;
 use tmem_sys::cgroup::{CgroupError, Layout, MemCgroup, Version};
-use tmem_sys::vmstat::{CpuTimes, ProcessCpu, SwapCounters};
+use tmem_sys::vmstat::{CpuTimes, ProcessCpu, RoleCpu, SwapCounters, ThreadsCpu};
 use tmem_sys::{swap, zswap};
 
 pub use backend::BackendKind;
@@ -275,6 +275,8 @@ struct Measured {
     steal_percent: f64,
     /// CPU time of the backend's user-space server (None: it has none).
     daemon_cpu: Option<ProcessCpu>,
+    /// The same by thread role, of the threads alive as the jobs ended.
+    daemon_threads: Vec<RoleCpu>,
     /// Busy CPU seconds of the whole machine, all CPUs.
     machine_busy_secs: Option<f64>,
     jobs: Vec<workload::JobResult>,
@@ -354,6 +356,7 @@ impl Ctx<'_> {
         let before = SwapCounters::now()?;
         let server = backend.as_deref().and_then(Backend::server_pid);
         let server_before = server.and_then(ProcessCpu::of_pid);
+        let threads_before = server.and_then(ThreadsCpu::of_pid);
         let cpu_before = CpuTimes::now();
         // Only tmem refuses a swap write (its pool is full and no tier takes the page).
         let refusing = backend.as_deref().is_some_and(|b| matches!(b, Backend::Tmem(_)));
@@ -423,6 +426,10 @@ impl Ctx<'_> {
         let reads_after = below.as_deref().and_then(BlockReads::of);
         let cpu_after = CpuTimes::now();
         let daemon_cpu = server_before.zip(server.and_then(ProcessCpu::of_pid)).map(|(b, a)| a.since(&b));
+        let daemon_threads = threads_before
+            .zip(server.and_then(ThreadsCpu::of_pid))
+            .map(|(b, a)| a.by_role_since(&b))
+            .unwrap_or_default();
         let vmstat = SwapCounters::now()?.since(&before);
         let cpu = cpu_before.zip(cpu_after);
         let steal_percent = cpu.map_or(0.0, |(b, a)| a.steal_percent_since(&b));
@@ -462,6 +469,7 @@ impl Ctx<'_> {
             oom_kills: cg.oom_control()?.oom_kill,
             steal_percent,
             daemon_cpu,
+            daemon_threads,
             machine_busy_secs,
             jobs: running.results(),
             foreign,
@@ -607,6 +615,7 @@ impl Ctx<'_> {
             oom_kills: m.oom_kills,
             cpu_steal_percent: m.steal_percent,
             cpu: report::RunCpu::default(),
+            daemon_threads: m.daemon_threads.clone(),
             setup_secs,
             teardown_secs,
             jobs: m.jobs,
@@ -912,6 +921,7 @@ pub fn run(a: &PressureArgs) -> anyhow::Result<()> {
         oom_kills: 0,
         cpu_steal_percent: m.steal_percent,
         cpu: report::RunCpu::default(),
+        daemon_threads: vec![],
         setup_secs: 0.0,
         teardown_secs: 0.0,
         jobs: m.jobs,
@@ -1336,6 +1346,7 @@ mod tests {
             oom_kills: oom,
             steal_percent: 0.0,
             daemon_cpu: None,
+            daemon_threads: vec![],
             machine_busy_secs: None,
             jobs,
             foreign: vec![],

@@ -247,6 +247,82 @@ impl ProcessCpu {
     }
 }
 
+/// CPU time of each thread of one process that is alive at the moment of
+/// reading (`/proc/PID/task/TID/stat`), keyed by thread id. Threads that
+/// already exited are only in the process's total ([`ProcessCpu`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ThreadsCpu(BTreeMap<i32, (String, ProcessCpu)>);
+
+/// CPU time of the threads of one role: those whose names differ only in a
+/// trailing number (`tmem-fuse-0`, `tmem-fuse-1`, ...) are one role,
+/// named with `*` for the number.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct RoleCpu {
+    /// Thread name, its trailing number as `*`.
+    pub role: String,
+    /// Threads of the role that ran in the interval.
+    pub threads: u32,
+    /// Their CPU time in the interval.
+    #[serde(flatten)]
+    pub cpu: ProcessCpu,
+}
+
+impl ThreadsCpu {
+    /// Parses one `/proc/PID/task/TID/stat`: the thread's name (field 2,
+    /// between the first `(` and the last `)`) and its CPU time.
+    #[must_use]
+    pub fn parse_thread_stat(stat: &str, ticks_per_sec: u64) -> Option<(String, ProcessCpu)> {
+        let name = stat.get(stat.find('(')? + 1..stat.rfind(')')?)?;
+        Some((name.to_owned(), ProcessCpu::parse_stat(stat, ticks_per_sec)?))
+    }
+
+    /// The living threads of process `pid`; `None` once it is gone. A
+    /// thread that exits while the directory is read is left out.
+    #[must_use]
+    pub fn of_pid(pid: i32) -> Option<Self> {
+        let hz = clock_ticks_per_sec();
+        let mut threads = BTreeMap::new();
+        for entry in std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
+            let Some(tid) = entry.file_name().to_str().and_then(|t| t.parse::<i32>().ok()) else { continue };
+            let Ok(text) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+            if let Some(t) = Self::parse_thread_stat(&text, hz) {
+                threads.insert(tid, t);
+            }
+        }
+        Some(Self(threads))
+    }
+
+    /// Adds one thread (for tests and for callers that read the stats themselves).
+    pub fn insert(&mut self, tid: i32, name: &str, cpu: ProcessCpu) {
+        self.0.insert(tid, (name.to_owned(), cpu));
+    }
+
+    /// CPU time since `earlier` of the threads alive now, grouped by role,
+    /// the busiest first; a thread started since counts from zero, and a
+    /// role that used no time is left out.
+    #[must_use]
+    pub fn by_role_since(&self, earlier: &Self) -> Vec<RoleCpu> {
+        let mut roles: BTreeMap<String, RoleCpu> = BTreeMap::new();
+        for (tid, (name, now)) in &self.0 {
+            let used = earlier.0.get(tid).filter(|(n, _)| n == name).map_or(*now, |(_, then)| now.since(then));
+            if used.total_secs() <= 0.0 {
+                continue;
+            }
+            let role = match name.trim_end_matches(|c: char| c.is_ascii_digit()) {
+                stem if stem.len() < name.len() && !stem.is_empty() => format!("{stem}*"),
+                _ => name.clone(),
+            };
+            let r = roles.entry(role.clone()).or_insert(RoleCpu { role, threads: 0, cpu: ProcessCpu::default() });
+            r.threads += 1;
+            r.cpu.user_secs += used.user_secs;
+            r.cpu.system_secs += used.system_secs;
+        }
+        let mut out: Vec<RoleCpu> = roles.into_values().collect();
+        out.sort_by(|a, b| b.cpu.total_secs().total_cmp(&a.cpu.total_secs()).then_with(|| a.role.cmp(&b.role)));
+        out
+    }
+}
+
 /// CPU used over a timed section of this process: its own time and the
 /// whole machine's busy time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
@@ -282,7 +358,7 @@ impl CpuMark {
 
 #[cfg(test)]
 mod cpu_tests {
-    use super::{CpuMark, CpuTimes, ProcessCpu};
+    use super::{CpuMark, CpuTimes, ProcessCpu, RoleCpu, ThreadsCpu};
 
     #[test]
     fn steal_is_the_eighth_field_of_the_cpu_line() {
@@ -309,6 +385,53 @@ mod cpu_tests {
         assert_eq!(ProcessCpu::parse_stat("no parenthesis", 100), None);
         let d = ProcessCpu { user_secs: 1.0, system_secs: 2.0 }.since(&p);
         assert_eq!(d, ProcessCpu { user_secs: 0.0, system_secs: 1.25 });
+    }
+
+    #[test]
+    fn threads_group_by_name_less_its_number_and_count_from_the_earlier_reading() {
+        let t = "77 (tmem-fuse-12) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 75 3 4 20 0 9 0 1 2 3\n";
+        let (name, cpu) = ThreadsCpu::parse_thread_stat(t, 100).unwrap();
+        assert_eq!((name.as_str(), cpu), ("tmem-fuse-12", ProcessCpu { user_secs: 2.5, system_secs: 0.75 }));
+        let cpu = |u, s| ProcessCpu { user_secs: u, system_secs: s };
+        let mut before = ThreadsCpu::default();
+        before.insert(1, "tmem", cpu(5.0, 1.0));
+        before.insert(2, "tmem-fuse-0", cpu(1.0, 1.0));
+        before.insert(3, "tmem-fuse-1", cpu(2.0, 2.0));
+        before.insert(9, "old-name", cpu(3.0, 0.0));
+        let mut after = before.clone();
+        after.insert(2, "tmem-fuse-0", cpu(1.5, 2.0));
+        after.insert(3, "tmem-fuse-1", cpu(2.5, 2.5));
+        after.insert(4, "tmem-front", cpu(0.25, 0.25));
+        // A thread id reused by a thread of another name counts from zero.
+        after.insert(9, "42", cpu(0.5, 0.0));
+        let roles = after.by_role_since(&before);
+        let role = |role: &str, threads, u, s| RoleCpu { role: role.into(), threads, cpu: cpu(u, s) };
+        assert_eq!(
+            roles,
+            [role("tmem-fuse-*", 2, 1.0, 1.5), role("42", 1, 0.5, 0.0), role("tmem-front", 1, 0.25, 0.25)],
+            "the main thread used nothing and is left out; a name of digits only stays whole"
+        );
+    }
+
+    #[test]
+    fn reads_the_threads_of_this_process() {
+        let pid = i32::try_from(std::process::id()).unwrap();
+        let spin = std::thread::Builder::new()
+            .name("spin-7".into())
+            .spawn(|| {
+                let t = std::time::Instant::now();
+                while t.elapsed() < std::time::Duration::from_millis(60) {
+                    std::hint::black_box(t.elapsed());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            })
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let now = ThreadsCpu::of_pid(pid).unwrap();
+        spin.join().unwrap();
+        let roles = now.by_role_since(&ThreadsCpu::default());
+        assert!(roles.iter().any(|r| r.role == "spin-*" && r.threads == 1 && r.cpu.total_secs() > 0.0), "{roles:?}");
+        assert_eq!(ThreadsCpu::of_pid(-1), None);
     }
 
     #[test]
