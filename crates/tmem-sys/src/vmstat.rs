@@ -292,8 +292,9 @@ impl ThreadsCpu {
         Some(Self(threads))
     }
 
-    /// Adds one thread (for tests and for callers that read the stats themselves).
-    pub fn insert(&mut self, tid: i32, name: &str, cpu: ProcessCpu) {
+    /// Adds one thread: the unit tests build readings with it.
+    #[cfg(test)]
+    fn insert(&mut self, tid: i32, name: &str, cpu: ProcessCpu) {
         self.0.insert(tid, (name.to_owned(), cpu));
     }
 
